@@ -1,0 +1,124 @@
+"""The decoder-only causal LM shell both architectures share: embeddings, a stack of decoder
+layers, final norm and lm_head, plus the decode state and the tensor inventory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgerun.models import args as A
+from edgerun.models.args import ModelArgs, TensorSpec
+from edgerun.models.layers import MLP, Attention, DecodeState, GatedDeltaNet, RMSNorm, Rotary, SparseMoe
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: token mixer (attention or DeltaNet), then MoE (or dense MLP)."""
+
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
+        self.kind = args.layer_types[index]
+        if self.kind == A.FULL_ATTENTION:
+            self.self_attn = Attention(args)
+        else:
+            self.linear_attn = GatedDeltaNet(args)
+        if index in args.moe_layers:
+            self.mlp = SparseMoe(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
+
+    def forward(self, x, rope, state, start: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == A.FULL_ATTENTION:
+            h = self.self_attn(h, rope, state, start)
+        else:
+            h = self.linear_attn(h, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
+
+
+class CausalLM(nn.Module):
+    """Parameter names are the canonical HF text names (``model.layers.N...``, ``lm_head.weight``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = _Body(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(args.rotary_dim, args.rope_theta)
+
+    def new_state(self, batch: int, max_len: int, device=None, dtype=None) -> DecodeState:
+        ref = self.model.embed_tokens.weight
+        device = device or ref.device
+        dtype = dtype or ref.dtype
+        entries = []
+        for layer in self.model.layers:
+            if layer.kind == A.FULL_ATTENTION:
+                entries.append(layer.self_attn.new_state(batch, max_len, device, dtype))
+            else:
+                entries.append(layer.linear_attn.new_state(batch, device, dtype))
+        return DecodeState(entries, max_len)
+
+    def forward(
+        self, tokens: torch.Tensor, state: DecodeState | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] (or [B, 1, V] with ``last_only``). With a state, the
+        tokens continue the sequence the state holds and the state advances by T."""
+        B, T = tokens.shape
+        start = 0 if state is None else state.pos
+        if state is not None and start + T > state.max_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the state's max_len {state.max_len}")
+        x = self.model.embed_tokens(tokens)
+        positions = torch.arange(start, start + T, device=tokens.device)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, None if state is None else state.layers[i], start)
+        if state is not None:
+            state.pos += T
+        x = self.model.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(x)
+
+
+def categorize(name: str) -> str:
+    """The planner category of a canonical tensor name."""
+    if name.startswith("model.embed_tokens"):
+        return A.EMBED
+    if name.startswith("lm_head"):
+        return A.LM_HEAD
+    if ".mlp.experts." in name:
+        return A.EXPERT
+    if ".mlp.shared_expert" in name:
+        return A.SHARED_EXPERT
+    if ".mlp.gate." in name:
+        return A.ROUTER
+    if ".mlp." in name:
+        return A.DENSE_MLP
+    if ".self_attn." in name:
+        return A.ATTENTION
+    if ".linear_attn." in name:
+        return A.DELTANET
+    return A.NORM
+
+
+def tensor_specs(model_cls: type[CausalLM], args: ModelArgs) -> list[TensorSpec]:
+    """Every tensor the model holds, read off a meta-device instance (no memory allocated)."""
+    with torch.device("meta"):
+        model = model_cls(args)
+    specs = []
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        specs.append(TensorSpec(name, tuple(p.shape), categorize(name), layer))
+    return specs

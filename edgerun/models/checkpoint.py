@@ -1,0 +1,272 @@
+"""Load a Hugging Face checkpoint directory into an edgerun model.
+
+Handles the layouts real checkpoints use: per-expert tensors (what ``save_pretrained`` writes),
+experts fused on disk (``mlp.experts.gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I], as the
+published Qwen3.5/3.6 checkpoints ship), the multimodal ``model.language_model.`` prefix with
+vision tensors skipped, MTP tensors left unloaded, and sharded checkpoints with an index file.
+The model is built on the meta device and every parameter is assigned once: no double allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from edgerun.errors import CheckpointError
+from edgerun.models.args import ModelArgs
+from edgerun.models.layers import Rotary
+from edgerun.models.registry import load_args
+from edgerun.safetensors_io import MappedFiles, TensorEntry, read_header
+
+log = logging.getLogger("edgerun.load")
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+# Known groups that a text model does not load: name pattern -> group label for the load log.
+IGNORED = (
+    (re.compile(r"^(model\.)?visual\."), "vision"),
+    (re.compile(r"^mtp\."), "mtp"),
+    (re.compile(r"^model\.mtp\."), "mtp"),
+    (re.compile(r"\.rotary_emb\.inv_freq$"), "rotary buffers"),
+)
+PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+@dataclass
+class LoadReport:
+    tensors: int = 0
+    bytes: int = 0
+    ignored: Counter = field(default_factory=Counter)
+    expert_layout: str = "none"  # per-expert | fused | none
+    prefix: str = "model."
+    files: int = 0
+
+    def summary(self) -> str:
+        ign = ", ".join(f"{n} {g}" for g, n in sorted(self.ignored.items())) or "none"
+        return (
+            f"loaded {self.tensors} tensors ({self.bytes / 2**20:.1f} MiB) from {self.files} file(s); "
+            f"experts {self.expert_layout}; prefix {self.prefix!r}; skipped: {ign}"
+        )
+
+
+def checkpoint_files(ckpt: Path) -> list[Path]:
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index (needs 'weight_map')") from exc
+        files = sorted({ckpt / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{ckpt}: no *.safetensors files (and no model.safetensors.index.json)")
+    return files
+
+
+def read_entries(ckpt: Path) -> tuple[dict[str, TensorEntry], int]:
+    entries: dict[str, TensorEntry] = {}
+    files = checkpoint_files(ckpt)
+    for f in files:
+        found, _ = read_header(f)
+        for name, e in found.items():
+            if name in entries:
+                raise CheckpointError(f"tensor {name!r} appears in both {entries[name].file} and {f}")
+            entries[name] = e
+    return entries, len(files)
+
+
+def canonical_name(name: str) -> tuple[str | None, str | None]:
+    """(canonical name, None) for a text-model tensor, or (None, group) for a known-ignored one."""
+    for pattern, group in IGNORED:
+        if pattern.search(name):
+            return None, group
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :], None
+    if name.startswith("language_model.model."):
+        return "model." + name[len("language_model.model.") :], None
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model.") :], None
+    return name, None
+
+
+@dataclass
+class Plan:
+    """Where each canonical parameter comes from."""
+
+    direct: dict[str, TensorEntry] = field(default_factory=dict)
+    per_expert: dict[str, dict[tuple[int, str], TensorEntry]] = field(default_factory=dict)
+    report: LoadReport = field(default_factory=LoadReport)
+
+
+def classify(entries: dict[str, TensorEntry], args: ModelArgs) -> Plan:
+    plan = Plan()
+    layouts = set()
+    for name, e in entries.items():
+        canon, group = canonical_name(name)
+        if canon is None:
+            plan.report.ignored[group] += 1
+            continue
+        if name.startswith("model.language_model."):
+            plan.report.prefix = "model.language_model."
+        if canon == "lm_head.weight" and args.tie_word_embeddings:
+            plan.report.ignored["tied lm_head"] += 1
+            continue
+        m = PER_EXPERT.match(canon)
+        if m:
+            layouts.add("per-expert")
+            plan.per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = e
+            continue
+        if FUSED.match(canon):
+            layouts.add("fused")
+        plan.direct[canon] = e
+    if len(layouts) > 1:
+        raise CheckpointError("checkpoint mixes per-expert and fused expert tensors; expected one layout")
+    plan.report.expert_layout = layouts.pop() if layouts else "none"
+    return plan
+
+
+def _float(e: TensorEntry, files: MappedFiles, label: str) -> torch.Tensor:
+    if e.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{e.file}: tensor {label!r} has dtype {e.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+        )
+    return files.tensor(e)
+
+
+def _check_shape(label: str, e: TensorEntry, want: tuple[int, ...]) -> None:
+    if tuple(e.shape) != tuple(want):
+        raise CheckpointError(f"{e.file}: tensor {label!r} has shape {list(e.shape)}, expected {list(want)}")
+
+
+def _stack_experts(
+    prefix: str, parts: dict[tuple[int, str], TensorEntry], args: ModelArgs, files: MappedFiles, dtype
+) -> dict[str, torch.Tensor]:
+    E, I, D = args.num_experts, args.moe_intermediate_size, args.hidden_size
+    gate_up = torch.empty(E, 2 * I, D, dtype=dtype)
+    down = torch.empty(E, D, I, dtype=dtype)
+    want = {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+    for e, part in parts:
+        if e >= E:
+            raise CheckpointError(
+                f"{parts[(e, part)].file}: tensor '{prefix}.{e}.{part}.weight' is expert {e}, "
+                f"but num_experts is {E}"
+            )
+    for e in range(E):
+        for part, shape in want.items():
+            label = f"{prefix}.{e}.{part}.weight"
+            entry = parts.get((e, part))
+            if entry is None:
+                raise CheckpointError(f"missing tensor {label!r}")
+            _check_shape(label, entry, shape)
+            src = _float(entry, files, label)
+            if part == "gate_proj":
+                gate_up[e, :I].copy_(src)
+            elif part == "up_proj":
+                gate_up[e, I:].copy_(src)
+            else:
+                down[e].copy_(src)
+    return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
+
+
+def set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    setattr(mod, leaf, nn.Parameter(value, requires_grad=False))
+
+
+def load_model(
+    ckpt: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    experts: bool = True,
+) -> tuple[nn.Module, ModelArgs, LoadReport]:
+    """Build the model for ``ckpt`` and load its weights. ``dtype`` None keeps the checkpoint's
+    floating dtype (the most common one). ``experts=False`` leaves routed experts unloaded (on the
+    meta device) for a caller that streams them."""
+    ckpt = Path(ckpt)
+    arch, args = load_args(ckpt)
+    entries, n_files = read_entries(ckpt)
+    model, report = load_entries(arch, args, entries, dtype=dtype, device=device, experts=experts)
+    report.files = n_files
+    log.info("%s: %s", ckpt, report.summary())
+    return model, args, report
+
+
+def load_entries(
+    arch: ModuleType,
+    args: ModelArgs,
+    entries: dict[str, TensorEntry],
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    experts: bool = True,
+) -> tuple[nn.Module, LoadReport]:
+    plan = classify(entries, args)
+    specs = {s.name: s for s in arch.tensor_specs(args)}
+    if dtype is None:
+        counts = Counter(e.dtype for e in entries.values() if e.dtype in FLOAT_DTYPES)
+        code = counts.most_common(1)[0][0] if counts else "F32"
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[code]
+
+    unknown = sorted(n for n in plan.direct if n not in specs)
+    if unknown:
+        e = plan.direct[unknown[0]]
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise CheckpointError(f"{e.file}: unknown tensor {e.name!r}{more} for model_type {args.model_type!r}")
+    stacked_prefixes = {n.rsplit(".", 1)[0] for n, s in specs.items() if s.category == "experts"}
+    stray = sorted(set(plan.per_expert) - stacked_prefixes)
+    if stray:
+        raise CheckpointError(f"unknown tensor group {stray[0]!r}: that layer has no routed experts")
+
+    files = MappedFiles()
+    with torch.device("meta"):
+        model = arch.Model(args)
+    report = plan.report
+    for name, spec in specs.items():
+        if spec.category == "experts" and not experts:
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        if name in plan.direct:
+            e = plan.direct[name]
+            _check_shape(e.name, e, spec.shape)
+            value = _float(e, files, e.name).to(dtype)
+        elif prefix in plan.per_expert and spec.category == "experts":
+            stacked = _stack_experts(prefix, plan.per_expert.pop(prefix), args, files, dtype)
+            for n, v in stacked.items():
+                set_parameter(model, n, v.to(device))
+                report.tensors += 1
+                report.bytes += v.nbytes
+            continue
+        elif _already_set(model, name):
+            continue  # the other half of a stacked expert pair
+        else:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {list(spec.shape)})")
+        set_parameter(model, name, value.to(device))
+        report.tensors += 1
+        report.bytes += value.nbytes
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = Rotary(args.rotary_dim, args.rope_theta).to(device)
+    model.eval()
+    return model, report
+
+
+def _already_set(model: nn.Module, name: str) -> bool:
+    *path, leaf = name.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    return not getattr(mod, leaf).is_meta
