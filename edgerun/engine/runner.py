@@ -1,0 +1,224 @@
+"""The decode path, top to bottom: load, prefill (chunked), one decode step, generate.
+
+The runner owns the model and its device. ``generate`` yields text deltas as tokens arrive and
+leaves the request's statistics in the final :class:`Event` (``finish_reason`` set).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
+from edgerun.models.args import ModelArgs
+from edgerun.models.layers import DecodeState
+from edgerun.tokenizer import StreamDecoder, Tokenizer
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first generated token comes out of prefill; the rest each cost one decode step
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def line(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
+            f"prefill {self.prefill_tps:.1f} tok/s, decode {self.decode_tps:.1f} tok/s, "
+            f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
+        )
+
+
+@dataclass
+class Event:
+    text: str  # text delta; "" while held back (a partial character, or a possible stop string)
+    token_id: int | None = None
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    stats: GenerationStats | None = None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Runner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: ModelArgs,
+        tokenizer: Tokenizer | None,
+        device: str | torch.device = "cpu",
+        max_context: int | None = None,
+        prefill_chunk: int = 512,
+    ) -> None:
+        self.model = model
+        self.args = args
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.max_context = min(max_context or args.max_position_embeddings, args.max_position_embeddings)
+        self.prefill_chunk = prefill_chunk
+        eos = tokenizer.eos_token_ids if tokenizer else args.eos_token_ids
+        self.eos_ids = frozenset(eos or args.eos_token_ids)
+        self.load_summary = ""
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        **kw,
+    ) -> Runner:
+        from edgerun.models.checkpoint import load_model
+
+        model_dir = Path(model_dir) if model_dir else DEMO_MODEL
+        device = device or default_device()
+        if dtype is None and torch.device(device).type == "cpu":
+            dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
+        model, args, report = load_model(model_dir, dtype=dtype, device=device)
+        tok = (
+            Tokenizer.from_dir(model_dir, args.eos_token_ids)
+            if (model_dir / "tokenizer.json").is_file()
+            else None
+        )
+        runner = cls(model, args, tok, device, **kw)
+        runner.load_summary = report.summary()
+        return runner
+
+    # ---- the decode path ----------------------------------------------------------------
+
+    def new_state(self, total_len: int) -> DecodeState:
+        return self.model.new_state(1, total_len, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, state: DecodeState, ids: list[int]) -> torch.Tensor:
+        """Consume the prompt in chunks of ``prefill_chunk`` tokens; returns the last logits [V]."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            logits = self.model(tokens[:, start : start + self.prefill_chunk], state, last_only=True)
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
+        tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        return self.model(tokens, state, last_only=True)[0, -1]
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise SamplingError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise SamplingError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.args.vocab_size - 1})"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise SamplingError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_context} tokens"
+            )
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
+        self.check_request(prompt_ids, params)
+        sampler = Sampler(params)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        state = self.new_state(len(prompt_ids) + params.max_tokens)
+        text = _TextStream(self.tokenizer, params.stop)
+
+        t0 = time.perf_counter()
+        logits = self.prefill(state, prompt_ids)
+        finish = "length"
+        for i in range(params.max_tokens):
+            token = sampler(logits)  # syncs with the device
+            if i == 0:
+                stats.prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            stats.generated_tokens += 1
+            if token in self.eos_ids and not params.ignore_eos:
+                finish = "stop"
+                break
+            delta, stopped = text.push(token)
+            yield Event(delta, token)
+            if stopped:
+                finish = "stop"
+                break
+            if i + 1 < params.max_tokens:
+                logits = self.decode_step(state, token)
+        if stats.generated_tokens > 1:
+            stats.decode_s = time.perf_counter() - t0
+        stats.peak_memory_bytes = peak_memory(self.device)
+        yield Event(text.flush(), None, finish, stats)
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The generated token ids (EOS excluded)."""
+        return [e.token_id for e in self.generate(prompt_ids, params) if e.token_id is not None]
+
+
+class _TextStream:
+    """Detokenizes incrementally and applies stop strings: a tail that could still grow into a
+    stop string is held back; on a match the output ends just before it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self.decoder = StreamDecoder(tokenizer) if tokenizer else None
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.done = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self.decoder is None:
+            return "", False
+        self.text += self.decoder.push(token)
+        if self.stop:
+            hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
+            if hits:
+                cut = min(hits)
+                delta, self.sent, self.done = self.text[self.sent : cut], cut, True
+                self.text = self.text[:cut]
+                return delta, True
+        upto = max(self.sent, len(self.text) - self._partial_stop())
+        delta, self.sent = self.text[self.sent : upto], upto
+        return delta, False
+
+    def _partial_stop(self) -> int:
+        """Length of the longest tail of the text that is the start of some stop string."""
+        for k in range(min(self.hold, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        if self.decoder is None or self.done:
+            return ""
+        self.text += self.decoder.flush()
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
+
+
+def _logits(seed=0, v=50):
+    return torch.randn(v, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax():
+    logits = _logits()
+    assert Sampler(SamplingParams())(logits) == int(logits.argmax())
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))(logits) == int(logits.argmax())
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    logits = _logits()
+
+    def draw(seed):
+        s = Sampler(SamplingParams(temperature=1.5, seed=seed))
+        return [s(logits) for _ in range(50)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_top_k_restricts_support():
+    logits = _logits()
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    s = Sampler(SamplingParams(temperature=5.0, top_k=3, seed=0))
+    assert {s(logits) for _ in range(200)} <= allowed
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.tensor([4.0, 3.0, 0.0, -1.0, -2.0])
+    probs = torch.softmax(logits, -1)  # ~[0.71, 0.26, 0.013, ...]
+    assert probs[0] < 0.9 < probs[0] + probs[1]
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+    seen = {s(logits) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop=("",)), "stop"),
+    ],
+)
+def test_invalid_params_name_the_field(kw, field):
+    with pytest.raises(SamplingError, match=field):
+        SamplingParams(**kw)

@@ -1,0 +1,136 @@
+"""Loader errors name the thing that is wrong."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_fixtures import rewrite
+from safetensors.torch import load_file, save_file
+
+from edgerun.errors import CheckpointError, ConfigError
+from edgerun.models.checkpoint import load_model
+from edgerun.models.registry import load_args
+
+
+@pytest.fixture()
+def ckpt(hf_checkpoints, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(hf_checkpoints["qwen3_5_moe"][1], dst)
+    return dst
+
+
+def _edit(ckpt, fn):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+def _edit_config(ckpt, fn):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    fn(cfg)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(ckpt):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _edit(ckpt, lambda t: t.__setitem__(name, torch.zeros(5, 48)))
+    with pytest.raises(CheckpointError, match=rf"{name}' has shape \[5, 48\], expected \[32, 48\]"):
+        load_model(ckpt)
+
+
+def test_wrong_expert_shape_in_fused_layout(hf_checkpoints, tmp_path):
+    fused = rewrite(hf_checkpoints["qwen3_5_moe"][1], tmp_path / "f", fused=True)
+    name = "model.layers.0.mlp.experts.down_proj"
+    _edit(fused, lambda t: t.__setitem__(name, torch.zeros(6, 24, 48)))
+    with pytest.raises(CheckpointError, match=rf"{name}' has shape \[6, 24, 48\], expected \[6, 48, 24\]"):
+        load_model(fused)
+
+
+def test_missing_tensor_is_named(ckpt):
+    _edit(ckpt, lambda t: t.pop("model.layers.2.linear_attn.A_log"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.linear_attn.A_log'"):
+        load_model(ckpt)
+
+
+def test_missing_expert_is_named(ckpt):
+    _edit(ckpt, lambda t: t.pop("model.layers.3.mlp.experts.4.up_proj.weight"))
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model.layers.3.mlp.experts.4.up_proj.weight'"
+    ):
+        load_model(ckpt)
+
+
+def test_expert_beyond_num_experts_is_refused(ckpt):
+    _edit(ckpt, lambda t: t.__setitem__("model.layers.0.mlp.experts.6.up_proj.weight", torch.zeros(24, 48)))
+    with pytest.raises(CheckpointError, match=r"is expert 6, but num_experts is 6"):
+        load_model(ckpt)
+
+
+def test_unknown_tensor_is_named(ckpt):
+    _edit(ckpt, lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"unknown tensor 'model.layers.0.mystery.weight'"):
+        load_model(ckpt)
+
+
+def test_non_float_dtype_is_named(ckpt):
+    name = "model.norm.weight"
+    _edit(ckpt, lambda t: t.__setitem__(name, torch.zeros(48, dtype=torch.int32)))
+    with pytest.raises(CheckpointError, match=rf"{name}' has dtype I32; expected one of F32, F16, BF16"):
+        load_model(ckpt)
+
+
+def test_truncated_file_is_refused(ckpt):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=r"past the end of the file"):
+        load_model(ckpt)
+
+
+def test_index_naming_a_missing_shard(hf_checkpoints, tmp_path):
+    sharded = rewrite(hf_checkpoints["qwen3_moe"][1], tmp_path / "s", shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lists shard\(s\) that do not exist: .*model-00002-of-00002"):
+        load_model(sharded)
+
+
+def test_missing_config_key_is_named_with_suggestion(ckpt):
+    _edit_config(ckpt, lambda c: c.pop("hidden_size"))
+    with pytest.raises(ConfigError, match=r"required key 'hidden_size' is missing"):
+        load_args(ckpt)
+
+
+def test_wrong_type_config_key(ckpt):
+    _edit_config(ckpt, lambda c: c.__setitem__("num_hidden_layers", "four"))
+    with pytest.raises(ConfigError, match=r"key 'num_hidden_layers' must be int, got 'four'"):
+        load_args(ckpt)
+
+
+def test_bad_layer_type_and_model_type(ckpt):
+    _edit_config(ckpt, lambda c: c["layer_types"].__setitem__(2, "sliding_attention"))
+    with pytest.raises(ConfigError, match=r"layer_types\[2\] = 'sliding_attention'"):
+        load_args(ckpt)
+    _edit_config(ckpt, lambda c: c.__setitem__("model_type", "llama"))
+    with pytest.raises(ConfigError, match=r"model_type 'llama' is not supported"):
+        load_args(ckpt)
+
+
+def test_unknown_config_keys_are_ignored(ckpt):
+    _edit_config(ckpt, lambda c: c.__setitem__("some_future_key", 1))
+    _, args = load_args(ckpt)
+    assert args.num_hidden_layers == 4
+
+
+def test_unsupported_rope_type_is_refused(ckpt):
+    _edit_config(ckpt, lambda c: c.__setitem__("rope_parameters", {"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ConfigError, match=r"rope_type 'yarn' is not supported"):
+        load_args(ckpt)
+
+
+def test_loading_is_lazy_for_matching_dtype(hf_checkpoints):
+    """Same-dtype tensors are views of the file mapping, not copies."""
+    model, _, _ = load_model(hf_checkpoints["qwen3_moe"][1])
+    w = model.model.layers[0].self_attn.q_proj.weight
+    assert not w.untyped_storage().resizable()  # storage borrowed from the mmap, not allocated by torch

@@ -1,0 +1,41 @@
+import subprocess
+import sys
+
+from edgerun.cli import main
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import SamplingParams
+
+
+def test_generate_token_ids_matches_runner(hf_checkpoints, capsys):
+    ckpt = hf_checkpoints["qwen3_moe"][1]
+    assert (
+        main(
+            ["generate", "--model", str(ckpt), "--token-ids", "3,4,5", "--max-tokens", "6", "--device", "cpu"]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    expected = Runner.load(ckpt, device="cpu").generate_ids([3, 4, 5], SamplingParams(max_tokens=6))
+    assert out.split() == [str(t) for t in expected]
+    assert "edgerun: model" in err and "fallbacks: none" in err  # provenance line
+    assert "prompt 3 tok, generated 6 tok" in err and "decode" in err and "peak memory" in err
+
+
+def test_generate_errors_are_one_clear_line(hf_checkpoints, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "hi"]) == 2
+    assert "no config.json found" in capsys.readouterr().err
+    ckpt = hf_checkpoints["qwen3_moe"][1]
+    assert main(["generate", "--model", str(ckpt), "--token-ids", "1,500", "--device", "cpu"]) == 2
+    assert "token id 500 is outside the vocabulary" in capsys.readouterr().err
+    assert (
+        main(
+            ["generate", "--model", str(ckpt), "--token-ids", "1", "--max-tokens", "1000", "--device", "cpu"]
+        )
+        == 2
+    )
+    assert "exceeds the context of 512 tokens" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    res = subprocess.run([sys.executable, "-m", "edgerun.cli", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "generate" in res.stdout
