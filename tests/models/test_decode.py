@@ -6,8 +6,8 @@ attention over a cache vs over the whole sequence, are the same math in a differ
 
 import pytest
 import torch
-from conftest import ARCHS
 
+from conftest import ARCHS
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.models.checkpoint import load_model

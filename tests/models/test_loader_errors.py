@@ -5,12 +5,12 @@ import shutil
 
 import pytest
 import torch
-from hf_fixtures import rewrite
 from safetensors.torch import load_file, save_file
 
 from edgerun.errors import CheckpointError, ConfigError
 from edgerun.models.checkpoint import load_model
 from edgerun.models.registry import load_args
+from hf_fixtures import rewrite
 
 
 @pytest.fixture()

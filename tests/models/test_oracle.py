@@ -9,10 +9,10 @@ identical.
 
 import pytest
 import torch
-from conftest import ARCHS
-from hf_fixtures import rewrite
 
+from conftest import ARCHS
 from edgerun.models.checkpoint import load_model
+from hf_fixtures import rewrite
 
 ATOL = 1e-5
 LAYOUTS = {
