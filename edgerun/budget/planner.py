@@ -1,0 +1,787 @@
+"""The budget planner: where every byte goes on one device, before anything is allocated.
+
+Pure arithmetic over the model's tensor inventory (built on the meta device), the expert block
+layout and a device profile; nothing here allocates a tensor. The result is a :class:`Plan`:
+line items per memory pool, the per-layer expert quota (and on a discrete GPU the pinned host
+tier behind it), a predicted miss rate and decode rate, or a refusal naming what would fit.
+
+Legend: L = MoE layers, E = experts per layer, k = top_k, Q = per-layer quota, B = batch,
+S = context tokens, a = bytes per dense activation.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from edgerun.bundle.layout import expert_block_layout
+from edgerun.cache.policy import LRUSet
+from edgerun.config import DeviceProfile, format_bytes
+from edgerun.errors import ConfigError
+from edgerun.models import args as A
+from edgerun.models.args import ModelArgs, TensorSpec
+from edgerun.tools.routes import RouteTrace
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # what the runtime can hold weights and KV in
+DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (models/layers.py)
+RESIDENT_CATEGORIES = tuple(c for c in A.CATEGORIES if c != A.EXPERT)
+
+UNIFIED_POOL = "unified"
+VRAM_POOL = "vram"
+HOST_POOL = "host_pinned"
+
+UNIFORM_MODEL = (
+    "uniform routing: each step's d = E*(1-(1-k/E)^B) distinct experts per layer (d = k at B = 1) "
+    "are independent of what the LRU holds, so each misses with probability 1 - Q/E; "
+    "misses/token = sum over layers of d*(1 - Q/E) / B"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """Where the expert blocks come from and how large each layer's block is."""
+
+    quant: str
+    group_size: int
+    block_bytes: tuple[int, ...]  # per MoE layer, in ModelArgs.moe_layers order
+    origin: str = "layout"  # "layout" (computed) or the bundle manifest's path
+
+
+def expert_source_from_layout(
+    args: ModelArgs, quant: str = "int4", group_size: int | None = None
+) -> ExpertSource:
+    layout = expert_block_layout(args, quant, group_size)
+    return ExpertSource(quant, layout.group_size, (layout.block_bytes,) * len(args.moe_layers), "layout")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    dense_dtype: str = "bf16"  # every resident (non-expert) tensor and the activations
+    kv_dtype: str = "bf16"
+    staging_buffers: int | None = None  # pinned read buffers of one block each; None: 2 * top_k
+    prefill_chunk: int = 512  # tokens per prefill forward: sizes the activation workspace
+    cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
+    quota: int | None = None  # exact per-layer quota; None: the largest that fits
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    pool: str
+    nbytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    cap: int
+    used: int
+
+    @property
+    def headroom(self) -> int:
+        return self.cap - self.used
+
+
+@dataclass(frozen=True)
+class Prediction:
+    model: str  # "uniform" or "trace"
+    description: str
+    misses_per_token: float  # expert blocks read from storage per token, all layers
+    device_misses_per_token: float  # blocks copied into VRAM slots per token (discrete); = misses on unified
+    misses_per_layer: tuple[float, ...]  # storage reads per token, per MoE layer
+    memory_bytes_per_token: int  # resident bytes read per token (dense + active experts + KV + state)
+    memory_bound_tok_s: float
+    storage_bound_tok_s: float | None  # None: no storage reads predicted
+    pcie_bound_tok_s: float | None  # discrete only; None: no copies predicted
+    tok_s: float  # the smallest bound: reads fully overlapped with compute
+    tok_s_serial: float  # nothing overlapped: every read stalls the step
+    trace_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    pool: str
+    overflow: int
+    item: str  # the smallest item of that pool at least as large as the overflow (else the largest)
+    item_bytes: int
+    max_context: int | None  # the largest context that fits at this batch and the minimum quota
+    max_batch: int | None  # the largest batch that fits at this context (asked only for batch > 1)
+    max_quota: int | None  # the largest uniform quota at this context and batch (asked only with a quota)
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    model_type: str
+    device: str
+    memory_kind: str
+    context: int
+    batch: int
+    quant: str
+    group_size: int
+    dense_dtype: str
+    kv_dtype: str
+    expert_origin: str
+    num_experts: int
+    top_k: int
+    min_quota: int  # min(E, B * k): one step's experts never evict each other
+    moe_layers: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+    quotas: tuple[int, ...]  # VRAM / unified tier, per MoE layer
+    host_quotas: tuple[int, ...]  # pinned host tier (discrete), per MoE layer; () when none
+    staging_buffers: int
+    items: tuple[Item, ...]
+    pools: tuple[Pool, ...]
+    prediction: Prediction | None
+    refusal: Refusal | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.refusal is None
+
+    def item(self, name: str) -> Item:
+        for it in self.items:
+            if it.name == name:
+                return it
+        raise KeyError(name)
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fits"] = self.fits
+        for p, pd in zip(self.pools, d["pools"]):
+            pd["headroom"] = p.headroom
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        names = {f.name for f in fields(cls)}
+        d = {k: _tuples(v) for k, v in d.items() if k in names}
+        d["items"] = tuple(Item(**i) for i in d["items"])
+        d["pools"] = tuple(Pool(**{k: v for k, v in p.items() if k != "headroom"}) for p in d["pools"])
+        if d.get("prediction") is not None:
+            d["prediction"] = Prediction(**d["prediction"])
+        if d.get("refusal") is not None:
+            d["refusal"] = Refusal(**d["refusal"])
+        return cls(**d)
+
+
+def _tuples(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_tuples(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _tuples(x) for k, x in v.items()}
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes of the things that do not depend on the quota
+
+
+def resident_bytes(specs: Sequence[TensorSpec], dense_dtype: str = "bf16") -> dict[str, int]:
+    """Bytes per category of every tensor that stays resident (all but the routed experts)."""
+    width = _dtype_bytes(dense_dtype, "dense_dtype")
+    out = dict.fromkeys(RESIDENT_CATEGORIES, 0)
+    for s in specs:
+        if s.category != A.EXPERT:
+            n = 1
+            for d in s.shape:
+                n *= d
+            out[s.category] += n * width
+    return out
+
+
+def kv_bytes_per_token(args: ModelArgs, kv_dtype: str = "bf16") -> int:
+    """K and V of one token over all full-attention layers."""
+    width = _dtype_bytes(kv_dtype, "kv_dtype")
+    return len(args.full_attention_layers) * 2 * args.num_key_value_heads * args.head_dim * width
+
+
+def deltanet_state_bytes(args: ModelArgs, batch: int, dense_dtype: str = "bf16") -> int:
+    """Conv history [B, C, K-1] at the dense dtype plus the fp32 recurrent state [B, Hv, Dk, Dv]."""
+    a = _dtype_bytes(dense_dtype, "dense_dtype")
+    conv = batch * args.linear_conv_dim * (args.linear_conv_kernel_dim - 1) * a
+    recurrent = (
+        batch * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    )
+    return len(args.linear_attention_layers) * (conv + recurrent)
+
+
+def token_workspace_bytes(args: ModelArgs, dense_dtype: str = "bf16") -> int:
+    """Live intermediates of one token through the widest layer: the residual stream (residual,
+    normed input, mixer output, FFN output), the wider token mixer (attention: q with its gate, k,
+    v, output; DeltaNet: qkv before and after the conv, z, output, a, b, their fp32 per-head
+    copies and the chunk matrices), and the wider FFN (router logits fp32, k routed gate_up and
+    outputs, the shared expert's gate_up; or a dense MLP's gate_up)."""
+    a = _dtype_bytes(dense_dtype, "dense_dtype")
+    D = args.hidden_size
+    mixer = 0
+    if args.full_attention_layers:
+        H, Hk, Dh = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        mixer = a * (H * Dh * (2 if args.attn_output_gate else 1) + 2 * Hk * Dh + H * Dh)
+    if args.linear_attention_layers:
+        nv, dk, dv = args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+        delta = a * (2 * args.linear_conv_dim + 2 * args.linear_value_dim + 2 * nv)
+        delta += 4 * (2 * nv * dk + nv * dv) + 4 * 3 * nv * DELTANET_CHUNK
+        mixer = max(mixer, delta)
+    ffn = 0
+    if args.moe_layers:
+        k, I = args.num_experts_per_tok, args.moe_intermediate_size
+        ffn = 4 * args.num_experts + a * (k * 2 * I + k * D + 2 * args.shared_expert_intermediate_size)
+    if len(args.moe_layers) < args.num_hidden_layers:
+        ffn = max(ffn, a * 2 * args.intermediate_size)
+    return a * 4 * D + mixer + ffn
+
+
+def _dtype_bytes(name: str, key: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"{key} {name!r} is not supported (supported: {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Sizing
+
+
+@dataclass(frozen=True)
+class _Sizer:
+    """Everything the plan's arithmetic needs, with the context and batch left free so the
+    refusal can search over them."""
+
+    args: ModelArgs
+    experts: ExpertSource
+    device: DeviceProfile
+    options: PlanOptions
+    resident: Mapping[str, int]
+    staging_buffers: int
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.experts.block_bytes
+
+    @property
+    def main_pool(self) -> str:
+        return VRAM_POOL if self.device.discrete else UNIFIED_POOL
+
+    def min_quota(self, batch: int) -> int:
+        return min(self.args.num_experts, batch * self.args.num_experts_per_tok)
+
+    def fixed_items(self, context: int, batch: int) -> list[Item]:
+        """Every item but the expert tiers."""
+        args, dev, opt = self.args, self.device, self.options
+        main = self.main_pool
+        a = DTYPE_BYTES[opt.dense_dtype]
+        items = [
+            Item(
+                "os_reserve",
+                main,
+                dev.os_reserve,
+                "display and other processes" if dev.discrete else "OS and other processes",
+            ),
+            Item("cuda_context", main, dev.cuda_context, "CUDA context and library workspaces"),
+        ]
+        for cat in RESIDENT_CATEGORIES:
+            if self.resident.get(cat, 0):
+                items.append(Item(cat, main, self.resident[cat], f"{opt.dense_dtype} weights"))
+        n_full = len(args.full_attention_layers)
+        if n_full:
+            items.append(
+                Item(
+                    "kv_cache",
+                    main,
+                    batch * context * kv_bytes_per_token(args, opt.kv_dtype),
+                    f"{n_full} layers x K,V x B {batch} x {args.num_key_value_heads} heads x {context} tok "
+                    f"x {args.head_dim} x {DTYPE_BYTES[opt.kv_dtype]} B",
+                )
+            )
+        n_lin = len(args.linear_attention_layers)
+        if n_lin:
+            items.append(
+                Item(
+                    "deltanet_state",
+                    main,
+                    deltanet_state_bytes(args, batch, opt.dense_dtype),
+                    f"{n_lin} layers x B {batch} x (conv {args.linear_conv_dim}x{args.linear_conv_kernel_dim - 1} "
+                    f"x {a} B + recurrent {args.linear_num_value_heads}x{args.linear_key_head_dim}"
+                    f"x{args.linear_value_head_dim} x 4 B)",
+                )
+            )
+        per_token = token_workspace_bytes(args, opt.dense_dtype)
+        logits = batch * args.vocab_size * 4
+        tokens = max(batch, min(opt.prefill_chunk, context))
+        items.append(
+            Item(
+                "activation_workspace",
+                main,
+                tokens * per_token + logits,
+                f"{tokens} tok x {per_token} B + fp32 logits {batch} x {args.vocab_size}",
+            )
+        )
+        if opt.cuda_graphs and dev.has_cuda:
+            items.append(
+                Item(
+                    "cuda_graph_pool",
+                    main,
+                    batch * per_token + logits,
+                    f"decode graphs, batch {batch}: {batch} tok x {per_token} B + logits",
+                )
+            )
+        if self.blocks:
+            staging_pool = HOST_POOL if dev.discrete else main
+            items.append(
+                Item(
+                    "pinned_staging",
+                    staging_pool,
+                    self.staging_buffers * max(self.blocks),
+                    f"{self.staging_buffers} buffers x {format_bytes(max(self.blocks))}",
+                )
+            )
+        return items
+
+    def caps(self) -> dict[str, int]:
+        if self.device.discrete:
+            return {VRAM_POOL: self.device.memory_cap, HOST_POOL: self.device.pinned_limit}
+        return {UNIFIED_POOL: self.device.memory_cap}
+
+    def free(self, items: Sequence[Item]) -> dict[str, int]:
+        out = self.caps()
+        for it in items:
+            out[it.pool] -= it.nbytes
+        return out
+
+    def slot_bytes(self, quotas: Sequence[int]) -> int:
+        return sum(q * b for q, b in zip(quotas, self.blocks))
+
+    def overflow(
+        self, context: int, batch: int, quota: int | None = None
+    ) -> tuple[str, int, list[Item]] | None:
+        """(pool, bytes over, every item) when the fixed items plus ``quota`` (default: the
+        minimum) slots per layer do not fit; None when they do. On unified memory the staging
+        must also fit under pinned_limit (pool "pinned_limit")."""
+        items = self.fixed_items(context, batch)
+        q = self.min_quota(batch) if quota is None else quota
+        items.append(self.slot_item((q,) * len(self.blocks)))
+        staging = sum(it.nbytes for it in items if it.name == "pinned_staging")
+        if not self.device.discrete and staging > self.device.pinned_limit:
+            return "pinned_limit", staging - self.device.pinned_limit, items
+        for pool, left in self.free(items).items():
+            if left < 0:
+                return pool, -left, items
+        return None
+
+    def pools(self, items: Sequence[Item]) -> tuple[Pool, ...]:
+        free = self.free(items)
+        return tuple(Pool(name, cap, cap - free[name]) for name, cap in self.caps().items())
+
+    def slot_item(self, quotas: Sequence[int]) -> Item:
+        return Item(
+            "expert_slots", self.main_pool, self.slot_bytes(quotas), _quota_detail(quotas, self.blocks)
+        )
+
+
+def _quota_detail(quotas: Sequence[int], blocks: Sequence[int]) -> str:
+    if not quotas:
+        return "no MoE layers"
+    lo, hi = min(quotas), max(quotas)
+    per = f"{lo}" if lo == hi else f"{lo}..{hi}"
+    block = format_bytes(blocks[0]) if len(set(blocks)) == 1 else "per-layer blocks"
+    return f"quota {per}/layer x {len(quotas)} layers x {block}"
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """The largest n in [lo, hi] with ok(n), for ok true up to some point and false after."""
+    if lo > hi or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --------------------------------------------------------------------------------------------
+# Quota allocation
+
+
+def _uniform_quotas(
+    budget: int, blocks: Sequence[int], floors: Sequence[int], cap: int
+) -> tuple[int, ...] | None:
+    """Raise every layer to a common level q (never below its floor) as far as the budget allows."""
+    level = _largest(0, cap, lambda q: sum(max(f, q) * b for f, b in zip(floors, blocks)) <= budget)
+    if level is None:
+        return None
+    return tuple(max(f, level) for f in floors)
+
+
+def _traced_quotas(
+    budget: int, blocks: Sequence[int], floors: Sequence[int], cap: int, curves: Sequence[Sequence[int]]
+) -> tuple[int, ...] | None:
+    """Give slots where the trace's misses drop most per byte, looking ahead past flat stretches
+    of a layer's miss curve (an LRU curve has cliffs: a cyclic working set hits only once it all
+    fits), as utility-based cache partitioning does. Once no slot saves a miss, spread the rest
+    evenly."""
+    quotas = list(floors)
+    left = budget - sum(q * b for q, b in zip(quotas, blocks))
+    if left < 0:
+        return None
+
+    def best(i: int) -> tuple[float, int, int] | None:
+        """(-misses saved per byte, slots, layer) of layer i's best affordable raise."""
+        q, c, b = quotas[i], curves[i], blocks[i]
+        gain, size = 0.0, 0
+        for j in range(q + 1, min(cap, q + left // b) + 1):
+            g = (c[q] - c[j]) / ((j - q) * b)
+            if g > gain:
+                gain, size = g, j - q
+        return (-gain, size, i) if size else None
+
+    heap = [e for e in map(best, range(len(quotas))) if e is not None]
+    heapq.heapify(heap)
+    while heap:
+        entry = heapq.heappop(heap)
+        i = entry[2]
+        fresh = best(i)  # the budget shrank since it was pushed: its best raise may have too
+        if fresh != entry:
+            if fresh is not None:
+                heapq.heappush(heap, fresh)
+            continue
+        quotas[i] += entry[1]
+        left -= entry[1] * blocks[i]
+        fresh = best(i)
+        if fresh is not None:
+            heapq.heappush(heap, fresh)
+    return _uniform_quotas(budget, blocks, quotas, cap)
+
+
+# --------------------------------------------------------------------------------------------
+# Route traces
+
+
+def trace_steps(trace: RouteTrace, batch: int) -> list[list[tuple[int, ...]]]:
+    """Per MoE layer, the steps of the trace: ``batch`` consecutive tokens form one step (their
+    ids deduplicated in token, then router, order)."""
+    n_layers = len(trace.header.moe_layers)
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(n_layers)]
+    for start in range(0, len(trace.tokens), batch):
+        group = trace.tokens[start : start + batch]
+        for j in range(n_layers):
+            out[j].append(tuple(dict.fromkeys(e for tok in group for e in tok[j])))
+    return out
+
+
+def miss_curve(steps: Sequence[Sequence[int]], num_experts: int) -> list[int]:
+    """misses[Q] for Q = 0..E under :class:`LRUSet` semantics, in one pass (LRU's stack property:
+    an id hits at quota Q iff fewer than Q other ids were used since it last was). Valid for Q at
+    least every step's distinct ids."""
+    stack: list[int] = []  # most recent first, a step's ids in reverse router order
+    hist = [0] * (num_experts + 1)  # hits by stack depth
+    total = 0
+    for step in steps:
+        total += len(step)
+        for e in step:  # depths at the start of the step: a step's ids never evict each other
+            if e in stack:
+                hist[stack.index(e)] += 1
+        for e in step:
+            if e in stack:
+                stack.remove(e)
+        stack[0:0] = reversed(step)
+    curve, hits = [], 0
+    for q in range(num_experts + 1):
+        curve.append(total - hits)
+        hits += hist[q]
+    return curve
+
+
+def replay(steps: Sequence[Sequence[int]], quota: int) -> int:
+    """Misses of one layer's steps through the cache's own LRU."""
+    lru = LRUSet(quota)
+    return sum(len(lru.access(s).misses) for s in steps)
+
+
+# --------------------------------------------------------------------------------------------
+# The planner
+
+
+def plan(
+    args: ModelArgs,
+    specs: Sequence[TensorSpec],
+    experts: ExpertSource,
+    device: DeviceProfile,
+    context: int,
+    batch: int = 1,
+    options: PlanOptions | None = None,
+    trace: RouteTrace | None = None,
+    *,
+    model_name: str = "",
+    resident: Mapping[str, int] | None = None,
+    notes: Sequence[str] = (),
+) -> Plan:
+    """Plan one model on one device. ``resident`` overrides the spec-derived bytes per category
+    (the engine re-plans with what loading measured)."""
+    options = options or PlanOptions()
+    _dtype_bytes(options.dense_dtype, "dense_dtype")
+    _dtype_bytes(options.kv_dtype, "kv_dtype")
+    res = dict(resident) if resident is not None else resident_bytes(specs, options.dense_dtype)
+    L, E, k = len(args.moe_layers), args.num_experts, args.num_experts_per_tok
+    if len(experts.block_bytes) != L:
+        raise ConfigError(
+            f"expert source lists {len(experts.block_bytes)} layers' block sizes; the model has {L}"
+        )
+    if context < 1 or context > args.max_position_embeddings:
+        raise ConfigError(
+            f"context {context} must be in 1..{args.max_position_embeddings} (max_position_embeddings)"
+        )
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    if options.prefill_chunk < 1:
+        raise ConfigError(f"prefill_chunk must be >= 1, got {options.prefill_chunk}")
+    staging = options.staging_buffers if options.staging_buffers is not None else 2 * k
+    if L and staging < 1:
+        raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
+    sizer = _Sizer(args, experts, device, options, res, staging)
+    floor = sizer.min_quota(batch)
+    if options.quota is not None and not floor <= options.quota <= E:
+        raise ConfigError(
+            f"quota {options.quota} must be in {floor}..{E}: at least top_k x batch = {floor} so one step's "
+            f"experts never evict each other, at most num_experts"
+        )
+    if trace is not None:
+        trace.header.check_matches(args, trace.source or "route trace")
+        if not trace.tokens:
+            raise ConfigError(f"{trace.source or 'route trace'}: holds no tokens")
+
+    base = dict(
+        model=model_name or args.model_type,
+        model_type=args.model_type,
+        device=device.name,
+        memory_kind=device.memory_kind,
+        context=context,
+        batch=batch,
+        quant=experts.quant,
+        group_size=experts.group_size,
+        dense_dtype=options.dense_dtype,
+        kv_dtype=options.kv_dtype,
+        expert_origin=experts.origin,
+        num_experts=E,
+        top_k=k,
+        min_quota=floor,
+        moe_layers=args.moe_layers,
+        block_bytes=experts.block_bytes,
+        staging_buffers=staging if L else 0,
+    )
+    notes = list(notes)
+    if options.cuda_graphs and not device.has_cuda:
+        notes.append("no CUDA on this device: no graph pool")
+
+    over = sizer.overflow(context, batch, options.quota)
+    if over is not None:
+        return _refused(sizer, base, context, batch, over, notes)
+
+    fixed = sizer.fixed_items(context, batch)
+    free = sizer.free(fixed)
+    main = sizer.main_pool
+    steps = trace_steps(trace, batch) if trace is not None else None
+    curves = [miss_curve(s, E) for s in steps] if steps is not None else None
+    floors = (floor,) * L
+    if options.quota is not None:
+        quotas = (options.quota,) * L
+    elif curves is not None:
+        quotas = _traced_quotas(free[main], sizer.blocks, floors, E, curves)
+    else:
+        quotas = _uniform_quotas(free[main], sizer.blocks, floors, E)
+    assert quotas is not None  # the overflow check passed at the floor
+    items = fixed + [sizer.slot_item(quotas)]
+
+    host_quotas: tuple[int, ...] = ()
+    if device.discrete and L:
+        budget = free[HOST_POOL]
+        if curves is not None:
+            host = _traced_quotas(budget, sizer.blocks, quotas, E, curves)
+        else:
+            host = _uniform_quotas(budget, sizer.blocks, quotas, E)
+        if host is None:
+            notes.append(
+                f"no pinned host tier: {format_bytes(budget)} of pinned memory is left after staging, "
+                f"less than the VRAM tier ({format_bytes(sizer.slot_bytes(quotas))}) it would have to include"
+            )
+        else:
+            host_quotas = host
+            items.append(
+                Item(
+                    "host_expert_tier",
+                    HOST_POOL,
+                    sizer.slot_bytes(host),
+                    _quota_detail(host, sizer.blocks) + " (inclusive of the VRAM tier)",
+                )
+            )
+    prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace)
+    return Plan(
+        **base,
+        quotas=quotas,
+        host_quotas=host_quotas,
+        items=tuple(items),
+        pools=sizer.pools(items),
+        prediction=prediction,
+        refusal=None,
+        notes=tuple(notes),
+    )
+
+
+def _refused(
+    sizer: _Sizer,
+    base: dict[str, Any],
+    context: int,
+    batch: int,
+    over: tuple[str, int, list[Item]],
+    notes: list[str],
+) -> Plan:
+    pool, overflow, items = over
+    args, E, opt = sizer.args, sizer.args.num_experts, sizer.options
+    quota = opt.quota if opt.quota is not None else sizer.min_quota(batch)
+    pinned = pool == "pinned_limit"
+    pool_items = [it for it in items if (it.name == "pinned_staging" if pinned else it.pool == pool)]
+    bigger = [it for it in pool_items if it.nbytes >= overflow]
+    culprit = min(bigger, key=lambda it: it.nbytes) if bigger else max(pool_items, key=lambda it: it.nbytes)
+
+    def fits(ctx: int, b: int, q: int | None = None) -> bool:
+        return sizer.overflow(ctx, b, q) is None
+
+    max_context = _largest(1, args.max_position_embeddings, lambda c: fits(c, batch))
+    max_batch = _largest(1, batch - 1, lambda b: fits(context, b)) if batch > 1 else None
+    max_quota = None
+    if opt.quota is not None:
+        max_quota = _largest(sizer.min_quota(batch), E, lambda q: fits(context, batch, q))
+
+    where = "pinned memory (pinned_limit)" if pinned else f"the {pool} pool"
+    cap = sizer.device.pinned_limit if pinned else sizer.caps()[pool]
+    kind = "the minimum: top_k x batch" if opt.quota is None else "as asked"
+    msg = [
+        f"does not fit on {sizer.device.name}: {where} is over by {format_bytes(overflow)} "
+        f"(needs {format_bytes(cap + overflow)} of {format_bytes(cap)}) at context {context}, batch {batch}, "
+        f"{quota} expert slots per layer ({kind}).",
+        f"Smallest over-budget item (alone larger than the overflow): {culprit.name} "
+        f"({format_bytes(culprit.nbytes)})."
+        if bigger
+        else f"No single item is as large as the overflow; the largest is {culprit.name} "
+        f"({format_bytes(culprit.nbytes)}).",
+    ]
+    if max_quota is not None:
+        msg.append(f"Largest quota that fits at context {context}, batch {batch}: {max_quota} per layer.")
+    elif opt.quota is not None:
+        msg.append(f"No quota fits at context {context}, batch {batch}.")
+    if max_context is not None and max_context < context:
+        msg.append(
+            f"Largest context that fits at batch {batch} with {sizer.min_quota(batch)} slots per layer: "
+            f"{max_context} tokens."
+        )
+    elif max_context is None:
+        msg.append(
+            f"No context length fits at batch {batch}, even with {sizer.min_quota(batch)} slots per layer."
+        )
+    if max_batch is not None:
+        msg.append(f"Largest batch that fits at context {context}: {max_batch}.")
+    elif batch > 1:
+        msg.append(f"No batch fits at context {context}.")
+    refusal = Refusal(
+        pool, overflow, culprit.name, culprit.nbytes, max_context, max_batch, max_quota, " ".join(msg)
+    )
+    return Plan(
+        **base,
+        quotas=(quota,) * len(sizer.blocks),
+        host_quotas=(),
+        items=tuple(items),
+        pools=sizer.pools(items),
+        prediction=None,
+        refusal=refusal,
+        notes=tuple(notes),
+    )
+
+
+def _predict(
+    sizer: _Sizer,
+    context: int,
+    batch: int,
+    quotas: Sequence[int],
+    host_quotas: Sequence[int],
+    resident: Mapping[str, int],
+    steps: list[list[tuple[int, ...]]] | None,
+    trace: RouteTrace | None,
+) -> Prediction:
+    args, dev, opt = sizer.args, sizer.device, sizer.options
+    E, k, B = args.num_experts, args.num_experts_per_tok, batch
+    blocks = sizer.blocks
+    # storage tier: what the unified slots (or, discrete, the inclusive host tier) lack
+    storage_q = host_quotas if host_quotas else quotas
+    if steps is not None:
+        n_tok = len(trace.tokens)
+        device_misses = [replay(s, q) / n_tok for s, q in zip(steps, quotas)]
+        storage_misses = (
+            [replay(s, q) / n_tok for s, q in zip(steps, storage_q)] if host_quotas else list(device_misses)
+        )
+        distinct = [sum(len(x) for x in s) / len(s) for s in steps]  # per step
+        model = "trace"
+        desc = (
+            f"route trace {trace.source or ''} ({n_tok} tokens, {len(steps[0])} steps of {B}) replayed "
+            "through the cache's LRU from empty (cold misses included)"
+        )
+    else:
+        d = E * (1 - (1 - k / E) ** B)
+        distinct = [d] * len(quotas)
+        device_misses = [d * (1 - q / E) / B for q in quotas]
+        storage_misses = [d * (1 - q / E) / B for q in storage_q]
+        model, desc, n_tok = "uniform", UNIFORM_MODEL, 0
+    if dev.discrete and host_quotas:
+        desc += (
+            "; the pinned host tier is inclusive: storage reads are its misses, PCIe copies the VRAM tier's"
+        )
+
+    a = DTYPE_BYTES[opt.dense_dtype]
+    embed = resident.get(A.EMBED, 0)
+    dense_read = (
+        sum(resident.values()) - embed + (embed if args.tie_word_embeddings else B * args.hidden_size * a)
+    )
+    expert_read = sum(d * b for d, b in zip(distinct, blocks))
+    kv_read = B * context * kv_bytes_per_token(args, opt.kv_dtype)
+    state_rw = 2 * deltanet_state_bytes(args, B, opt.dense_dtype)
+    step_bytes = dense_read + expert_read + kv_read + state_rw
+
+    t_mem = step_bytes / dev.memory_bandwidth
+    t_storage = sum(m * b for m, b in zip(storage_misses, blocks)) * B / dev.storage_read_bandwidth
+    t_pcie = (
+        sum(m * b for m, b in zip(device_misses, blocks)) * B / dev.pcie_bandwidth if dev.discrete else 0.0
+    )
+    bound = max(t_mem, t_storage, t_pcie)
+    return Prediction(
+        model=model,
+        description=desc,
+        misses_per_token=sum(storage_misses),
+        device_misses_per_token=sum(device_misses),
+        misses_per_layer=tuple(storage_misses),
+        memory_bytes_per_token=int(step_bytes / B),
+        memory_bound_tok_s=B / t_mem,
+        storage_bound_tok_s=B / t_storage if t_storage > 0 else None,
+        pcie_bound_tok_s=B / t_pcie if t_pcie > 0 else None,
+        tok_s=B / bound,
+        tok_s_serial=B / (t_mem + t_storage + t_pcie),
+        trace_tokens=n_tok,
+    )

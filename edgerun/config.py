@@ -1,0 +1,236 @@
+"""Configuration: device profiles (and, later, the serve configuration), loaded from YAML into
+frozen dataclasses. Every error names the file and the key; an unknown key suggests the nearest
+valid one. Sizes accept ``8GiB``, ``7.5G``, ``512MiB`` or plain bytes; rates accept ``273GB/s``,
+``6.5GiB/s`` or plain bytes per second."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgerun.errors import ConfigError
+
+UNIFIED = "unified"
+DISCRETE = "discrete"
+MEMORY_KINDS = (UNIFIED, DISCRETE)
+
+# Decimal prefixes are powers of 1000, binary ones (Ki, Mi, ...) powers of 1024, as in Kubernetes.
+_MULTIPLIERS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgGtT]i?)?([bB])?\s*(/\s*s)?\s*$")
+
+
+def _quantity(value: Any, key: str, source: str, rate: bool) -> Decimal:
+    what = "a rate such as '6.5GB/s' or bytes per second" if rate else "a size such as '8GiB' or bytes"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{source}: key {key!r} must be {what}, got {value!r}")
+    if isinstance(value, (int, float)):
+        number = Decimal(str(value))
+    else:
+        m = _QUANTITY.match(value)
+        if m is None:
+            raise ConfigError(f"{source}: key {key!r} must be {what}, got {value!r}")
+        digits, prefix, _, per_second = m.groups()
+        if bool(per_second) != rate:
+            expected = "a rate (ending in '/s')" if rate else "a size (no '/s')"
+            raise ConfigError(f"{source}: key {key!r} must be {expected}, got {value!r}")
+        number = Decimal(digits) * _MULTIPLIERS[(prefix or "").lower()]
+    if not number.is_finite():
+        raise ConfigError(f"{source}: key {key!r} must be {what}, got {value!r}")
+    if number < 0:
+        raise ConfigError(f"{source}: key {key!r} must not be negative, got {value!r}")
+    return number
+
+
+def parse_bytes(value: Any, key: str = "value", source: str = "config") -> int:
+    """``8GiB`` -> 8589934592, ``7.5G`` -> 7500000000, ``4096`` -> 4096; a fraction of a byte
+    (``7.4GiB``) rounds down."""
+    return int(_quantity(value, key, source, rate=False))
+
+
+def parse_rate(value: Any, key: str = "value", source: str = "config") -> float:
+    """``273GB/s`` -> 2.73e11 bytes per second; a plain number is bytes per second."""
+    return float(_quantity(value, key, source, rate=True))
+
+
+def parse_compute_capability(value: Any, key: str, source: str) -> str | None:
+    """``8.7``, ``"12.0"`` or ``"sm_87"`` -> ``"8.7"``; null for a device without CUDA."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    m = re.fullmatch(r"sm_?(\d+)(\d)", text) or re.fullmatch(r"(\d+)\.(\d)", text)
+    if isinstance(value, bool) or m is None:
+        raise ConfigError(
+            f"{source}: key {key!r} must look like '8.7' or 'sm_87' (or null without CUDA), got {value!r}"
+        )
+    return f"{int(m.group(1))}.{m.group(2)}"
+
+
+def format_bytes(n: int | float) -> str:
+    """Binary units, two decimals: 1.50 GiB."""
+    n = float(n)
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_rate(r: float) -> str:
+    return f"{r / 1e9:.1f} GB/s"
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}?)" if near else f" (valid keys: {', '.join(valid)})"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the planner may use on one device. On ``unified`` memory (Jetson) ``memory_cap`` is the
+    one pool that weights, slots, staging, KV, the CUDA context and ``os_reserve`` share. On a
+    ``discrete`` GPU it is the VRAM; host RAM (``host_memory_cap``, behind PCIe) holds the pinned
+    host expert tier and the staging buffers."""
+
+    name: str
+    memory_kind: str
+    memory_cap: int  # bytes: the unified pool, or VRAM on a discrete GPU
+    os_reserve: int  # bytes of that pool kept for the OS, display and other processes
+    cuda_context: int  # bytes the CUDA context and library workspaces take from that pool
+    pinned_limit: int  # bytes of page-locked host memory the runtime may hold
+    memory_bandwidth: float  # bytes/s of the memory resident weights are read from
+    storage_read_bandwidth: float  # bytes/s of sustained O_DIRECT reads from the expert files
+    compute_capability: str | None = None  # "8.7"; None: no CUDA (no graphs, no context)
+    host_memory_cap: int = 0  # discrete only: host RAM
+    host_reserve: int = 0  # discrete only: host RAM kept for the OS and other processes
+    pcie_bandwidth: float = 0.0  # discrete only: bytes/s host -> device from pinned memory
+    description: str = ""
+    source: str = ""  # the file it came from
+
+    @property
+    def discrete(self) -> bool:
+        return self.memory_kind == DISCRETE
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.compute_capability is not None
+
+
+_SIZE_KEYS = ("memory_cap", "os_reserve", "cuda_context", "pinned_limit", "host_memory_cap", "host_reserve")
+_RATE_KEYS = ("memory_bandwidth", "storage_read_bandwidth", "pcie_bandwidth")
+_REQUIRED = (
+    "name",
+    "memory_kind",
+    "memory_cap",
+    "os_reserve",
+    "cuda_context",
+    "pinned_limit",
+    "memory_bandwidth",
+    "storage_read_bandwidth",
+)
+_DISCRETE_ONLY = ("host_memory_cap", "host_reserve", "pcie_bandwidth")
+
+
+def device_profile_from_dict(raw: Any, source: str = "device profile") -> DeviceProfile:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: a device profile must be a mapping of keys to values")
+    valid = [f.name for f in fields(DeviceProfile) if f.name != "source"]
+    for key in raw:
+        if key not in valid:
+            raise ConfigError(f"{source}: unknown key {key!r}{_suggest(str(key), valid)}")
+    for key in _REQUIRED:
+        if raw.get(key) is None:
+            raise ConfigError(f"{source}: required key {key!r} is missing")
+    kind = raw["memory_kind"]
+    if kind not in MEMORY_KINDS:
+        raise ConfigError(f"{source}: key 'memory_kind' must be one of {MEMORY_KINDS}, got {kind!r}")
+    values: dict[str, Any] = {"source": source}
+    for key, value in raw.items():
+        if key in _SIZE_KEYS:
+            values[key] = parse_bytes(value, key, source)
+        elif key in _RATE_KEYS:
+            values[key] = parse_rate(value, key, source)
+        elif key == "compute_capability":
+            values[key] = parse_compute_capability(value, key, source)
+        elif value is None:
+            continue
+        elif not isinstance(value, str):
+            raise ConfigError(f"{source}: key {key!r} must be a string, got {value!r}")
+        else:
+            values[key] = value
+    profile = DeviceProfile(**values)
+    _check(profile, raw, source)
+    return profile
+
+
+def _check(p: DeviceProfile, raw: dict[str, Any], source: str) -> None:
+    def bad(msg: str) -> None:
+        raise ConfigError(f"{source}: {msg}")
+
+    for key in ("memory_cap", "pinned_limit", "memory_bandwidth", "storage_read_bandwidth"):
+        if getattr(p, key) <= 0:
+            bad(f"key {key!r} must be positive, got {raw[key]!r}")
+    if p.os_reserve + p.cuda_context >= p.memory_cap:
+        bad(
+            f"os_reserve ({format_bytes(p.os_reserve)}) + cuda_context ({format_bytes(p.cuda_context)}) "
+            f"leave nothing of memory_cap ({format_bytes(p.memory_cap)})"
+        )
+    if not p.has_cuda and p.cuda_context:
+        bad("key 'cuda_context' must be 0 when compute_capability is null (no CUDA)")
+    if p.discrete:
+        for key in _DISCRETE_ONLY:
+            if not getattr(p, key):
+                bad(f"key {key!r} is required and must be positive for memory_kind 'discrete'")
+        if not p.has_cuda:
+            bad("a discrete GPU needs key 'compute_capability'")
+        if p.host_reserve >= p.host_memory_cap:
+            bad(
+                f"host_reserve ({format_bytes(p.host_reserve)}) leaves nothing of "
+                f"host_memory_cap ({format_bytes(p.host_memory_cap)})"
+            )
+        if p.pinned_limit > p.host_memory_cap - p.host_reserve:
+            bad(
+                f"pinned_limit ({format_bytes(p.pinned_limit)}) exceeds host_memory_cap - host_reserve "
+                f"({format_bytes(p.host_memory_cap - p.host_reserve)})"
+            )
+    else:
+        for key in _DISCRETE_ONLY:
+            if raw.get(key):
+                bad(f"key {key!r} applies only to memory_kind 'discrete' (this profile is 'unified')")
+        if p.pinned_limit > p.memory_cap:
+            bad(
+                f"pinned_limit ({format_bytes(p.pinned_limit)}) exceeds memory_cap ({format_bytes(p.memory_cap)})"
+            )
+
+
+def load_device_profile(path: str | Path) -> DeviceProfile:
+    path = Path(path)
+    if not path.is_file():
+        siblings = {p.stem: p for p in sorted(path.parent.glob("*.yaml"))} if path.parent.is_dir() else {}
+        near = [s for s in siblings if path.stem in s] or difflib.get_close_matches(
+            path.stem, list(siblings), n=1
+        )
+        hint = f" (did you mean {siblings[near[0]]}?)" if near else ""
+        raise ConfigError(f"{path}: device profile not found{hint}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    return device_profile_from_dict(raw, str(path))
+
+
+# ServeConfig (socket path, bundle, kernel-policy defaults) will live here beside DeviceProfile.

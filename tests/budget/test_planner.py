@@ -1,0 +1,381 @@
+import random
+
+import pytest
+import torch
+
+from edgerun.budget.planner import (
+    PlanOptions,
+    deltanet_state_bytes,
+    expert_source_from_layout,
+    kv_bytes_per_token,
+    miss_curve,
+    plan,
+    replay,
+    trace_steps,
+)
+from edgerun.config import device_profile_from_dict
+from edgerun.errors import ConfigError
+from edgerun.models.registry import load_args
+from edgerun.tools.routes import RouteTrace, TraceHeader
+from hf_fixtures import QWEN3_5_MOE, QWEN3_MOE
+
+
+def tiny(arch):
+    cfg = {**(QWEN3_5_MOE if arch == "qwen3_5_moe" else QWEN3_MOE), "model_type": arch}
+    module, args = load_args(cfg)
+    return module, args, module.tensor_specs(args)
+
+
+def profile(cap, **kw):
+    raw = dict(
+        name="tiny",
+        memory_kind="unified",
+        memory_cap=cap,
+        os_reserve=1000,
+        cuda_context=2000,
+        pinned_limit=100_000,
+        memory_bandwidth=1e6,
+        storage_read_bandwidth=1e5,
+        compute_capability="8.7",
+    )
+    raw.update(kw)
+    return device_profile_from_dict({k: v for k, v in raw.items() if v is not None})
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny configs, every category by hand
+
+# qwen3_5_moe tiny (hf_fixtures.QWEN3_5_MOE): V 97, D 48, layers L F L F, 4 heads / 2 KV x 16,
+# DeltaNet 2 key heads x 8, 4 value heads x 12, conv 4; 6 experts top-2, I 24, shared 40. bf16.
+TINY35_ITEMS = {
+    "os_reserve": 1000,
+    "cuda_context": 2000,
+    "embeddings": 97 * 48 * 2,  # 9312
+    "lm_head": 48 * 97 * 2,  # 9312
+    # per full layer: q 48x128 (with gate) + k 48x32 + v 48x32 + o 64x48 + q/k norms 16+16
+    "attention": 2 * (6144 + 1536 + 1536 + 3072 + 32) * 2,  # 49280
+    # per linear layer: qkv 48x80 + z 48x48 + b 48x4 + a 48x4 + conv 80x4 + dt_bias 4 + A_log 4
+    # + norm 12 + out 48x48
+    "deltanet": 2 * (3840 + 2304 + 192 + 192 + 320 + 4 + 4 + 12 + 2304) * 2,  # 36688
+    "norms": (4 * 2 * 48 + 48) * 2,  # 864
+    "routers": 4 * 6 * 48 * 2,  # 2304
+    "shared_experts": 4 * (3 * 48 * 40 + 48) * 2,  # 46464
+    # 2 full layers x K,V x batch 2 x 2 heads x 64 tokens x 16 x 2 B
+    "kv_cache": 2 * 2 * 2 * 2 * 64 * 16 * 2,  # 32768
+    # 2 linear layers x batch 2 x (conv 80 x 3 x 2 B + recurrent 4 x 8 x 12 x 4 B)
+    "deltanet_state": 2 * 2 * (80 * 3 * 2 + 4 * 8 * 12 * 4),  # 8064
+    # per token: stream 4x48x2 = 384; DeltaNet (wider than attention's 512): (2x80 + 2x48 + 2x4) x 2
+    # + fp32 (2x4x8 + 4x12) x 4 + chunk 3x4x64x4 = 4048; MoE: router 6x4 + (2x48 + 2x48 + 80) x 2 = 568
+    # -> 5000 B; prefill chunk 16 tokens + fp32 logits 2 x 97 x 4
+    "activation_workspace": 16 * 5000 + 2 * 97 * 4,  # 80776
+    "cuda_graph_pool": 2 * 5000 + 2 * 97 * 4,  # 10776
+    "pinned_staging": 4 * 4096,  # 2 x top_k buffers x int8 block (2304 + 192 + 1152 + 192 -> 4096)
+}
+TINY35_FIXED = sum(TINY35_ITEMS.values())  # 305992
+
+
+def test_tiny_qwen3_5_every_category_byte_exact():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    assert experts.block_bytes == (4096,) * 4
+    p = plan(args, specs, experts, profile(400_000), 64, 2, PlanOptions(prefill_chunk=16))
+    assert TINY35_FIXED == 305_992
+    # slots: (400000 - 305992) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
+    assert p.fits and p.min_quota == 4 and p.quotas == (5, 5, 5, 5)
+    assert {it.name: it.nbytes for it in p.items} == {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096}
+    (pool,) = p.pools
+    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 400_000, 387_912, 12_088)
+
+
+def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
+    _, args, specs = tiny("qwen3_moe")  # 3 layers, layer 1 dense (mlp_only_layers), no gate, no CUDA
+    cpu = profile(1_000_000, cuda_context=0, compute_capability=None)
+    p = plan(args, specs, expert_source_from_layout(args, "int8"), cpu, 32, 1)
+    assert {it.name: it.nbytes for it in p.items} == {
+        "os_reserve": 1000,
+        "cuda_context": 0,
+        "embeddings": 9312,
+        "lm_head": 9312,
+        "attention": 3 * (48 * 64 + 48 * 32 + 48 * 32 + 64 * 48 + 32) * 2,  # 55488
+        "norms": (3 * 2 * 48 + 48) * 2,  # 672
+        "routers": 2 * 6 * 48 * 2,  # 1152
+        "dense_mlp": 3 * 48 * 80 * 2,  # 23040
+        "kv_cache": 3 * 2 * 2 * 32 * 16 * 2,  # 12288
+        # per token: stream 384 + attention (64 + 64 + 64) x 2 + MoE 6 x 4 + (2x48 + 2x48) x 2 = 1176
+        "activation_workspace": 32 * 1176 + 97 * 4,  # 38020
+        "pinned_staging": 4 * 4096,
+        "expert_slots": 6 * 2 * 4096,  # all 6 experts: more would hold nothing
+    }
+    assert p.quotas == (6, 6) and "no CUDA on this device: no graph pool" in p.notes
+    assert p.prediction.misses_per_token == 0 and p.prediction.storage_bound_tok_s is None
+
+
+def test_state_bytes_match_the_models_own_decode_state():
+    module, args, _ = tiny("qwen3_5_moe")
+    with torch.device("meta"):
+        model = module.Model(args)
+    state = model.new_state(3, 40, device="meta", dtype=torch.bfloat16)
+    assert state.nbytes() == 3 * 40 * kv_bytes_per_token(args) + deltanet_state_bytes(args, 3)
+
+
+def test_refusal_names_the_smallest_over_budget_item_and_what_fits():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    opts = PlanOptions(prefill_chunk=16)
+    p = plan(args, specs, experts, profile(360_000), 64, 2, opts)
+    # needs 305992 + 4 slots x 4 layers x 4096 = 371528: over by 11528; the smallest item at least
+    # that large is the staging (16384). KV is 512 B per token at batch 2: 23 fewer tokens fit.
+    r = p.refusal
+    assert not p.fits and p.prediction is None
+    assert (r.pool, r.overflow, r.item, r.item_bytes) == ("unified", 11_528, "pinned_staging", 16_384)
+    assert (r.max_context, r.max_batch, r.max_quota) == (41, 1, None)
+    assert "Largest context that fits at batch 2 with 4 slots per layer: 41 tokens" in r.message
+    assert "Largest batch that fits at context 64: 1" in r.message
+    assert p.pools[0].headroom == -11_528 and p.quotas == (4, 4, 4, 4)
+    assert plan(args, specs, experts, profile(360_000), 41, 2, opts).fits
+    assert not plan(args, specs, experts, profile(360_000), 42, 2, opts).fits
+
+
+def test_staging_over_the_pinned_limit_is_refused():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    p = plan(args, specs, experts, profile(10**6, pinned_limit=10_000), 64, 2)
+    r = p.refusal
+    assert (r.pool, r.overflow, r.item) == ("pinned_limit", 16_384 - 10_000, "pinned_staging")
+    assert "pinned memory (pinned_limit) is over by" in r.message
+    assert plan(
+        args, specs, experts, profile(10**6, pinned_limit=10_000), 64, 2, PlanOptions(staging_buffers=2)
+    ).fits
+
+
+def test_measured_resident_bytes_replace_the_estimate():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    p = plan(args, specs, experts, profile(10**6), 64, resident={"embeddings": 123, "deltanet": 456})
+    names = {it.name: it.nbytes for it in p.items}
+    assert names["embeddings"] == 123 and names["deltanet"] == 456 and "attention" not in names
+
+
+def test_requested_quota():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    opts = PlanOptions(prefill_chunk=16, quota=6)
+    p = plan(args, specs, experts, profile(400_000), 64, 2, opts)
+    assert not p.fits and p.refusal.max_quota == 5
+    assert "Largest quota that fits at context 64, batch 2: 5 per layer" in p.refusal.message
+    p = plan(args, specs, experts, profile(500_000), 64, 2, opts)
+    assert p.fits and p.quotas == (6, 6, 6, 6)
+    for bad in (3, 7):  # below top_k x batch, above num_experts
+        with pytest.raises(ConfigError, match=f"quota {bad} must be in 4..6"):
+            plan(args, specs, experts, profile(500_000), 64, 2, PlanOptions(quota=bad))
+
+
+def test_bad_inputs():
+    _, args, specs = tiny("qwen3_moe")
+    experts = expert_source_from_layout(args, "int8")
+    with pytest.raises(ConfigError, match="context 513 must be in 1..512"):
+        plan(args, specs, experts, profile(10**7), 513)
+    with pytest.raises(ConfigError, match="batch must be >= 1"):
+        plan(args, specs, experts, profile(10**7), 64, 0)
+    with pytest.raises(ConfigError, match="kv_dtype 'fp6' is not supported"):
+        plan(args, specs, experts, profile(10**7), 64, 1, PlanOptions(kv_dtype="fp6"))
+    other = TraceHeader("x", "qwen3_moe", 3, (0, 2), 6, 3)
+    with pytest.raises(ConfigError, match="trace top_k is 3 but the model's is 2"):
+        plan(args, specs, experts, profile(10**7), 64, 1, trace=RouteTrace(other, (((0, 1, 2), (3, 4, 5)),)))
+
+
+# --------------------------------------------------------------------------------------------
+# Discrete: two tiers
+
+
+def discrete(vram, pinned):
+    return profile(
+        vram,
+        memory_kind="discrete",
+        pinned_limit=pinned,
+        host_memory_cap=10**7,
+        host_reserve=10**6,
+        pcie_bandwidth=1e6,
+    )
+
+
+def test_discrete_two_tiers():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    vram_fixed = TINY35_FIXED - TINY35_ITEMS["pinned_staging"]  # staging lives in pinned host RAM
+    dev = discrete(vram_fixed + 4 * 4 * 4096, 16_384 + 20 * 4096)
+    p = plan(args, specs, experts, dev, 64, 2, PlanOptions(prefill_chunk=16))
+    vram, host = p.pools
+    assert (vram.name, host.name) == ("vram", "host_pinned")
+    assert p.quotas == (4, 4, 4, 4) and p.host_quotas == (5, 5, 5, 5)
+    assert p.item("pinned_staging").pool == "host_pinned" and p.item("host_expert_tier").nbytes == 20 * 4096
+    assert vram.headroom == 0 and host.headroom == 0
+    d = 6 * (1 - (1 - 2 / 6) ** 2)  # distinct experts per step of 2 tokens
+    pr = p.prediction
+    assert pr.device_misses_per_token == pytest.approx(4 * d * (1 - 4 / 6) / 2)
+    assert pr.misses_per_token == pytest.approx(4 * d * (1 - 5 / 6) / 2)
+    assert pr.pcie_bound_tok_s == pytest.approx(1e6 / (pr.device_misses_per_token * 4096))
+    assert pr.tok_s == pytest.approx(min(pr.memory_bound_tok_s, pr.storage_bound_tok_s, pr.pcie_bound_tok_s))
+    assert 1 / pr.tok_s_serial == pytest.approx(
+        1 / pr.memory_bound_tok_s + 1 / pr.storage_bound_tok_s + 1 / pr.pcie_bound_tok_s
+    )
+
+
+def test_no_host_tier_when_pinned_memory_cannot_include_the_vram_tier():
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    p = plan(args, specs, experts, discrete(10**6, 16_384 + 4096), 64, 2)
+    assert p.fits and p.quotas == (6,) * 4 and p.host_quotas == ()
+    assert any("no pinned host tier" in n for n in p.notes)
+    assert p.prediction.misses_per_token == p.prediction.device_misses_per_token == 0
+    p = plan(args, specs, experts, discrete(10**6, 16_000), 64, 2)
+    assert not p.fits and p.refusal.pool == "host_pinned" and p.refusal.item == "pinned_staging"
+
+
+# --------------------------------------------------------------------------------------------
+# Route traces: per-layer quotas and replayed misses
+
+
+def test_miss_curve_equals_lru_replay():
+    rng = random.Random(1)
+    for batch in (1, 3):
+        tokens = tuple(
+            tuple(tuple(rng.sample(range(10), 2)) for _ in range(2)) for _ in range(200)
+        )  # a hot set of 10 of 16 experts
+        steps = trace_steps(RouteTrace(TraceHeader("x", "t", 2, (0, 1), 16, 2), tokens), batch)
+        for layer in steps:
+            curve = miss_curve(layer, 16)
+            for q in range(2 * batch, 17):
+                assert curve[q] == replay(layer, q)
+
+
+def test_trace_gives_layers_that_need_more_a_larger_quota():
+    _, args, specs = tiny("qwen3_moe")  # MoE layers 0 and 2, 6 experts, top-2
+    experts = expert_source_from_layout(args, "int8")
+    # layer 0 cycles through all six experts (a cliff: nothing hits until all six fit);
+    # layer 2 reuses one pair
+    cycle = [(0, 1), (2, 3), (4, 5)]
+    tokens = tuple((cycle[t % 3], (0, 1)) for t in range(30))
+    trace = RouteTrace(TraceHeader("tiny", "qwen3_moe", 3, (0, 2), 6, 2), tokens, "t.jsonl")
+    uniform = plan(args, specs, experts, profile(10**7), 64)
+    fixed = sum(it.nbytes for it in uniform.items if it.name != "expert_slots")
+    dev = profile(fixed + 8 * 4096)  # 8 slots in all
+    p = plan(args, specs, experts, dev, 64, trace=trace)
+    assert p.quotas == (6, 2)
+    pr = p.prediction
+    assert pr.model == "trace" and pr.trace_tokens == 30 and "t.jsonl" in pr.description
+    assert pr.misses_per_layer == (6 / 30, 2 / 30)  # cold misses only
+    assert plan(args, specs, experts, dev, 64).quotas == (4, 4)  # without a trace: uniform
+    steps = trace_steps(trace, 1)
+    assert [replay(s, 4) for s in steps] == [60, 2]  # what the uniform split would cost
+
+
+# --------------------------------------------------------------------------------------------
+# The real models on the shipped profiles, against arithmetic done here
+
+QWEN36 = dict(  # Qwen3.6-35B-A3B, int4 g32 experts, bf16 dense
+    dense=(2 * 248320 * 2048)  # embeddings + lm_head
+    + 10 * (2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 256)  # gated attention
+    + 30 * (2048 * 8192 + 2048 * 4096 + 2 * 2048 * 32 + 8192 * 4 + 32 + 32 + 128 + 4096 * 2048)  # DeltaNet
+    + (40 * 2 * 2048 + 2048)  # norms
+    + 40 * 256 * 2048  # routers
+    + 40 * (3 * 2048 * 512 + 2048),  # shared experts and their gates
+    block=1024 * 1024 + 1024 * 64 + 2048 * 256 + 2048 * 16,  # gate_up, fp8 scales, down, scales
+    kv_per_token=10 * 2 * 2 * 256 * 2,
+    state_per_seq=30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4),
+    ws_per_token=191_616,  # see token_workspace_bytes: 16384 + DeltaNet 123008 + MoE 52224
+    vocab=248320,
+    layers=40,
+    experts=256,
+)
+QWEN3 = dict(  # Qwen3-30B-A3B, int4 g32 experts, bf16 dense
+    dense=(2 * 151936 * 2048)
+    + 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128)
+    + (48 * 2 * 2048 + 2048)
+    + 48 * 128 * 2048,
+    block=1536 * 1024 + 1536 * 64 + 2048 * 384 + 2048 * 24,
+    kv_per_token=48 * 2 * 4 * 128 * 2,
+    state_per_seq=0,
+    ws_per_token=92_672,  # 16384 + attention 18432 + MoE 57856
+    vocab=151936,
+    layers=48,
+    experts=128,
+)
+
+
+def expected(m, dev, context, batch):
+    """(VRAM-or-unified quota, host quota) by hand, or None when even the minimum does not fit."""
+    a = 2
+    dense = m["dense"] * a
+    fixed = dev.os_reserve + dev.cuda_context + dense + batch * context * m["kv_per_token"]
+    fixed += batch * m["state_per_seq"] + min(512, context) * m["ws_per_token"] + batch * m["vocab"] * 4
+    if dev.has_cuda:
+        fixed += batch * m["ws_per_token"] + batch * m["vocab"] * 4  # graph pool
+    staging = 16 * m["block"]
+    if not dev.discrete:
+        fixed += staging
+    quota = min(m["experts"], (dev.memory_cap - fixed) // (m["layers"] * m["block"]))
+    if quota < min(m["experts"], 8 * batch):
+        return None
+    host = (
+        min(m["experts"], (dev.pinned_limit - staging) // (m["layers"] * m["block"])) if dev.discrete else 0
+    )
+    return quota, host if host >= quota else 0
+
+
+@pytest.mark.parametrize("device", ["jetson_thor", "orin", "orin_nano", "rtx5070", "cpu"])
+@pytest.mark.parametrize("model", ["qwen3.6-35b-a3b", "qwen3-30b-a3b"])
+def test_real_models_fit_or_refuse_as_the_arithmetic_says(model_inputs, profiles, model, device):
+    mi, dev = model_inputs[model], profiles[device]
+    m = QWEN36 if model.startswith("qwen3.6") else QWEN3
+    assert mi.experts.block_bytes == (m["block"],) * m["layers"]
+    for context in (4096, 32768, mi.args.max_position_embeddings):
+        for batch in (1, 4):
+            p = plan(mi.args, mi.specs, mi.experts, dev, context, batch)
+            want = expected(m, dev, context, batch)
+            assert p.fits == (want is not None), (context, batch, p.refusal)
+            assert all(q >= mi.args.num_experts_per_tok for q in p.quotas)
+            if want is None:
+                r = p.refusal
+                assert (
+                    r.max_context is None
+                    or plan(mi.args, mi.specs, mi.experts, dev, r.max_context, batch).fits
+                )
+                if r.max_context is not None:
+                    assert not plan(mi.args, mi.specs, mi.experts, dev, r.max_context + 1, batch).fits
+                    assert f"{r.max_context} tokens" in r.message
+                continue
+            quota, host = want
+            assert p.quotas == (quota,) * m["layers"]
+            assert p.host_quotas == ((host,) * m["layers"] if host else ())
+            pr = p.prediction
+            d = m["experts"] * (1 - (1 - 8 / m["experts"]) ** batch)
+            storage_q = host or quota
+            assert pr.misses_per_token == pytest.approx(
+                m["layers"] * d * (1 - storage_q / m["experts"]) / batch
+            )
+            assert pr.device_misses_per_token == pytest.approx(
+                m["layers"] * d * (1 - quota / m["experts"]) / batch
+            )
+            if pr.storage_bound_tok_s is not None:
+                assert pr.storage_bound_tok_s == pytest.approx(
+                    dev.storage_read_bandwidth / (pr.misses_per_token * m["block"])
+                )
+            bounds = [pr.memory_bound_tok_s, pr.storage_bound_tok_s, pr.pcie_bound_tok_s]
+            assert pr.tok_s == pytest.approx(min(b for b in bounds if b is not None))
+
+
+def test_real_dense_bytes(model_inputs):
+    for name, m in (("qwen3.6-35b-a3b", QWEN36), ("qwen3-30b-a3b", QWEN3)):
+        mi = model_inputs[name]
+        p = plan(mi.args, mi.specs, mi.experts, profile(10**12, pinned_limit=10**9), 4096)
+        resident = ("embeddings", "lm_head", "attention", "deltanet", "norms", "routers", "shared_experts")
+        assert sum(it.nbytes for it in p.items if it.name in resident) == 2 * m["dense"]
+    assert QWEN36["dense"] * 2 == 4_896_711_936 and QWEN3["dense"] * 2 == 3_082_186_752
+
+
+def test_refusal_on_rtx5070_names_the_kv_cache(model_inputs, profiles):
+    mi = model_inputs["qwen3-30b-a3b"]
+    p = plan(mi.args, mi.specs, mi.experts, profiles["rtx5070"], 32768, 4)
+    assert not p.fits and p.refusal.item == "kv_cache" and p.refusal.max_batch == 1
+    assert "Largest context that fits at batch 4 with 32 slots per layer" in p.refusal.message

@@ -1,0 +1,84 @@
+import random
+
+import pytest
+
+from edgerun.cache.policy import LRUSet
+
+
+def test_quota_two_example_from_the_issue():
+    lru = LRUSet(2)
+    assert lru.access([7, 3]) == ((), (7, 3), ())
+    hits, misses, evictions = lru.access([9])
+    assert (hits, misses, evictions) == ((), (9,), (7,))  # 7 was inserted first, so it is oldest
+    assert lru.access([3]).hits == (3,)
+    assert lru.order() == [9, 3]
+
+
+def test_ids_are_deduplicated_in_router_order():
+    lru = LRUSet(4)
+    assert lru.access([5, 2, 5, 2, 8]).misses == (5, 2, 8)
+    assert lru.order() == [5, 2, 8]
+    assert len(lru) == 3 and 5 in lru and 4 not in lru
+
+
+def test_hits_are_decided_at_the_start_of_the_step():
+    # Evicting as misses arrive would drop 3 for 7 and then miss on 3: a step's experts must not
+    # evict each other.
+    lru = LRUSet(2)
+    lru.access([3])
+    lru.access([5])  # order: 3 (oldest), 5
+    step = lru.access([7, 3])
+    assert step.hits == (3,) and step.misses == (7,) and step.evictions == (5,)
+    assert lru.order() == [7, 3]  # the whole step in router order, hits included
+
+
+def test_evictions_are_oldest_first_and_skip_the_step():
+    lru = LRUSet(4)
+    lru.access([1, 2])
+    lru.access([3, 4])
+    step = lru.access([2, 5, 6])
+    assert step.evictions == (1, 3)
+    assert lru.order() == [4, 2, 5, 6]
+
+
+def test_discard_forgets_an_expert():
+    lru = LRUSet(2)
+    lru.access([4, 6])
+    lru.discard(4)
+    lru.discard(9)  # not held: nothing to do
+    assert lru.order() == [6]
+    assert lru.access([4, 6]) == ((6,), (4,), ())
+
+
+def test_quota_must_cover_a_step():
+    with pytest.raises(ValueError, match="quota must be >= 1"):
+        LRUSet(0)
+    with pytest.raises(ValueError, match="3 distinct experts but the quota is 2"):
+        LRUSet(2).access([1, 2, 3])
+
+
+def _reference(quota, steps):
+    """The definition, spelled out: hits against the held set at step start; the held set
+    becomes the step's ids plus the most recent others, up to the quota."""
+    held, out = [], []  # oldest first
+    for ids in steps:
+        step = list(dict.fromkeys(ids))
+        hits = [e for e in step if e in held]
+        misses = [e for e in step if e not in held]
+        rest = [e for e in held if e not in step]
+        keep = quota - len(step)
+        evicted = rest[: max(0, len(rest) - keep)]
+        held = rest[len(evicted) :] + step
+        out.append((tuple(hits), tuple(misses), tuple(evicted)))
+    return out, held
+
+
+def test_matches_the_definition_on_random_steps():
+    rng = random.Random(0)
+    for quota in (2, 3, 5, 8):
+        steps = [[rng.randrange(12) for _ in range(rng.randint(1, 2))] for _ in range(300)]
+        lru = LRUSet(quota)
+        got = [tuple(lru.access(s)) for s in steps]
+        want, held = _reference(quota, steps)
+        assert got == want
+        assert lru.order() == held
