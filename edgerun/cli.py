@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -41,6 +42,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=None, help="max context length (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
+    add_provider_arguments(p)
     p.set_defaults(func=run_generate)
 
 
@@ -66,7 +68,12 @@ def run_generate(ns: argparse.Namespace) -> int:
         raise EdgerunError("--device cuda: no CUDA device is available (use --device cpu)")
     dtype = getattr(torch, DTYPES[ns.dtype]) if DTYPES[ns.dtype] else None
     runner = Runner.load(
-        ns.model, device=device, dtype=dtype, max_context=ns.context, prefill_chunk=ns.prefill_chunk
+        ns.model,
+        device=device,
+        dtype=dtype,
+        providers=ProviderPolicy.from_namespace(ns),
+        max_context=ns.context,
+        prefill_chunk=ns.prefill_chunk,
     )
     if not ns.quiet:
         print(provenance(runner, ns.model), file=sys.stderr, flush=True)
@@ -110,6 +117,7 @@ def provenance(runner, model_dir: Path | None) -> str:
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
         f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()} "
         f"experts resident (no streaming); fallbacks: none; {runner.load_summary}"
+        + (f"; {runner.provider.describe()}" if runner.provider else "")
     )
 
 

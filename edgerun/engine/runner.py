@@ -17,6 +17,7 @@ import torch
 from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import DecodeState
+from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"
@@ -85,6 +86,7 @@ class Runner:
         eos = tokenizer.eos_token_ids if tokenizer else args.eos_token_ids
         self.eos_ids = frozenset(eos or args.eos_token_ids)
         self.load_summary = ""
+        self.provider: Resolution | None = None  # the architecture's provenance, set by load()
 
     @classmethod
     def load(
@@ -92,6 +94,7 @@ class Runner:
         model_dir: str | Path | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
+        providers: ProviderPolicy | None = None,
         **kw,
     ) -> Runner:
         from edgerun.models.checkpoint import load_model
@@ -100,7 +103,7 @@ class Runner:
         device = device or default_device()
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
-        model, args, report = load_model(model_dir, dtype=dtype, device=device)
+        model, args, report = load_model(model_dir, dtype=dtype, device=device, providers=providers)
         tok = (
             Tokenizer.from_dir(model_dir, args.eos_token_ids)
             if (model_dir / "tokenizer.json").is_file()
@@ -108,6 +111,7 @@ class Runner:
         )
         runner = cls(model, args, tok, device, **kw)
         runner.load_summary = report.summary()
+        runner.provider = report.provider
         return runner
 
     # ---- the decode path ----------------------------------------------------------------

@@ -23,7 +23,8 @@ from torch import nn
 from edgerun.errors import CheckpointError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import Rotary
-from edgerun.models.registry import load_args
+from edgerun.models.providers import ProviderPolicy, Resolution
+from edgerun.models.registry import resolve_config
 from edgerun.safetensors_io import MappedFiles, TensorEntry, read_header
 
 log = logging.getLogger("edgerun.load")
@@ -48,6 +49,7 @@ class LoadReport:
     expert_layout: str = "none"  # per-expert | fused | none
     prefix: str = "model."
     files: int = 0
+    provider: Resolution | None = None  # which provider supplied the architecture
 
     def summary(self) -> str:
         ign = ", ".join(f"{n} {g}" for g, n in sorted(self.ignored.items())) or "none"
@@ -193,15 +195,18 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     experts: bool = True,
+    providers: ProviderPolicy | None = None,
 ) -> tuple[nn.Module, ModelArgs, LoadReport]:
     """Build the model for ``ckpt`` and load its weights. ``dtype`` None keeps the checkpoint's
     floating dtype (the most common one). ``experts=False`` leaves routed experts unloaded (on the
-    meta device) for a caller that streams them."""
+    meta device) for a caller that streams them. ``providers``: which installed architecture
+    providers may serve the checkpoint (default: built-in architectures only)."""
     ckpt = Path(ckpt)
-    arch, args = load_args(ckpt)
+    arch, args, resolution = resolve_config(ckpt, providers)
     entries, n_files = read_entries(ckpt)
     model, report = load_entries(arch, args, entries, dtype=dtype, device=device, experts=experts)
     report.files = n_files
+    report.provider = resolution
     log.info("%s: %s", ckpt, report.summary())
     return model, args, report
 

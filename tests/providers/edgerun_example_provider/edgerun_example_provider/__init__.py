@@ -1,0 +1,1 @@
+"""An example edgerun architecture provider (see edgerun's docs/providers.md)."""
