@@ -121,11 +121,22 @@ def provenance(runner, model_dir: Path | None) -> str:
     )
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from edgerun.budget import cli as plan_cli
+
+    p = sub.add_parser(
+        "plan", help="size resident weights, KV/state and expert quotas against a device profile"
+    )
+    plan_cli.add_arguments(p)
+    p.set_defaults(func=plan_cli.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgerun", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_plan(sub)
     return parser
 
 
