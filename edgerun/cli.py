@@ -41,6 +41,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-ids", default=None, help="prompt as comma-separated token ids instead of text")
     p.add_argument("--context", type=int, default=None, help="max context length (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument(
+        "--quota",
+        type=int,
+        default=None,
+        help="--model is a bundle: stream routed experts through this many cache slots per layer",
+    )
+    p.add_argument(
+        "--read-mode",
+        choices=("auto", "direct", "buffered"),
+        default="auto",
+        help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
+    )
+    p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
     add_provider_arguments(p)
     p.set_defaults(func=run_generate)
@@ -74,6 +87,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         providers=ProviderPolicy.from_namespace(ns),
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
+        quota=ns.quota,
+        read_mode=ns.read_mode,
+        warm=_read_warm(ns.warm),
     )
     if not ns.quiet:
         print(provenance(runner, ns.model), file=sys.stderr, flush=True)
@@ -103,7 +119,46 @@ def run_generate(ns: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"[{stats.line()}]", file=sys.stderr)
+    if runner.cache is not None:
+        print(f"[{cache_line(runner.cache, stats.prompt_tokens + stats.generated_tokens)}]", file=sys.stderr)
     return 0
+
+
+def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
+    if path is None:
+        return None
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+        return {int(layer): counts for layer, counts in raw["frequencies"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise EdgerunError(
+            f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
+        ) from exc
+
+
+def cache_line(cache, tokens: int) -> str:
+    t = cache.totals()
+    return (
+        f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
+        f"{t.evictions} evictions, {t.warm_reads} warm reads, {t.bytes_read / 2**20:.1f} MiB read "
+        f"at {t.read_bandwidth / 1e9:.2f} GB/s"
+    )
+
+
+def experts_text(runner) -> str:
+    cache = runner.cache
+    if cache is None:
+        return "experts resident; fallbacks: none"
+    quotas = sorted(set(cache.quotas.values()))
+    modes = {r.mode for r in cache.readers.values()}
+    fallbacks = cache.fallbacks()
+    fb = "; ".join(f"{k}: {v}" for k, v in fallbacks.items()) or "none"
+    return (
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, read {'/'.join(modes)}, "
+        f"cache {cache.footprint_bytes / 2**20:.1f} MiB); fallbacks: {fb}"
+    )
 
 
 def provenance(runner, model_dir: Path | None) -> str:
@@ -116,7 +171,7 @@ def provenance(runner, model_dir: Path | None) -> str:
         f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
         f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()} "
-        f"experts resident (no streaming); fallbacks: none; {runner.load_summary}"
+        f"{experts_text(runner)}; {runner.load_summary}"
         + (f"; {runner.provider.describe()}" if runner.provider else "")
     )
 
@@ -131,12 +186,90 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=plan_cli.run)
 
 
+def _add_server(sub: argparse._SubParsersAction) -> None:
+    from edgerun.server import cli as server_cli
+
+    p = sub.add_parser("serve", help="serve the model over a Unix socket (OpenAI-compatible HTTP)")
+    server_cli.add_serve_arguments(p)
+    p.set_defaults(func=server_cli.run_serve)
+    p = sub.add_parser("chat", help="chat with a running daemon")
+    server_cli.add_chat_arguments(p)
+    p.set_defaults(func=server_cli.run_chat)
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
+    p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
+    p.add_argument("--model", type=Path, default=None, help="HF checkpoint or bundle dir (default: demo)")
+    p.add_argument("--out", type=Path, required=True, help="route trace to write (JSONL)")
+    p.add_argument("--frequencies", type=Path, default=None, help="also write a warm-set JSON here")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.set_defaults(func=run_trace)
+
+
+def run_trace(ns: argparse.Namespace) -> int:
+    import json
+
+    from edgerun.engine.runner import Runner
+    from edgerun.engine.sampler import SamplingParams
+    from edgerun.tools.routes import read_trace
+    from edgerun.tools.simulate import RouteRecorder, frequencies
+
+    runner = Runner.load(ns.model, device=ns.device)
+    if runner.tokenizer is None:
+        raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")
+    rec = RouteRecorder(runner.model, runner.args, ns.out, str(ns.model or "demo"))
+    try:
+        for seq, prompt in enumerate(ns.prompts):
+            rec.seq = seq
+            runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
+    finally:
+        rec.close()
+    print(f"{ns.out}: {rec.writer.count} tokens, {rec.step} steps", file=sys.stderr)
+    if ns.frequencies:
+        freq = frequencies(read_trace(ns.out))
+        ns.frequencies.write_text(json.dumps({"frequencies": {str(k): v for k, v in freq.items()}}))
+    return 0
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="replay a route trace through cache policies")
+    p.add_argument("trace", type=Path)
+    p.add_argument("--quota", type=int, nargs="+", required=True, help="slots per layer (one or more)")
+    p.add_argument("--policy", choices=("lru", "belady"), nargs="+", default=["lru", "belady"])
+    p.set_defaults(func=run_simulate)
+
+
+def run_simulate(ns: argparse.Namespace) -> int:
+    from edgerun.tools.routes import read_trace
+    from edgerun.tools.simulate import simulate
+
+    trace = read_trace(ns.trace)
+    print(
+        f"{ns.trace}: {len(trace.tokens)} tokens, {len(trace.header.moe_layers)} MoE layers, "
+        f"{trace.header.num_experts} experts, top-{trace.header.top_k}"
+    )
+    print(f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}")
+    for quota in ns.quota:
+        for policy in ns.policy:
+            try:
+                r = simulate(trace, quota, policy)
+            except ValueError as exc:
+                raise EdgerunError(str(exc)) from exc
+            print(f"{policy:8} {quota:5d} {r.total_misses:8d} {r.misses_per_token:13.2f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgerun", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    _add_trace(sub)
+    _add_simulate(sub)
+    _add_server(sub)
     return parser
 
 

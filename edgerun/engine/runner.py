@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
+from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import DecodeState
 from edgerun.models.providers import ProviderPolicy, Resolution
@@ -86,6 +87,7 @@ class Runner:
         eos = tokenizer.eos_token_ids if tokenizer else args.eos_token_ids
         self.eos_ids = frozenset(eos or args.eos_token_ids)
         self.load_summary = ""
+        self.cache = None  # ExpertCache when experts stream
         self.provider: Resolution | None = None  # the architecture's provenance, set by load()
 
     @classmethod
@@ -95,15 +97,41 @@ class Runner:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         providers: ProviderPolicy | None = None,
+        quota: int | None = None,
+        read_mode: str = "auto",
+        warm: dict | None = None,
         **kw,
     ) -> Runner:
+        """A model dir is an HF checkpoint or an edgerun bundle (``manifest.json``). For a bundle,
+        ``quota`` streams the routed experts through a cache of that many slots per layer;
+        without it the experts are dequantized into resident tensors."""
+        from edgerun.bundle.format import MANIFEST
         from edgerun.models.checkpoint import load_model
 
         model_dir = Path(model_dir) if model_dir else DEMO_MODEL
         device = device or default_device()
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
-        model, args, report = load_model(model_dir, dtype=dtype, device=device, providers=providers)
+        cache = None
+        if (model_dir / MANIFEST).is_file():
+            if quota is not None:
+                from edgerun.engine.streaming import load_streaming_model
+
+                model, args, cache, report = load_streaming_model(
+                    model_dir, quota, dtype=dtype, device=device, read_mode=read_mode
+                )
+                if warm:
+                    cache.warm(warm)
+            else:
+                from edgerun.bundle.reader import load_bundle_model
+
+                model, args, report = load_bundle_model(model_dir, dtype=dtype, device=device)
+        elif quota is not None:
+            raise EdgerunError(
+                f"{model_dir}: streaming (a quota) needs an edgerun bundle; run `edgerun convert` first"
+            )
+        else:
+            model, args, report = load_model(model_dir, dtype=dtype, device=device, providers=providers)
         tok = (
             Tokenizer.from_dir(model_dir, args.eos_token_ids)
             if (model_dir / "tokenizer.json").is_file()
@@ -112,6 +140,7 @@ class Runner:
         runner = cls(model, args, tok, device, **kw)
         runner.load_summary = report.summary()
         runner.provider = report.provider
+        runner.cache = cache
         return runner
 
     # ---- the decode path ----------------------------------------------------------------

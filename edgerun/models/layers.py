@@ -335,10 +335,20 @@ class Router(nn.Module):
         return top.to(logits.dtype), ids
 
 
+# BLAS picks a different kernel for a row-count remainder, so a token's result could depend on
+# how many other tokens share its expert. Padded to a multiple of ROW_TILE rows, a row's result is
+# the same in any batch (tests/models/test_batch_invariance.py), so the streaming path, which
+# may split a chunk into pieces, equals the resident path bit for bit.
+ROW_TILE = 4
+
+
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One expert: x [N, D], gate_up [2I, D], down [D, I] -> [N, D]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    n = x.shape[0]
+    if n % ROW_TILE:
+        x = F.pad(x, (0, 0, 0, ROW_TILE - n % ROW_TILE))
+    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down.to(x.dtype))[:n]
 
 
 class Experts(nn.Module):

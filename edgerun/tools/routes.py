@@ -10,8 +10,10 @@ layer (in ``moe_layers`` order, each in router order)::
 
     {"experts": [[17, 3, 250, 9, 41, 77, 120, 5], [...], ...]}
 
-A token line may carry ``"seq": N`` (which request it belongs to); readers keep lines in file
-order, since the expert cache persists across requests. See docs/planning.md.
+A token line may carry ``"seq": N`` (which request it belongs to) and ``"step": N`` (tokens
+computed in one forward, e.g. a prefill chunk, share a step: the cache fetches their experts
+together). Without ``step`` every token is its own step. Readers keep lines in file order, since
+the expert cache persists across requests. See docs/planning.md.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class RouteTrace:
     header: TraceHeader
     tokens: tuple[TokenRoutes, ...]
     source: str = ""
+    steps: tuple[int, ...] = ()  # per token; empty: each token is its own step
+
+    def step_ids(self) -> tuple[int, ...]:
+        return self.steps or tuple(range(len(self.tokens)))
 
 
 def _header_from_dict(raw: Any, where: str) -> TraceHeader:
@@ -126,7 +132,7 @@ def read_trace(path: str | Path) -> RouteTrace:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: route trace not found")
-    header, tokens = None, []
+    header, tokens, steps = None, [], []
     with path.open() as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -140,9 +146,15 @@ def read_trace(path: str | Path) -> RouteTrace:
                 header = _header_from_dict(raw, where)
             else:
                 tokens.append(_token_from_dict(raw, header, where))
+                step = raw.get("step", len(tokens) - 1)
+                if not isinstance(step, int) or (steps and step < steps[-1]):
+                    raise ConfigError(
+                        f"{where}: 'step' must be a non-decreasing integer on every line, got {step!r}"
+                    )
+                steps.append(step)
     if header is None:
         raise ConfigError(f"{path}: empty route trace (no header line)")
-    return RouteTrace(header, tuple(tokens), str(path))
+    return RouteTrace(header, tuple(tokens), str(path), tuple(steps))
 
 
 class RouteTraceWriter:
@@ -154,10 +166,12 @@ class RouteTraceWriter:
         self._f: TextIO = Path(path).open("w")
         self._f.write(json.dumps(header.to_dict()) + "\n")
 
-    def add(self, experts: Sequence[Sequence[int]], seq: int | None = None) -> None:
+    def add(self, experts: Sequence[Sequence[int]], seq: int | None = None, step: int | None = None) -> None:
         line: dict[str, Any] = {"experts": [[int(e) for e in ids] for ids in experts]}
         if seq is not None:
             line["seq"] = seq
+        if step is not None:
+            line["step"] = step
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.count += 1
 
@@ -173,5 +187,6 @@ class RouteTraceWriter:
 
 def write_trace(path: str | Path, trace: RouteTrace) -> None:
     with RouteTraceWriter(path, trace.header) as w:
-        for token in trace.tokens:
-            w.add(token)
+        steps = trace.steps or (None,) * len(trace.tokens)
+        for token, step in zip(trace.tokens, steps):
+            w.add(token, step=step)

@@ -1,0 +1,208 @@
+"""The expert cache: per-layer slot pools filled from a bundle's expert files.
+
+Bookkeeping (which expert is in which slot, recency, generations) is :mod:`edgerun.cache.slots`;
+this module moves bytes: a layer's misses are all submitted to the :class:`BlockReader` before
+the first is awaited, each read lands in an owned staging buffer and is copied into its slot.
+Every slot is the same fixed-size storage, so a refill is one copy and slots are interchangeable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgerun.bundle.quant import dequantize_block
+from edgerun.bundle.reader import Bundle
+from edgerun.cache.reader import BlockReader, aligned_buffer
+from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0  # hits, misses and evictions are the slot table's counters
+    misses: int = 0
+    evictions: int = 0
+    warm_reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # wall time this layer waited for its misses
+
+    @property
+    def read_bandwidth(self) -> float:
+        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
+
+
+def cache_footprint(bundle: Bundle, quotas: dict[int, int], staging: int) -> int:
+    slots = sum(q * bundle.layouts[layer].block_bytes for layer, q in quotas.items())
+    return slots + staging * max(lay.block_bytes for lay in bundle.layouts.values())
+
+
+def largest_uniform_quota(bundle: Bundle, budget: int, staging: int) -> int:
+    per_slot = sum(lay.block_bytes for lay in bundle.layouts.values())
+    return max((budget - cache_footprint(bundle, {}, staging)) // per_slot, 0)
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        bundle: Bundle,
+        quota: int | dict[int, int],
+        staging: int | None = None,
+        read_mode: str = "auto",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        budget_bytes: int | None = None,
+    ) -> None:
+        args = bundle.args
+        quotas = quota if isinstance(quota, dict) else {layer: quota for layer in args.moe_layers}
+        if sorted(quotas) != sorted(args.moe_layers):
+            raise QuotaError(
+                f"quotas given for layers {sorted(quotas)}, the model's MoE layers are {list(args.moe_layers)}"
+            )
+        quotas = {layer: min(q, args.num_experts) for layer, q in quotas.items()}
+        staging = staging or 2 * args.num_experts_per_tok
+        # construction refuses before allocating anything
+        slots = {layer: LayerSlots(layer, q, args.num_experts_per_tok) for layer, q in quotas.items()}
+        need = cache_footprint(bundle, quotas, staging)
+        if budget_bytes is not None and need > budget_bytes:
+            fits = largest_uniform_quota(bundle, budget_bytes, staging)
+            hint = (
+                f"a quota of {fits} per layer fits"
+                if fits >= args.num_experts_per_tok
+                else f"not even the minimum quota (top_k = {args.num_experts_per_tok}) fits"
+            )
+            raise QuotaError(
+                f"expert cache needs {need:,} bytes (quotas {_quota_text(quotas)}, {staging} staging buffers) "
+                f"but its budget is {budget_bytes:,} bytes: {hint}"
+            )
+        self.bundle = bundle
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.slots = slots
+        self.footprint_bytes = need
+        self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
+        block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
+        self.readers = {bb: BlockReader(bb, staging, read_mode) for bb in block_sizes}
+        self._host: list = []  # aligned mappings backing host pools (kept alive)
+        self.pools: dict[int, torch.Tensor] = {}
+        for layer, q in quotas.items():
+            bb = bundle.layouts[layer].block_bytes
+            if self.device.type == "cpu":
+                buf = aligned_buffer(q * bb)
+                self._host.append(buf)
+                self.pools[layer] = torch.frombuffer(buf, dtype=torch.uint8, count=q * bb).view(q, bb)
+            else:
+                self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
+        self.scales = {}
+        for layer in quotas:
+            s = bundle.global_scales(layer)
+            self.scales[layer] = None if s is None else s.to(self.device)
+
+    @property
+    def quotas(self) -> dict[int, int]:
+        return {layer: s.quota for layer, s in self.slots.items()}
+
+    # ---- data movement ------------------------------------------------------------------
+
+    def _fill(self, layer: int, fills: list[Fill]) -> None:
+        """Read every miss of one layer; all are in flight before the first is awaited."""
+        if not fills:
+            return
+        bb = self.bundle.layouts[layer].block_bytes
+        reader = self.readers[bb]
+        path = self.bundle.expert_path(layer)
+        pool = self.pools[layer]
+        n = self.bundle.args.num_experts
+
+        def sink_for(slot: int):
+            def sink(view: memoryview) -> None:
+                pool[slot].copy_(torch.frombuffer(view, dtype=torch.uint8))
+
+            return sink
+
+        t0 = time.perf_counter()
+        futures = [(f, reader.submit(path, f.expert, sink_for(f.slot), n)) for f in fills]
+        error = None
+        for f, fut in futures:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
+                self.slots[layer].abandon(f)
+                error = error or exc
+        st = self.io[layer]
+        st.read_seconds += time.perf_counter() - t0
+        st.bytes_read += bb * (
+            len(fills) if error is None else sum(1 for _, fu in futures if fu.exception() is None)
+        )
+        if error is not None:
+            raise error
+
+    def get_many(self, layer: int, expert_ids: list[int]) -> list[SlotRef]:
+        """References to one step's experts (router order, deduplicated), reading the misses."""
+        refs, fills = self.slots[layer].assign(expert_ids)
+        self._fill(layer, fills)
+        return refs
+
+    def weights(self, ref: SlotRef) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, D], down [D, I]) of a referenced expert, dequantized from its slot."""
+        self.slots[ref.layer].check(ref)
+        scales = self.scales[ref.layer]
+        return dequantize_block(
+            self.bundle.layouts[ref.layer],
+            self.pools[ref.layer][ref.slot],
+            None if scales is None else scales[ref.expert],
+            self.dtype,
+        )
+
+    def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
+        """Preload each layer's most used experts (up to its quota); they stay evictable."""
+        for layer, freq in frequencies.items():
+            if layer not in self.slots:
+                raise QuotaError(f"warm set names layer {layer}, which is not a MoE layer of this model")
+            counts = dict(enumerate(freq)) if isinstance(freq, list) else {int(k): v for k, v in freq.items()}
+            top = sorted(counts, key=lambda e: (-counts[e], e))[: self.slots[layer].quota]
+            top.reverse()  # least used first, so the most used ends up most recent
+            _, fills = self.slots[layer].assign(top, count=False)  # warm reads are not misses
+            self._fill(layer, fills)
+            self.io[layer].warm_reads += len(fills)
+
+    # ---- reporting ----------------------------------------------------------------------
+
+    def layer_stats(self, layer: int) -> LayerStats:
+        c, io = self.slots[layer].counters, self.io[layer]
+        return LayerStats(c.hits, c.misses, c.evictions, io.warm_reads, io.bytes_read, io.read_seconds)
+
+    def totals(self) -> LayerStats:
+        t = LayerStats()
+        for s in map(self.layer_stats, self.slots):
+            t.hits += s.hits
+            t.misses += s.misses
+            t.evictions += s.evictions
+            t.warm_reads += s.warm_reads
+            t.bytes_read += s.bytes_read
+            t.read_seconds += s.read_seconds
+        return t
+
+    def fallbacks(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for r in self.readers.values():
+            out.update(r.stats.fallbacks)
+        return out
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+        self.readers.clear()
+        self.pools.clear()
+        self._host.clear()
+
+
+def _quota_text(quotas: dict[int, int]) -> str:
+    values = set(quotas.values())
+    return f"{values.pop()} x {len(quotas)} layers" if len(values) == 1 else str(quotas)
+
+
+def open_cache(bundle_dir: str | Path, quota: int, **kw) -> ExpertCache:
+    return ExpertCache(Bundle.open(bundle_dir), quota, **kw)

@@ -1,0 +1,104 @@
+"""Slot bookkeeping for one MoE layer: which expert sits in which slot, and each slot's
+generation. Plain Python (no torch, no files): the expert cache drives it and moves the bytes.
+
+Recency is the :class:`LRUSet` the planner replays traces through, so simulated and counted
+misses agree. A :class:`SlotRef` carries the slot's generation at the time it was handed out;
+refilling a slot bumps its generation, and a stale reference is refused, never served another
+expert's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from edgerun.cache.policy import LRUSet
+from edgerun.errors import EdgerunError
+
+
+class StaleSlotError(EdgerunError, RuntimeError):
+    pass
+
+
+class QuotaError(EdgerunError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    layer: int
+    expert: int
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A miss: read ``expert`` into ``slot`` (whose generation is already bumped)."""
+
+    expert: int
+    slot: int
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class LayerSlots:
+    def __init__(self, layer: int, quota: int, top_k: int) -> None:
+        if quota < top_k:
+            raise QuotaError(
+                f"layer {layer}: expert quota {quota} is below top_k {top_k}; a token's experts would evict each other"
+            )
+        self.layer = layer
+        self.quota = quota
+        self.lru = LRUSet(quota)
+        self.slot_of: dict[int, int] = {}
+        self.generation = [0] * quota
+        self.free = list(range(quota - 1, -1, -1))  # pop() hands out slot 0 first
+        self.counters = LayerCounters()
+
+    def assign(self, ids: Iterable[int], count: bool = True) -> tuple[list[SlotRef], list[Fill]]:
+        """One step's experts (router order, duplicates allowed) -> (refs in the deduplicated
+        router order, fills for the misses). The caller must complete every fill, or call
+        :meth:`abandon` for the ones it could not, before using the refs."""
+        access = self.lru.access(ids)
+        for e in access.evictions:
+            self.free.append(self.slot_of.pop(e))
+        fills = []
+        for e in access.misses:
+            slot = self.free.pop()
+            self.generation[slot] += 1
+            self.slot_of[e] = slot
+            fills.append(Fill(e, slot))
+        if count:
+            c = self.counters
+            c.hits += len(access.hits)
+            c.misses += len(access.misses)
+            c.evictions += len(access.evictions)
+        step = dict.fromkeys(access.hits + access.misses)
+        order = [e for e in dict.fromkeys(ids) if e in step]
+        refs = [SlotRef(self.layer, e, self.slot_of[e], self.generation[self.slot_of[e]]) for e in order]
+        return refs, fills
+
+    def abandon(self, fill: Fill) -> None:
+        """A fill failed: the slot holds nothing valid; forget the expert so it is read again."""
+        if self.slot_of.get(fill.expert) == fill.slot:
+            del self.slot_of[fill.expert]
+            self.lru.discard(fill.expert)
+            self.generation[fill.slot] += 1
+            self.free.append(fill.slot)
+
+    def check(self, ref: SlotRef) -> None:
+        if self.generation[ref.slot] != ref.generation or self.slot_of.get(ref.expert) != ref.slot:
+            raise StaleSlotError(
+                f"layer {ref.layer}: reference to expert {ref.expert} in slot {ref.slot} "
+                f"(generation {ref.generation}) is stale; the slot is now at generation {self.generation[ref.slot]}"
+            )
+
+    def resident(self) -> list[int]:
+        """Held experts, oldest first."""
+        return self.lru.order()

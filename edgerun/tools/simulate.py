@@ -1,0 +1,144 @@
+"""Route traces: record them from a running model, and replay them through cache policies.
+
+``record`` hooks every router and writes one trace line per token, tagged with its forward
+(step). ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
+fetched together, split into pieces when they exceed the quota, exactly as the streaming
+layer does) through the cache's :class:`LRUSet`, or through Belady's optimal policy (evict the
+expert whose next use is farthest away) as the bound any online policy stays above.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgerun.cache.policy import LRUSet
+from edgerun.engine.streaming import pieces
+from edgerun.tools.routes import RouteTrace, RouteTraceWriter, TraceHeader
+
+POLICIES = ("lru", "belady")
+
+
+@dataclass
+class SimResult:
+    policy: str
+    quota: int
+    tokens: int
+    misses: dict[int, int] = field(default_factory=dict)  # per MoE layer
+
+    @property
+    def total_misses(self) -> int:
+        return sum(self.misses.values())
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.total_misses / self.tokens if self.tokens else 0.0
+
+
+def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[int]]:
+    """One MoE layer's fetches in order: per step, per piece, the experts in router order."""
+    by_step: dict[int, list[list[int]]] = defaultdict(list)
+    order = []
+    for token, step in zip(trace.tokens, trace.step_ids()):
+        if step not in by_step:
+            order.append(step)
+        by_step[step].append(list(token[layer_pos]))
+    out = []
+    for step in order:
+        rows = by_step[step]
+        for lo, hi in pieces(rows, quota):
+            out.append([e for row in rows[lo:hi] for e in row])
+    return out
+
+
+def _lru_misses(accesses: list[list[int]], quota: int) -> int:
+    lru = LRUSet(quota)
+    return sum(len(lru.access(ids).misses) for ids in accesses)
+
+
+def _belady_misses(accesses: list[list[int]], quota: int) -> int:
+    steps = [list(dict.fromkeys(ids)) for ids in accesses]
+    uses: dict[int, list[int]] = defaultdict(list)
+    for t, ids in enumerate(steps):
+        for e in ids:
+            uses[e].append(t)
+    cursor = defaultdict(int)
+    held: set[int] = set()
+    misses = 0
+    for ids in steps:
+        for e in ids:
+            cursor[e] += 1  # uses[e][cursor[e]] is now the next use after this step
+        new = [e for e in ids if e not in held]
+        misses += len(new)
+        excess = len(held) + len(new) - quota
+        if excess > 0:
+            step = set(ids)
+
+            def next_use(e: int) -> int:
+                k = cursor[e]
+                return uses[e][k] if k < len(uses[e]) else 1 << 62
+
+            victims = sorted((e for e in held if e not in step), key=lambda e: (-next_use(e), e))[:excess]
+            held.difference_update(victims)
+        held.update(new)
+    return misses
+
+
+def simulate(trace: RouteTrace, quota: int, policy: str = "lru") -> SimResult:
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    h = trace.header
+    if quota < h.top_k:
+        raise ValueError(f"quota {quota} is below top_k {h.top_k}")
+    count = _lru_misses if policy == "lru" else _belady_misses
+    res = SimResult(policy, quota, len(trace.tokens))
+    for pos, layer in enumerate(h.moe_layers):
+        res.misses[layer] = count(layer_accesses(trace, pos, quota), quota)
+    return res
+
+
+def frequencies(trace: RouteTrace) -> dict[int, list[int]]:
+    """Per MoE layer, how often each expert was routed to: the warm-set input."""
+    h = trace.header
+    out = {layer: [0] * h.num_experts for layer in h.moe_layers}
+    for token in trace.tokens:
+        for layer, ids in zip(h.moe_layers, token):
+            for e in ids:
+                out[layer][e] += 1
+    return out
+
+
+class RouteRecorder:
+    """Forward hooks on every router of a model; each model forward becomes one trace step."""
+
+    def __init__(self, model, args, path: str | Path, name: str, seq: int | None = None) -> None:
+        self.args = args
+        self.writer = RouteTraceWriter(path, TraceHeader.for_model(args, name))
+        self.step = 0
+        self.seq = seq
+        self._ids: dict[int, list[list[int]]] = {}
+        self._hooks = []
+        for i, layer in enumerate(model.model.layers):
+            if i in args.moe_layers:
+                self._hooks.append(layer.mlp.gate.register_forward_hook(self._on_route(i)))
+        self._hooks.append(model.register_forward_hook(self._on_forward))
+
+    def _on_route(self, layer: int):
+        def hook(_module, _inputs, output) -> None:
+            _, ids = output
+            self._ids[layer] = ids.tolist()
+
+        return hook
+
+    def _on_forward(self, _module, _inputs, _output) -> None:
+        per_layer = [self._ids[layer] for layer in self.args.moe_layers]
+        for t in range(len(per_layer[0])):
+            self.writer.add([rows[t] for rows in per_layer], seq=self.seq, step=self.step)
+        self.step += 1
+        self._ids.clear()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.writer.close()
