@@ -1,0 +1,102 @@
+"""O_DIRECT block reader: right bytes with several reads in flight, alignment errors named,
+bounds, buffered mode, and the recorded fallback where O_DIRECT is unsupported."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from edgerun.cache.reader import (
+    AlignmentError,
+    BlockReader,
+    ReadError,
+    aligned_buffer,
+    buffer_address,
+    check_alignment,
+)
+
+BB = 8192
+
+
+@pytest.fixture()
+def expert_file(tmp_path):
+    data = os.urandom(BB * 16)
+    p = tmp_path / "L00.bin"
+    p.write_bytes(data)
+    return p, data
+
+
+def _o_direct_supported(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "auto"])
+def test_concurrent_reads_return_the_right_blocks(expert_file, mode):
+    path, data = expert_file
+    if mode == "direct" and not _o_direct_supported(path):
+        pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
+    r = BlockReader(BB, staging=3, mode=mode)
+    got = {}
+    order = [13, 2, 15, 0, 7, 7, 9, 1]
+    futures = [r.submit(path, i, lambda v, i=i: got.__setitem__(i, bytes(v)), 16) for i in order]
+    for f in futures:
+        f.result()
+    assert all(got[i] == data[i * BB : (i + 1) * BB] for i in order)
+    assert r.stats.reads == len(order) and r.stats.bytes == len(order) * BB
+    r.close()
+
+
+def test_each_misalignment_is_named():
+    with pytest.raises(AlignmentError, match=r"offset 100 is not a multiple of 4096$"):
+        check_alignment(100, 4096, 8192, "f")
+    with pytest.raises(AlignmentError, match=r"length 5000 is not a multiple of 4096$"):
+        check_alignment(4096, 5000, 8192, "f")
+    with pytest.raises(AlignmentError, match=r"buffer address 0x2001 is not 4096-byte aligned$"):
+        check_alignment(4096, 4096, 0x2001, "f")
+    with pytest.raises(AlignmentError, match=r"block_bytes 5000 is not a positive multiple of 4096"):
+        BlockReader(5000)
+
+
+def test_staging_buffers_are_page_aligned():
+    buf = aligned_buffer(BB)
+    assert buffer_address(buf) % 4096 == 0
+    buf.close()
+
+
+def test_out_of_range_block_quotes_the_request(expert_file):
+    path, _ = expert_file
+    r = BlockReader(BB, staging=1, mode="buffered")
+    with pytest.raises(ReadError, match=r"block 16 requested, file holds blocks 0..15"):
+        r.read_into(path, 16, lambda v: None, 16)
+    r.close()
+
+
+def test_short_file_is_a_short_read(expert_file, tmp_path):
+    path, data = expert_file
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[: BB * 3 + 100])
+    r = BlockReader(BB, staging=1, mode="buffered")
+    with pytest.raises(ReadError, match=r"short read of block 3 at offset 24576: 100 of 8192 bytes"):
+        r.read_into(short, 3, lambda v: None, 16)
+    r.close()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm (tmpfs) here")
+def test_tmpfs_direct_refused_auto_falls_back_visibly(tmp_path):
+    shm = Path("/dev/shm") / f"edgerun-test-{os.getpid()}.bin"
+    shm.write_bytes(os.urandom(BB * 2))
+    try:
+        if _o_direct_supported(shm):
+            pytest.skip("this tmpfs accepts O_DIRECT")
+        with pytest.raises(ReadError, match=r"does not support O_DIRECT \(set read_mode: buffered or auto\)"):
+            BlockReader(BB, 1, "direct").read_into(shm, 0, lambda v: None, 2)
+        r = BlockReader(BB, 1, "auto")
+        r.read_into(shm, 1, lambda v: None, 2)
+        assert "does not support O_DIRECT" in r.stats.fallbacks["direct_read"]
+        r.close()
+    finally:
+        shm.unlink()
