@@ -4,7 +4,8 @@ A block holds one expert's gate_up [2I, D] and down [D, I] projections, quantize
 says, each followed by its per-row or per-group scales. Components start on 64-byte boundaries
 (vector loads); the block is padded to a multiple of 4096 bytes, so expert ``e`` sits at
 ``e * block_bytes`` and every read is O_DIRECT-aligned in offset and length. Per-tensor (global)
-scales live in the per-layer ``.scales`` sidecar, not in the block. Pure arithmetic: no torch.
+scales live in the per-layer ``.scales`` sidecar, not in the block. A rotation (Hadamard, per
+group) changes how the bytes are read back, never where they are. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMPONENT_ALIGN = 64
 QUANTS = ("bf16", "int8", "int4")
 DEFAULT_GROUP = {"bf16": 0, "int8": 0, "int4": 32}  # int8 group 0: one scale per output row
 INT4_GROUPS = (16, 32)
+ROTATIONS = ("none", "hadamard")  # hadamard: orthonormal Sylvester Hadamard over each group
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class BlockLayout:
     group_size: int
     components: tuple[Component, ...]
     block_bytes: int
+    rotation: str = "none"
 
     def component(self, name: str) -> Component:
         for c in self.components:
@@ -73,9 +76,22 @@ def check_quant(quant: str, group_size: int | None, hidden: int, inter: int) -> 
     return group
 
 
-def expert_block_layout(args: ModelArgs, quant: str = "bf16", group_size: int | None = None) -> BlockLayout:
+def check_rotation(rotation: str, quant: str, group: int) -> None:
+    if rotation not in ROTATIONS:
+        raise ConfigError(f"rotation {rotation!r} is not supported (supported: {', '.join(ROTATIONS)})")
+    if rotation == "hadamard" and (quant == "bf16" or group <= 0 or group & (group - 1)):
+        raise ConfigError(
+            f"a Hadamard rotation needs a quantized scheme with a power-of-two group size "
+            f"(got quant {quant!r}, group {group})"
+        )
+
+
+def expert_block_layout(
+    args: ModelArgs, quant: str = "bf16", group_size: int | None = None, rotation: str = "none"
+) -> BlockLayout:
     D, I = args.hidden_size, args.moe_intermediate_size
     group = check_quant(quant, group_size, D, I)
+    check_rotation(rotation, quant, group)
     comps: list[Component] = []
     offset = 0
 
@@ -95,4 +111,4 @@ def expert_block_layout(args: ModelArgs, quant: str = "bf16", group_size: int | 
         else:  # int4: two values per byte, one fp8 (e4m3) scale per group; fp32 global in the sidecar
             add(f"{proj}.weight", "uint8", (rows, cols // 2), rows * cols // 2)
             add(f"{proj}.scales", "fp8_e4m3", (rows, cols // group), rows * cols // group)
-    return BlockLayout(quant, group, tuple(comps), _round_up(offset, ALIGN))
+    return BlockLayout(quant, group, tuple(comps), _round_up(offset, ALIGN), rotation)

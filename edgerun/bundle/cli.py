@@ -1,0 +1,82 @@
+"""`convert` and `verify` subcommands. ``edgerun.cli`` adds them with ``add_*_arguments`` and runs
+them with ``run_*``; ``python -m edgerun.bundle.cli convert|verify ...`` runs them alone."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
+from edgerun.bundle.layout import QUANTS
+from edgerun.bundle.verify import verify_bundle
+from edgerun.errors import EdgerunError
+
+
+def add_convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    )
+    p.add_argument("dst", help="bundle directory to create (or to resume)")
+    p.add_argument("--quant", choices=QUANTS, default="bf16", help="routed-expert format (default bf16)")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        help="quantization group size along the input dimension (int8: 0 = per row, the default; "
+        "int4: 16 or 32, default 32)",
+    )
+    p.add_argument("--rotate", action="store_true", help="Hadamard-rotate each group before quantizing")
+    p.add_argument(
+        "--dense-dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="cast resident floating tensors to this dtype (default: keep each tensor's source dtype)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read safetensors headers only; print every tensor's classification and the bundle's sizes",
+    )
+
+
+def run_convert(ns: argparse.Namespace) -> int:
+    options = ConvertOptions(quant=ns.quant, group=ns.group, rotate=ns.rotate, dense_dtype=ns.dense_dtype)
+    try:
+        if ns.dry_run:
+            plan = plan_conversion(ns.src, options)
+            print(dry_run_report(plan))
+            plan.check()
+            return 0
+        convert(ns.src, ns.dst, options, log=sys.stderr)
+    except (EdgerunError, OSError) as exc:
+        print(f"convert: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dst", help="bundle directory")
+    p.add_argument("--deep", action="store_true", help="also hash every file and block against the manifest")
+
+
+def run_verify(ns: argparse.Namespace) -> int:
+    try:
+        report = verify_bundle(ns.dst, deep=ns.deep)
+    except (EdgerunError, OSError) as exc:
+        print(f"verify: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m edgerun.bundle.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_convert_arguments(sub.add_parser("convert", help="convert a checkpoint into a bundle"))
+    add_verify_arguments(sub.add_parser("verify", help="check a bundle"))
+    ns = parser.parse_args(argv)
+    return run_convert(ns) if ns.command == "convert" else run_verify(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Bundle format v1: file names, the manifest schema (parse + validate + serialise), hashing and
+a streaming safetensors header writer. docs/bundle-format.md is the specification; this module is
+its executable form. No torch here: the planner and `verify` read manifests without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgerun.bundle.layout import ALIGN, Component
+from edgerun.errors import ConfigError, EdgerunError
+from edgerun.models.args import ConfigReader
+
+FORMAT_NAME = "edgerun-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DENSE = "dense.safetensors"
+EXPERT_DIR = "experts"
+TOKENIZER_REQUIRED = ("tokenizer.json",)
+TOKENIZER_OPTIONAL = (
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
+HASH = "blake2b"
+FILE_DIGEST = 32  # blake2b-256 for whole files
+PART_DIGEST = 16  # blake2b-128 for one expert block or one dense tensor
+SIDECAR_DTYPE = "fp32"
+QUANT_BITS = {"bf16": 16, "int8": 8, "int4": 4}
+SCALE_FORMATS = {
+    "bf16": "none",
+    "int8": "fp32 per row (group 0) or per group, in the block",
+    "int4": "fp8_e4m3 per group in the block x fp32 power-of-two per tensor in the sidecar",
+}
+VALUE_RANGES = {"bf16": None, "int8": [-127, 127], "int4": [-7, 7]}
+
+
+class BundleError(EdgerunError, ValueError):
+    """A bundle is missing, damaged, or does not match what its manifest says."""
+
+
+def expert_file(layer: int) -> str:
+    return f"{EXPERT_DIR}/L{layer:02d}.bin"
+
+
+def sidecar_file(layer: int) -> str:
+    return f"{EXPERT_DIR}/L{layer:02d}.scales"
+
+
+# --------------------------------------------------------------------------------------------
+# Hashing
+
+
+def new_hash(digest: int = FILE_DIGEST) -> Any:
+    return hashlib.blake2b(digest_size=digest)
+
+
+def part_hash(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=PART_DIGEST).hexdigest()
+
+
+def file_hash(path: Path, chunk: int = 16 << 20) -> str:
+    """blake2b-256 of a whole file, read in chunks (bounded memory)."""
+    h = new_hash()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """blake2b-256 of the canonical JSON of ``obj`` (sorted keys, no spaces)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=FILE_DIGEST).hexdigest()
+
+
+def inventory_fingerprint(dense: list[tuple[str, str, tuple[int, ...]]]) -> str:
+    """Fingerprint of the resident tensor inventory: sorted (name, safetensors dtype, shape)."""
+    return fingerprint(sorted([n, d, list(s)] for n, d, s in dense))
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming safetensors writing: the header first, then each tensor's bytes in header order.
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """(name, dtype code, shape, nbytes) in file order -> the header bytes (8-byte length + JSON,
+    space-padded so the data starts on an 8-byte boundary). Tensors follow back to back."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+# --------------------------------------------------------------------------------------------
+# Manifest
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    bytes: int
+    blake2b: str
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    file: str
+    dtype: str  # fp32
+    shape: tuple[int, int]  # [num_experts, 2]: gate_up, down global scales
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    layer: int
+    file: str
+    num_experts: int
+    block_bytes: int
+    components: tuple[Component, ...]
+    sidecar: Sidecar | None
+    block_blake2b: tuple[str, ...]
+    rel_rmse: float  # sqrt(sum err^2 / sum w^2) over this layer's experts
+
+    @property
+    def file_bytes(self) -> int:
+        return self.num_experts * self.block_bytes
+
+
+@dataclass(frozen=True)
+class QuantRecord:
+    scheme: str  # bf16 | int8 | int4
+    bits: int
+    group_size: int  # 0: per row (int8) / none (bf16)
+    value_range: tuple[int, int] | None
+    scale_format: str
+    rotation: str  # none | hadamard
+    rel_rmse: float  # pooled over every expert of every layer
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_type: str
+    config: dict[str, Any]  # key 'model_config': the source's config.json, as read
+    dtype: str  # default load dtype (safetensors code): --dense-dtype, else the source's most common
+    inventory: str  # inventory_fingerprint of dense.safetensors
+    source: dict[str, Any]  # identity of the source checkpoint (informational + resume key)
+    quant: QuantRecord
+    dense_file: str
+    dense_dtype: str  # "source" (each tensor keeps its checkpoint dtype) or the safetensors code cast to
+    dense_tensors: dict[str, str]  # name -> blake2b-128 of its bytes, in file order
+    layers: tuple[LayerRecord, ...]
+    tokenizer_files: tuple[str, ...]
+    files: dict[str, FileRecord] = field(default_factory=dict)  # every file but the manifest
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def layer(self, index: int) -> LayerRecord:
+        for rec in self.layers:
+            if rec.layer == index:
+                return rec
+        raise KeyError(f"layer {index} has no routed experts in this bundle")
+
+    def to_json(self) -> dict[str, Any]:
+        def comp(c: Component) -> dict[str, Any]:
+            return {
+                "name": c.name,
+                "dtype": c.dtype,
+                "shape": list(c.shape),
+                "offset": c.offset,
+                "nbytes": c.nbytes,
+            }
+
+        return {
+            "format": self.format,
+            "version": self.version,
+            "model": {"model_type": self.model_type, "dtype": self.dtype, "inventory": self.inventory},
+            "model_config": self.config,
+            "source": self.source,
+            "quant": {**asdict(self.quant), "value_range": _list(self.quant.value_range)},
+            "dense": {"file": self.dense_file, "dtype": self.dense_dtype, "tensors": self.dense_tensors},
+            "layers": [
+                {
+                    "layer": r.layer,
+                    "file": r.file,
+                    "num_experts": r.num_experts,
+                    "block_bytes": r.block_bytes,
+                    "components": [comp(c) for c in r.components],
+                    "sidecar": None
+                    if r.sidecar is None
+                    else {**asdict(r.sidecar), "shape": list(r.sidecar.shape)},
+                    "rel_rmse": r.rel_rmse,
+                    "block_blake2b": list(r.block_blake2b),
+                }
+                for r in self.layers
+            ],
+            "tokenizer": {"files": list(self.tokenizer_files)},
+            "files": {k: asdict(v) for k, v in self.files.items()},
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1) + "\n"
+
+
+def _list(x: Any) -> Any:
+    return None if x is None else list(x)
+
+
+def _obj(d: Any, path: Path, where: str) -> ConfigReader:
+    """Typed access to one manifest object; errors name the file and the key path."""
+    if not isinstance(d, dict):
+        raise BundleError(f"{path}: key {where!r} must be an object, got {d!r}")
+    return ConfigReader(d, f"{path} [{where}]" if where else str(path))
+
+
+def _ints(r: ConfigReader, key: str, low: int = 0) -> tuple[int, ...]:
+    value = r.require(key, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value):
+        raise BundleError(f"{r.source}: key {key!r} must be a list of integers >= {low}, got {value!r}")
+    return tuple(value)
+
+
+def read_manifest(bundle: str | Path) -> Manifest:
+    """Parse and schema-check ``bundle/manifest.json``. The format name and version are checked
+    first, so a future version is refused by its number, not by a missing key."""
+    path = Path(bundle) / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{Path(bundle)}: not a bundle (no {MANIFEST})")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise BundleError(f"{path}: key 'format' is {got!r}, expected {FORMAT_NAME!r}: not an edgerun bundle")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: unknown bundle format version {version!r} (this edgerun reads version {FORMAT_VERSION})"
+        )
+    try:
+        return _parse(doc, path)
+    except ConfigError as exc:
+        raise BundleError(str(exc)) from exc
+
+
+def _parse(doc: dict[str, Any], path: Path) -> Manifest:
+    top = _obj(doc, path, "")
+    q = _obj(top.require("quant", dict), path, "quant")
+    scheme = q.require("scheme", str)
+    if scheme not in QUANT_BITS:
+        raise BundleError(f"{q.source}: key 'scheme' is {scheme!r}, expected one of {', '.join(QUANT_BITS)}")
+    quant = QuantRecord(
+        scheme=scheme,
+        bits=q.require("bits"),
+        group_size=q.require("group_size"),
+        value_range=None if q.cfg.get("value_range") is None else _ints(q, "value_range", low=-(2**31)),
+        scale_format=q.require("scale_format", str),
+        rotation=q.require("rotation", str),
+        rel_rmse=q.require("rel_rmse", float),
+    )
+    if quant.bits != QUANT_BITS[scheme]:
+        raise BundleError(
+            f"{q.source}: key 'bits' is {quant.bits}, but {scheme!r} has {QUANT_BITS[scheme]} bits"
+        )
+
+    layers = []
+    for i, raw in enumerate(top.require("layers", list)):
+        rec = _obj(raw, path, f"layers[{i}]")
+        comps = []
+        for j, c in enumerate(rec.require("components", list)):
+            cr = _obj(c, path, f"layers[{i}].components[{j}]")
+            comps.append(
+                Component(
+                    cr.require("name", str),
+                    cr.require("dtype", str),
+                    _ints(cr, "shape"),
+                    cr.require("offset"),
+                    cr.require("nbytes"),
+                )
+            )
+        sidecar = None
+        if rec.cfg.get("sidecar") is not None:
+            sc = _obj(rec.cfg["sidecar"], path, f"layers[{i}].sidecar")
+            shape = _ints(sc, "shape")
+            if len(shape) != 2:
+                raise BundleError(f"{sc.source}: key 'shape' must have two entries, got {list(shape)}")
+            sidecar = Sidecar(sc.require("file", str), sc.require("dtype", str), shape, sc.require("nbytes"))
+        layers.append(
+            LayerRecord(
+                layer=rec.require("layer"),
+                file=rec.require("file", str),
+                num_experts=rec.require("num_experts"),
+                block_bytes=rec.require("block_bytes"),
+                components=tuple(comps),
+                sidecar=sidecar,
+                block_blake2b=tuple(rec.require("block_blake2b", list)),
+                rel_rmse=rec.require("rel_rmse", float),
+            )
+        )
+    files = {}
+    for name, raw in top.require("files", dict).items():
+        fr = _obj(raw, path, f"files[{name!r}]")
+        files[name] = FileRecord(fr.require("bytes"), fr.require("blake2b", str))
+    model = _obj(top.require("model", dict), path, "model")
+    dense = _obj(top.require("dense", dict), path, "dense")
+    return Manifest(
+        model_type=model.require("model_type", str),
+        config=top.require("model_config", dict),
+        dtype=model.require("dtype", str),
+        inventory=model.require("inventory", str),
+        source=top.require("source", dict),
+        quant=quant,
+        dense_file=dense.require("file", str),
+        dense_dtype=dense.require("dtype", str),
+        dense_tensors=dense.require("tensors", dict),
+        layers=tuple(layers),
+        tokenizer_files=tuple(_obj(top.require("tokenizer", dict), path, "tokenizer").require("files", list)),
+        files=files,
+    )
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name, fsync, then rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_aligned(n: int) -> bool:
+    return n > 0 and n % ALIGN == 0

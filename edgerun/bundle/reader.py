@@ -1,0 +1,312 @@
+"""Open a bundle: validate it cheaply (before any tensor is allocated), read single expert
+blocks, and load the whole model with its experts resident.
+
+``Bundle.open`` checks the manifest (format, version, schema), that its model config yields the
+block layout it records, that ``dense.safetensors`` holds exactly the resident tensors that config
+implies, and every file's size: a broken or mismatched bundle is refused with a message naming the
+file and the offset or key. Hashes are `verify --deep`'s job (they read every byte).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from edgerun.bundle import format as F
+from edgerun.bundle.layout import BlockLayout, expert_block_layout
+from edgerun.bundle.quant import dequantize_block
+from edgerun.errors import EdgerunError
+from edgerun.models import args as A
+from edgerun.models.args import ModelArgs
+from edgerun.models.checkpoint import LoadReport, load_entries, set_parameter
+from edgerun.models.registry import load_args
+from edgerun.safetensors_io import DTYPES, TensorEntry, read_header
+
+__all__ = ["Bundle", "BundleError", "dequantize_block", "load_bundle_model"]
+BundleError = F.BundleError
+
+
+@dataclass
+class Bundle:
+    root: Path
+    manifest: F.Manifest
+    arch: ModuleType
+    args: ModelArgs
+    dense: dict[str, TensorEntry]  # dense.safetensors header, by canonical name
+    layouts: dict[int, BlockLayout]  # MoE layer -> block layout
+
+    @classmethod
+    def open(cls, root: str | Path) -> Bundle:
+        """Validate ``root`` (cheap checks only: no payload is read) and return the bundle."""
+        root = Path(root)
+        m = F.read_manifest(root)
+        mpath = root / F.MANIFEST
+        try:
+            arch, args = load_args(m.config)
+        except EdgerunError as exc:
+            raise BundleError(f"{mpath}: key 'model_config' is not a usable model config: {exc}") from exc
+        if args.model_type != m.model_type:
+            raise BundleError(
+                f"{mpath}: key 'model.model_type' is {m.model_type!r} but its config describes {args.model_type!r}"
+            )
+        _check_paths(root, m)
+        _check_tokenizer(root, m)
+        layouts = {rec.layer: _check_layer_record(mpath, m, rec, args) for rec in m.layers}
+        if sorted(layouts) != list(args.moe_layers):
+            raise BundleError(
+                f"{mpath}: key 'layers' lists MoE layers {sorted(layouts)}, but the model config has "
+                f"MoE layers {list(args.moe_layers)}"
+            )
+        dense = _check_dense(root, m, arch, args)
+        for rec in m.layers:
+            _check_expert_files(root, rec)
+        _check_file_sizes(root, m)
+        return cls(root, m, arch, args, dense, layouts)
+
+    def expert_path(self, layer: int) -> Path:
+        return self.root / self.manifest.layer(layer).file
+
+    def block_offset(self, layer: int, expert: int) -> int:
+        rec = self.manifest.layer(layer)
+        if not 0 <= expert < rec.num_experts:
+            raise IndexError(f"expert {expert} is out of range for layer {layer} ({rec.num_experts} experts)")
+        return expert * rec.block_bytes
+
+    def read_block(self, layer: int, expert: int) -> torch.Tensor:
+        """One expert's block (uint8 [block_bytes]): one read at ``expert * block_bytes``."""
+        layout = self.layouts[layer]
+        offset = self.block_offset(layer, expert)
+        buf = bytearray(layout.block_bytes)
+        fd = os.open(self.expert_path(layer), os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [buf], offset)
+        finally:
+            os.close(fd)
+        if got != layout.block_bytes:
+            raise BundleError(
+                f"{self.expert_path(layer)}: short read of expert {expert} at offset {offset}: "
+                f"{got} of {layout.block_bytes} bytes"
+            )
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def global_scales(self, layer: int) -> torch.Tensor | None:
+        """The layer's per-tensor scales, fp32 [E, 2] (gate_up, down); None without a sidecar."""
+        rec = self.manifest.layer(layer)
+        if rec.sidecar is None:
+            return None
+        raw = bytearray((self.root / rec.sidecar.file).read_bytes())
+        if len(raw) != rec.sidecar.nbytes:
+            raise BundleError(
+                f"{self.root / rec.sidecar.file}: {len(raw)} bytes, the manifest records {rec.sidecar.nbytes}"
+            )
+        return torch.frombuffer(raw, dtype=torch.float32).view(rec.sidecar.shape)
+
+    def expert(
+        self, layer: int, expert: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, D], down [D, I]) of one expert, read and dequantized."""
+        scales = self.global_scales(layer)
+        return dequantize_block(
+            self.layouts[layer],
+            self.read_block(layer, expert),
+            None if scales is None else scales[expert],
+            dtype,
+        )
+
+
+def load_bundle_model(
+    root: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    experts: bool = True,
+) -> tuple[nn.Module, ModelArgs, LoadReport]:
+    """The model ``load_model`` would build, from a bundle: dense weights from dense.safetensors,
+    routed experts dequantized from their blocks (``dequantize_block``, the streaming path's own
+    dequantizer). ``dtype`` None: the source checkpoint's dtype. ``experts=False`` leaves them on
+    the meta device for a caller that streams them. The bundle is validated before anything is
+    allocated."""
+    b = Bundle.open(root)
+    dtype = dtype or DTYPES[b.manifest.dtype]
+    model, report = load_entries(b.arch, b.args, b.dense, dtype=dtype, device=device, experts=False)
+    report.files = 1 + len(b.manifest.layers)
+    report.expert_layout = f"bundle {b.manifest.quant.scheme}"
+    if experts:
+        E, I, D = b.args.num_experts, b.args.moe_intermediate_size, b.args.hidden_size
+        for layer in b.args.moe_layers:
+            gate_up = torch.empty(E, 2 * I, D, dtype=dtype)
+            down = torch.empty(E, D, I, dtype=dtype)
+            scales = b.global_scales(layer)
+            for e in range(E):
+                gu, dn = dequantize_block(
+                    b.layouts[layer], b.read_block(layer, e), None if scales is None else scales[e], dtype
+                )
+                gate_up[e].copy_(gu)
+                down[e].copy_(dn)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for name, value in ((f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)):
+                set_parameter(model, name, value.to(device))
+                report.tensors += 1
+                report.bytes += value.nbytes
+    return model, b.args, report
+
+
+# --------------------------------------------------------------------------------------------
+# Cheap checks (Bundle.open), in the order a damaged bundle is most usefully described
+
+
+def _check_paths(root: Path, m: F.Manifest) -> None:
+    """Every path the manifest names stays inside the bundle."""
+    names = [m.dense_file, *m.tokenizer_files, *m.files]
+    for rec in m.layers:
+        names.append(rec.file)
+        if rec.sidecar is not None:
+            names.append(rec.sidecar.file)
+    for n in names:
+        p = Path(n)
+        if p.is_absolute() or ".." in p.parts or n == F.MANIFEST:
+            raise BundleError(f"{root / F.MANIFEST}: path {n!r} does not name a file inside the bundle")
+
+
+def _check_tokenizer(root: Path, m: F.Manifest) -> None:
+    for n in F.TOKENIZER_REQUIRED:
+        if n not in m.tokenizer_files:
+            raise BundleError(f"{root / F.MANIFEST}: key 'tokenizer.files' does not list {n}: no tokenizer")
+    for n in m.tokenizer_files:
+        if not (root / n).is_file():
+            raise BundleError(f"missing tokenizer file {root / n} (listed in {F.MANIFEST} 'tokenizer.files')")
+
+
+def _check_layer_record(mpath: Path, m: F.Manifest, rec: F.LayerRecord, args: ModelArgs) -> BlockLayout:
+    """block_bytes aligned; the recorded layout is the one the config and quantization give."""
+    where = f"layers[layer {rec.layer}]"
+    if not F.is_aligned(rec.block_bytes):
+        raise BundleError(
+            f"{mpath}: key '{where}.block_bytes' is {rec.block_bytes}, not a positive multiple of 4096: "
+            f"blocks of {rec.file} would not be O_DIRECT-aligned"
+        )
+    try:
+        want = expert_block_layout(args, m.quant.scheme, m.quant.group_size, m.quant.rotation)
+    except EdgerunError as exc:
+        raise BundleError(f"{mpath}: key 'quant' does not fit the model config: {exc}") from exc
+    if rec.num_experts != args.num_experts:
+        raise BundleError(
+            f"{mpath}: key '{where}.num_experts' is {rec.num_experts}, the model config has {args.num_experts}"
+        )
+    if rec.block_bytes != want.block_bytes:
+        raise BundleError(
+            f"{mpath}: key '{where}.block_bytes' is {rec.block_bytes}, but {m.quant.scheme} "
+            f"(group {m.quant.group_size}) blocks of this model are {want.block_bytes} bytes"
+        )
+    if rec.components != want.components:
+        got = {c.name: c for c in rec.components}
+        for c in want.components:
+            if got.get(c.name) != c:
+                raise BundleError(
+                    f"{mpath}: key '{where}.components' records {c.name} as {got.get(c.name)}, "
+                    f"the format gives {c}"
+                )
+        raise BundleError(f"{mpath}: key '{where}.components' lists components the format does not have")
+    if len(rec.block_blake2b) != rec.num_experts:
+        raise BundleError(
+            f"{mpath}: key '{where}.block_blake2b' has {len(rec.block_blake2b)} hashes for {rec.num_experts} blocks"
+        )
+    want_sidecar = m.quant.scheme == "int4"
+    if want_sidecar != (rec.sidecar is not None):
+        raise BundleError(
+            f"{mpath}: key '{where}.sidecar' is {'missing' if want_sidecar else 'present'}; "
+            f"{m.quant.scheme} {'needs' if want_sidecar else 'has no'} per-tensor scales"
+        )
+    if rec.sidecar is not None:
+        shape, nbytes = (args.num_experts, 2), args.num_experts * 2 * 4
+        if rec.sidecar.dtype != F.SIDECAR_DTYPE or rec.sidecar.shape != shape or rec.sidecar.nbytes != nbytes:
+            raise BundleError(
+                f"{mpath}: key '{where}.sidecar' is {rec.sidecar}; expected fp32 {list(shape)} ({nbytes} bytes)"
+            )
+    return want
+
+
+def _check_dense(root: Path, m: F.Manifest, arch: ModuleType, args: ModelArgs) -> dict[str, TensorEntry]:
+    """dense.safetensors holds exactly the resident tensors the manifest's config implies."""
+    path = root / m.dense_file
+    if not path.is_file():
+        raise BundleError(f"missing {path} (the bundle's resident weights)")
+    try:
+        entries, _ = read_header(path)
+    except EdgerunError as exc:
+        raise BundleError(str(exc)) from exc
+    want = {s.name: s.shape for s in arch.tensor_specs(args) if s.category != A.EXPERT}
+    other = f"{root / F.MANIFEST} describes another model than {path}"
+    for name, shape in want.items():
+        e = entries.get(name)
+        if e is None:
+            raise BundleError(f"{other}: the manifest's config implies tensor {name!r}, which the file lacks")
+        if tuple(e.shape) != tuple(shape):
+            raise BundleError(
+                f"{other}: tensor {name!r} is {list(e.shape)} in the file, {list(shape)} by the manifest's config"
+            )
+    extra = sorted(set(entries) - set(want))
+    if extra:
+        raise BundleError(f"{other}: the file holds tensor {extra[0]!r}, which the manifest's config lacks")
+    found = F.inventory_fingerprint([(e.name, e.dtype, e.shape) for e in entries.values()])
+    if found != m.inventory:
+        raise BundleError(
+            f"{other}: key 'model.inventory' is {m.inventory[:16]}..., the file's tensor inventory "
+            f"(names, dtypes, shapes) hashes to {found[:16]}..."
+        )
+    if set(m.dense_tensors) != set(entries):
+        raise BundleError(f"{root / F.MANIFEST}: key 'dense.tensors' does not list the file's tensors")
+    return entries
+
+
+def _check_expert_files(root: Path, rec: F.LayerRecord) -> None:
+    path = root / rec.file
+    if not path.is_file():
+        raise BundleError(f"missing expert file {path} (layer {rec.layer})")
+    size, want = path.stat().st_size, rec.file_bytes
+    if size < want:
+        e = size // rec.block_bytes
+        raise BundleError(
+            f"{path}: truncated expert file: {size} bytes, expected {want} ({rec.num_experts} blocks of "
+            f"{rec.block_bytes}); expert {e}'s block at offset {e * rec.block_bytes} is incomplete"
+        )
+    if size > want:
+        raise BundleError(
+            f"{path}: {size - want} bytes past the last block (offset {want}); expected {want} bytes"
+        )
+    if rec.sidecar is not None:
+        sc = root / rec.sidecar.file
+        if not sc.is_file():
+            raise BundleError(f"missing sidecar {sc} (layer {rec.layer}'s per-tensor scales)")
+        n = sc.stat().st_size
+        if n != rec.sidecar.nbytes:
+            raise BundleError(
+                f"{sc}: {'truncated' if n < rec.sidecar.nbytes else 'oversized'} sidecar: {n} bytes, expected "
+                f"{rec.sidecar.nbytes} ({rec.num_experts} experts x 2 fp32 global scales); "
+                f"the first bad offset is {min(n, rec.sidecar.nbytes)}"
+            )
+
+
+def _check_file_sizes(root: Path, m: F.Manifest) -> None:
+    """Every data file has a hash record, and every recorded file exists with its recorded size."""
+    data = [m.dense_file, *m.tokenizer_files]
+    for rec in m.layers:
+        data.append(rec.file)
+        if rec.sidecar is not None:
+            data.append(rec.sidecar.file)
+    for n in data:
+        if n not in m.files:
+            raise BundleError(f"{root / F.MANIFEST}: key 'files' has no record (size, hash) for {n}")
+    for n, rec in m.files.items():
+        p = root / n
+        if not p.is_file():
+            raise BundleError(f"missing {p} (listed in {F.MANIFEST} 'files')")
+        size = p.stat().st_size
+        if size != rec.bytes:
+            raise BundleError(
+                f"{p}: {size} bytes, {F.MANIFEST} records {rec.bytes} (key 'files[{n!r}].bytes')"
+            )
