@@ -1,0 +1,346 @@
+"""Train edgerun's demo model: a tiny ``qwen3_5_moe`` on the King James Bible.
+
+The exact recipe behind ``edgerun/demo`` (docs/demo-model.md records the run):
+
+    python scripts/prepare_demo_data.py --heldout-slice tests/data/kjv_heldout.txt
+    python scripts/train_demo_model.py --out OUT --steps 1441 --dropout 0.2   # the shipped weights
+
+Training uses Hugging Face ``transformers`` (``Qwen3_5MoeForCausalLM``); the edgerun runtime never
+imports it. Recipe: random windows of ``--seq-len`` + 1 tokens from the packed train split
+(seeded generator), next-token cross-entropy plus ``--aux-coef`` x the Switch load-balancing
+loss, dropout (training only, through forward hooks) on the embeddings and on every token
+mixer's and MoE block's output, AdamW, linear warm-up then cosine decay to ``--min-lr-ratio``,
+bf16 autocast on CUDA (fp32 on CPU). The validation loss (non-overlapping windows) picks the
+checkpoint; the test loss is only reported. The kept weights are rounded to bf16 and saved with
+``save_pretrained``, then the tokenizer files and generation config are written beside them.
+
+``--steps 0`` sizes the run from ``--time-budget`` (seconds): it times the first steps and one
+evaluation, then fixes the step count (logged as ``resolved steps``, capped by ``--max-epochs``);
+rerun with that ``--steps`` to repeat the recipe. ``--tiny`` shrinks the model for a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# hidden 256, 6 layers (DeltaNet x2, full attention, DeltaNet x2, full attention), 16 experts top-2.
+DEMO_CONFIG = dict(
+    hidden_size=256,
+    num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=256,
+    max_position_embeddings=2048,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+)
+TINY_OVERRIDES = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load_tokens(tok: Tokenizer, path: Path) -> torch.Tensor:
+    return torch.tensor(tok.encode(path.read_text()).ids, dtype=torch.long)
+
+
+def add_dropout(model, p: float) -> None:
+    """Dropout on the embeddings and on each token mixer's and MoE block's output (residual
+    branches), active only in train mode. The saved model has no dropout: hooks are not saved."""
+    if p <= 0:
+        return
+
+    def hook(mod, _inp, out):
+        if isinstance(out, tuple):
+            return (F.dropout(out[0], p, mod.training), *out[1:])
+        return F.dropout(out, p, mod.training)
+
+    model.model.embed_tokens.register_forward_hook(hook)
+    for layer in model.model.layers:
+        mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+        mixer.register_forward_hook(hook)
+        layer.mlp.register_forward_hook(hook)
+
+
+def lr_at(step: int, total: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def autocast(device: torch.device, enabled: bool = True):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled and device.type == "cuda")
+
+
+@torch.no_grad()
+def eval_loss(model, tokens: torch.Tensor, seq_len: int, device, batch: int = 64, amp: bool = True) -> float:
+    """Mean next-token loss over non-overlapping windows: inputs [s, s+L), targets [s+1, s+L+1)
+    for s = 0, L, 2L, ...; each target is scored once, the last (len - 1) % L are not scored."""
+    model.eval()
+    n = (len(tokens) - 1) // seq_len
+    x_all = tokens[: n * seq_len].view(n, seq_len)
+    y_all = tokens[1 : n * seq_len + 1].view(n, seq_len)
+    total = 0.0
+    for i in range(0, n, batch):
+        x, y = x_all[i : i + batch].to(device), y_all[i : i + batch].to(device)
+        with autocast(device, amp):
+            logits = model(input_ids=x, use_cache=False).logits
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+    model.train()
+    return total / (n * seq_len)
+
+
+@torch.no_grad()
+def sample(model, tok: Tokenizer, prompt: str, n: int, device) -> str:
+    """Greedy continuation without a cache (the model is tiny; this keeps it version-proof)."""
+    model.eval()
+    ids = tok.encode(prompt).ids
+    for _ in range(n):
+        x = torch.tensor([ids[-512:]], device=device)
+        ids.append(int(model(input_ids=x, use_cache=False).logits[0, -1].float().argmax()))
+        if ids[-1] == tok.token_to_id(EOT):
+            break
+    model.train()
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+def pick_experts_impl(model, want: str, device, vocab: int) -> str:
+    """Use ``want`` if one forward+backward runs; else eager (logged, never silent)."""
+    for impl in dict.fromkeys((want, "eager")):
+        try:
+            if hasattr(model, "set_experts_implementation"):
+                model.set_experts_implementation(impl)
+            else:
+                model.config._experts_implementation = impl
+            x = torch.randint(0, vocab, (2, 16), device=device)
+            with autocast(device):
+                out = model(input_ids=x, use_cache=False, output_router_logits=True)
+            (out.logits.float().mean() + out.aux_loss).backward()
+            model.zero_grad(set_to_none=True)
+            return impl
+        except Exception as exc:  # any failure: fall back to the reference path
+            log(f"experts implementation {impl!r} failed ({type(exc).__name__}: {exc}); trying eager")
+    raise RuntimeError("no experts implementation runs")
+
+
+def write_tokenizer_files(out: Path, tokenizer_json: Path, max_len: int) -> None:
+    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOT,
+        "pad_token": EOT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=Path(".demodata"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=0, help="optimizer steps; 0: size from --time-budget")
+    ap.add_argument("--time-budget", type=float, default=300.0, help="seconds, used when --steps is 0")
+    ap.add_argument("--max-epochs", type=float, default=1e9, help="caps the resolved steps")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.05)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--dropout", type=float, default=0.2)
+    ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts-impl", default="grouped_mm")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model, for a CPU smoke test")
+    args = ap.parse_args()
+    if not args.steps and args.warmup < 60:
+        raise SystemExit("--steps 0 times steps 10..60 inside the warm-up: use --warmup >= 60")
+
+    import transformers as tf  # training-only dependency
+
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    log(f"argv: {' '.join(sys.argv[1:])}")
+    log(f"torch {torch.__version__}, transformers {tf.__version__}, device {device}")
+
+    tok = Tokenizer.from_file(str(args.data / "tokenizer.json"))
+    eot = tok.token_to_id(EOT)
+    train, val, test = (load_tokens(tok, args.data / f"{s}.txt") for s in ("train", "val", "test"))
+    log(f"tokens: train {len(train)}, val {len(val)}, test {len(test)}")
+
+    cfg_kw = {**DEMO_CONFIG, **(TINY_OVERRIDES if args.tiny else {})}
+    config = tf.Qwen3_5MoeTextConfig(
+        vocab_size=tok.get_vocab_size(),
+        router_aux_loss_coef=args.aux_coef,
+        output_router_logits=False,
+        bos_token_id=None,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        **cfg_kw,
+    )
+    model = tf.Qwen3_5MoeForCausalLM(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"params: {n_params} ({n_params / 1e6:.2f} M)")
+    impl = pick_experts_impl(model, args.experts_impl, device, config.vocab_size)
+    log(f"experts implementation: {impl}")
+    add_dropout(model, args.dropout)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens_per_step = args.batch_size * args.seq_len
+    epoch_cap = int(args.max_epochs * len(train) / tokens_per_step)
+    total = min(args.steps, epoch_cap) if args.steps else None
+    best = (float("inf"), -1, None)  # (val loss, step, state_dict on CPU)
+    t_train, t_mark = time.time(), None
+    model.train()
+    step = 0
+    while total is None or step < total:
+        starts = torch.randint(0, len(train) - args.seq_len - 1, (args.batch_size,), generator=gen)
+        batch = torch.stack([train[s : s + args.seq_len + 1] for s in starts.tolist()]).to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total or 10**9, args)
+        with autocast(device):
+            out = model(input_ids=batch[:, :-1], use_cache=False, output_router_logits=True)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss = ce + args.aux_coef * out.aux_loss
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if not args.steps and total and step < total and time.time() - t_train > 1.2 * args.time_budget:
+            log(f"time stop: {time.time() - t_train:.0f}s > 1.2 x --time-budget; ending at step {step}")
+            total = step
+
+        if step == 10:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_mark = time.time()
+        if total is None and step == 60:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - t_mark) / 50
+            te = time.time()
+            eval_loss(model, val, args.seq_len, device)
+            per_eval = time.time() - te
+            left = args.time_budget - (time.time() - t_train)
+            total = step + int(left / (per_step + per_eval / args.eval_every))
+            log(
+                f"timing: {per_step * 1e3:.1f} ms/step, {per_eval:.2f} s/eval -> resolved steps {total}"
+                + (f" (capped at {epoch_cap} by --max-epochs)" if epoch_cap < total else "")
+            )
+            total = min(total, epoch_cap)
+        if step % 50 == 0 or step == 1:
+            el = time.time() - t_train
+            log(
+                f"step {step}/{total or '?'} ce {ce.item():.4f} aux {out.aux_loss.item():.4f} "
+                f"gnorm {gnorm.item():.2f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"epoch {step * tokens_per_step / len(train):.2f} {step * tokens_per_step / el:.0f} tok/s {el:.0f}s"
+            )
+        if total is not None and (step % args.eval_every == 0 or step == total):
+            v = eval_loss(model, val, args.seq_len, device)
+            if v < best[0]:
+                state = {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()}
+                best = (v, step, state)
+            log(f"eval step {step}: val loss {v:.4f} ppl {math.exp(v):.2f} (best {best[0]:.4f} @ {best[1]})")
+    train_s = time.time() - t_train
+
+    # Keep the best-validation weights, rounded to bf16 (what ships); evaluate them in fp32.
+    model.load_state_dict(best[2])
+    final = copy.deepcopy(model).to(torch.bfloat16)
+    model.load_state_dict({k: v.float() for k, v in final.state_dict().items()})
+    v = eval_loss(model, val, args.seq_len, device, amp=False)
+    t = eval_loss(model, test, args.seq_len, device, amp=False)
+    log(f"final (bf16 weights, fp32 eval, best step {best[1]}): val loss {v:.4f} ppl {math.exp(v):.3f}")
+    log(f"final (bf16 weights, fp32 eval): TEST loss {t:.4f} ppl {math.exp(t):.3f}")
+    for prompt in ("And God said", "Blessed are", "The LORD is my"):
+        log(f"sample: {sample(model, tok, prompt, 60, device)!r}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    final.generation_config.eos_token_id = [eot, tok.token_to_id(IM_END)]
+    final.generation_config.pad_token_id = eot
+    final.generation_config.bos_token_id = None
+    final.save_pretrained(args.out)  # transformers v5 always writes safetensors
+    if not (args.out / "model.safetensors").is_file():
+        raise SystemExit(f"{args.out}: save_pretrained wrote no model.safetensors")
+    write_tokenizer_files(args.out, args.data / "tokenizer.json", config.max_position_embeddings)
+    result = {
+        "argv": sys.argv[1:],
+        "steps": total,
+        "best_step": best[1],
+        "epochs": total * tokens_per_step / len(train),
+        "tokens_seen": total * tokens_per_step,
+        "params": n_params,
+        "val_loss": v,
+        "test_loss": t,
+        "val_ppl": math.exp(v),
+        "test_ppl": math.exp(t),
+        "train_seconds": train_s,
+        "total_seconds": time.time() - t0,
+        "experts_implementation": impl,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+    }
+    (args.out / "train_result.json").write_text(json.dumps(result, indent=1) + "\n")
+    log(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
