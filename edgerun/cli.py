@@ -197,6 +197,17 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server_cli.run_chat)
 
 
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
+    from edgerun.bundle import cli as bundle_cli
+
+    p = sub.add_parser("convert", help="HF checkpoint -> expert bundle (bf16, int8, int4)")
+    bundle_cli.add_convert_arguments(p)
+    p.set_defaults(func=bundle_cli.run_convert)
+    p = sub.add_parser("verify", help="check a bundle's structure (and hashes with --deep)")
+    bundle_cli.add_verify_arguments(p)
+    p.set_defaults(func=bundle_cli.run_verify)
+
+
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
     p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
@@ -267,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    _add_bundle(sub)
     _add_trace(sub)
     _add_simulate(sub)
     _add_server(sub)
