@@ -120,7 +120,7 @@ class RouterProbe:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m edgerun.tools.quality", description="perplexity of a text")
-    ap.add_argument("--model", type=Path, required=True, help="HF checkpoint dir (config.json, safetensors)")
+    ap.add_argument("--model", type=Path, required=True, help="HF checkpoint or edgerun bundle dir")
     ap.add_argument("--text", type=Path, required=True, help="UTF-8 text file")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--stride", type=int, default=None, help="default: context - 1 (non-overlapping)")
@@ -131,11 +131,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from tokenizers import Tokenizer
 
-    from edgerun.models.checkpoint import load_model
+    from edgerun.engine.runner import Runner
 
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     ids = tok.encode(args.text.read_text()).ids[: args.max_tokens]
-    model, _, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model = Runner.load(args.model, device="cpu", dtype=getattr(torch, args.dtype)).model
     with RouterProbe(model) as probe:
         ppl = perplexity(model, ids, context=args.context, stride=args.stride)
     print(f"{args.text}: {len(ids)} tokens, context {args.context}, perplexity {ppl:.3f}")
