@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgerun.cache.policy import LRUSet
+from edgerun.budget.planner import replay
 from edgerun.engine.streaming import pieces
 from edgerun.tools.routes import RouteTrace, RouteTraceWriter, TraceHeader
 
@@ -52,11 +52,6 @@ def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[i
     return out
 
 
-def _lru_misses(accesses: list[list[int]], quota: int) -> int:
-    lru = LRUSet(quota)
-    return sum(len(lru.access(ids).misses) for ids in accesses)
-
-
 def _belady_misses(accesses: list[list[int]], quota: int) -> int:
     steps = [list(dict.fromkeys(ids)) for ids in accesses]
     uses: dict[int, list[int]] = defaultdict(list)
@@ -91,7 +86,7 @@ def simulate(trace: RouteTrace, quota: int, policy: str = "lru") -> SimResult:
     h = trace.header
     if quota < h.top_k:
         raise ValueError(f"quota {quota} is below top_k {h.top_k}")
-    count = _lru_misses if policy == "lru" else _belady_misses
+    count = replay if policy == "lru" else _belady_misses
     res = SimResult(policy, quota, len(trace.tokens))
     for pos, layer in enumerate(h.moe_layers):
         res.misses[layer] = count(layer_accesses(trace, pos, quota), quota)
