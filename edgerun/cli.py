@@ -54,6 +54,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
     )
     p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="device profile (configs/*.yaml): plan the bundle and stream with the plan's quotas",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
     add_provider_arguments(p)
     p.set_defaults(func=run_generate)
@@ -80,6 +86,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise EdgerunError("--device cuda: no CUDA device is available (use --device cpu)")
     dtype = getattr(torch, DTYPES[ns.dtype]) if DTYPES[ns.dtype] else None
+    quota, budget = ns.quota, None
+    if ns.profile is not None:
+        quota, budget = _planned_cache(ns)
     runner = Runner.load(
         ns.model,
         device=device,
@@ -87,7 +96,8 @@ def run_generate(ns: argparse.Namespace) -> int:
         providers=ProviderPolicy.from_namespace(ns),
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
-        quota=ns.quota,
+        quota=quota,
+        cache_budget=budget,
         read_mode=ns.read_mode,
         warm=_read_warm(ns.warm),
     )
@@ -122,6 +132,21 @@ def run_generate(ns: argparse.Namespace) -> int:
     if runner.cache is not None:
         print(f"[{cache_line(runner.cache, stats.prompt_tokens + stats.generated_tokens)}]", file=sys.stderr)
     return 0
+
+
+def _planned_cache(ns: argparse.Namespace) -> tuple[dict[int, int], int]:
+    """Quotas and the expert-cache budget from the plan for --profile (refused if it does not fit)."""
+    from edgerun.budget.cli import plan_for_bundle
+
+    if ns.model is None or not (ns.model / "manifest.json").is_file():
+        raise EdgerunError("--profile plans an edgerun bundle: pass --model BUNDLE_DIR")
+    if ns.quota is not None:
+        raise EdgerunError("give --quota or --profile, not both (the profile's plan decides the quota)")
+    p = plan_for_bundle(ns.model, ns.profile, ns.context)
+    if not p.fits:
+        raise EdgerunError(p.refusal.message)
+    budget = p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes
+    return dict(zip(p.moe_layers, p.quotas)), budget
 
 
 def _read_warm(path: Path | None) -> dict[int, list[int]] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from edgerun.budget import inputs
 from edgerun.budget.planner import DTYPE_BYTES, PlanOptions, plan
@@ -92,6 +93,25 @@ def run(ns: argparse.Namespace) -> int:
         print(f"edgerun plan: {result.refusal.message}", file=sys.stderr)
         return EXIT_REFUSED
     return EXIT_FITS
+
+
+def plan_for_bundle(bundle: str | Path, profile: str | Path, context: int | None = None, batch: int = 1):
+    """The plan the engine sizes its expert cache by (default options; context None: the
+    model's maximum, capped at 4096)."""
+    model = inputs.from_bundle(bundle)
+    context = context or min(4096, model.args.max_position_embeddings)
+    return plan(
+        model.args,
+        model.specs,
+        model.experts,
+        load_device_profile(profile),
+        context,
+        batch,
+        PlanOptions(),
+        None,
+        model_name=model.name,
+        notes=model.notes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,11 +100,13 @@ class Runner:
         quota: int | None = None,
         read_mode: str = "auto",
         warm: dict | None = None,
+        cache_budget: int | None = None,
         **kw,
     ) -> Runner:
         """A model dir is an HF checkpoint or an edgerun bundle (``manifest.json``). For a bundle,
-        ``quota`` streams the routed experts through a cache of that many slots per layer;
-        without it the experts are dequantized into resident tensors."""
+        ``quota`` (per layer, or a dict by layer) streams the routed experts through a cache of
+        that many slots, refused if it needs more than ``cache_budget`` bytes; without a quota the
+        experts are dequantized into resident tensors."""
         from edgerun.bundle.format import MANIFEST
         from edgerun.models.checkpoint import load_model
 
@@ -118,7 +120,12 @@ class Runner:
                 from edgerun.engine.streaming import load_streaming_model
 
                 model, args, cache, report = load_streaming_model(
-                    model_dir, quota, dtype=dtype, device=device, read_mode=read_mode
+                    model_dir,
+                    quota,
+                    dtype=dtype,
+                    device=device,
+                    read_mode=read_mode,
+                    budget_bytes=cache_budget,
                 )
                 if warm:
                     cache.warm(warm)

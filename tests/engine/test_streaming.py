@@ -3,6 +3,7 @@ with experts streamed through the cache gives identical logits (torch.equal) and
 at every quota down to top_k (constant eviction), for both architectures, bf16 and int4."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +184,29 @@ def test_generate_cli_streams_and_reports_the_cache(bundles, capsys):
     assert "experts streamed (quota 2 per layer" in err and "fallbacks:" in err
     assert "expert cache:" in err and "misses" in err
     json.dumps(err)  # printable
+
+
+def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):
+    from edgerun.cli import main
+
+    b = bundles[("qwen3_moe", "int4")]
+    base = (Path(__file__).parents[2] / "configs" / "cpu.yaml").read_text()
+    ok, tiny = tmp_path / "ok.yaml", tmp_path / "tiny.yaml"
+    ok.write_text(base)
+    tiny.write_text(base.replace("memory_cap: 23GiB", "memory_cap: 3.001GiB"))
+    argv = [
+        "generate",
+        "--model",
+        str(b),
+        "--token-ids",
+        "4,5",
+        "--max-tokens",
+        "3",
+        "--device",
+        "cpu",
+        "--profile",
+    ]
+    assert main(argv + [str(ok)]) == 0
+    assert "experts streamed (quota 6 per layer" in capsys.readouterr().err  # everything fits: all 6 experts
+    assert main(argv + [str(tiny)]) == 2
+    assert "does not fit on" in capsys.readouterr().err
