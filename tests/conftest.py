@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the machine is shared (20x slower under load). One thread keeps the suite fast and stable.
 torch.set_num_threads(1)
 
-ARCHS = ("qwen3_moe", "qwen3_5_moe")
+from hf_fixtures import ARCHS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

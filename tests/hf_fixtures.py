@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+ARCHS = ("qwen3_moe", "qwen3_5_moe")
+
 QWEN3_MOE = dict(
     vocab_size=97,
     hidden_size=48,

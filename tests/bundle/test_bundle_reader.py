@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from conftest import ARCHS
 from edgerun.bundle import reader as R
 from edgerun.bundle.layout import expert_block_layout
 from edgerun.bundle.quant import dequantize_block, quantize_expert
 from edgerun.bundle.reader import Bundle, BundleError, load_bundle_model
 from edgerun.models.checkpoint import load_model
+from hf_fixtures import ARCHS
 
 TOKENS = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(7))
 

@@ -7,10 +7,10 @@ fp32: GPU reductions (SDPA, cuBLAS split-K) order sums differently from the refe
 import pytest
 import torch
 
-from conftest import ARCHS
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.models.checkpoint import load_model
+from hf_fixtures import ARCHS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
 

@@ -7,10 +7,10 @@ attention over a cache vs over the whole sequence, are the same math in a differ
 import pytest
 import torch
 
-from conftest import ARCHS
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.models.checkpoint import load_model
+from hf_fixtures import ARCHS
 
 ATOL = 1e-5
 

@@ -10,9 +10,8 @@ identical.
 import pytest
 import torch
 
-from conftest import ARCHS
 from edgerun.models.checkpoint import load_model
-from hf_fixtures import rewrite
+from hf_fixtures import ARCHS, rewrite
 
 ATOL = 1e-5
 LAYOUTS = {

@@ -1,0 +1,31 @@
+"""Bundles for the streaming tests (CPU and CUDA)."""
+
+import pytest
+
+from edgerun.bundle.convert import ConvertOptions, convert
+from hf_fixtures import ARCHS
+
+
+def _add_tokenizer(ckpt):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0")).save(
+        str(ckpt / "tokenizer.json")
+    )
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory):
+    """Tiny checkpoints (hidden 64, expert width 32: int4 groups fit) as bf16 and int4 bundles."""
+    from hf_fixtures import build_hf
+
+    root = tmp_path_factory.mktemp("stream-bundles")
+    out = {}
+    for arch in ARCHS:
+        src = root / arch
+        build_hf(arch, src, seed=5, hidden_size=64, moe_intermediate_size=32)
+        _add_tokenizer(src)
+        for quant, group, rotate in (("bf16", None, False), ("int4", 16, True)):
+            convert(src, root / f"{arch}-{quant}", ConvertOptions(quant, group, rotate))
+            out[(arch, quant)] = root / f"{arch}-{quant}"
+    return out
