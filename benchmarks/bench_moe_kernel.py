@@ -1,0 +1,171 @@
+"""Micro-benchmark: the routed-expert step of one decode token, Triton kernels vs the torch
+reference, on the real geometry (Qwen3.6-35B-A3B: D 2048, I 512, A 8 of a 64-slot pool).
+
+    PYTHONPATH=... python3 benchmarks/bench_moe_kernel.py [--reps 100] [--json out.json]
+
+Times with CUDA events after a warm-up, median and min/max over --reps calls. Every call routes
+to a fresh set of 8 slots of the 64 (64 routings in rotation), and before each call (outside
+the timed region) a 256 MB memset evicts L2 (60 MB) and keeps the GPU's clocks up, so the
+blocks come from HBM. Rows:
+
+- triton graph: one captured ``moe_gemv`` (sort, 2 kernels) replayed: device time, no Python;
+- triton eager: ``moe_gemv`` called from Python (launch overhead included);
+- reference: ``moe_experts_ref`` (dequantize_block + torch matmul per expert), bf16.
+
+Bandwidth = payload bytes of the 8 blocks the step must read (weights + scales; padding not
+counted) / median time, against a device-to-device copy measured in the same run (bytes read +
+written) and the H200's 4.8 TB/s datasheet peak. A sweep of the GEMV tile shapes follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from moe_cases import fmt_id, layout_for, random_step, rel_err  # noqa: E402
+
+from edgerun.kernels import moe_triton as K  # noqa: E402
+from edgerun.kernels.moe_reference import moe_experts_ref, random_pool  # noqa: E402
+
+D, I, A, S, T = 2048, 512, 8, 64, 1
+PEAK = 4.8e12
+FORMATS = [("int4", 32, "none"), ("int4", 32, "hadamard"), ("int8", None, "none"), ("bf16", None, "none")]
+SWEEP = [
+    K.GemvConfig(*c) for c in ((4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 512, 4), (8, 1024, 4))
+]
+
+
+def timed(fn, reps: int, before=None, warmup: int = 5) -> list[float]:
+    """Seconds per call, from CUDA events around each call (``before`` runs outside the timing)."""
+    for i in range(warmup):
+        if before:
+            before(i)
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        if before:
+            before(i)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), 20))
+
+
+def bench_format(fmt, reps: int, configs: list) -> dict:
+    layout = layout_for(fmt, hidden=D, inter=I)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool, gscales = random_pool(layout, S, generator=g, device="cuda")
+    identity = torch.arange(S, device="cuda")
+    steps = [
+        random_step(layout, T, A, S, g, "cuda", torch.bfloat16, pool, gscales, identity) for _ in range(64)
+    ]
+    x, _, slots, ids, w, _, _ = (t.clone() if torch.is_tensor(t) else t for t in steps[0])
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def load(i):  # the next routing, into the static inputs the graph reads; then evict L2
+        s = steps[i % len(steps)]
+        x.copy_(s[0]), slots.copy_(s[2]), ids.copy_(s[3]), w.copy_(s[4])
+        flush.zero_()
+
+    def gemv(cfg=K.DEFAULT_GEMV):
+        return K.moe_gemv(x, pool, slots, ids, w, layout, gscales, config=cfg)
+
+    def graph_times(cfg):
+        for i in range(3):
+            load(i)
+            gemv(cfg)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(cfg)
+        load(5)
+        graph.replay()
+        ref = moe_experts_ref(x.float(), pool, slots, ids, w, layout, gscales)
+        err = rel_err(out, ref)
+        return timed(graph.replay, reps, load), err
+
+    payload = A * layout.payload_bytes
+    rows = {}
+    t_graph, err = graph_times(K.DEFAULT_GEMV)
+    rows["triton graph"] = t_graph
+    rows["triton eager"] = timed(gemv, reps, load)
+    rows["reference"] = timed(lambda: moe_experts_ref(x, pool, slots, ids, w, layout, gscales), reps, load)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(20):
+            load(i)
+            gemv()
+        torch.cuda.synchronize()
+    kernels = {
+        e.key: e.device_time_total / e.count
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.count >= 20
+    }
+    sweep = {}
+    for cfg in configs:
+        sweep[f"r{cfg.block_r} b{cfg.row_bytes} w{cfg.num_warps}"] = statistics.median(graph_times(cfg)[0])
+    return dict(layout=layout, payload=payload, rows=rows, err=err, sweep=sweep, kernels=kernels)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-sweep", action="store_true")
+    a = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    results = {fmt: bench_format(fmt, a.reps, [] if a.no_sweep else SWEEP) for fmt in FORMATS}
+    report = dict(device=name, torch=torch.__version__, copy_bw=copy_bw, reps=a.reps, formats=[])
+    print(f"\n{name}; torch {torch.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read+write)")
+    print(
+        f"T={T}, A={A}, D={D}, I={I}, pool {S} slots, {a.reps} reps; error vs fp32 reference in parentheses"
+    )
+    hdr = f"{'format':<16}{'path':<14}{'median us':>10}{'min us':>9}{'max us':>9}{'GB/s':>8}{'% copy':>8}{'% 4.8T':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for fmt, r in results.items():
+        label = fmt_id(fmt)
+        entry = dict(
+            format=label, payload_bytes=r["payload"], max_rel_err=r["err"], sweep=r["sweep"], paths={}
+        )
+        entry["kernels_us"] = r["kernels"]
+        for path, ts in r["rows"].items():
+            med = statistics.median(ts)
+            bw = r["payload"] / med
+            entry["paths"][path] = dict(median_s=med, min_s=min(ts), max_s=max(ts), bytes_per_s=bw)
+            print(
+                f"{label:<16}{path:<14}{med * 1e6:>10.1f}{min(ts) * 1e6:>9.1f}{max(ts) * 1e6:>9.1f}"
+                f"{bw / 1e9:>8.0f}{100 * bw / copy_bw:>7.1f}%{100 * bw / PEAK:>7.1f}%"
+            )
+        print(f"{'':<16}(max error {r['err']:.1e} of the output's scale; {r['payload'] / 1e6:.1f} MB read)")
+        report["formats"].append(entry)
+    print("\nDevice time per kernel of one moe_gemv call (torch profiler, mean of 20, us)")
+    for fmt, r in results.items():
+        print(f"{fmt_id(fmt):<16}", "  ".join(f"{k[:40]}: {v:.1f}" for k, v in r["kernels"].items()))
+    if not a.no_sweep:
+        print("\nGEMV tile sweep (graph replay, median us): r = rows/program, b = row bytes/step, w = warps")
+        for fmt, r in results.items():
+            print(f"{fmt_id(fmt):<16}", "  ".join(f"{k}: {v * 1e6:.1f}" for k, v in r["sweep"].items()))
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The one entry for the routed-expert step over a slot pool, and the policy field that picks
+its implementation.
+
+Every implementation here is tested against ``moe_experts_ref`` (equal, or within the tolerance
+kernels/probe.py states), so the policy decides speed, never which tokens come out. The engine
+sets ``impl="triton"`` only after ``probe`` selected it on the device. Importing this module
+does not import Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgerun.bundle.layout import BlockLayout
+from edgerun.errors import ConfigError
+from edgerun.kernels.moe_reference import moe_experts_ref
+
+IMPLS = ("reference", "triton")
+
+
+@dataclass(frozen=True)
+class MoeKernelPolicy:
+    impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py
+    gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: bf16 scratch + cuBLAS GEMM
+    scratch_experts: int = (
+        16  # triton GEMM path: experts dequantized at a time (scratch 2·(2I·D + D·I) B each)
+    )
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ConfigError(f"expert kernel {self.impl!r} is not one of {', '.join(IMPLS)}")
+        if self.gemv_max_tokens < 0 or self.scratch_experts < 1:
+            raise ConfigError(
+                f"gemv_max_tokens must be >= 0 and scratch_experts >= 1, got {self.gemv_max_tokens} "
+                f"and {self.scratch_experts}"
+            )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slot_idx: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    layout: BlockLayout,
+    global_scales: torch.Tensor | None = None,
+    policy: MoeKernelPolicy = MoeKernelPolicy(),
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
+    global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
+    experts are summed in ascending expert-id order whichever implementation runs."""
+    args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
+    if policy.impl == "reference":
+        return moe_experts_ref(*args)
+    from edgerun.kernels import moe_triton
+
+    if x.shape[0] <= policy.gemv_max_tokens:
+        return moe_triton.moe_gemv(*args)
+    return moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts)

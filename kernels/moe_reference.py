@@ -1,0 +1,119 @@
+"""Pure-torch reference for the routed-expert step over a slot pool, and random valid pools.
+
+Shape legend: T = tokens, A = active experts per token, S = slots, D = hidden, I = expert width.
+
+``moe_experts_ref`` is ``combine_experts`` (edgerun/models/layers.py) over experts dequantized
+from their slots with ``dequantize_block``: a token's experts are summed in ascending *expert
+id* order (``expert_ids``), not in slot or router order, so the result equals the resident
+model's bit for bit and does not depend on the order of the A entries. Every kernel in this
+package is compared against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgerun.bundle.layout import BlockLayout
+from edgerun.bundle.quant import dequantize_block
+from edgerun.models.layers import combine_experts
+
+
+def layout_dims(layout: BlockLayout) -> tuple[int, int]:
+    """(D, I) of the experts a layout holds: gate_up is [2I, D], down is [D, I]."""
+    return layout.component("down.weight").shape[0], layout.component("gate_up.weight").shape[0] // 2
+
+
+def check_pool(pool: torch.Tensor, layout: BlockLayout, global_scales: torch.Tensor | None) -> None:
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.block_bytes:
+        raise ValueError(
+            f"slot pool must be uint8 [S, block_bytes={layout.block_bytes}], got {pool.dtype} {list(pool.shape)}"
+        )
+    if layout.quant == "int4" and (
+        global_scales is None
+        or global_scales.dtype != torch.float32
+        or tuple(global_scales.shape) != (pool.shape[0], 2)
+    ):
+        got = None if global_scales is None else f"{global_scales.dtype} {list(global_scales.shape)}"
+        raise ValueError(f"an int4 pool needs global scales fp32 [S={pool.shape[0]}, 2], got {got}")
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slot_idx: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    layout: BlockLayout,
+    global_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Router-weighted sum of each token's experts, read from a slot pool.
+
+    x [T, D]; pool uint8 [S, block_bytes]; slot_idx, expert_ids int64 [T, A] (entry (t, a): the
+    expert and the slot holding it); weights [T, A]; global_scales fp32 [S, 2] (int4). Weights
+    are dequantized to x's dtype and the sum runs in x's dtype, as in the resident model; the
+    result is cast to ``out_dtype`` (default x's dtype) once, at the end. An expert id that
+    appears with two different slots is refused."""
+    check_pool(pool, layout, global_scales)
+    if (
+        slot_idx.shape != expert_ids.shape
+        or slot_idx.shape != weights.shape
+        or slot_idx.shape[0] != x.shape[0]
+    ):
+        raise ValueError(
+            f"x {list(x.shape)}, slot_idx {list(slot_idx.shape)}, expert_ids {list(expert_ids.shape)} and "
+            f"weights {list(weights.shape)} must agree on [T, A]"
+        )
+    slot_of: dict[int, int] = {}
+    for e, s in zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()):
+        if slot_of.setdefault(e, s) != s:
+            raise ValueError(f"expert {e} is given two slots ({slot_of[e]} and {s}) in one step")
+        if not 0 <= s < pool.shape[0]:
+            raise ValueError(f"slot {s} (expert {e}) is outside the pool of {pool.shape[0]} slots")
+
+    def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = slot_of[e]
+        gs = None if global_scales is None else global_scales[s]
+        return dequantize_block(layout, pool[s], gs, dtype=x.dtype)
+
+    out = combine_experts(x, expert_ids, weights, expert_weights)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def random_pool(
+    layout: BlockLayout,
+    slots: int,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A pool of ``slots`` random but valid blocks (and int4 global scales) for probes, tests and
+    benchmarks: every value a quantizer could write, at magnitudes that keep an expert's output
+    O(1) for O(1) inputs. Built on ``device`` with ``generator`` (which must live there)."""
+    D, I = layout_dims(layout)
+    pool = torch.zeros(slots, layout.block_bytes, dtype=torch.uint8, device=device)
+    kw = dict(generator=generator, device=device)
+    gscales = None
+    if layout.quant == "int4":  # powers of two, as the quantizer writes them
+        gscales = torch.exp2(-torch.randint(9, 13, (slots, 2), **kw).float())
+    for proj, cols in (("gate_up", D), ("down", I)):
+        wc = layout.component(f"{proj}.weight")
+        shape = (slots, *wc.shape)
+        if layout.quant == "bf16":
+            vals = (torch.randn(shape, **kw) / cols**0.5).to(torch.bfloat16)
+        elif layout.quant == "int8":
+            vals = torch.randint(-127, 128, shape, **kw).to(torch.int8)
+        else:
+            vals = torch.randint(0, 256, shape, **kw).to(torch.uint8)
+        pool[:, wc.offset : wc.offset + wc.nbytes] = vals.view(torch.uint8).reshape(slots, -1)
+        if layout.quant == "bf16":
+            continue
+        sc = layout.component(f"{proj}.scales")
+        shape = (slots, *sc.shape)
+        if layout.quant == "int8":
+            scale = torch.rand(shape, **kw) * (2.0 / (127 * cols**0.5)) + 1e-4
+            raw = scale.view(torch.uint8)
+        else:  # normal e4m3 codes 0.25 .. 1.875: group scales within 3 binades, as real tensors have
+            raw = torch.randint(0x28, 0x40, shape, **kw).to(torch.uint8)
+        pool[:, sc.offset : sc.offset + sc.nbytes] = raw.reshape(slots, -1)
+    return pool, gscales

@@ -1,0 +1,101 @@
+"""Start-up capability probe for the Triton expert kernels.
+
+A kernel is selected only after it ran on the device and matched its torch reference, never
+because a symbol imports. ``probe`` runs the real layout (geometry, scheme, group, rotation) on a
+few random slots through both Triton paths the policy can take (fused GEMV for decode, bf16
+scratch + GEMM for prefill), twice each:
+
+- accuracy: max |out - ref| <= TOLERANCE * max |ref|, ref = ``moe_experts_ref`` in fp32 on the
+  same bf16 inputs. The kernel's output is bf16 (8 significant bits: a rounding of up to 2^-9,
+  0.2%, of the value), and the GEMM path also rounds int8 weights, x, gate/up and h to bf16; those
+  errors stay well under 1% of the output's scale. 2e-2 leaves margin for that and still refuses
+  real faults (a wrong nibble order, scale, slot or rotation moves the output by O(1) of its
+  scale). Non-finite outputs fail.
+- determinism: the two runs must be bitwise identical.
+
+Any exception (no Triton, no CUDA device, a compile error, an unsupported layout) is a refusal
+whose reason says why; the reference then runs. Nothing here reads or changes the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgerun.bundle.layout import BlockLayout
+from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
+from edgerun.kernels.moe_reference import layout_dims, moe_experts_ref, random_pool
+
+TOLERANCE = 2e-2
+TRITON = MoeKernelPolicy(impl="triton")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    name: str
+    selected: bool
+    reason: str
+
+
+def kernel_name(layout: BlockLayout) -> str:
+    fmt = layout.quant + (f" g{layout.group_size}" if layout.group_size else "")
+    return f"moe_triton[{fmt}{' hadamard' if layout.rotation == 'hadamard' else ''}]"
+
+
+def probe(
+    layout: BlockLayout,
+    device: torch.device | str,
+    top_k: int = 8,
+    policy: MoeKernelPolicy = TRITON,
+) -> ProbeResult:
+    """Run ``layout``'s experts through the Triton kernels on ``device`` and compare with the
+    reference; selected only if every case matches within TOLERANCE and repeats bit for bit."""
+    name = kernel_name(layout)
+    try:
+        selected, reason = _probe(layout, torch.device(device), top_k, policy)
+    except Exception as e:  # whatever broke, the reference runs and the reason says what
+        selected, reason = False, f"{type(e).__name__}: {e}".strip()
+    return ProbeResult(name, selected, reason)
+
+
+def _probe(
+    layout: BlockLayout, device: torch.device, top_k: int, policy: MoeKernelPolicy
+) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"Triton kernels run on CUDA devices; this one is {device}"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available to torch"
+    try:
+        from edgerun.kernels import moe_triton
+    except ImportError as e:
+        return False, f"Triton is not importable: {e}"
+    why = moe_triton.unsupported(layout)
+    if why:
+        return False, why
+    D, _ = layout_dims(layout)
+    S = top_k + 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    pool, gscales = random_pool(layout, S, generator=gen, device=device)
+    slot_of = torch.randperm(S, generator=gen, device=device)  # expert e sits in slot slot_of[e]
+    worst = 0.0
+    for T in sorted({1, policy.gemv_max_tokens + 1}):  # the GEMV path, then the GEMM path
+        x = torch.randn(T, D, generator=gen, device=device).to(torch.bfloat16)
+        ids = torch.rand(T, S, generator=gen, device=device).argsort(dim=1)[:, :top_k]
+        weights = torch.rand(T, top_k, generator=gen, device=device).softmax(dim=-1)
+        args = (x, pool, slot_of[ids], ids, weights, layout, gscales)
+        runs = [moe_experts(*args, policy=policy) for _ in range(2)]
+        ref = moe_experts_ref(x.float(), *args[1:])
+        if not torch.isfinite(runs[0]).all():
+            return False, f"T={T}: non-finite output"
+        err = float((runs[0].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        if err > TOLERANCE:
+            return False, f"T={T}: max error {err:.2e} of the output's scale is over {TOLERANCE:g}"
+        if not torch.equal(runs[0], runs[1]):
+            return False, f"T={T}: two runs on the same inputs differ (not deterministic)"
+        worst = max(worst, err)
+    torch.cuda.synchronize(device)
+    return True, (
+        f"matched the reference on {torch.cuda.get_device_name(device)} (max error {worst:.1e} of the "
+        f"output's scale, limit {TOLERANCE:g}) and repeated bit for bit"
+    )

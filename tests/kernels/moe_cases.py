@@ -1,0 +1,72 @@
+"""Shared cases for the expert-kernel tests: layouts of every scheme and random routed steps."""
+
+from __future__ import annotations
+
+import torch
+
+from edgerun.bundle.layout import BlockLayout, expert_block_layout
+from edgerun.kernels.moe_reference import random_pool
+from edgerun.models.registry import load_args
+
+# (quant, group, rotation) for the tiny geometry (D 64, I 32): every scheme, both int4 groups,
+# int8 per row and per group, Hadamard on both quantized schemes
+FORMATS = [
+    ("bf16", None, "none"),
+    ("int8", None, "none"),
+    ("int8", 16, "none"),
+    ("int8", 32, "hadamard"),
+    ("int4", 16, "none"),
+    ("int4", 32, "none"),
+    ("int4", 16, "hadamard"),
+]
+# the real model's schemes (D 2048, I 512)
+REAL_FORMATS = [
+    ("bf16", None, "none"),
+    ("int8", None, "none"),
+    ("int4", 32, "none"),
+    ("int4", 32, "hadamard"),
+]
+
+
+def fmt_id(fmt) -> str:
+    q, g, r = fmt
+    return q + (f"-g{g}" if g else "") + ("-rot" if r == "hadamard" else "")
+
+
+def layout_for(fmt, hidden: int = 64, inter: int = 32) -> BlockLayout:
+    cfg = dict(
+        model_type="qwen3_moe",
+        vocab_size=16,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        moe_intermediate_size=inter,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    quant, group, rotation = fmt
+    return expert_block_layout(load_args(cfg)[1], quant, group, rotation)
+
+
+def random_step(
+    layout, T, A, S, gen, device="cpu", x_dtype=torch.float32, pool=None, gscales=None, slots=None
+):
+    """A routed step over a pool: each token picks A distinct experts of S (expert e lives in slot
+    ``slots[e]``, a random permutation unless given). Returns the argument tuple of
+    ``moe_experts_ref`` minus ``out_dtype``."""
+    if pool is None:
+        pool, gscales = random_pool(layout, S, generator=gen, device=device)
+    if slots is None:
+        slots = torch.randperm(S, generator=gen, device=device)
+    D = layout.component("down.weight").shape[0]
+    x = torch.randn(T, D, generator=gen, device=device).to(x_dtype)
+    ids = torch.rand(T, S, generator=gen, device=device).argsort(dim=1)[:, :A]
+    weights = torch.rand(T, A, generator=gen, device=device).softmax(dim=-1)
+    return x, pool, slots[ids], ids, weights, layout, gscales
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| over max |ref|: error relative to the output's scale."""
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())

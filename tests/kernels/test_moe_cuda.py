@@ -1,0 +1,119 @@
+"""The Triton expert kernels on a CUDA device: every scheme against the reference, bit-for-bit
+repeats, exact dequantization, the start-up probe, and a pool past 2^31 bytes.
+
+Skipped without CUDA (CI has none); run on the GPU machine before resolving. Tolerances: the
+GEMV path computes in fp32 and differs from the fp32 reference only in summation order (1e-4
+of the output's scale covers sums of 2048 terms); bf16 outputs and the bf16 GEMM path use the
+probe's TOLERANCE (its docstring says why).
+"""
+
+import pytest
+import torch
+from moe_cases import FORMATS, REAL_FORMATS, fmt_id, layout_for, random_step, rel_err
+
+from edgerun.bundle.quant import dequantize_block
+from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
+from edgerun.kernels.moe_reference import layout_dims, moe_experts_ref, random_pool
+from edgerun.kernels.probe import TOLERANCE, probe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+REAL = dict(hidden=2048, inter=512)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def check_gemv(layout, T, A, S, seed):
+    from edgerun.kernels import moe_triton as K
+
+    args = random_step(layout, T, A, S, gen(seed), device="cuda")
+    ref = moe_experts_ref(*args)
+    out = K.moe_gemv(*args)
+    assert rel_err(out, ref) < 1e-4
+    assert torch.equal(out, K.moe_gemv(*args))
+    x, *rest = args
+    bf = K.moe_gemv(x.bfloat16(), *rest)
+    assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < TOLERANCE
+    assert torch.equal(bf, K.moe_gemv(x.bfloat16(), *rest))
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_gemv_tiny(fmt, T):
+    check_gemv(layout_for(fmt), T, 3, 7, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("fmt", REAL_FORMATS, ids=fmt_id)
+def test_gemv_real_geometry(fmt, T):
+    check_gemv(layout_for(fmt, **REAL), T, 8, 12, seed=T)
+
+
+@pytest.mark.parametrize("fmt", REAL_FORMATS, ids=fmt_id)
+def test_grouped_real_geometry(fmt):
+    from edgerun.kernels import moe_triton as K
+
+    args = random_step(layout_for(fmt, **REAL), 48, 8, 16, gen(7), device="cuda", x_dtype=torch.bfloat16)
+    x, *rest = args
+    ref = moe_experts_ref(x.float(), *rest)
+    out = K.moe_grouped(*args, scratch_experts=5)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOLERANCE
+    assert torch.equal(out, K.moe_grouped(*args, scratch_experts=16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_dequantize_slots_is_exact(fmt):
+    from edgerun.kernels import moe_triton as K
+
+    layout = layout_for(fmt)
+    plain = layout_for((fmt[0], fmt[1], "none"))
+    pool, gs = random_pool(layout, 3, generator=gen(3), device="cuda")
+    if layout.quant == "int4":  # every e4m3 code but NaN, subnormals included
+        for proj in ("gate_up", "down"):
+            c = layout.component(f"{proj}.scales")
+            pool[:, c.offset : c.offset + c.nbytes] = (torch.arange(c.nbytes, device="cuda") % 0x7F).to(
+                torch.uint8
+            )
+    D, I = layout_dims(layout)
+    slots = torch.tensor([2, 0], device="cuda")
+    gu = torch.empty(2, 2 * I, D, dtype=torch.bfloat16, device="cuda")
+    dn = torch.empty(2, D, I, dtype=torch.bfloat16, device="cuda")
+    K.dequantize_slots(pool, slots, layout, gs, gu, dn)
+    for u, s in enumerate(slots.tolist()):
+        want = dequantize_block(plain, pool[s], None if gs is None else gs[s], dtype=torch.bfloat16)
+        assert torch.equal(gu[u], want[0]) and torch.equal(dn[u], want[1])
+
+
+def test_policy_dispatches_to_the_kernels():
+    from edgerun.kernels import moe_triton as K
+
+    layout = layout_for(("int4", 32, "none"), **REAL)
+    policy = MoeKernelPolicy(impl="triton", gemv_max_tokens=4, scratch_experts=3)
+    for T, path in ((4, K.moe_gemv), (5, K.moe_grouped)):
+        args = random_step(layout, T, 8, 10, gen(T), device="cuda", x_dtype=torch.bfloat16)
+        kw = dict(scratch_experts=3) if path is K.moe_grouped else {}
+        assert torch.equal(moe_experts(*args, policy=policy), path(*args, **kw))
+
+
+@pytest.mark.parametrize("fmt", REAL_FORMATS + [("int8", 64, "hadamard"), ("int4", 16, "none")], ids=fmt_id)
+def test_probe_selects_on_this_gpu(fmt):
+    r = probe(layout_for(fmt, **REAL), "cuda")
+    print(r)
+    assert r.selected, r.reason
+
+
+def test_pool_past_2_31_bytes():
+    from edgerun.kernels import moe_triton as K
+
+    layout = layout_for(("int4", 32, "none"), **REAL)
+    S = -(-(1 << 31) // layout.block_bytes) + 8  # the last 8 slots start past byte 2^31
+    pool = torch.empty(S, layout.block_bytes, dtype=torch.uint8, device="cuda")
+    gscales = torch.empty(S, 2, device="cuda")
+    top = torch.arange(S - 8, S, device="cuda")
+    pool[top], gscales[top] = random_pool(layout, 8, generator=gen(11), device="cuda")
+    assert int(top[0]) * layout.block_bytes >= 2**31
+    args = random_step(layout, 2, 8, 8, gen(12), device="cuda", pool=pool, gscales=gscales, slots=top)
+    ref = moe_experts_ref(*args)
+    assert rel_err(K.moe_gemv(*args), ref) < 1e-4
+    assert rel_err(K.moe_grouped(*args), ref) < TOLERANCE
