@@ -132,9 +132,11 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
             runner.cache.close()
         trace = read_trace(trace_path)
         lru, opt = simulate(trace, quota, "lru"), simulate(trace, quota, "belady")
+        n = len(trace.tokens)
         print(
-            f"quota {quota}: misses/token counted {counted:.2f}, simulated LRU {lru.misses_per_token:.2f}, "
-            f"Belady {opt.misses_per_token:.2f}; decode {med(rates)} tok/s; read {med(bws)} GB/s "
+            f"quota {quota}: misses/token counted {counted / n:.2f} ({counted} misses over {n} tokens), "
+            f"simulated LRU {lru.misses_per_token:.2f} ({lru.total_misses}), Belady {opt.misses_per_token:.2f} "
+            f"({opt.total_misses}); decode {med(rates)} tok/s; read {med(bws)} GB/s "
             f"(= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} of calibration)"
         )
 
