@@ -5,7 +5,8 @@ For the demo model (trained) and a larger synthetic model (random weights, int4 
   2. a route trace of a fixed greedy generation; misses/token at two quotas for LRU (counted by
      the cache, and simulated) and Belady (simulated);
   3. decode tok/s resident vs streaming (O_DIRECT), the achieved read GB/s against (1);
-  4. page-cache growth (/proc/meminfo Cached) for one streaming run with direct vs buffered reads.
+  4. page-cache growth (the expert files' resident pages, by mincore) for one streaming run with
+     direct vs buffered reads.
 Every rate is the median of --repeats runs, with the range.
 
   python benchmarks/bench_streaming.py --workdir /tmp/edgerun-bench [--repeats 3]
@@ -55,11 +56,37 @@ SYNTH = {
 PROMPT = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
 
 
-def cached_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Cached:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def cached_bytes(paths: list[Path]) -> int:
+    """Bytes of these files in the page cache (mincore), immune to other processes' I/O."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page, total = mmap.PAGESIZE, 0
+    for p in paths:
+        size = p.stat().st_size
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {p}")
+            libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+        total += sum(b & 1 for b in vec) * page
+    return total
 
 
 def evict(paths: list[Path]) -> None:
@@ -142,12 +169,12 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
 
     for mode in ("direct", "buffered"):
         evict(files)
-        before = cached_bytes()
+        before = cached_bytes(files)
         runner = Runner.load(bundle_dir, device="cpu", quota=quotas[0], read_mode=mode)
         decode_rate(runner, ids, tokens)
         read = runner.cache.totals().bytes_read
         runner.cache.close()
-        grew = cached_bytes() - before
+        grew = cached_bytes(files) - before
         print(
             f"page cache growth, {mode} reads: {grew / 2**20:+.1f} MiB while reading {read / 2**20:.1f} MiB of experts"
         )
