@@ -86,6 +86,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise EdgerunError("--device cuda: no CUDA device is available (use --device cpu)")
     dtype = getattr(torch, DTYPES[ns.dtype]) if DTYPES[ns.dtype] else None
+    if ns.threads is not None:
+        if ns.threads < 1:
+            raise EdgerunError(f"--threads must be >= 1, got {ns.threads}")
+        torch.set_num_threads(ns.threads)
     quota, budget = ns.quota, None
     if ns.profile is not None:
         quota, budget = _planned_cache(ns)
