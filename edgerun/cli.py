@@ -60,6 +60,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="device profile (configs/*.yaml): plan the bundle and stream with the plan's quotas",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's, one per core); 1 is fastest for small models on a busy machine",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
     add_provider_arguments(p)
     p.set_defaults(func=run_generate)
