@@ -1,0 +1,606 @@
+"""The routes: OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``.
+
+Every refusal is a JSON error in OpenAI's shape whose ``param`` names the field. Extensions
+beyond OpenAI (as vLLM spells them): ``top_k``, ``ignore_eos``, and ``return_token_ids`` (the
+generated token ids beside the text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from edgerun.errors import ConfigError
+from edgerun.server.engine_worker import Engine, EngineWorker, Job, JobFailed, QueueFull
+from edgerun.server.http import Exchange, HTTPError, Request, error_body
+from edgerun.server.metrics import Metrics, render
+
+if TYPE_CHECKING:  # torch comes with the engine; by the first request it is loaded
+    from edgerun.engine.runner import Event
+    from edgerun.engine.sampler import SamplingParams
+
+LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
+MAX_STOP = 16
+# A stream writes at most this often: tokens that arrive meanwhile share one write and one chunk.
+# On a small CPU, a loop wake-up, a write and the client's parsing per token cost several percent.
+STREAM_FLUSH_S = 0.02
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    default_max_tokens: int = 256  # when a request gives none (clipped to the context left)
+    request_timeout: float = 300.0  # seconds from arrival to the last token, queueing included
+    retry_after: int = 1  # seconds, in 429 and 503 answers
+
+
+@dataclass
+class Aborted:
+    """Ends a request from the loop's side: the client left, time ran out, or the daemon stops."""
+
+    status: int  # 499: client gone, nothing to send
+    message: str
+
+
+class Channel:
+    """One request's items, from the engine thread (``put``) or the loop (``put_here``) to its
+    handler. The engine wakes the loop only for a final item, or for a token while the handler
+    waits for one (a stream between writes): a whole answer costs the loop one wake-up, a stream
+    one per write, not one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque[Any] = deque()
+        self.wake_on_token = False
+        self.ended = False  # a final item has come (tokens may still follow an abort)
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:  # engine thread
+        self.items.append(item)
+        if _final(item):
+            self.ended = True
+        if self.wake_on_token or self.ended:
+            self.wake_on_token = False
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def put_here(self, item: Any) -> None:  # loop thread
+        self.items.append(item)
+        self.ended = self.ended or _final(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _ready(self, any_item: bool) -> bool:
+        return bool(self.items) and (any_item or self.ended)
+
+    async def take(self, any_item: bool, timeout: float | None = None) -> list[Any]:
+        """Everything so far, once there is a final item (or, with ``any_item``, any item), or
+        when ``timeout`` seconds have passed."""
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            self._wake()
+
+        timer = self.loop.call_later(timeout, expire) if timeout is not None else None
+        try:
+            while not self._ready(any_item) and not expired:
+                self.waiter = self.loop.create_future()
+                self.wake_on_token = any_item
+                if self._ready(any_item):  # it came while we set up: the engine may not have seen the flag
+                    break
+                await self.waiter  # a wake-up may be stale (meant for an earlier take): check again
+        finally:
+            self.wake_on_token = False
+            if timer is not None:
+                timer.cancel()
+        out = []
+        while self.items:  # popleft: the engine may append meanwhile
+            out.append(self.items.popleft())
+        return out
+
+
+@dataclass(eq=False)
+class _Active:
+    job: Job
+    channel: Channel
+    done: bool = False
+
+
+class App:
+    def __init__(self, worker: EngineWorker, metrics: Metrics, opts: ApiOptions) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.opts = opts
+        self.state = LOADING
+        self.message = "starting"  # loading progress, or why the engine failed
+        self.engine: Engine | None = None
+        self.info: dict[str, Any] = {}
+        self.started = int(time.time())
+        self.active: set[_Active] = set()
+        self.routes: dict[str, tuple[str, Callable]] = {
+            "/health": ("GET", self.health),
+            "/metrics": ("GET", self.metrics_text),
+            "/v1/models": ("GET", self.models),
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat_completions),
+        }
+
+    # ---- lifecycle hooks (the daemon calls these on the loop) ------------------------------
+
+    def set_ready(self, engine: Engine, info: dict[str, Any]) -> None:
+        self.engine, self.info, self.state = engine, info, READY
+
+    def abort_all(self, status: int, message: str) -> None:
+        for active in list(self.active):
+            self._abort(active, Aborted(status, message))
+
+    def _abort(self, active: _Active, why: Aborted) -> None:
+        if not active.done:
+            active.done = True
+            self.worker.cancel(active.job)
+            active.channel.put_here(why)
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    async def handle(self, req: Request, ex: Exchange) -> None:
+        path = req.path
+        if path.startswith("/v1/models/"):
+            path = "/v1/models"
+        if path not in self.routes:
+            raise HTTPError(404, f"no such endpoint: {req.path[:100]}")
+        method, handler = self.routes[path]
+        if req.method != method and not (method == "GET" and req.method == "HEAD"):
+            raise HTTPError(405, f"{req.path} accepts {method} only", headers=(("Allow", method),))
+        await handler(req, ex)
+
+    async def health(self, req: Request, ex: Exchange) -> None:
+        if self.state == READY:
+            body = {"status": "ok", "model": self.engine.model_id, "queue_depth": self.worker.depth}
+            await ex.send_json(200, body)
+        else:
+            await ex.send_json(503, {"status": self.state, "message": self.message})
+
+    async def metrics_text(self, req: Request, ex: Exchange) -> None:
+        stats = self.engine.stats() if self.engine is not None else None
+        text = render(self.metrics, self.worker, len(self.active), stats, self.state, self.info)
+        await ex.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, req: Request, ex: Exchange) -> None:
+        engine = self._require_ready()
+        card = {
+            "id": engine.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "edgerun",
+            "max_model_len": engine.max_context,
+            "edgerun": self.info,
+        }
+        if req.path.startswith("/v1/models/"):
+            name = req.path.removeprefix("/v1/models/")
+            if name != engine.model_id:
+                raise _unknown_model(name, engine.model_id)
+            await ex.send_json(200, card)
+        else:
+            await ex.send_json(200, {"object": "list", "data": [card]})
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def completions(self, req: Request, ex: Exchange) -> None:
+        engine = self._require_ready()
+        body = _json_object(req.body)
+        _check_model(body, engine.model_id)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = _encode(engine, prompt, "prompt")
+        elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise HTTPError(
+                400, f"'prompt' holds {len(prompt)} prompts; send one per request", param="prompt"
+            )
+        elif prompt is None:
+            raise HTTPError(400, "'prompt' is required", param="prompt")
+        else:
+            raise HTTPError(
+                400, f"'prompt' must be a string or a list of token ids, got {_show(prompt)}", param="prompt"
+            )
+        await self._generate(ex, body, ids, "prompt", chat=False)
+
+    async def chat_completions(self, req: Request, ex: Exchange) -> None:
+        engine = self._require_ready()
+        body = _json_object(req.body)
+        _check_model(body, engine.model_id)
+        messages = _messages(body.get("messages"))
+        if engine.tokenizer is None:
+            raise HTTPError(400, "this model has no tokenizer, so no chat template", param="messages")
+        try:
+            text = engine.tokenizer.apply_chat_template(messages)
+        except ConfigError as exc:
+            raise HTTPError(400, str(exc), param="messages") from exc
+        await self._generate(ex, body, _encode(engine, text, "messages"), "messages", chat=True)
+
+    async def _generate(
+        self, ex: Exchange, body: dict, ids: list[int], prompt_field: str, chat: bool
+    ) -> None:
+        from edgerun.engine.sampler import SamplingError
+
+        engine = self.engine
+        params = _sampling(body, chat, len(ids), engine.max_context, self.opts, prompt_field)
+        try:
+            engine.check_request(ids, params)
+        except SamplingError as exc:
+            raise HTTPError(400, str(exc), param=prompt_field) from exc
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, {})
+        include_usage = _field(options, "include_usage", bool, False, "stream_options.include_usage")
+        return_ids = _field(body, "return_token_ids", bool, False)
+
+        loop = asyncio.get_running_loop()
+        channel = Channel(loop)
+
+        def deliver(item: Any) -> None:  # engine thread -> loop
+            try:
+                channel.put(item)
+            except RuntimeError:  # the loop is gone: nobody wants the rest
+                job.cancelled = True
+
+        job = Job(ids, params, deliver)
+        try:
+            self.worker.submit(job)
+        except QueueFull as exc:
+            raise HTTPError(
+                429,
+                f"server busy: {exc}; retry later",
+                headers=(("Retry-After", str(self.opts.retry_after)),),
+            ) from None
+        active = _Active(job, channel)
+        self.active.add(active)
+        timeout = self.opts.request_timeout
+        timer = loop.call_later(
+            timeout, self._abort, active, Aborted(504, f"request exceeded the timeout of {timeout:g} s")
+        )
+        ex.watch_disconnect(lambda: self._abort(active, Aborted(499, "client disconnected")))
+        reply = _Reply(engine.model_id, chat, return_ids, len(ids))
+        try:
+            if stream:
+                await self._stream(ex, active, reply, include_usage)
+            else:
+                await self._collect(ex, active, reply)
+        finally:
+            timer.cancel()
+            active.done = True
+            self.active.discard(active)
+            self.worker.cancel(job)  # no-op when it finished; stops it when we leave early
+
+    async def _collect(self, ex: Exchange, active: _Active, reply: _Reply) -> None:
+        for item in await active.channel.take(any_item=False):
+            if isinstance(item, (JobFailed, Aborted)):
+                active.done = True
+                if item.status == 499:
+                    ex.keep_alive = False
+                    return
+                raise HTTPError(item.status, item.message, headers=_retry(item.status, self.opts))
+            reply.add(item)  # an Event
+            if item.finish_reason is not None:
+                active.done = True
+                await ex.send_json(200, reply.whole())
+                return
+
+    async def _stream(self, ex: Exchange, active: _Active, reply: _Reply, include_usage: bool) -> None:
+        await ex.start_stream()
+        if reply.chat:
+            await ex.write(_sse(reply.chunk(role=True)))
+        loop = asyncio.get_running_loop()
+        last_write = 0.0
+        while True:
+            # within STREAM_FLUSH_S of the last write, tokens gather; an end comes at once
+            wait = last_write + STREAM_FLUSH_S - loop.time()
+            items = await active.channel.take(any_item=wait <= 0, timeout=wait if wait > 0 else None)
+            text, ids, tail = [], [], []
+            for item in items:
+                if isinstance(item, (JobFailed, Aborted)):
+                    if item.status == 499:
+                        ex.keep_alive = False
+                        return
+                    tail.append(_sse(error_body(item.status, item.message)))
+                    break
+                reply.add(item)  # an Event
+                text.append(item.text)
+                if item.token_id is not None:
+                    ids.append(item.token_id)
+                if item.finish_reason is not None:
+                    tail.append(_sse(reply.chunk(finish=item.finish_reason)))
+                    if include_usage:
+                        tail.append(_sse(reply.usage_chunk()))
+                    break
+            out = [_sse(reply.chunk("".join(text), ids))] if any(text) or (reply.return_ids and ids) else []
+            if tail:
+                active.done = True
+                await ex.write(b"".join(out + tail) + b"data: [DONE]\n\n")
+                await ex.end_stream()
+                return
+            if out:
+                await ex.write(b"".join(out))
+                last_write = loop.time()
+
+    def _require_ready(self) -> Engine:
+        if self.state == READY:
+            return self.engine
+        if self.state == LOADING:
+            raise HTTPError(503, f"the model is loading ({self.message})", headers=_retry(503, self.opts))
+        raise HTTPError(503, f"the server is {self.state}: {self.message}")
+
+
+class _Reply:
+    """Accumulates one request's tokens and shapes the OpenAI objects for it."""
+
+    def __init__(self, model: str, chat: bool, return_ids: bool, prompt_tokens: int) -> None:
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model, self.chat, self.return_ids = model, chat, return_ids
+        self.object = "chat.completion" if chat else "text_completion"
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish: str | None = None
+
+    def add(self, event: Event) -> None:
+        self.text.append(event.text)
+        if event.token_id is not None:
+            self.ids.append(event.token_id)
+        if event.finish_reason is not None:
+            self.finish = event.finish_reason
+            self.completion_tokens = event.stats.generated_tokens if event.stats else len(self.ids)
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def _wrap(self, obj: str, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.return_ids:
+            choice["token_ids"] = self.ids
+        return {**self._wrap(self.object, [choice]), "usage": self.usage()}
+
+    def chunk(
+        self,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = (
+                {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            )
+        else:
+            choice["text"] = text
+        if self.return_ids and token_ids:
+            choice["token_ids"] = list(token_ids)
+        return self._wrap(self.object + (".chunk" if self.chat else ""), [choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._wrap(self.object + (".chunk" if self.chat else ""), []), "usage": self.usage()}
+
+
+# ---- request parsing: every error names its field --------------------------------------------
+
+
+def _final(item: Any) -> bool:
+    return isinstance(item, (JobFailed, Aborted)) or item.finish_reason is not None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _retry(status: int, opts: ApiOptions) -> tuple[tuple[str, str], ...]:
+    return (("Retry-After", str(opts.retry_after)),) if status in (429, 503) else ()
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise HTTPError(400, f"request body is not UTF-8: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+
+
+def _field(body: dict, name: str, typ: type, default: Any = None, param: str | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (
+        _is_int(value)
+        if typ is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if typ is float
+        else isinstance(value, typ)
+    )
+    if not ok:
+        raise HTTPError(
+            400, f"'{param or name}' must be {_TYPES[typ]}, got {_show(value)}", param=param or name
+        )
+    return value
+
+
+def _unknown_model(name: str, served: str) -> HTTPError:
+    return HTTPError(
+        404,
+        f"model {name[:100]!r} does not exist; this server serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _check_model(body: dict, served: str) -> None:
+    name = _field(body, "model", str)
+    if name is not None and name != served:
+        raise _unknown_model(name, served)
+
+
+def _encode(engine: Engine, text: str, param: str) -> list[int]:
+    if engine.tokenizer is None:
+        raise HTTPError(
+            400, "this model has no tokenizer: send the prompt as a list of token ids", param=param
+        )
+    try:
+        return engine.tokenizer.encode(text)
+    except Exception as exc:  # e.g. lone surrogates from a JSON "\ud800"
+        raise HTTPError(400, f"'{param}' could not be tokenized: {exc}", param=param) from None
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise HTTPError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise HTTPError(400, f"'{where}' must be an object with 'role' and 'content'", param=where)
+        role = _field(m, "role", str, param=f"{where}.role")
+        if not role:
+            raise HTTPError(400, f"'{where}.role' is required", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise HTTPError(
+                        400,
+                        f"'{where}.content[{j}]' must be a text part {{'type': 'text', 'text': ...}}",
+                        param=f"{where}.content",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise HTTPError(
+                400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content"
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None}
+
+
+def _sampling(
+    body: dict, chat: bool, prompt_len: int, context: int, opts: ApiOptions, prompt_field: str
+) -> SamplingParams:
+    for name, default in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != default and not (name == "logprobs" and value is False):
+            raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {default!r})", param=name)
+    name = "max_tokens"
+    max_tokens = _field(body, name, int)
+    if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+        max_tokens = _field(body, name, int)
+    if prompt_len >= context:
+        raise HTTPError(
+            400,
+            f"the prompt ('{prompt_field}') is {prompt_len} tokens; the context is {context} tokens, "
+            "and at least one must be left to generate",
+            param=prompt_field,
+            code="context_length_exceeded",
+        )
+    room = context - prompt_len
+    if max_tokens is None:
+        max_tokens = min(opts.default_max_tokens, room)
+    elif max_tokens < 1:
+        raise HTTPError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+    elif max_tokens > room:
+        raise HTTPError(
+            400,
+            f"'{name}' ({max_tokens}) + the prompt ({prompt_len} tokens) exceeds the context of "
+            f"{context} tokens; at most {room}",
+            param=name,
+            code="context_length_exceeded",
+        )
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise HTTPError(
+            400, f"'stop' must be a string or a list of non-empty strings, got {_show(stop)}", param="stop"
+        )
+    if stop is not None and len(stop) > MAX_STOP:
+        raise HTTPError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    seed = _field(body, "seed", int)
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise HTTPError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed")
+    top_k = _field(body, "top_k", int, 0)
+    from edgerun.engine.sampler import SamplingError, SamplingParams
+
+    kw = dict(
+        max_tokens=max_tokens,
+        temperature=float(_field(body, "temperature", float, 1.0)),
+        top_p=float(_field(body, "top_p", float, 1.0)),
+        top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+        seed=seed,
+        stop=tuple(stop or ()),
+        ignore_eos=_field(body, "ignore_eos", bool, False),
+    )
+    try:
+        return SamplingParams(**kw)
+    except SamplingError as exc:
+        param = next((k for k in kw if str(exc).startswith(k)), None)
+        raise HTTPError(400, str(exc), param=param) from None

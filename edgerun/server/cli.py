@@ -1,0 +1,157 @@
+"""``edgerun serve`` and ``edgerun chat``: argument definitions and entry points.
+
+``edgerun/cli.py`` wires these in; ``python -m edgerun.server.cli serve|chat ...`` runs them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from edgerun.errors import ConfigError, EdgerunError
+from edgerun.models.providers import ProviderPolicy, add_provider_arguments
+from edgerun.server.options import DTYPES, ServeOptions, load_serve_config
+
+# flag dest -> ServeOptions field
+_FLAGS = (
+    "model",
+    "served_model_name",
+    "device_profile",
+    "bundle",
+    "torch_device",
+    "dtype",
+    "context",
+    "prefill_chunk",
+    "threads",
+    "socket",
+    "socket_mode",
+    "socket_group",
+    "queue_size",
+    "request_timeout",
+    "grace_period",
+    "default_max_tokens",
+    "max_body_bytes",
+)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: the shipped demo model)")
+    p.add_argument(
+        "--device", dest="device_profile", type=Path, metavar="PROFILE", help="device profile YAML"
+    )
+    p.add_argument("--bundle", type=Path, help="bundle dir (needs the streaming engine: not yet)")
+    p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
+    p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the model dir's name)")
+    p.add_argument("--torch-device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (auto: float32 on cpu)")
+    p.add_argument("--context", type=int, help="max context per request (default: the model's)")
+    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="octal, default 0660")
+    p.add_argument("--socket-group", help="group owning the socket")
+    p.add_argument("--queue-size", type=int, help="requests that may wait for the engine (default 16)")
+    p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
+    p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
+    p.add_argument("--default-max-tokens", type=int)
+    p.add_argument("--max-body-bytes", type=int)
+    add_provider_arguments(p)
+
+
+def serve_options(ns: argparse.Namespace) -> ServeOptions:
+    opts = ServeOptions()
+    if ns.config is not None:
+        opts = opts.merged(load_serve_config(ns.config))
+    flags = {name: getattr(ns, name, None) for name in _FLAGS}
+    if any(getattr(ns, k, None) for k in ("allow_provider", "provider", "allow_override")):
+        flags["providers"] = ProviderPolicy.from_namespace(ns)
+    return opts.merged(flags)
+
+
+def resident_loader(opts: ServeOptions, profile: str | None) -> Callable:
+    """The engine factory the daemon's engine thread calls: load the whole model resident."""
+
+    def load(status: Callable[[str], None]):
+        import torch
+
+        from edgerun.engine.runner import default_device
+        from edgerun.server.engine_worker import ResidentEngine
+
+        device = opts.torch_device or default_device()
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("torch_device cuda: no CUDA device is available")
+        dtype = getattr(torch, opts.dtype) if opts.dtype != "auto" else None
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        name = opts.served_model_name or (opts.model.resolve().name if opts.model else "demo")
+        status(f"loading model {opts.model or 'demo'} on {device}")
+        return ResidentEngine.load(
+            opts.model, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers
+        )
+
+    return load
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from edgerun.server import daemon
+
+    opts = serve_options(ns)
+    if opts.bundle is not None:
+        raise EdgerunError(
+            f"--bundle {opts.bundle}: serving a bundle needs the streaming engine, which is not here yet; "
+            "serve an HF checkpoint with --model"
+        )
+    profile = None
+    if opts.device_profile is not None:
+        from edgerun.config import load_device_profile
+
+        profile = load_device_profile(opts.device_profile).name
+    daemon.hard_exit(daemon.run(opts, resident_loader(opts, profile)))
+    return 0  # not reached
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("message", nargs="?", help="one message (omit to chat line by line on stdin)")
+    p.add_argument("--socket", type=Path, help="the daemon's socket (default: found as the daemon places it)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    from edgerun.server.client import chat
+
+    return chat(ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="edgerun")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="serve the model over a Unix socket")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    p = sub.add_parser("chat", help="chat with a running daemon")
+    add_chat_arguments(p)
+    p.set_defaults(func=run_chat)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    try:
+        return ns.func(ns)
+    except EdgerunError as exc:
+        print(f"edgerun {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""A client for the daemon over its Unix socket (stdlib ``http.client``): ``edgerun chat``, and
+``edgerun generate --socket``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from edgerun.errors import EdgerunError
+from edgerun.server.paths import find_socket
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str | Path, timeout: float | None = None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class ServerError(EdgerunError):
+    def __init__(self, status: int, body: Any) -> None:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        message = err.get("message") if isinstance(err, dict) else None
+        super().__init__(f"server answered {status}: {message or body}")
+        self.status, self.body = status, body
+
+
+class Client:
+    def __init__(self, path: str | Path | None = None, timeout: float | None = 600.0) -> None:
+        self.path = Path(path) if path else find_socket()
+        self.timeout = timeout
+
+    def _send(self, method: str, url: str, body: Any = None) -> tuple[UnixHTTPConnection, Any]:
+        conn = UnixHTTPConnection(self.path, self.timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            conn.request(method, url, body=data, headers=headers)
+            return conn, conn.getresponse()
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            conn.close()
+            raise EdgerunError(
+                f"cannot connect to {self.path}: {exc.strerror}; is `edgerun serve` running?"
+            ) from None
+
+    def stream(self, url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The server-sent events of a ``stream: true`` request, up to ``data: [DONE]``."""
+        conn, resp = self._send("POST", url, {**body, "stream": True})
+        try:
+            if resp.status >= 400:
+                raise ServerError(resp.status, json.loads(resp.read() or b"{}"))
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise ServerError(200, event)
+                yield event
+        finally:
+            conn.close()
+
+
+def _delta(event: dict[str, Any]) -> str:
+    choices = event.get("choices") or [{}]
+    return choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
+
+
+def _sampling(ns: Any) -> dict[str, Any]:
+    body = {
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "seed": ns.seed,
+        "stream_options": {"include_usage": True},
+    }
+    if getattr(ns, "stop", None):
+        body["stop"] = list(ns.stop)
+    if getattr(ns, "ignore_eos", False):
+        body["ignore_eos"] = True
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _print_stream(events: Iterator[dict[str, Any]], show_ids: bool = False) -> dict[str, Any] | None:
+    usage = None
+    for event in events:
+        text = _delta(event)
+        if show_ids:
+            text = "".join(f"{t} " for t in (event.get("choices") or [{}])[0].get("token_ids", []))
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        usage = event.get("usage") or usage
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return usage
+
+
+def generate_over_socket(ns: Any) -> int:
+    """``edgerun generate --socket PATH ...``: the same flags, answered by the daemon."""
+    if (ns.prompt is None) == (ns.token_ids is None):
+        raise EdgerunError("give either a prompt or --token-ids (exactly one)")
+    client = Client(ns.socket)
+    body = _sampling(ns)
+    if ns.token_ids is not None:
+        try:
+            ids = [int(t) for t in ns.token_ids.replace(",", " ").split()]
+        except ValueError as exc:
+            raise EdgerunError(f"--token-ids must be integers separated by commas: {exc}") from exc
+        body.update(prompt=ids, return_token_ids=True)
+        usage = _print_stream(client.stream("/v1/completions", body), show_ids=True)
+    elif getattr(ns, "chat", False):
+        body["messages"] = [{"role": "user", "content": ns.prompt}]
+        usage = _print_stream(client.stream("/v1/chat/completions", body))
+    else:
+        body["prompt"] = ns.prompt
+        usage = _print_stream(client.stream("/v1/completions", body))
+    if usage and not getattr(ns, "quiet", False):
+        print(
+            f"[prompt {usage['prompt_tokens']} tok, generated {usage['completion_tokens']} tok]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def chat(ns: Any) -> int:
+    """One message (``edgerun chat "hi"``), or a conversation read from stdin line by line."""
+    client = Client(ns.socket)
+    history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+
+    def turn(text: str) -> None:
+        history.append({"role": "user", "content": text})
+        body = {**_sampling(ns), "messages": history}
+        reply = []
+        for event in client.stream("/v1/chat/completions", body):
+            piece = _delta(event)
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+    if ns.message:
+        turn(ns.message)
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            del history[1 if ns.system else 0 :]
+            continue
+        if line.strip():
+            turn(line.rstrip("\n"))

@@ -1,0 +1,258 @@
+"""The daemon's lifecycle, top to bottom (:func:`run`): block the stop signals, take the socket
+(systemd's, or bind our own), start the loop and the engine thread, ``READY=1`` once the model
+is loaded and probed, serve until SIGTERM, ``STOPPING=1``, drain for the grace period, exit 0.
+
+If the engine cannot continue, ``/health`` answers ``failed`` for a moment and the process exits
+non-zero, so systemd restarts it. Threads: one asyncio loop (uvloop) for every connection, one
+engine thread that owns the model (:mod:`edgerun.server.engine_worker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from edgerun.errors import EdgerunError
+from edgerun.server.api import FAILED, STOPPING, ApiOptions, App
+from edgerun.server.engine_worker import Engine, EngineWorker, WorkerHooks
+from edgerun.server.http import Connection, Limits
+from edgerun.server.metrics import Metrics
+from edgerun.server.options import ServeOptions
+from edgerun.server.paths import activated_socket, bind_unix_socket, default_socket_path
+from edgerun.server.sdnotify import Notifier, watchdog_interval
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # 2: a user error, as the CLI exits; not restarted
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+FAILED_LINGER_S = 1.0  # how long /health reports a failed engine before the process exits
+
+LoadEngine = Callable[[Callable[[str], None]], Engine]
+
+
+def say(msg: str) -> None:
+    print(f"edgerun serve: {msg}", file=sys.stderr, flush=True)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed (pip install edgerun[serve]); using asyncio's own loop")
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(opts: ServeOptions, load_engine: LoadEngine, env: Mapping[str, str] = os.environ) -> int:
+    """Serve until stopped; returns the exit status."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the loop's handlers are in place
+    try:
+        listener = activated_socket(env)
+        path, owned = None, listener is None
+        if listener is None:
+            path = opts.socket or default_socket_path(env)
+            listener = bind_unix_socket(path, opts.socket_mode, opts.socket_group)
+        daemon = Daemon(opts, load_engine, listener, path if owned else None, env)
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(daemon.main())
+        finally:
+            loop.close()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return code
+
+
+def hard_exit(code: int) -> None:
+    """Leave without interpreter teardown: torch's alone takes seconds of the stop timeout, and
+    an engine thread still inside a step (or still loading) must not be waited for. By now the
+    answers are written and the socket is removed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Daemon:
+    def __init__(
+        self,
+        opts: ServeOptions,
+        load_engine: LoadEngine,
+        listener: socket.socket,
+        owned_path: Path | None,
+        env: Mapping[str, str],
+    ) -> None:
+        self.opts = opts
+        self.listener = listener
+        self.where = str(owned_path or listener.getsockname() or "fd 3")
+        self.owned_path = owned_path
+        self.owned_inode = os.stat(owned_path).st_ino if owned_path else None
+        self.notifier = Notifier.from_env(env)
+        self.watchdog = watchdog_interval(env)
+        self.limits = Limits(
+            max_line=8 * 1024,
+            max_header_bytes=opts.max_header_bytes,
+            max_headers=opts.max_headers,
+            max_body=opts.max_body_bytes,
+            idle_timeout=opts.idle_timeout,
+            read_timeout=opts.read_timeout,
+        )
+        self.metrics = Metrics()
+        every = self.watchdog / 4 if self.watchdog else 1.0
+        hooks = WorkerHooks(
+            status=lambda msg: self._from_engine(self._on_status, msg),
+            ready=lambda engine, probe, info: self._from_engine(self._on_ready, engine, probe, info),
+            fatal=lambda exc, loading: self._from_engine(self._on_fatal, exc, loading),
+            ping=self._ping,
+            ping_every=every,
+        )
+        self.worker = EngineWorker(load_engine, opts.queue_size, hooks)
+        api_opts = ApiOptions(opts.default_max_tokens, opts.request_timeout, opts.retry_after)
+        self.app = App(self.worker, self.metrics, api_opts)
+        self.conns: set[Connection] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.stopping = False
+        self.failed_code = EXIT_OK
+        self.loop_beat = time.monotonic()
+        self._last_ping = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Future | None = None
+        self._hurry: asyncio.Event | None = None
+
+    async def main(self) -> int:
+        loop = self._loop = asyncio.get_running_loop()
+        self._stop, self._hurry = loop.create_future(), asyncio.Event()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.request_stop, f"signal {signal.Signals(sig).name}", EXIT_OK)
+        server = await asyncio.start_unix_server(self._accept, sock=self.listener, limit=self.limits.max_line)
+        self.worker.thread.start()  # inherits the blocked signals: they go to this thread
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        say(f"listening on {self.where}; loading the model")
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+
+        reason, code = await self._stop
+        code = code or self.failed_code  # a SIGTERM after the engine failed still exits non-zero
+        t_stop = time.monotonic()
+        self.stopping = True
+        if self.app.state != FAILED:
+            self.app.state, self.app.message = STOPPING, reason
+        self.notifier.notify("STOPPING=1", f"STATUS=stopping ({reason})")
+        say(f"stopping ({reason}); draining for up to {self.opts.grace_period:g} s")
+        server.close()
+        for conn in list(self.conns):
+            conn.close_if_idle()
+        await self._drain()
+        heartbeat.cancel()
+        self.worker.stop()
+        await loop.run_in_executor(None, self.worker.thread.join, 1.0)
+        self._unlink()
+        say(f"stopped in {time.monotonic() - t_stop:.1f} s (exit status {code})")
+        return code
+
+    def request_stop(self, reason: str, code: int = EXIT_OK) -> None:
+        if not self._stop.done():
+            self._stop.set_result((reason, code))
+        else:
+            self._hurry.set()  # a second SIGTERM/SIGINT: stop waiting for requests
+
+    async def _drain(self) -> None:
+        grace = 0.0 if self.app.state == FAILED else self.opts.grace_period
+        deadline = time.monotonic() + grace
+        while self.app.active and time.monotonic() < deadline and not self._hurry.is_set():
+            await asyncio.sleep(0.02)
+        if self.app.active:
+            say(f"grace period over: cancelling {len(self.app.active)} request(s)")
+            self.app.abort_all(503, "the server is shutting down")
+        pending = [t for t in self.tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        for conn in list(self.conns):
+            conn.writer.close()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.conns) >= self.opts.max_connections:
+            writer.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            writer.close()
+            return
+        conn = Connection(
+            reader, writer, self.app.handle, self.limits, lambda: self.stopping, self.metrics.observe
+        )
+        task = asyncio.current_task()
+        self.conns.add(conn)
+        self.tasks.add(task)
+        try:
+            await conn.run()
+        finally:
+            self.conns.discard(conn)
+            self.tasks.discard(task)
+
+    # ---- engine thread -> loop --------------------------------------------------------------
+
+    def _from_engine(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: we are exiting anyway
+            pass
+
+    def _on_status(self, msg: str) -> None:
+        self.app.message = msg
+        self.notifier.notify(f"STATUS={msg}")
+
+    def _on_ready(self, engine: Engine, probe: str, info: dict[str, Any]) -> None:
+        if self.stopping:
+            return
+        self.app.set_ready(engine, info)
+        say(info.get("provenance", f"model {engine.model_id}"))
+        say(probe)
+        self.app.message = f"serving {engine.model_id} on {self.where}"
+        self.notifier.notify("READY=1", f"STATUS={self.app.message}")
+        say(f"ready: {self.app.message}")
+
+    def _on_fatal(self, exc: BaseException, loading: bool) -> None:
+        what = "loading the model failed" if loading else "the engine failed"
+        message = (
+            f"{what}: {type(exc).__name__}: {exc}" if not isinstance(exc, EdgerunError) else f"{what}: {exc}"
+        )
+        if not loading:
+            log.error(message, exc_info=exc)
+        say(message)
+        self.app.state, self.app.message = FAILED, message
+        self.notifier.notify(f"STATUS={message}")
+        self.app.abort_all(503, message)
+        self.failed_code = EXIT_CONFIG if loading and isinstance(exc, EdgerunError) else EXIT_FAILED
+        self._loop.call_later(FAILED_LINGER_S, self.request_stop, message, self.failed_code)
+
+    # ---- watchdog: pinged from the engine thread while the loop is alive too ------------------
+
+    async def _heartbeat(self) -> None:
+        every = self.watchdog / 4 if self.watchdog else 1.0
+        while True:
+            self.loop_beat = time.monotonic()
+            await asyncio.sleep(every)
+
+    def _ping(self) -> None:
+        if not self.watchdog:
+            return
+        now = time.monotonic()
+        if now - self._last_ping >= self.watchdog / 4 and now - self.loop_beat < self.watchdog / 2:
+            self._last_ping = now
+            self.notifier.notify("WATCHDOG=1")
+
+    def _unlink(self) -> None:
+        """Remove our socket file, unless another daemon has replaced it since."""
+        if self.owned_path is None:
+            return
+        try:
+            if os.stat(self.owned_path).st_ino == self.owned_inode:
+                os.unlink(self.owned_path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,413 @@
+"""HTTP/1.1 on asyncio streams, by hand: request line, headers, ``Content-Length`` bodies,
+keep-alive, limits on line, header and body size, and chunked responses for server-sent events.
+
+What it refuses, and how: a malformed request line or header 400, an over-long line 414/431,
+too many or too large headers 431, a body over the limit 413 (unread; the connection closes),
+a chunked request body 501, a POST without a length 411, an unknown ``Expect`` 417, HTTP other
+than 1.0/1.1 505, a request that stalls 408. A framing error closes the connection after the
+reply (lingering, so the client can read it); errors inside a well-framed body keep it open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import unquote
+
+log = logging.getLogger(__name__)
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_VERSION = re.compile(rb"HTTP/(\d)\.(\d)")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_line: int = 8 * 1024  # request line, and each header line
+    max_header_bytes: int = 32 * 1024  # all header lines together
+    max_headers: int = 64
+    max_body: int = 1024 * 1024
+    idle_timeout: float = 60.0  # keep-alive: how long to wait for the next request
+    read_timeout: float = 30.0  # once a request has started, to receive all of it
+
+
+class HTTPError(Exception):
+    """An error answer: status, message, and (for a request field) the field's name."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+        close: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers, self.close = headers, close
+
+
+class ClientGone(Exception):
+    """The peer closed the connection in the middle of a request."""
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    kind = {
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "service_unavailable",
+        504: "timeout",
+    }.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    path: str
+    version: str  # "HTTP/1.1" | "HTTP/1.0"
+    headers: dict[str, str]  # lower-case names; repeated fields joined with ", "
+    body: bytes = b""
+
+    @property
+    def keep_alive(self) -> bool:
+        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in tokens
+        return "close" not in tokens
+
+
+class Input:
+    """A StreamReader plus bytes read ahead (by the disconnect watcher) that belong to the next request."""
+
+    def __init__(self, reader: asyncio.StreamReader, max_line: int) -> None:
+        self.reader = reader
+        self.head = b""
+        self.max_line = max_line
+
+    async def wait_data(self) -> bool:
+        if not self.head:
+            self.head = await self.reader.read(65536)
+        return bool(self.head)
+
+    async def readline(self) -> bytes:
+        i = self.head.find(b"\n")
+        if i >= 0:
+            line, self.head = self.head[: i + 1], self.head[i + 1 :]
+        else:
+            prefix, self.head = self.head, b""
+            try:
+                line = prefix + await self.reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                raise ClientGone from exc
+            except asyncio.LimitOverrunError:
+                line = b""  # longer than the reader's limit
+        if not line or len(line) > self.max_line:
+            raise _TooLong
+        return line
+
+    async def readexactly(self, n: int) -> bytes:
+        take, self.head = self.head[:n], self.head[n:]
+        try:
+            return take + await self.reader.readexactly(n - len(take)) if n > len(take) else take
+        except asyncio.IncompleteReadError as exc:
+            raise ClientGone from exc
+
+    async def wait_eof(self) -> None:
+        """Returns when the peer closes; keeps (a bounded amount of) what it sends meanwhile."""
+        while data := await self.reader.read(65536):
+            self.head += data
+            if len(self.head) > 4 * self.max_line:
+                await asyncio.get_running_loop().create_future()  # stop reading; cancelled later
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _parse_request_line(line: bytes) -> tuple[str, str, str]:
+    parts = line.rstrip(b"\r\n").split(b" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]):
+        raise HTTPError(400, f"malformed request line {line[:80]!r}", close=True)
+    method, target, version = parts
+    if not (m := _VERSION.fullmatch(version)):
+        raise HTTPError(400, f"malformed HTTP version {version[:20]!r}", close=True)
+    if m.groups() not in ((b"1", b"1"), (b"1", b"0")):
+        raise HTTPError(505, f"HTTP version {version.decode()} is not supported (use HTTP/1.1)", close=True)
+    if not target.startswith(b"/") or not target.isascii() or _BAD_VALUE.search(target):
+        raise HTTPError(400, f"request target must be an absolute path, got {target[:80]!r}", close=True)
+    return method.decode(), target.decode(), version.decode()
+
+
+def _parse_header(line: bytes) -> tuple[str, str]:
+    if line[:1] in (b" ", b"\t"):
+        raise HTTPError(400, "obsolete header line folding is not accepted", close=True)
+    name, sep, value = line.rstrip(b"\r\n").partition(b":")
+    if not sep or not _TOKEN.fullmatch(name):
+        raise HTTPError(400, f"malformed header line {line[:80]!r}", close=True)
+    value = value.strip(b" \t")
+    if _BAD_VALUE.search(value):
+        raise HTTPError(400, f"header {name.decode()!r} contains control characters", close=True)
+    return name.decode().lower(), value.decode("latin-1")
+
+
+async def _read_head(inp: Input, limits: Limits) -> tuple[str, str, str, dict[str, str]]:
+    try:
+        line = await inp.readline()
+        for _ in range(4):  # RFC 9112 2.2: ignore empty lines before the request line
+            if line.strip(b"\r\n"):
+                break
+            line = await inp.readline()
+    except _TooLong:
+        raise HTTPError(414, f"request line longer than {limits.max_line} bytes", close=True) from None
+    method, target, version = _parse_request_line(line)
+    headers: dict[str, str] = {}
+    total = 0
+    while True:
+        try:
+            line = await inp.readline()
+        except _TooLong:
+            raise HTTPError(
+                431, f"a header line is longer than {limits.max_line} bytes", close=True
+            ) from None
+        total += len(line)
+        if total > limits.max_header_bytes:
+            raise HTTPError(431, f"headers exceed {limits.max_header_bytes} bytes", close=True)
+        if line in (b"\r\n", b"\n"):
+            return method, target, version, headers
+        if len(headers) >= limits.max_headers:
+            raise HTTPError(431, f"more than {limits.max_headers} header fields", close=True)
+        name, value = _parse_header(line)
+        if name in headers:
+            if name == "content-length" and headers[name] != value:
+                raise HTTPError(400, "conflicting Content-Length headers", close=True)
+            if name != "content-length":
+                headers[name] += ", " + value
+        else:
+            headers[name] = value
+
+
+def _body_length(method: str, headers: dict[str, str], limits: Limits) -> int:
+    if "transfer-encoding" in headers:
+        if "content-length" in headers:
+            raise HTTPError(400, "both Transfer-Encoding and Content-Length given", close=True)
+        raise HTTPError(
+            501, "Transfer-Encoding request bodies are not supported; send Content-Length", close=True
+        )
+    length = headers.get("content-length")
+    if length is None:
+        if method in ("POST", "PUT", "PATCH"):
+            raise HTTPError(411, "a request body needs a Content-Length header", close=True)
+        return 0
+    if not (length.isascii() and length.isdigit()):
+        raise HTTPError(
+            400, f"Content-Length must be a non-negative integer, got {length[:40]!r}", close=True
+        )
+    n = int(length)
+    if n > limits.max_body:
+        raise HTTPError(
+            413, f"request body of {n} bytes exceeds the limit of {limits.max_body} bytes", close=True
+        )
+    return n
+
+
+async def read_request(inp: Input, writer: asyncio.StreamWriter, limits: Limits) -> Request:
+    """The request whose first bytes have arrived, within ``read_timeout``."""
+
+    async def read() -> Request:
+        method, target, version, headers = await _read_head(inp, limits)
+        n = _body_length(method, headers, limits)
+        expect = headers.get("expect", "").lower()
+        if expect and expect != "100-continue":
+            raise HTTPError(417, f"unsupported Expect: {expect[:40]!r}", close=True)
+        if expect and n and version == "HTTP/1.1":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = await inp.readexactly(n) if n else b""
+        path = unquote(target.partition("?")[0])
+        return Request(method, target, path, version, headers, body)
+
+    try:
+        return await asyncio.wait_for(read(), limits.read_timeout)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"request not received within {limits.read_timeout:g} s", close=True) from None
+
+
+class Exchange:
+    """The answer side of one request: a whole response, or a chunked event stream."""
+
+    def __init__(self, conn: Connection, request: Request, keep_alive: bool) -> None:
+        self.conn = conn
+        self.request = request
+        self.keep_alive = keep_alive
+        self.status: int | None = None  # set once the head is written
+        self._chunked = False
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
+        self.status = status
+        lines = [
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+            "Server: edgerun",
+            f"Date: {formatdate(usegmt=True)}",
+            *(f"{k}: {v}" for k, v in headers),
+            f"Connection: {'keep-alive' if self.keep_alive else 'close'}",
+        ]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def _write(self, data: bytes) -> None:
+        writer = self.conn.writer
+        if writer.transport.is_closing():
+            raise ConnectionResetError("client closed the connection")
+        writer.write(data)
+        await writer.drain()
+
+    async def send(
+        self, status: int, body: bytes, content_type: str, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        head = self._head(
+            status, [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers]
+        )
+        await self._write(head if self.request.method == "HEAD" else head + body)
+
+    async def send_json(self, status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        await self.send(status, json.dumps(obj).encode() + b"\n", "application/json", headers)
+
+    async def send_error(self, err: HTTPError) -> None:
+        if err.close:
+            self.keep_alive = False
+        await self.send_json(
+            err.status, error_body(err.status, err.message, err.param, err.code), err.headers
+        )
+
+    async def start_stream(self, content_type: str = "text/event-stream") -> None:
+        # HTTP/1.0 has no chunked coding: the stream ends when the connection does
+        self._chunked = self.request.version == "HTTP/1.1"
+        self.keep_alive = self.keep_alive and self._chunked
+        headers = [("Content-Type", content_type), ("Cache-Control", "no-cache")]
+        if self._chunked:
+            headers.append(("Transfer-Encoding", "chunked"))
+        await self._write(self._head(200, headers))
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            await self._write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+
+    async def end_stream(self) -> None:
+        if self._chunked:
+            await self._write(b"0\r\n\r\n")
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` if the client closes the connection before the response is done."""
+        self._watcher = asyncio.ensure_future(self.conn.inp.wait_eof())
+        self._watcher.add_done_callback(lambda t: None if t.cancelled() else callback())
+
+    async def finish(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            # the reader allows one waiter: let the watcher's read unwind before the next request
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watcher
+            if self._watcher.done() and not self._watcher.cancelled():
+                self.keep_alive = False  # the client has gone
+
+
+Handler = Callable[[Request, Exchange], Awaitable[None]]
+Observer = Callable[[str, int], None]  # (path, status) after each response
+
+
+class Connection:
+    """One client connection: requests in order, one at a time (keep-alive, no pipelining overlap)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: Handler,
+        limits: Limits,
+        closing: Callable[[], bool],
+        observe: Observer,
+    ) -> None:
+        self.inp = Input(reader, limits.max_line)
+        self.writer = writer
+        self.handler = handler
+        self.limits = limits
+        self.closing = closing
+        self.observe = observe
+        self.idle = True
+
+    def close_if_idle(self) -> None:
+        if self.idle:
+            self.writer.close()
+
+    async def run(self) -> None:
+        try:
+            while await self._one():
+                pass
+        except (ConnectionError, ClientGone):
+            pass
+        finally:
+            self.writer.close()
+
+    async def _one(self) -> bool:
+        """Serve one request; False when the connection should close."""
+        self.idle = True
+        try:
+            if not await asyncio.wait_for(self.inp.wait_data(), self.limits.idle_timeout):
+                return False
+        except asyncio.TimeoutError:
+            return False
+        self.idle = False
+        try:
+            req = await read_request(self.inp, self.writer, self.limits)
+        except HTTPError as err:
+            ex = Exchange(self, Request("?", "", "", "HTTP/1.1", {}), keep_alive=False)
+            await ex.send_error(err)
+            self.observe("", err.status)
+            await self._linger()
+            return False
+        ex = Exchange(self, req, keep_alive=req.keep_alive and not self.closing())
+        try:
+            await self.handler(req, ex)
+        except HTTPError as err:
+            if ex.started:
+                raise ConnectionResetError from err
+            await ex.send_error(err)
+        except (ConnectionError, ClientGone):
+            ex.keep_alive = False
+        except Exception as exc:  # a bug answers 500 and is logged; the daemon keeps serving
+            log.exception("%s %s failed", req.method, req.path)
+            if ex.started:
+                ex.keep_alive = False
+            else:
+                await ex.send_error(HTTPError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            await ex.finish()
+            self.observe(req.path, ex.status or 499)  # 499: client closed before any answer
+        return ex.keep_alive and not self.closing()
+
+    async def _linger(self) -> None:
+        """Half-close and discard what the client still sends, so it can read our error reply
+        instead of a reset (closing a Unix socket with unread data resets the peer)."""
+        with contextlib.suppress(Exception):
+            self.writer.write_eof()
+
+            async def drain_input() -> None:
+                while await self.inp.reader.read(65536):
+                    pass
+
+            await asyncio.wait_for(drain_input(), 2.0)

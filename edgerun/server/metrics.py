@@ -1,0 +1,128 @@
+"""``/metrics`` in the Prometheus text format (0.0.4).
+
+The loop counts HTTP answers (:class:`Metrics`); the engine thread counts tokens and time
+(``EngineWorker.counters``); the engine reports its expert cache, fallbacks and memory through
+``engine.stats()``. A resident engine has no expert cache: its families carry
+``experts="resident"`` and every counter is 0, read from the engine, not assumed here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgerun.server.engine_worker import EngineWorker
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class Metrics:
+    """Counters the event loop keeps (single-threaded: no lock)."""
+
+    def __init__(self) -> None:
+        self.responses: Counter[tuple[str, int]] = Counter()
+
+    def observe(self, path: str, status: int) -> None:
+        if path.startswith("/v1/models/"):
+            path = "/v1/models"
+        self.responses[(path if path in ENDPOINTS else "other", status)] += 1
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+class _Text:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(
+        self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, Any], float]]
+    ) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for labels, value in samples:
+            tag = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            self.lines.append(f"{name}{{{tag}}} {_number(value)}" if tag else f"{name} {_number(value)}")
+
+    def one(self, name: str, kind: str, help_: str, value: float) -> None:
+        self.family(name, kind, help_, [({}, value)])
+
+
+def render(
+    metrics: Metrics,
+    worker: EngineWorker,
+    in_flight: int,
+    stats: dict[str, Any] | None,
+    state: str,
+    info: dict[str, Any],
+) -> str:
+    t = _Text()
+    c = worker.counters
+    t.one("edgerun_ready", "gauge", "1 when the model is loaded and serving.", state == "ready")
+    if info:
+        labels = {k: info.get(k) or "none" for k in ("model_dir", "device", "dtype", "device_profile")}
+        t.family("edgerun_info", "gauge", "What this daemon serves.", [({**labels, "state": state}, 1)])
+    t.family(
+        "edgerun_http_responses_total",
+        "counter",
+        "HTTP answers by endpoint and status (499: the client left first).",
+        [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(metrics.responses.items())],
+    )
+    t.one("edgerun_requests_total", "counter", "Generation requests the engine started.", c.requests)
+    t.one("edgerun_request_failures_total", "counter", "Generation requests the engine failed.", c.failed)
+    t.one(
+        "edgerun_requests_cancelled_total",
+        "counter",
+        "Generations stopped early or dropped from the queue (client gone, timeout, shutdown).",
+        c.cancelled + worker.dropped,
+    )
+    t.one("edgerun_prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens)
+    t.one("edgerun_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
+    t.one("edgerun_prefill_seconds_total", "counter", "Time spent in prefill.", c.prefill_s)
+    t.one("edgerun_decode_seconds_total", "counter", "Time spent in decode steps.", c.decode_s)
+    t.one(
+        "edgerun_prefill_tokens_per_second",
+        "gauge",
+        "Prefill rate of the last completed request.",
+        c.last_prefill_tps,
+    )
+    t.one(
+        "edgerun_decode_tokens_per_second",
+        "gauge",
+        "Decode rate of the last completed request.",
+        c.last_decode_tps,
+    )
+    t.one("edgerun_queue_depth", "gauge", "Requests waiting for the engine.", worker.depth)
+    t.one("edgerun_queue_capacity", "gauge", "Requests that may wait before 429.", worker.capacity)
+    t.one(
+        "edgerun_requests_running", "gauge", "Requests the engine is generating.", worker.running is not None
+    )
+    t.one("edgerun_requests_in_flight", "gauge", "Generation requests accepted, not yet answered.", in_flight)
+
+    stats = stats or {}
+    mode = stats.get("experts", "unknown")
+    layers = sorted(stats.get("layers", {}).items())
+    for key, name, help_ in (
+        ("hits", "edgerun_expert_cache_hits_total", "Expert lookups served from the cache, per layer."),
+        ("misses", "edgerun_expert_cache_misses_total", "Expert lookups that needed a read, per layer."),
+        ("evictions", "edgerun_expert_cache_evictions_total", "Experts evicted from the cache, per layer."),
+        ("bytes_read", "edgerun_expert_bytes_read_total", "Expert bytes read from storage, per layer."),
+    ):
+        t.family(name, "counter", help_, [({"layer": i, "experts": mode}, s[key]) for i, s in layers])
+    t.family(
+        "edgerun_fallbacks_total",
+        "counter",
+        "Fallbacks taken (eager step, CPU reference, buffered read), by kind.",
+        [({"kind": k}, n) for k, n in sorted(stats.get("fallbacks", {}).items())],
+    )
+    if "resident_memory_bytes" in stats:
+        t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])
+    if "peak_memory_bytes" in stats:
+        t.one("edgerun_peak_memory_bytes", "gauge", "Peak memory so far.", stats["peak_memory_bytes"])
+    return "\n".join(t.lines) + "\n"

@@ -1,0 +1,120 @@
+"""What ``edgerun serve`` runs with: defaults, then ``--config serve.yaml``, then command-line flags.
+
+Until ``ServeConfig`` joins ``edgerun/config.py`` it lives here; the YAML keys are the field
+names below (see docs/serving.md). Unknown keys are errors that suggest the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgerun.config import parse_bytes
+from edgerun.errors import ConfigError
+from edgerun.models.providers import ProviderPolicy
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: Path | None = None  # HF checkpoint dir; None: the shipped demo model
+    served_model_name: str | None = None  # the id clients send as "model"; default: the dir's name
+    device_profile: Path | None = None  # configs/*.yaml (DeviceProfile)
+    bundle: Path | None = None  # not served yet: the streaming engine reads bundles
+    torch_device: str | None = None  # "cpu" | "cuda"; None: cuda if available
+    dtype: str = "auto"
+    context: int | None = None  # max context per request; None: the model's
+    prefill_chunk: int = 512
+    threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
+    socket: Path | None = None  # None: paths.default_socket_path()
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    queue_size: int = 16  # requests waiting for the engine before 429
+    max_connections: int = 256
+    request_timeout: float = 300.0  # seconds, queueing included
+    grace_period: float = 30.0  # SIGTERM: seconds to let running requests finish
+    default_max_tokens: int = 256
+    max_body_bytes: int = 1024 * 1024
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 64
+    idle_timeout: float = 60.0  # keep-alive connections
+    read_timeout: float = 30.0  # to receive one whole request
+    retry_after: int = 1  # seconds, in 429 / 503 answers
+    providers: ProviderPolicy | None = None  # which external architecture providers may load the model
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
+        for name in ("queue_size", "max_connections", "default_max_tokens", "max_body_bytes", "max_headers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"serve option {name!r} must be at least 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "grace_period", "idle_timeout", "read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"serve option {name!r} must be positive, got {getattr(self, name)}")
+        if self.torch_device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"serve option 'torch_device' must be cpu or cuda, got {self.torch_device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"serve option 'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(
+                f"serve option 'socket_mode' must be a permission mode like 0660, got {self.socket_mode}"
+            )
+
+    def merged(self, overrides: dict[str, Any]) -> ServeOptions:
+        """These options with the non-None values of ``overrides`` on top."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+_PATHS = ("model", "device_profile", "bundle", "socket")
+_SIZES = ("max_body_bytes", "max_header_bytes")
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    expected = {f.name: f.type for f in fields(ServeOptions)}[key]
+    if value is None:
+        return None
+    if key in _PATHS:
+        return Path(str(value)).expanduser()
+    if key == "providers":
+        return ProviderPolicy.from_mapping(value, f"{source}: providers")
+    if key in _SIZES:
+        return parse_bytes(value, key, source)
+    if key == "socket_mode":
+        text = str(value) if isinstance(value, str) else f"{value:o}"  # YAML reads 0660 as octal
+        if not text.isdigit() or any(ch > "7" for ch in text):
+            raise ConfigError(f"{source}: key 'socket_mode' must be octal like '0660', got {value!r}")
+        return int(text, 8)
+    if "float" in expected and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if "int" in expected and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if "str" in expected and isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{source}: key {key!r} must be {expected.split(' |')[0]}, got {value!r}")
+
+
+def load_serve_config(path: str | Path) -> dict[str, Any]:
+    """The options a serve.yaml sets, converted and checked (not yet merged)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: serve config not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a serve config must be a mapping of keys to values")
+    valid = [f.name for f in fields(ServeOptions)]
+    out = {}
+    for key, value in raw.items():
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f" (did you mean {near[0]!r}?)" if near else f" (valid keys: {', '.join(valid)})"
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+        out[key] = _convert(key, value, str(path))
+    return out

@@ -1,0 +1,283 @@
+"""The daemon's lifecycle: readiness over a fake NOTIFY_SOCKET, /health while loading, 429, timeouts,
+engine errors and engine death, SIGTERM draining, socket activation and stale sockets."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from server_helpers import Daemon, get, post, serve_argv
+
+from edgerun.engine.runner import DEMO_MODEL
+from edgerun.server.client import UnixHTTPConnection
+
+FAKE = Path(__file__).with_name("fake_daemon.py")
+RAISE, FATAL, SLOW = 90, 91, 92
+
+
+class NotifySocket:
+    """What systemd would receive: every sd_notify datagram, with its arrival order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.messages: list[str] = []
+
+    def poll(self) -> list[str]:
+        while True:
+            try:
+                self.messages += self.sock.recv(4096).decode().split("\n")
+            except BlockingIOError:
+                return self.messages
+
+    def wait_for(self, text: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.poll():
+            assert time.monotonic() < deadline, f"no {text!r} in {self.messages}"
+            time.sleep(0.02)
+
+
+def fake_argv(sock: Path, *args: str) -> list[str]:
+    return [sys.executable, str(FAKE), "--socket", str(sock), *args]
+
+
+def open_stream(sock: Path, body: dict):
+    conn = UnixHTTPConnection(sock, 30)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode())
+    resp = conn.getresponse()
+    return conn, resp
+
+
+def metric(sock: Path, name: str) -> float:
+    text = get(sock, "/metrics")[1]
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+# ---- the real daemon: READY=1 only after loading, WATCHDOG=1, STOPPING=1, SIGTERM drains -----------
+
+
+def test_real_daemon_notifies_and_drains_on_sigterm(served_model, tmp_path):
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "edgerun.sock"
+    grace = 2.0
+    model = [] if (DEMO_MODEL / "config.json").is_file() else ["--model", str(served_model)]
+    env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "800000"}
+    daemon = Daemon(
+        serve_argv(*model, "--socket", str(sock), "--torch-device", "cpu", "--grace-period", str(grace)),
+        sock,
+        env,
+    )
+    try:
+        saw_loading = False
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline and daemon.proc.poll() is None, daemon.log()
+            before = list(notify.poll())
+            try:
+                status, body = get(sock, "/health")
+            except OSError:
+                continue
+            if status == 503:
+                assert body["status"] == "loading" and "READY=1" not in before
+                saw_loading = True
+            if status == 200:
+                break
+            time.sleep(0.02)
+        notify.wait_for("READY=1")
+        assert any(m.startswith("STATUS=loading model") for m in notify.messages)
+        assert saw_loading or "READY=1" in notify.messages
+        notify.wait_for("WATCHDOG=1", timeout=5)
+
+        body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        conn, resp = open_stream(sock, body)
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        events = []
+        reader = threading.Thread(target=lambda: events.extend(resp.read().split(b"\n\n")))
+        reader.start()
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(grace + 10) == 0, daemon.log()
+        elapsed = time.monotonic() - t0
+        reader.join(10)
+        assert elapsed < grace + 3, f"took {elapsed:.1f} s to exit with a {grace} s grace period"
+        notify.wait_for("STOPPING=1")
+        assert events and b"data: [DONE]" in events  # finished in time, or told why it stopped
+        assert not sock.exists()
+    finally:
+        daemon.stop()
+
+
+# ---- a scripted engine: loading, queue full, timeouts, engine errors ------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fake")
+    sock = d / "fake.sock"
+    proc = Daemon(fake_argv(sock, "--load-delay", "1.5", "--queue-size", "1", "--request-timeout", "2"), sock)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_loading_answers_503_then_ready(fake):
+    deadline = time.monotonic() + 30
+    while not fake.sock.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    status, body = get(fake.sock, "/health")
+    if status == 503:  # (unless this test ran after the others)
+        assert body["status"] == "loading"
+        conn = UnixHTTPConnection(fake.sock, 10)
+        conn.request("POST", "/v1/completions", body=b'{"prompt": [1]}')
+        resp = conn.getresponse()
+        assert resp.status == 503 and resp.getheader("Retry-After") == "1"
+        assert "loading" in json.loads(resp.read())["error"]["message"]
+    fake.wait_health(200)
+
+
+def test_queue_full_is_429_with_retry_after(fake):
+    fake.wait_health(200)
+    a = open_stream(fake.sock, {"prompt": [SLOW, 1], "max_tokens": 30, "return_token_ids": True})
+    assert a[1].readline().startswith(b"data: ")  # running
+    b = open_stream(fake.sock, {"prompt": [SLOW, 2], "max_tokens": 30})  # waiting in the queue
+    assert metric(fake.sock, "edgerun_queue_depth") == 1
+    conn = UnixHTTPConnection(fake.sock, 10)
+    conn.request("POST", "/v1/completions", body=b'{"prompt": [1], "max_tokens": 2}')
+    resp = conn.getresponse()
+    assert resp.status == 429 and resp.getheader("Retry-After") == "1"
+    assert "busy" in json.loads(resp.read())["error"]["message"]
+    for c, r in (a, b):
+        r.close()
+        c.close()
+    deadline = time.monotonic() + 10
+    while metric(fake.sock, "edgerun_requests_running") or metric(fake.sock, "edgerun_queue_depth"):
+        assert time.monotonic() < deadline, "slots not freed after the clients left"
+        time.sleep(0.05)
+    assert post(fake.sock, "/v1/completions", {"prompt": [1], "max_tokens": 2})[0] == 200
+
+
+def test_stream_chunks_arrive_as_tokens_do(fake):
+    fake.wait_health(200)
+    t0 = time.monotonic()
+    conn, resp = open_stream(fake.sock, {"prompt": [SLOW, 1], "max_tokens": 10, "return_token_ids": True})
+    arrivals, ids = [], []
+    for line in resp:
+        if line.startswith(b"data: {"):
+            arrivals.append(time.monotonic() - t0)
+            ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    conn.close()
+    assert ids == [(1 + i + 1) % 97 for i in range(10)]
+    # a token every 50 ms: each goes out on its own (the 20 ms write window holds none back long)
+    assert len(arrivals) >= 8 and arrivals[0] < arrivals[-1] - 0.3
+
+
+def test_request_timeout(fake):
+    fake.wait_health(200)
+    t0 = time.monotonic()
+    status, body = post(fake.sock, "/v1/completions", {"prompt": [SLOW, 1], "max_tokens": 60})
+    assert status == 504 and "timeout of 2 s" in body["error"]["message"]
+    assert time.monotonic() - t0 < 5
+    conn, resp = open_stream(fake.sock, {"prompt": [SLOW, 1], "max_tokens": 60})
+    events = resp.read().split(b"\n\n")
+    conn.close()
+    assert b'"timeout"' in events[-3] and events[-2] == b"data: [DONE]"
+    deadline = time.monotonic() + 5
+    while metric(fake.sock, "edgerun_requests_running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_engine_error_fails_only_that_request(fake):
+    fake.wait_health(200)
+    status, body = post(fake.sock, "/v1/completions", {"prompt": [RAISE], "max_tokens": 3})
+    assert status == 500 and "injected engine error" in body["error"]["message"]
+    assert get(fake.sock, "/health")[0] == 200
+    status, body = post(fake.sock, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_engine_stats_feed_metrics(fake):
+    fake.wait_health(200)
+    text = get(fake.sock, "/metrics")[1]
+    assert 'edgerun_fallbacks_total{kind="cpu_reference"} 2' in text
+    assert 'edgerun_expert_bytes_read_total{layer="0",experts="fake"} 4096' in text
+    assert "edgerun_request_failures_total 1" in text
+
+
+def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "fatal.sock"
+    daemon = Daemon(fake_argv(sock), sock, {"NOTIFY_SOCKET": str(notify.path)})
+    try:
+        daemon.wait_health(200)
+        status, body = post(sock, "/v1/completions", {"prompt": [FATAL], "max_tokens": 3})
+        assert status == 500 and "engine failed" in body["error"]["message"]
+        status, body = get(sock, "/health")
+        assert status == 503 and body["status"] == "failed" and "device is lost" in body["message"]
+        assert daemon.proc.wait(10) == 1
+        notify.wait_for("STOPPING=1")
+        assert any("engine failed" in m for m in notify.messages if m.startswith("STATUS="))
+    finally:
+        daemon.stop()
+
+
+def test_load_failure_exits_nonzero(tmp_path):
+    sock = tmp_path / "bad.sock"
+    daemon = Daemon(fake_argv(sock, "--load-error", "no such weights"), sock)
+    try:
+        assert daemon.proc.wait(30) == 1
+        assert "loading the model failed: RuntimeError: no such weights" in daemon.log()
+    finally:
+        daemon.stop()
+
+
+# ---- the socket: systemd's (activation), a dead daemon's (replaced), a live one's (refused) --------
+
+
+def test_socket_activation_serves_on_fd_3(tmp_path):
+    path = tmp_path / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    fd = listener.fileno()
+    # as systemd does: the socket on fd 3, LISTEN_PID naming the process that execs the daemon
+    shim = (
+        f"import os, sys; os.dup2({fd}, 3); os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1'); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
+    argv = [sys.executable, "-c", shim, *fake_argv(tmp_path / "unused.sock")]
+    daemon = Daemon(argv, path, pass_fds=(fd,))
+    listener.close()
+    try:
+        daemon.wait_health(200, timeout=30)
+        assert not (tmp_path / "unused.sock").exists()
+    finally:
+        assert daemon.stop() == 0
+    assert path.exists()  # systemd's socket: not ours to remove
+
+
+def test_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path):
+    sock = tmp_path / "s.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock))
+    stale.close()  # the file stays; nobody listens: a dead daemon's
+    first = Daemon(fake_argv(sock), sock)
+    try:
+        first.wait_health(200, timeout=30)
+        second = Daemon(fake_argv(sock), sock.with_name("s2.sock"))
+        assert second.proc.wait(30) == 2
+        second.stop()
+        assert "another daemon is already serving" in second.log()
+        assert get(sock, "/health")[0] == 200
+    finally:
+        assert first.stop() == 0
+    assert not sock.exists()

@@ -1,0 +1,150 @@
+"""The daemon's small parts without a daemon: sd_notify, socket paths and binding, options, metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from edgerun.errors import ConfigError, EdgerunError
+from edgerun.server.metrics import _escape
+from edgerun.server.options import ServeOptions, load_serve_config
+from edgerun.server.paths import bind_unix_socket, default_socket_path, find_socket
+from edgerun.server.sdnotify import Notifier, watchdog_interval
+
+
+def test_notifier_is_a_no_op_outside_systemd():
+    assert Notifier.from_env({}).notify("READY=1") is False
+
+
+def test_notifier_sends_to_a_path_and_an_abstract_socket(tmp_path):
+    path = tmp_path / "notify"
+    abstract = f"edgerun-test-{os.getpid()}"
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as a,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as b,
+    ):
+        a.bind(str(path))
+        b.bind("\0" + abstract)
+        assert Notifier.from_env({"NOTIFY_SOCKET": str(path)}).notify("READY=1", "STATUS=up")
+        assert a.recv(100) == b"READY=1\nSTATUS=up"
+        assert Notifier("@" + abstract).notify("STOPPING=1")
+        assert b.recv(100) == b"STOPPING=1"
+    assert Notifier(str(tmp_path / "gone")).notify("READY=1") is False  # logged, never raised
+
+
+def test_watchdog_interval():
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000"}) == 2.0
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}) == 2.0
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}) is None  # another process's
+    assert watchdog_interval({}) is None
+
+
+def test_socket_path_discovery(tmp_path):
+    assert default_socket_path({"RUNTIME_DIRECTORY": "/run/edgerun", "XDG_RUNTIME_DIR": "/x"}) == (
+        default_socket_path({"RUNTIME_DIRECTORY": "/run/edgerun"})
+    )
+    assert str(default_socket_path({"RUNTIME_DIRECTORY": "/run/edgerun"})) == "/run/edgerun/edgerun.sock"
+    assert str(default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"})) == "/run/user/7/edgerun.sock"
+    assert default_socket_path({}).name == "edgerun.sock" and f"edgerun-{os.getuid()}" in str(
+        default_socket_path({})
+    )
+    (tmp_path / "edgerun.sock").touch()
+    assert find_socket({"XDG_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "edgerun.sock"
+
+
+def test_bind_refuses_a_live_socket_and_a_plain_file_and_replaces_a_stale_one(tmp_path):
+    path = tmp_path / "s.sock"
+    live = bind_unix_socket(path, mode=0o660)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o660
+        with pytest.raises(EdgerunError, match="already serving"):
+            bind_unix_socket(path)
+    finally:
+        live.close()  # the file stays behind, as a crashed daemon's does
+    bind_unix_socket(path).close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(EdgerunError, match="not a socket"):
+        bind_unix_socket(tmp_path / "file")
+    with pytest.raises(EdgerunError, match="longer than"):
+        bind_unix_socket(tmp_path / ("x" * 120))
+    with pytest.raises(EdgerunError, match="does not exist"):
+        bind_unix_socket(tmp_path / "no" / "s.sock", group="no-such-group-edgerun")
+
+
+def test_serve_config(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("socket_mode: 0640\nmax_body_bytes: 2MiB\nrequest_timeout: 10\nqueue_size: 4\n")
+    opts = ServeOptions().merged(load_serve_config(cfg)).merged({"queue_size": 8, "model": None})
+    assert (opts.socket_mode, opts.max_body_bytes, opts.request_timeout, opts.queue_size) == (
+        0o640,
+        2 * 2**20,
+        10.0,
+        8,
+    )
+    cfg.write_text("queue_sise: 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'queue_size'"):
+        load_serve_config(cfg)
+    cfg.write_text("queue_size: lots\n")
+    with pytest.raises(ConfigError, match="'queue_size' must be int"):
+        load_serve_config(cfg)
+    with pytest.raises(ConfigError, match="grace_period"):
+        ServeOptions(grace_period=0)
+
+
+def test_metric_labels_are_escaped():
+    assert _escape('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+
+
+def _on_uvloop(coro_fn):
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    try:
+        return loop.run_until_complete(coro_fn(loop))
+    finally:
+        loop.close()
+
+
+def test_channel_gathers_tokens_without_waking_the_loop_and_ends_at_once():
+    import asyncio
+    import threading
+    import time
+
+    from edgerun.server.api import Aborted, Channel
+
+    class Ev:
+        def __init__(self, i, finish=None):
+            self.token_id, self.text, self.finish_reason = i, str(i), finish
+
+    async def scenario(loop):
+        ch = Channel(loop)
+        wakes = []
+        real_wake = ch._wake
+        ch._wake = lambda: (wakes.append(1), real_wake())
+        # tokens from another thread while the handler waits out a write window: no wake-ups
+        t = threading.Thread(target=lambda: [ch.put(Ev(i)) for i in range(5)])
+        t0 = time.monotonic()
+        t.start()
+        loop.call_later(0.01, ch._wake)  # a stale wake-up must not end the window early
+        items = await ch.take(any_item=False, timeout=0.1)
+        t.join()
+        assert time.monotonic() - t0 >= 0.09 and [e.token_id for e in items] == list(range(5))
+        assert len(wakes) == 2  # the stale one and the timer: none per token
+        # waiting for any token: the next one wakes it
+        loop.call_later(0.01, lambda: threading.Thread(target=ch.put, args=(Ev(5),)).start())
+        assert [e.token_id for e in await ch.take(any_item=True)] == [5]
+        # a final item ends a window at once
+        threading.Thread(target=ch.put, args=(Ev(6, "length"),)).start()
+        t0 = time.monotonic()
+        assert [e.token_id for e in await ch.take(any_item=False, timeout=5)] == [6]
+        assert time.monotonic() - t0 < 1
+        # an abort from the loop is final even if tokens arrive after it
+        ch2 = Channel(loop)
+        ch2.put_here(Aborted(499, "client disconnected"))
+        ch2.put(Ev(7))
+        items = await asyncio.wait_for(ch2.take(any_item=False), 1)
+        assert isinstance(items[0], Aborted) and items[1].token_id == 7
+
+    _on_uvloop(scenario)
