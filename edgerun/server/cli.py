@@ -21,6 +21,8 @@ _FLAGS = (
     "served_model_name",
     "device_profile",
     "bundle",
+    "quota",
+    "read_mode",
     "torch_device",
     "dtype",
     "context",
@@ -42,7 +44,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", dest="device_profile", type=Path, metavar="PROFILE", help="device profile YAML"
     )
-    p.add_argument("--bundle", type=Path, help="bundle dir (needs the streaming engine: not yet)")
+    p.add_argument("--bundle", type=Path, help="edgerun bundle dir (experts stream with --quota or --device)")
+    p.add_argument("--quota", type=int, help="expert slots per MoE layer (default with --device: the plan's)")
+    p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), help="expert reads (default auto)")
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model dir's name)")
@@ -71,8 +75,33 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return opts.merged(flags)
 
 
-def resident_loader(opts: ServeOptions, profile: str | None) -> Callable:
-    """The engine factory the daemon's engine thread calls: load the whole model resident."""
+def streaming_plan(opts: ServeOptions):
+    """How experts are held: None (resident), or a StreamSpec from --quota or the device plan.
+    Planned before the daemon binds, so a bundle that does not fit is refused up front."""
+    from edgerun.server.engine_worker import StreamSpec
+
+    if opts.bundle is None or (opts.quota is None and opts.device_profile is None):
+        return None
+    if opts.quota is not None:
+        return StreamSpec(opts.quota, None, opts.read_mode, "fixed quota")
+    from edgerun.budget.cli import plan_for_bundle
+
+    p = plan_for_bundle(opts.bundle, opts.device_profile, opts.context)
+    if not p.fits:
+        raise EdgerunError(p.refusal.message)
+    quotas = dict(zip(p.moe_layers, p.quotas))
+    budget = p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes
+    pred = p.prediction
+    summary = (
+        f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer, "
+        f"predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
+    )
+    return StreamSpec(quotas, budget, opts.read_mode, summary)
+
+
+def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Callable:
+    """The engine factory the daemon's engine thread calls: the model with its experts resident,
+    or streamed through the expert cache when ``stream`` says so."""
 
     def load(status: Callable[[str], None]):
         import torch
@@ -86,10 +115,11 @@ def resident_loader(opts: ServeOptions, profile: str | None) -> Callable:
         dtype = getattr(torch, opts.dtype) if opts.dtype != "auto" else None
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        name = opts.served_model_name or (opts.model.resolve().name if opts.model else "demo")
-        status(f"loading model {opts.model or 'demo'} on {device}")
+        source = opts.bundle or opts.model
+        name = opts.served_model_name or (source.resolve().name if source else "demo")
+        status(f"loading model {source or 'demo'} on {device}")
         return ResidentEngine.load(
-            opts.model, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers
+            source, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers, stream
         )
 
     return load
@@ -99,17 +129,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     from edgerun.server import daemon
 
     opts = serve_options(ns)
-    if opts.bundle is not None:
-        raise EdgerunError(
-            f"--bundle {opts.bundle}: serving a bundle needs the streaming engine, which is not here yet; "
-            "serve an HF checkpoint with --model"
-        )
     profile = None
     if opts.device_profile is not None:
         from edgerun.config import load_device_profile
 
         profile = load_device_profile(opts.device_profile).name
-    daemon.hard_exit(daemon.run(opts, resident_loader(opts, profile)))
+    daemon.hard_exit(daemon.run(opts, resident_loader(opts, profile, streaming_plan(opts))))
     return 0  # not reached
 
 

@@ -59,15 +59,34 @@ def is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, accel) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
 
 
-class ResidentEngine:
-    """Every weight resident in memory (the engine of :class:`Runner`): no expert cache, so no
-    misses, evictions, reads or fallbacks to report."""
+@dataclass(frozen=True)
+class StreamSpec:
+    """Experts stream from a bundle through a cache of ``quota`` slots per layer (or per-layer
+    quotas), refused over ``budget`` bytes; ``plan`` is the plan's one-line summary."""
 
-    def __init__(self, runner: Runner, model_dir: Path | None, model_id: str, profile: str | None) -> None:
+    quota: int | dict[int, int]
+    budget: int | None
+    read_mode: str
+    plan: str
+
+
+class ResidentEngine:
+    """The engine of :class:`Runner`: dense weights resident, routed experts either resident
+    or streamed through its expert cache (``runner.cache``)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        model_dir: Path | None,
+        model_id: str,
+        profile: str | None,
+        stream: StreamSpec | None = None,
+    ) -> None:
         self.runner = runner
         self.model_dir = model_dir
         self.model_id = model_id
         self.profile = profile
+        self.stream = stream
         self.tokenizer = runner.tokenizer
         self.max_context = runner.max_context
 
@@ -82,6 +101,7 @@ class ResidentEngine:
         max_context: int | None = None,
         prefill_chunk: int = 512,
         providers: Any = None,
+        stream: StreamSpec | None = None,
     ) -> ResidentEngine:
         from edgerun.engine.runner import Runner
 
@@ -92,8 +112,11 @@ class ResidentEngine:
             providers=providers,
             max_context=max_context,
             prefill_chunk=prefill_chunk,
+            quota=stream.quota if stream else None,
+            cache_budget=stream.budget if stream else None,
+            read_mode=stream.read_mode if stream else "auto",
         )
-        return cls(runner, model_dir, model_id, profile)
+        return cls(runner, model_dir, model_id, profile, stream)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.runner.check_request(prompt_ids, params)
@@ -115,7 +138,8 @@ class ResidentEngine:
         from edgerun.cli import provenance
 
         line = provenance(self.runner, self.model_dir)
-        return f"{line}; device profile {self.profile or 'none'}"
+        plan = f"; {self.stream.plan}" if self.stream else ""
+        return f"{line}; device profile {self.profile or 'none'}{plan}"
 
     def describe(self) -> dict[str, Any]:
         import torch
@@ -133,15 +157,27 @@ class ResidentEngine:
             "threads": torch.get_num_threads(),
             "max_context": r.max_context,
             "device_profile": self.profile,
-            "bundle": None,  # served from an HF checkpoint: bundles arrive with the streaming engine
-            "bundle_hash": None,
-            "plan": None,
-            "expert_mode": "resident",
+            "bundle": str(self.model_dir) if self._bundle_manifest() else None,
+            "bundle_hash": self._bundle_hash(),
+            "plan": self.stream.plan if self.stream else None,
+            "expert_mode": "streamed" if r.cache else "resident",
+            "expert_quota": r.cache.quotas if r.cache else None,
             "kernels": {"all": "torch eager (no custom kernels selected)"},
-            "fallbacks": [],
+            "fallbacks": [f"{k}: {v}" for k, v in (r.cache.fallbacks() if r.cache else {}).items()],
             "load": r.load_summary,
             "provenance": self.provenance(),
         }
+
+    def _bundle_manifest(self) -> Path | None:
+        m = self.model_dir / "manifest.json" if self.model_dir else None
+        return m if m is not None and m.is_file() else None
+
+    def _bundle_hash(self) -> str | None:
+        """The bundle's identity: sha256 of its manifest (which holds every file's hash)."""
+        import hashlib
+
+        m = self._bundle_manifest()
+        return hashlib.sha256(m.read_bytes()).hexdigest()[:16] if m else None
 
     def stats(self) -> dict[str, Any]:
         import psutil
@@ -149,14 +185,23 @@ class ResidentEngine:
 
         from edgerun.engine.runner import peak_memory
 
-        zero = {"hits": 0, "misses": 0, "evictions": 0, "bytes_read": 0}
+        cache = self.runner.cache
         resident = psutil.Process().memory_info().rss
         if self.runner.device.type == "cuda":
             resident += torch.cuda.memory_allocated(self.runner.device)
+        layers = {}
+        for layer in self.runner.args.moe_layers:
+            st = cache.layer_stats(layer) if cache else None
+            layers[layer] = {
+                "hits": st.hits if st else 0,
+                "misses": st.misses if st else 0,
+                "evictions": st.evictions if st else 0,
+                "bytes_read": st.bytes_read if st else 0,
+            }
         return {
-            "experts": "resident",
-            "layers": {layer: dict(zero) for layer in self.runner.args.moe_layers},
-            "fallbacks": {},
+            "experts": "streamed" if cache else "resident",
+            "layers": layers,
+            "fallbacks": {k: 1 for k in cache.fallbacks()} if cache else {},
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
         }

@@ -25,7 +25,9 @@ class ServeOptions:
     model: Path | None = None  # HF checkpoint dir; None: the shipped demo model
     served_model_name: str | None = None  # the id clients send as "model"; default: the dir's name
     device_profile: Path | None = None  # configs/*.yaml (DeviceProfile)
-    bundle: Path | None = None  # not served yet: the streaming engine reads bundles
+    bundle: Path | None = None  # edgerun bundle dir; experts stream when a quota or a device profile is given
+    quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
+    read_mode: str = "auto"  # expert reads: direct | buffered | auto (direct, recorded fallback)
     torch_device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
@@ -56,6 +58,14 @@ class ServeOptions:
         for name in ("request_timeout", "grace_period", "idle_timeout", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"serve option {name!r} must be positive, got {getattr(self, name)}")
+        if self.read_mode not in ("auto", "direct", "buffered"):
+            raise ConfigError(
+                f"serve option 'read_mode' must be auto, direct or buffered, got {self.read_mode!r}"
+            )
+        if self.quota is not None and self.bundle is None:
+            raise ConfigError("serve option 'quota' needs 'bundle': experts stream from a bundle")
+        if self.bundle is not None and self.model is not None:
+            raise ConfigError("give 'model' (an HF checkpoint) or 'bundle', not both")
         if self.torch_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"serve option 'torch_device' must be cpu or cuda, got {self.torch_device!r}")
         if self.dtype not in DTYPES:

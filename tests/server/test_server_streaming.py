@@ -1,0 +1,64 @@
+"""The daemon serving a bundle with its experts streamed: same tokens as in-process streaming,
+cache counters in /metrics, streaming mode, bundle hash and plan in /v1/models, and a plan that
+does not fit refused before the socket is bound."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from server_helpers import Daemon, get, post, serve_argv
+
+from edgerun.bundle.convert import ConvertOptions, convert
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def bundle(served_model, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("served-bundle") / "b"
+    convert(served_model, dst, ConvertOptions("bf16"))
+    return dst
+
+
+def _metric_sum(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+
+
+def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path):
+    sock = tmp_path / "s.sock"
+    d = Daemon(
+        serve_argv("--bundle", str(bundle), "--quota", "2", "--socket", str(sock), "--torch-device", "cpu"),
+        sock,
+    )
+    try:
+        d.wait_health()
+        code, body = post(
+            sock, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+        )
+        assert code == 200, body
+        runner = Runner.load(bundle, device="cpu", quota=2)
+        ids = runner.generate_ids([5, 6, 7, 8], SamplingParams(max_tokens=12))
+        assert body["choices"][0]["text"] == runner.tokenizer.decode(ids)
+        _, models = get(sock, "/v1/models")
+        meta = models["data"][0]
+        text = repr(meta)
+        assert "streamed" in text and re.search(r"'bundle_hash': '[0-9a-f]{16}'", text)
+        _, metrics = get(sock, "/metrics")
+        assert _metric_sum(metrics, "edgerun_expert_cache_misses_total") > 0
+        assert _metric_sum(metrics, "edgerun_expert_bytes_read_total") > 0
+        assert "experts streamed (quota 2 per layer" in d.log()
+    finally:
+        assert d.stop() == 0
+
+
+def test_plan_that_does_not_fit_is_refused_before_binding(bundle, tmp_path):
+    from edgerun.engine.runner import DEMO_MODEL
+
+    profile = tmp_path / "tiny.yaml"
+    cpu = (DEMO_MODEL.parents[1] / "configs" / "cpu.yaml").read_text()
+    profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.0001GiB"))
+    sock = tmp_path / "t.sock"
+    d = Daemon(serve_argv("--bundle", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
+    assert d.proc.wait(60) == 2
+    assert "does not fit on" in d.log() and not sock.exists()
