@@ -66,6 +66,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="CPU threads for torch (default: torch's, one per core); 1 is fastest for small models on a busy machine",
     )
+    p.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help="send the request to a running daemon at this socket instead of loading a model here",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
     add_provider_arguments(p)
     p.set_defaults(func=run_generate)
@@ -79,6 +85,10 @@ def run_generate(ns: argparse.Namespace) -> int:
 
     if (ns.prompt is None) == (ns.token_ids is None):
         raise EdgerunError("give either a prompt or --token-ids (exactly one)")
+    if ns.socket is not None:
+        from edgerun.server.client import generate_over_socket
+
+        return generate_over_socket(ns)
     params = SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,

@@ -25,7 +25,7 @@ def _metric_sum(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
 
 
-def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path):
+def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
     sock = tmp_path / "s.sock"
     d = Daemon(
         serve_argv("--bundle", str(bundle), "--quota", "2", "--socket", str(sock), "--torch-device", "cpu"),
@@ -48,6 +48,12 @@ def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path):
         assert _metric_sum(metrics, "edgerun_expert_cache_misses_total") > 0
         assert _metric_sum(metrics, "edgerun_expert_bytes_read_total") > 0
         assert "experts streamed (quota 2 per layer" in d.log()
+        from edgerun.cli import main  # the socket client: `edgerun generate --socket`
+
+        capsys.readouterr()
+        argv = ["generate", "--socket", str(sock), "--token-ids", "5,6,7,8", "--max-tokens", "12"]
+        assert main(argv) == 0
+        assert capsys.readouterr().out.split() == [str(t) for t in ids]
     finally:
         assert d.stop() == 0
 
