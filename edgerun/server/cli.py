@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,30 +151,3 @@ def run_chat(ns: argparse.Namespace) -> int:
     from edgerun.server.client import chat
 
     return chat(ns)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="edgerun")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="serve the model over a Unix socket")
-    add_serve_arguments(p)
-    p.set_defaults(func=run_serve)
-    p = sub.add_parser("chat", help="chat with a running daemon")
-    add_chat_arguments(p)
-    p.set_defaults(func=run_chat)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s"
-    )
-    try:
-        return ns.func(ns)
-    except EdgerunError as exc:
-        print(f"edgerun {ns.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
