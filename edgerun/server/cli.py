@@ -1,6 +1,6 @@
 """``edgerun serve`` and ``edgerun chat``: argument definitions and entry points.
 
-``edgerun/cli.py`` wires these in; ``python -m edgerun.server.cli serve|chat ...`` runs them alone.
+``edgerun/cli.py`` wires these in as ``edgerun serve`` and ``edgerun chat``.
 """
 
 from __future__ import annotations
