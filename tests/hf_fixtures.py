@@ -84,6 +84,33 @@ def build_hf(arch: str, out: Path, seed: int = 0, **overrides):
     return model
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_bpe_tokenizer(out: Path, text: str, eos_ids: list[int]) -> Path:
+    """A 300-token byte-level BPE trained on ``text``, ChatML specials and chat template, EOS ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([text] * 20, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE})
+    )
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    return out
+
+
 def _per_expert_to_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, groups = {}, {}
     for name, t in tensors.items():

@@ -32,7 +32,14 @@ from edgerun.bundle.quant import dequantize_block, quantize_expert
 from edgerun.errors import CheckpointError, ConfigError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, read_config
-from edgerun.models.checkpoint import FLOAT_DTYPES, canonical_name, checkpoint_files, classify, read_entries
+from edgerun.models.checkpoint import (
+    FLOAT_DTYPES,
+    canonical_name,
+    checkpoint_files,
+    classify,
+    read_entries,
+    source_dtype,
+)
 from edgerun.models.registry import load_args
 from edgerun.safetensors_io import DTYPES, ITEMSIZE, TensorEntry
 
@@ -210,8 +217,7 @@ def plan_conversion(src: str | Path, options: ConvertOptions) -> ConversionPlan:
         if tuple(e.shape) != tuple(shape):
             problems.append(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, expected {list(shape)}")
 
-    counts = Counter(e.dtype for e in entries.values() if e.dtype in FLOAT_DTYPES)
-    source_dtype = counts.most_common(1)[0][0] if counts else "F32"
+    src_dtype = source_dtype(entries)
     out_dtype = DENSE_DTYPES.get(options.dense_dtype or "")
 
     resident: dict[str, Resident] = {}
@@ -301,7 +307,7 @@ def plan_conversion(src: str | Path, options: ConvertOptions) -> ConversionPlan:
         resident=ordered,
         experts=experts,
         tokenizer=tokenizer,
-        source_dtype=source_dtype,
+        source_dtype=src_dtype,
         source=source,
         problems=problems,
     )

@@ -139,6 +139,12 @@ def classify(entries: dict[str, TensorEntry], args: ModelArgs) -> Plan:
     return plan
 
 
+def source_dtype(entries: dict[str, TensorEntry]) -> str:
+    """The checkpoint's floating dtype code: the most common one among its tensors."""
+    counts = Counter(e.dtype for e in entries.values() if e.dtype in FLOAT_DTYPES)
+    return counts.most_common(1)[0][0] if counts else "F32"
+
+
 def _float(e: TensorEntry, files: MappedFiles, label: str) -> torch.Tensor:
     if e.dtype not in FLOAT_DTYPES:
         raise CheckpointError(
@@ -222,9 +228,7 @@ def load_entries(
     plan = classify(entries, args)
     specs = {s.name: s for s in arch.tensor_specs(args)}
     if dtype is None:
-        counts = Counter(e.dtype for e in entries.values() if e.dtype in FLOAT_DTYPES)
-        code = counts.most_common(1)[0][0] if counts else "F32"
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[code]
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[source_dtype(entries)]
 
     unknown = sorted(n for n in plan.direct if n not in specs)
     if unknown:

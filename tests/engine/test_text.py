@@ -1,41 +1,17 @@
 """Tokenizer wrapper, streaming detokenization, chat template and stop strings."""
 
-import json
-
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from edgerun.engine.runner import _TextStream
 from edgerun.errors import ConfigError
 from edgerun.tokenizer import StreamDecoder, Tokenizer
-
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from hf_fixtures import write_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(
-        ["In the beginning God created the heaven and the earth. ünïcødé ✓ 中文"] * 20, trainer
-    )
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": TEMPLATE})
-    )
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
-    return d
+    text = "In the beginning God created the heaven and the earth. ünïcødé ✓ 中文"
+    return write_bpe_tokenizer(tmp_path_factory.mktemp("tok"), text, eos_ids=[0])
 
 
 def test_eos_ids_from_generation_config_and_eos_token(tok_dir):

@@ -14,35 +14,16 @@ from pathlib import Path
 from edgerun.server.client import UnixHTTPConnection
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
 TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
 
 
 def build_served_model(out: Path) -> Path:
     """A random qwen3_5_moe checkpoint (HF layout) with a 300-token byte-level BPE and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from hf_fixtures import build_hf
+    from hf_fixtures import build_hf, write_bpe_tokenizer
 
     build_hf("qwen3_5_moe", out, seed=3, vocab_size=320)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([TEXT] * 20, trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE})
-    )
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
-    return out
+    return write_bpe_tokenizer(out, TEXT, eos_ids=[2])
 
 
 class Daemon:
