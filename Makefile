@@ -25,7 +25,7 @@ install-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
 
 demo: install
-	$(BIN)/edgerun generate --max-tokens 80 "$(PROMPT)"
+	$(BIN)/edgerun generate --max-tokens 80 --temperature 0.8 --top-p 0.95 --seed 1 "$(PROMPT)"
 
 lint: install-test
 	$(BIN)/ruff check edgerun kernels tests benchmarks scripts
