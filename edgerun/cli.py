@@ -14,7 +14,7 @@ DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16":
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text in-process (no daemon)")
+    p = sub.add_parser("generate", help="generate text (in-process; through a running daemon with --socket)")
     p.add_argument("prompt", nargs="?", help="prompt text (omit with --token-ids)")
     p.add_argument(
         "--model", type=Path, default=None, help="HF checkpoint dir (default: the shipped demo model)"
@@ -221,36 +221,48 @@ def provenance(runner, model_dir: Path | None) -> str:
     )
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from edgerun.budget import cli as plan_cli
+# Subcommands that live in their own package: (name, module, add-arguments, run, help).
+SUBCOMMANDS = (
+    (
+        "plan",
+        "edgerun.budget.cli",
+        "add_arguments",
+        "run",
+        "size resident weights, KV/state and expert quotas against a device profile",
+    ),
+    (
+        "convert",
+        "edgerun.bundle.cli",
+        "add_convert_arguments",
+        "run_convert",
+        "HF checkpoint -> expert bundle (bf16, int8, int4)",
+    ),
+    (
+        "verify",
+        "edgerun.bundle.cli",
+        "add_verify_arguments",
+        "run_verify",
+        "check a bundle's structure (and hashes with --deep)",
+    ),
+    (
+        "serve",
+        "edgerun.server.cli",
+        "add_serve_arguments",
+        "run_serve",
+        "serve the model over a Unix socket (OpenAI-compatible HTTP)",
+    ),
+    ("chat", "edgerun.server.cli", "add_chat_arguments", "run_chat", "chat with a running daemon"),
+)
 
-    p = sub.add_parser(
-        "plan", help="size resident weights, KV/state and expert quotas against a device profile"
-    )
-    plan_cli.add_arguments(p)
-    p.set_defaults(func=plan_cli.run)
 
+def _add_package_commands(sub: argparse._SubParsersAction) -> None:
+    import importlib
 
-def _add_server(sub: argparse._SubParsersAction) -> None:
-    from edgerun.server import cli as server_cli
-
-    p = sub.add_parser("serve", help="serve the model over a Unix socket (OpenAI-compatible HTTP)")
-    server_cli.add_serve_arguments(p)
-    p.set_defaults(func=server_cli.run_serve)
-    p = sub.add_parser("chat", help="chat with a running daemon")
-    server_cli.add_chat_arguments(p)
-    p.set_defaults(func=server_cli.run_chat)
-
-
-def _add_bundle(sub: argparse._SubParsersAction) -> None:
-    from edgerun.bundle import cli as bundle_cli
-
-    p = sub.add_parser("convert", help="HF checkpoint -> expert bundle (bf16, int8, int4)")
-    bundle_cli.add_convert_arguments(p)
-    p.set_defaults(func=bundle_cli.run_convert)
-    p = sub.add_parser("verify", help="check a bundle's structure (and hashes with --deep)")
-    bundle_cli.add_verify_arguments(p)
-    p.set_defaults(func=bundle_cli.run_verify)
+    for name, module, add, run, text in SUBCOMMANDS:
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=text)
+        getattr(mod, add)(p)
+        p.set_defaults(func=getattr(mod, run))
 
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
@@ -322,11 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_plan(sub)
-    _add_bundle(sub)
+    _add_package_commands(sub)
     _add_trace(sub)
     _add_simulate(sub)
-    _add_server(sub)
     return parser
 
 
