@@ -90,3 +90,34 @@ def test_random_init_fails_the_routing_check(tmp_path, heldout_ids):
     ratios = [layer.entropy_ratio for layer in probe.layers]
     assert mean(ratios) >= ENTROPY_BOUND
     assert min(ratios) > 0.95
+
+
+def test_demo_generates_english_words():
+    """The default model of `edgerun generate`: text out, mostly dictionary-like words."""
+    from edgerun.engine.runner import Runner
+    from edgerun.engine.sampler import SamplingParams
+
+    runner = Runner.load(device="cpu")
+    ids = runner.tokenizer.encode("And God said")
+    text = "".join(
+        e.text for e in runner.generate(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=1))
+    )
+    words = text.split()
+    assert len(words) >= 15
+    common = {
+        "the",
+        "and",
+        "of",
+        "unto",
+        "that",
+        "he",
+        "his",
+        "in",
+        "to",
+        "shall",
+        "lord",
+        "god",
+        "them",
+        "is",
+    }
+    assert sum(w.strip(".,;:").lower() in common for w in words) >= 5
