@@ -165,6 +165,7 @@ class ResidentEngine:
             "kernels": {"all": "torch eager (no custom kernels selected)"},
             "fallbacks": [f"{k}: {v}" for k, v in (r.cache.fallbacks() if r.cache else {}).items()],
             "load": r.load_summary,
+            "architecture_provider": r.provider.as_dict() if r.provider else None,
             "provenance": self.provenance(),
         }
 

@@ -72,6 +72,8 @@ def test_health_models_and_provenance(daemon):
     assert meta["max_context"] == CONTEXT and body["data"][0]["max_model_len"] == CONTEXT
     assert meta["device_profile"] == load_device_profile(PROFILE).name
     assert "edgerun: model" in meta["provenance"] and "fallbacks: none" in meta["provenance"]
+    provider = meta["architecture_provider"]
+    assert provider["builtin"] and provider["provider"] == "builtin" and provider["api"] == 1
     assert get(daemon.sock, "/v1/models/tiny")[0] == 200
     assert "edgerun: model" in daemon.log() and "probe passed" in daemon.log()  # the start-up lines
 
