@@ -85,6 +85,16 @@ class ExpertCache:
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
         self.readers = {bb: BlockReader(bb, staging, read_mode) for bb in block_sizes}
+        self._fallbacks: dict[str, str] = {}
+        self.copy_stream = None
+        if self.device.type == "cuda":
+            # device slots: each read's staging buffer (page-locked) is copied to its slot on a side
+            # stream; the read owns the buffer until its copy has completed
+            self.copy_stream = torch.cuda.Stream(self.device)
+            for r in self.readers.values():
+                reason = r.pin()
+                if reason:
+                    self._fallbacks["pageable_staging"] = reason
         self._host: list = []  # aligned mappings backing host pools (kept alive)
         self.pools: dict[int, torch.Tensor] = {}
         for layer, q in quotas.items():
@@ -116,9 +126,19 @@ class ExpertCache:
         pool = self.pools[layer]
         n = self.bundle.args.num_experts
 
+        stream = self.copy_stream
+
         def sink_for(slot: int):
             def sink(view: memoryview) -> None:
-                pool[slot].copy_(torch.frombuffer(view, dtype=torch.uint8))
+                src = torch.frombuffer(view, dtype=torch.uint8)
+                if stream is None:
+                    pool[slot].copy_(src)
+                    return
+                with torch.cuda.stream(stream):
+                    pool[slot].copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                done.synchronize()  # the staging buffer goes back to the queue only after this
 
             return sink
 
@@ -186,7 +206,7 @@ class ExpertCache:
         return t
 
     def fallbacks(self) -> dict[str, str]:
-        out: dict[str, str] = {}
+        out: dict[str, str] = dict(self._fallbacks)
         for r in self.readers.values():
             out.update(r.stats.fallbacks)
         return out

@@ -86,6 +86,7 @@ class BlockReader:
         self.block_bytes = block_bytes
         self.mode = mode
         self._buffers = [aligned_buffer(block_bytes) for _ in range(staging)]
+        self._pinned: list[mmap.mmap] = []
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
         for b in self._buffers:
             self._free.put(b)
@@ -172,8 +173,27 @@ class BlockReader:
             if self._inflight == 0:
                 self.stats.wall_seconds += time.perf_counter() - self._busy_since
 
+    def pin(self) -> str | None:
+        """Page-lock the staging buffers for the CUDA driver (cudaHostRegister), so copies from
+        them to device memory run asynchronously. Returns None, or why they stay pageable."""
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for b in self._buffers:
+            err = cudart.cudaHostRegister(buffer_address(b), len(b), 0)
+            if int(err) != 0:
+                return f"cudaHostRegister failed ({err}): staging buffers stay pageable"
+            self._pinned.append(b)
+        return None
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._pinned:
+            import torch
+
+            for b in self._pinned:
+                torch.cuda.cudart().cudaHostUnregister(buffer_address(b))
+            self._pinned.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -29,6 +29,9 @@ def test_cuda_streaming_equals_resident(bundles, arch, quant):
     for quota in (args.num_experts_per_tok, args.num_experts):
         model, _, cache, _ = load_streaming_model(b, quota, dtype=torch.float32, device="cuda")
         assert all(p.device.type == "cuda" for p in cache.pools.values())
+        assert cache.fallbacks() == {}  # staging buffers page-locked: copies run async on a side stream
+        staging = next(iter(cache.readers.values()))._buffers[0]
+        assert torch.frombuffer(staging, dtype=torch.uint8).is_pinned()
         with torch.no_grad():
             assert torch.equal(model(ids[:, :1]), ref_logits)
         tokens = Runner(model, args, None, device="cuda", prefill_chunk=1).generate_ids(PROMPT, PARAMS)
