@@ -120,7 +120,7 @@ class Bundle:
 
 
 def load_bundle_model(
-    root: str | Path,
+    root: str | Path | Bundle,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     experts: bool = True,
@@ -130,7 +130,7 @@ def load_bundle_model(
     dequantizer). ``dtype`` None: the source checkpoint's dtype. ``experts=False`` leaves them on
     the meta device for a caller that streams them. The bundle is validated before anything is
     allocated."""
-    b = Bundle.open(root)
+    b = root if isinstance(root, Bundle) else Bundle.open(root)
     dtype = dtype or DTYPES[b.manifest.dtype]
     model, report = load_entries(b.arch, b.args, b.dense, dtype=dtype, device=device, experts=False)
     report.files = 1 + len(b.manifest.layers)

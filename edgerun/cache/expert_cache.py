@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -222,7 +221,3 @@ class ExpertCache:
 def _quota_text(quotas: dict[int, int]) -> str:
     values = set(quotas.values())
     return f"{values.pop()} x {len(quotas)} layers" if len(values) == 1 else str(quotas)
-
-
-def open_cache(bundle_dir: str | Path, quota: int, **kw) -> ExpertCache:
-    return ExpertCache(Bundle.open(bundle_dir), quota, **kw)

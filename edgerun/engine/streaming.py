@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgerun.bundle.reader import load_bundle_model
-from edgerun.cache.expert_cache import ExpertCache, open_cache
+from edgerun.bundle.reader import Bundle, load_bundle_model
+from edgerun.cache.expert_cache import ExpertCache
 from edgerun.models.layers import SparseMoe, combine_experts
 
 
@@ -63,9 +63,10 @@ def load_streaming_model(
     **cache_kw,
 ):
     """(model, args, cache, report): dense weights resident, routed experts streamed."""
-    model, args, report = load_bundle_model(bundle_dir, dtype=dtype, device=device, experts=False)
+    bundle = Bundle.open(bundle_dir)  # validated once, before anything is allocated
+    model, args, report = load_bundle_model(bundle, dtype=dtype, device=device, experts=False)
     dtype = model.model.embed_tokens.weight.dtype
-    cache = open_cache(bundle_dir, quota, device=device, dtype=dtype, **cache_kw)
+    cache = ExpertCache(bundle, quota, device=device, dtype=dtype, **cache_kw)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe):
             layer.mlp.experts = StreamingExperts(i, cache)
