@@ -58,6 +58,18 @@ QWEN3_5_MOE = dict(
 )
 
 
+def tiny_moe_args(hidden: int = 32, inter: int = 16, experts: int = 2, top_k: int = 1):
+    """ModelArgs of a one-layer qwen3_moe, for tests that need only an expert geometry."""
+    from edgerun.models.registry import load_args
+
+    cfg = dict(
+        model_type="qwen3_moe", vocab_size=16, hidden_size=hidden, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=inter,
+        num_experts=experts, num_experts_per_tok=top_k,
+    )  # fmt: skip
+    return load_args(cfg)[1]
+
+
 def build_hf(arch: str, out: Path, seed: int = 0, **overrides):
     """Random HF model saved to ``out``; returns the (fp32, eval) HF model."""
     import transformers as tf

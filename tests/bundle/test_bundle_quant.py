@@ -8,23 +8,11 @@ import torch
 
 from edgerun.bundle import quant as Q
 from edgerun.bundle.layout import expert_block_layout
-from edgerun.models.registry import load_args
+from hf_fixtures import tiny_moe_args
 
 
 def tiny_args(hidden=32, inter=16):
-    cfg = dict(
-        model_type="qwen3_moe",
-        vocab_size=16,
-        hidden_size=hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=inter,
-        num_experts=2,
-        num_experts_per_tok=1,
-    )
-    return load_args(cfg)[1]
+    return tiny_moe_args(hidden, inter)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 with experts streamed through the cache gives identical logits (torch.equal) and greedy tokens,
 at every quota down to top_k (constant eviction), for both architectures, bf16 and int4."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -157,7 +156,6 @@ def test_generate_cli_streams_and_reports_the_cache(bundles, capsys):
     err = capsys.readouterr().err
     assert "experts streamed (quota 2 per layer" in err and "fallbacks:" in err
     assert "expert cache:" in err and "misses" in err
-    json.dumps(err)  # printable
 
 
 def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):

@@ -6,7 +6,7 @@ import torch
 
 from edgerun.bundle.layout import BlockLayout, expert_block_layout
 from edgerun.kernels.moe_reference import random_pool
-from edgerun.models.registry import load_args
+from hf_fixtures import tiny_moe_args
 
 # (quant, group, rotation) for the tiny geometry (D 64, I 32): every scheme, both int4 groups,
 # int8 per row and per group, Hadamard on both quantized schemes
@@ -34,20 +34,8 @@ def fmt_id(fmt) -> str:
 
 
 def layout_for(fmt, hidden: int = 64, inter: int = 32) -> BlockLayout:
-    cfg = dict(
-        model_type="qwen3_moe",
-        vocab_size=16,
-        hidden_size=hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=inter,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
     quant, group, rotation = fmt
-    return expert_block_layout(load_args(cfg)[1], quant, group, rotation)
+    return expert_block_layout(tiny_moe_args(hidden, inter, experts=8, top_k=2), quant, group, rotation)
 
 
 def random_step(
