@@ -25,7 +25,7 @@ from edgerun.models.args import ModelArgs
 from edgerun.models.layers import Rotary
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.models.registry import resolve_config
-from edgerun.safetensors_io import MappedFiles, TensorEntry, read_header
+from edgerun.safetensors_io import DTYPES, MappedFiles, TensorEntry, read_header
 
 log = logging.getLogger("edgerun.load")
 
@@ -228,7 +228,7 @@ def load_entries(
     plan = classify(entries, args)
     specs = {s.name: s for s in arch.tensor_specs(args)}
     if dtype is None:
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[source_dtype(entries)]
+        dtype = DTYPES[source_dtype(entries)]
 
     unknown = sorted(n for n in plan.direct if n not in specs)
     if unknown:
@@ -259,7 +259,7 @@ def load_entries(
                 report.tensors += 1
                 report.bytes += v.nbytes
             continue
-        elif _already_set(model, name):
+        elif not model.get_parameter(name).is_meta:
             continue  # the other half of a stacked expert pair
         else:
             raise CheckpointError(f"missing tensor {name!r} (expected shape {list(spec.shape)})")
@@ -271,11 +271,3 @@ def load_entries(
     model.rotary = Rotary(args.rotary_dim, args.rope_theta).to(device)
     model.eval()
     return model, report
-
-
-def _already_set(model: nn.Module, name: str) -> bool:
-    *path, leaf = name.split(".")
-    mod = model
-    for p in path:
-        mod = getattr(mod, p)
-    return not getattr(mod, leaf).is_meta
