@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
+from edgerun.server.cli import add_kernel_arguments, slot_pool
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -54,6 +55,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
     )
     p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
+    add_kernel_arguments(p)
     p.add_argument(
         "--profile",
         type=Path,
@@ -80,6 +82,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def run_generate(ns: argparse.Namespace) -> int:
     import torch
 
+    from edgerun.engine.policy import KernelPolicy
     from edgerun.engine.runner import Runner, default_device
     from edgerun.engine.sampler import SamplingParams
 
@@ -120,6 +123,8 @@ def run_generate(ns: argparse.Namespace) -> int:
         cache_budget=budget,
         read_mode=ns.read_mode,
         warm=_read_warm(ns.warm),
+        kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs),
+        pool=slot_pool(device, ns.slot_pool, ns.profile) if quota is not None else None,
     )
     if not ns.quiet:
         print(provenance(runner, ns.model), file=sys.stderr, flush=True)
@@ -194,15 +199,15 @@ def cache_line(cache, tokens: int) -> str:
 
 def experts_text(runner) -> str:
     cache = runner.cache
+    fb = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
+    kernels = f"kernels: {runner.kernel_summary()}"
     if cache is None:
-        return "experts resident; fallbacks: none"
+        return f"experts resident; {kernels}; fallbacks: {fb}"
     quotas = sorted(set(cache.quotas.values()))
     modes = {r.mode for r in cache.readers.values()}
-    fallbacks = cache.fallbacks()
-    fb = "; ".join(f"{k}: {v}" for k, v in fallbacks.items()) or "none"
     return (
-        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, read {'/'.join(modes)}, "
-        f"cache {cache.footprint_bytes / 2**20:.1f} MiB); fallbacks: {fb}"
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, "
+        f"read {'/'.join(modes)}, cache {cache.footprint_bytes / 2**20:.1f} MiB); {kernels}; fallbacks: {fb}"
     )
 
 

@@ -48,15 +48,31 @@ def moe_experts(
     global_scales: torch.Tensor | None = None,
     policy: MoeKernelPolicy = MoeKernelPolicy(),
     out_dtype: torch.dtype | None = None,
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
-    experts are summed in ascending expert-id order whichever implementation runs."""
+    experts are summed in ascending expert-id order whichever implementation runs.
+
+    In parts: with ``expert_range`` (lo, hi) only those experts run (entries of other experts may
+    hold any slot: they are not read), added into ``acc`` from :func:`accumulator`; calls over
+    consecutive ranges in ascending order give the bits one call would. Round the sum to x's dtype at the
+    end."""
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
+    part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if policy.impl == "reference":
-        return moe_experts_ref(*args)
+        return moe_experts_ref(*args, **part)
     from edgerun.kernels import moe_triton
 
-    if x.shape[0] <= policy.gemv_max_tokens:
+    if x.shape[0] <= policy.gemv_max_tokens and not part:
         return moe_triton.moe_gemv(*args)
-    return moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts)
+    return moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts, **part)
+
+
+def accumulator(x: torch.Tensor, policy: MoeKernelPolicy) -> torch.Tensor:
+    """The running sum of an expert step run in parts: x's dtype for the reference (which sums
+    in x's dtype), fp32 for the Triton path (which sums in fp32 and rounds once)."""
+    return torch.zeros(
+        x.shape, dtype=x.dtype if policy.impl == "reference" else torch.float32, device=x.device
+    )

@@ -46,6 +46,8 @@ def moe_experts_ref(
     layout: BlockLayout,
     global_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Router-weighted sum of each token's experts, read from a slot pool.
 
@@ -53,7 +55,10 @@ def moe_experts_ref(
     expert and the slot holding it); weights [T, A]; global_scales fp32 [S, 2] (int4). Weights
     are dequantized to x's dtype and the sum runs in x's dtype, as in the resident model; the
     result is cast to ``out_dtype`` (default x's dtype) once, at the end. An expert id that
-    appears with two different slots is refused."""
+    appears with two different slots is refused.
+
+    ``expert_range`` (lo, hi): only experts lo..hi run (the others' slots are not read), added
+    into ``acc`` (x's dtype), which is returned; see ``combine_experts``."""
     check_pool(pool, layout, global_scales)
     if (
         slot_idx.shape != expert_ids.shape
@@ -66,6 +71,8 @@ def moe_experts_ref(
         )
     slot_of: dict[int, int] = {}
     for e, s in zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()):
+        if expert_range is not None and not expert_range[0] <= e <= expert_range[1]:
+            continue
         if slot_of.setdefault(e, s) != s:
             raise ValueError(f"expert {e} is given two slots ({slot_of[e]} and {s}) in one step")
         if not 0 <= s < pool.shape[0]:
@@ -76,8 +83,8 @@ def moe_experts_ref(
         gs = None if global_scales is None else global_scales[s]
         return dequantize_block(layout, pool[s], gs, dtype=x.dtype)
 
-    out = combine_experts(x, expert_ids, weights, expert_weights)
-    return out if out_dtype is None else out.to(out_dtype)
+    out = combine_experts(x, expert_ids, weights, expert_weights, out=acc, experts=expert_range)
+    return out if out_dtype is None or acc is not None else out.to(out_dtype)
 
 
 def random_pool(

@@ -439,17 +439,25 @@ def moe_grouped(
     global_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     scratch_experts: int = 16,
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Prefill: each distinct expert dequantized once into bf16 scratch (at most
     ``scratch_experts`` at a time), then one cuBLAS GEMM per projection and expert over its
     tokens; bf16 operands and products, sums in fp32 in ascending expert-id order. One host sync
-    (the experts' token counts)."""
+    (the experts' token counts). ``expert_range`` (lo, hi): only those experts run, added into
+    ``acc`` (fp32 [T, D]), which is returned as is (the caller rounds it once, at the end)."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device) if acc is None else acc
     flat = expert_ids.flatten()
     order = torch.argsort(flat, stable=True)
+    if expert_range is not None:
+        e = flat[order]
+        order = order[(e >= expert_range[0]) & (e <= expert_range[1])]
+        if order.numel() == 0:
+            return out
     _, counts = torch.unique_consecutive(flat[order], return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
     uslots = slot_idx.flatten()[order][starts].to(torch.int64)
@@ -475,4 +483,4 @@ def moe_grouped(
             y = F.linear(hid.to(torch.bfloat16), dn[u]).float() * rw[start : start + c, None]
             out.index_put_((tok,), y, accumulate=True)  # tokens are unique within one expert
             start += c
-    return out.to(out_dtype or x.dtype)
+    return out if acc is not None else out.to(out_dtype or x.dtype)

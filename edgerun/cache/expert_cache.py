@@ -4,6 +4,16 @@ Bookkeeping (which expert is in which slot, recency, generations) is :mod:`edger
 this module moves bytes: a layer's misses are all submitted to the :class:`BlockReader` before
 the first is awaited, each read lands in an owned staging buffer and is copied into its slot.
 Every slot is the same fixed-size storage, so a refill is one copy and slots are interchangeable.
+
+Where the slots live (``pool``):
+
+- ``host``: CPU memory (the CPU engine); a read's staging buffer is copied into the slot.
+- ``device``: device memory (a discrete GPU's VRAM). A read's staging buffer (page-locked) is
+  copied into the slot on a side stream that first waits for the compute stream, so a slot is
+  never overwritten while a queued kernel may still read its previous expert.
+- ``mapped``: page-locked host memory the GPU reads directly (unified memory: Jetson, where host
+  memory *is* device memory). Reads land in the slot itself, no staging copy; before a layer's
+  reads start, the compute stream is drained so no queued kernel reads a slot being refilled.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import torch
 
 from edgerun.bundle.quant import dequantize_block
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.reader import BlockReader, aligned_buffer
+from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 
 
@@ -43,6 +53,9 @@ def largest_uniform_quota(bundle: Bundle, budget: int, staging: int) -> int:
     return max((budget - cache_footprint(bundle, {}, staging)) // per_slot, 0)
 
 
+POOLS = ("host", "device", "mapped")
+
+
 class ExpertCache:
     def __init__(
         self,
@@ -53,8 +66,17 @@ class ExpertCache:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         budget_bytes: int | None = None,
+        pool: str | None = None,
     ) -> None:
         args = bundle.args
+        device = torch.device(device)
+        pool = pool or ("host" if device.type == "cpu" else "device")
+        if pool not in POOLS:
+            raise QuotaError(f"slot pool {pool!r} is not one of {', '.join(POOLS)}")
+        if (pool == "host") != (device.type == "cpu"):
+            raise QuotaError(
+                f"slot pool {pool!r} does not serve device {device}: host is for cpu, device and mapped for cuda"
+            )
         quotas = quota if isinstance(quota, dict) else {layer: quota for layer in args.moe_layers}
         if sorted(quotas) != sorted(args.moe_layers):
             raise QuotaError(
@@ -77,7 +99,8 @@ class ExpertCache:
                 f"but its budget is {budget_bytes:,} bytes: {hint}"
             )
         self.bundle = bundle
-        self.device = torch.device(device)
+        self.device = device
+        self.pool_kind = pool
         self.dtype = dtype
         self.slots = slots
         self.footprint_bytes = need
@@ -86,28 +109,50 @@ class ExpertCache:
         self.readers = {bb: BlockReader(bb, staging, read_mode) for bb in block_sizes}
         self._fallbacks: dict[str, str] = {}
         self.copy_stream = None
-        if self.device.type == "cuda":
-            # device slots: each read's staging buffer (page-locked) is copied to its slot on a side
-            # stream; the read owns the buffer until its copy has completed
+        if pool == "device":
+            # each read's staging buffer (page-locked) is copied to its slot on a side stream; the
+            # read owns the buffer until its copy has completed
             self.copy_stream = torch.cuda.Stream(self.device)
             for r in self.readers.values():
                 reason = r.pin()
                 if reason:
                     self._fallbacks["pageable_staging"] = reason
-        self._host: list = []  # aligned mappings backing host pools (kept alive)
-        self.pools: dict[int, torch.Tensor] = {}
+        self._host: list = []  # aligned mappings / pinned tensors backing host-side pools (kept alive)
+        self.pools: dict[int, torch.Tensor] = {}  # what kernels read: [Q, block_bytes] uint8 on self.device
+        self.host_slots: dict[
+            int, torch.Tensor
+        ] = {}  # host and mapped pools: the CPU-side view reads land in
         for layer, q in quotas.items():
             bb = bundle.layouts[layer].block_bytes
-            if self.device.type == "cpu":
+            if pool == "host":
                 buf = aligned_buffer(q * bb)
                 self._host.append(buf)
-                self.pools[layer] = torch.frombuffer(buf, dtype=torch.uint8, count=q * bb).view(q, bb)
+                self.pools[layer] = self.host_slots[layer] = torch.frombuffer(
+                    buf, dtype=torch.uint8, count=q * bb
+                ).view(q, bb)
+            elif pool == "mapped":
+                self.host_slots[layer], self.pools[layer] = self._mapped_pool(q, bb)
             else:
                 self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
-        self.scales = {}
-        for layer in quotas:
+        self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
+        self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
+        for layer, q in quotas.items():
             s = bundle.global_scales(layer)
             self.scales[layer] = None if s is None else s.to(self.device)
+            self.slot_scales[layer] = (
+                None if s is None else torch.ones(q, 2, dtype=torch.float32, device=self.device)
+            )
+
+    def _mapped_pool(self, q: int, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host view, device view) of one page-locked allocation the GPU addresses directly: with
+        unified virtual addressing a pinned host pointer is also a valid device pointer."""
+        if not torch.cuda.get_device_properties(self.device).unified_addressing:
+            raise QuotaError(f"mapped slot pools need unified addressing, which {self.device} does not have")
+        raw = torch.empty(q * bb + ALIGN, dtype=torch.uint8, pin_memory=True)
+        skew = (-raw.data_ptr()) % ALIGN  # O_DIRECT reads land in the slots: page-align them
+        host = raw[skew : skew + q * bb].view(q, bb)
+        self._host.append(raw)
+        return host, torch.as_tensor(_DeviceView(host), device=self.device)
 
     @property
     def quotas(self) -> dict[int, int]:
@@ -126,6 +171,12 @@ class ExpertCache:
         n = self.bundle.args.num_experts
 
         stream = self.copy_stream
+        if self.pool_kind == "mapped":
+            # the GPU reads these slots in place: let every queued kernel finish before refilling
+            torch.cuda.current_stream(self.device).synchronize()
+        elif stream is not None:
+            # a refill is ordered after every kernel already queued that may read the slot's old expert
+            stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def sink_for(slot: int):
             def sink(view: memoryview) -> None:
@@ -141,8 +192,22 @@ class ExpertCache:
 
             return sink
 
+        def submit(f: Fill):
+            if self.pool_kind == "mapped":
+                return reader.submit(
+                    path, f.expert, None, n, dest=self.host_slots[layer][f.slot].numpy().data
+                )
+            return reader.submit(path, f.expert, sink_for(f.slot), n)
+
+        scales = self.slot_scales[layer]
+        if scales is not None:
+            idx = torch.tensor([f.slot for f in fills])
+            src = torch.tensor([f.expert for f in fills])
+            scales.index_copy_(
+                0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
+            )
         t0 = time.perf_counter()
-        futures = [(f, reader.submit(path, f.expert, sink_for(f.slot), n)) for f in fills]
+        futures = [(f, submit(f)) for f in fills]
         error = None
         for f, fut in futures:
             try:
@@ -163,6 +228,25 @@ class ExpertCache:
         refs, fills = self.slots[layer].assign(expert_ids)
         self._fill(layer, fills)
         return refs
+
+    def slot_rows(self, layer: int, rows: list[list[int]]) -> list[list[int]]:
+        """The slot of every entry of ``rows`` (tokens' expert ids), reading the misses: what a
+        kernel's slot-index tensor holds."""
+        slot_of = {r.expert: r.slot for r in self.get_many(layer, [e for row in rows for e in row])}
+        return [[slot_of[e] for e in row] for row in rows]
+
+    def slot_table(self, layer: int) -> torch.Tensor | None:
+        """expert -> slot (int64 [E] on the device) when every expert of ``layer`` is held, so a
+        step can find its slots on the device without a host round trip; else None. Valid until
+        the next eviction, which cannot happen while every expert is held."""
+        table = self.slots[layer].slot_of
+        if len(table) < self.bundle.args.num_experts:
+            return None
+        return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
+
+    def count_hits(self, layer: int, n: int) -> None:
+        """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""
+        self.slots[layer].counters.hits += n
 
     def weights(self, ref: SlotRef) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, D], down [D, I]) of a referenced expert, dequantized from its slot."""
@@ -215,7 +299,23 @@ class ExpertCache:
             r.close()
         self.readers.clear()
         self.pools.clear()
+        self.host_slots.clear()
         self._host.clear()
+
+
+class _DeviceView:
+    """A pinned host tensor presented to torch as device memory (``__cuda_array_interface__``);
+    holds the tensor so the memory outlives every view."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def _quota_text(quotas: dict[int, int]) -> str:

@@ -127,17 +127,31 @@ class BlockReader:
             self._fds[key] = fd
             return fd, direct
 
-    def read_into(self, path: Path, index: int, sink: Callable[[memoryview], None], num_blocks: int) -> int:
-        """Blocking read of block ``index`` (bounds-checked against ``num_blocks``)."""
+    def read_into(
+        self,
+        path: Path,
+        index: int,
+        sink: Callable[[memoryview], None] | None,
+        num_blocks: int,
+        dest: memoryview | None = None,
+    ) -> int:
+        """Blocking read of block ``index`` (bounds-checked against ``num_blocks``): into an owned
+        staging buffer handed to ``sink``, or, with ``dest`` (page-aligned, block_bytes long),
+        straight into the caller's memory (a unified-memory slot) with no staging copy."""
         if not 0 <= index < num_blocks:
             raise ReadError(f"{path}: block {index} requested, file holds blocks 0..{num_blocks - 1}")
         offset = index * self.block_bytes
         fd, direct = self._fd(Path(path))
-        buf = self._free.get()  # owned until returned below
+        if dest is not None and len(dest) != self.block_bytes:
+            raise ReadError(
+                f"{path} block {index}: destination holds {len(dest)} bytes, a block is {self.block_bytes}"
+            )
+        buf = self._free.get() if dest is None else None  # owned until returned below
         try:
-            view = memoryview(buf)[: self.block_bytes]
+            view = memoryview(buf)[: self.block_bytes] if dest is None else dest
             if direct:
-                check_alignment(offset, self.block_bytes, buffer_address(buf), f"{path} block {index}")
+                address = buffer_address(buf if dest is None else dest)
+                check_alignment(offset, self.block_bytes, address, f"{path} block {index}")
             self._begin()
             t0 = time.perf_counter()
             try:
@@ -149,17 +163,26 @@ class BlockReader:
                 raise ReadError(
                     f"{path}: short read of block {index} at offset {offset}: {n} of {self.block_bytes} bytes"
                 )
-            sink(view)
+            if sink is not None:
+                sink(view)
             with self._lock:
                 self.stats.reads += 1
                 self.stats.bytes += n
                 self.stats.seconds += dt
             return n
         finally:
-            self._free.put(buf)
+            if buf is not None:
+                self._free.put(buf)
 
-    def submit(self, path: Path, index: int, sink: Callable[[memoryview], None], num_blocks: int) -> Future:
-        return self._pool.submit(self.read_into, path, index, sink, num_blocks)
+    def submit(
+        self,
+        path: Path,
+        index: int,
+        sink: Callable[[memoryview], None] | None,
+        num_blocks: int,
+        dest: memoryview | None = None,
+    ) -> Future:
+        return self._pool.submit(self.read_into, path, index, sink, num_blocks, dest)
 
     def _begin(self) -> None:
         with self._lock:

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import torch
 
+from edgerun.engine.graphs import DecodeCounters, DecodeGraphs
+from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
+from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import DecodeState
@@ -89,6 +92,36 @@ class Runner:
         self.load_summary = ""
         self.cache = None  # ExpertCache when experts stream
         self.provider: Resolution | None = None  # the architecture's provenance, set by load()
+        self.kernels: Resolved = resolve(KernelPolicy(), self.device)  # load() resolves the request
+        self.decoder = None  # DecodeGraphs on CUDA, sized for the longest request so far
+        self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
+
+    def set_kernels(self, request: KernelPolicy) -> None:
+        """Resolve the kernel policy against the device (probing each kernel) and hand the
+        result to every part that runs one."""
+        layouts = list(dict.fromkeys(self.cache.bundle.layouts.values())) if self.cache else []
+        self.kernels = resolve(request, self.device, layouts, self.args.num_experts_per_tok)
+        for module in self.model.modules():
+            if isinstance(module, StreamingExperts):
+                module.policy = self.kernels.moe
+        self.decoder = None
+
+    def fallbacks(self) -> dict[str, str]:
+        """Every fallback in force, by kind, with its reason."""
+        out = dict(self.kernels.fallbacks)
+        if self.cache is not None:
+            out.update(self.cache.fallbacks())
+        if self.decoder is not None:
+            out.update(self.decoder.fallbacks)
+        return out
+
+    def decode_counts(self) -> dict[str, int]:
+        c = self.steps
+        return {"graph": c.graph_steps, "mixed": c.mixed_steps, "eager": c.eager_steps}
+
+    def kernel_summary(self) -> str:
+        text = self.kernels.describe()
+        return text + (f"; {self.decoder.describe()}" if self.decoder is not None else "")
 
     @classmethod
     def load(
@@ -101,12 +134,15 @@ class Runner:
         read_mode: str = "auto",
         warm: dict | None = None,
         cache_budget: int | None = None,
+        kernels: KernelPolicy | None = None,
+        pool: str | None = None,
         **kw,
     ) -> Runner:
         """A model dir is an HF checkpoint or an edgerun bundle (``manifest.json``). For a bundle,
         ``quota`` (per layer, or a dict by layer) streams the routed experts through a cache of
-        that many slots, refused if it needs more than ``cache_budget`` bytes; without a quota the
-        experts are dequantized into resident tensors."""
+        that many slots (``pool``: where they live, see ExpertCache), refused if it needs more
+        than ``cache_budget`` bytes; without a quota the experts are dequantized into resident
+        tensors. ``kernels`` is resolved against the device once the model is loaded."""
         from edgerun.bundle.format import MANIFEST
         from edgerun.models.checkpoint import load_model
 
@@ -126,6 +162,7 @@ class Runner:
                     device=device,
                     read_mode=read_mode,
                     budget_bytes=cache_budget,
+                    pool=pool,
                 )
                 if warm:
                     cache.warm(warm)
@@ -148,12 +185,24 @@ class Runner:
         runner.load_summary = report.summary()
         runner.provider = report.provider
         runner.cache = cache
+        runner.set_kernels(kernels or KernelPolicy())
         return runner
 
     # ---- the decode path ----------------------------------------------------------------
 
     def new_state(self, total_len: int) -> DecodeState:
-        return self.model.new_state(1, total_len, device=self.device)
+        """A fresh decode state for ``total_len`` tokens. On CUDA it is the decoder's static
+        state (graphs replay over fixed buffers), re-sized to the next power of two when a
+        request needs more than it holds."""
+        if self.device.type != "cuda":
+            return self.model.new_state(1, total_len, device=self.device)
+        if self.decoder is None or self.decoder.capacity < total_len:
+            capacity = min(max(256, 1 << (total_len - 1).bit_length()), max(self.max_context, total_len))
+            self.decoder = None  # free the old buffers and graphs first
+            self.decoder = DecodeGraphs(
+                self.model, self.args, self.cache, self.kernels, self.device, capacity, self.steps
+            )
+        return self.decoder.reset()
 
     @torch.inference_mode()
     def prefill(self, state: DecodeState, ids: list[int]) -> torch.Tensor:
@@ -166,7 +215,10 @@ class Runner:
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
+        if self.decoder is not None and state is self.decoder.state:
+            return self.decoder.step(token)
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        self.steps.eager_steps += 1
         return self.model(tokens, state, last_only=True)[0, -1]
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -1,6 +1,7 @@
 """The streaming MoE path: routed experts come from the expert cache, never from stacked
 resident tensors. Routing, the expert math (:func:`combine_experts`), the shared expert and
-the combine are the resident path's own code, so both paths give identical logits.
+the combine are the resident path's own code, so both paths give identical logits (with the
+reference expert kernel; the Triton kernels agree within their probe's tolerance).
 
 Shape legend: N = tokens in the forward, A = top_k, Q = the layer's slot quota.
 """
@@ -14,45 +15,63 @@ from torch import nn
 
 from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.cache.expert_cache import ExpertCache
-from edgerun.models.layers import SparseMoe, combine_experts
+from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
+from edgerun.models.layers import SparseMoe
+
+REFERENCE = MoeKernelPolicy()
 
 
 class StreamingExperts(nn.Module):
-    """Drop-in for a layer's resident ``Experts``: same call, weights from cache slots."""
+    """Drop-in for a layer's resident ``Experts``: same call, weights from cache slots, computed
+    by ``moe_experts`` under ``policy`` (the engine's resolved choice; the reference by default,
+    which is :func:`combine_experts` over the dequantized slots, as the resident path)."""
 
-    def __init__(self, layer: int, cache: ExpertCache) -> None:
+    def __init__(self, layer: int, cache: ExpertCache, policy: MoeKernelPolicy = REFERENCE) -> None:
         super().__init__()
         self.layer = layer
         self.cache = cache
         self.quota = cache.slots[layer].quota
+        self.policy = policy
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x [N, D], ids/weights [N, A]. When the tokens' experts outnumber the quota (prefill),
-        # process them in consecutive pieces whose union fits, instead of evicting experts in use.
+        # x [N, D], ids/weights [N, A]
+        c, i = self.cache, self.layer
+        layout, pool, scales = c.bundle.layouts[i], c.pools[i], c.slot_scales[i]
         rows = ids.tolist()
-        out = []
-        for lo, hi in pieces(rows, self.quota):
-            piece = [e for row in rows[lo:hi] for e in row]
-            refs = {r.expert: r for r in self.cache.get_many(self.layer, piece)}
-            out.append(
-                combine_experts(
-                    x[lo:hi], ids[lo:hi], weights[lo:hi], lambda e, refs=refs: self.cache.weights(refs[e])
-                )
+        batches = fetches(rows, self.quota)
+        if len(batches) == 1:
+            slots = torch.tensor(c.slot_rows(i, rows), device=x.device)
+            return moe_experts(x, pool, slots, ids, weights, layout, scales, self.policy)
+        # more distinct experts than slots (prefill): ascending-id batches that fit, each expert
+        # read once and run over all its tokens, summing in the order of one pass
+        acc = accumulator(x, self.policy)
+        for batch in batches:
+            slot_of = dict(zip(batch, c.slot_rows(i, [batch])[0]))
+            filler = slot_of[batch[0]]  # entries of other experts: any valid slot, never read
+            slots = torch.tensor([[slot_of.get(e, filler) for e in row] for row in rows], device=x.device)
+            acc = moe_experts(
+                x,
+                pool,
+                slots,
+                ids,
+                weights,
+                layout,
+                scales,
+                self.policy,
+                acc=acc,
+                expert_range=(batch[0], batch[-1]),
             )
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return acc.to(x.dtype)
 
 
-def pieces(rows: list[list[int]], quota: int) -> list[tuple[int, int]]:
-    """Split token rows into consecutive [lo, hi) ranges whose distinct experts number <= quota."""
-    spans, lo, seen = [], 0, set()
-    for i, row in enumerate(rows):
-        new = seen | set(row)
-        if len(new) > quota and i > lo:
-            spans.append((lo, i))
-            lo, new = i, set(row)
-        seen = new
-    spans.append((lo, len(rows)))
-    return spans
+def fetches(rows: list[list[int]], quota: int) -> list[list[int]]:
+    """The cache lookups one forward of a layer makes, in order: every token's experts at once
+    when their union fits the quota, else the distinct experts in ascending-id batches of at
+    most ``quota`` (the expert cache simulator replays exactly these)."""
+    distinct = sorted({e for row in rows for e in row})
+    if len(distinct) <= quota:
+        return [[e for row in rows for e in row]]
+    return [distinct[lo : lo + quota] for lo in range(0, len(distinct), quota)]
 
 
 def load_streaming_model(

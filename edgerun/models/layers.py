@@ -337,8 +337,8 @@ class Router(nn.Module):
 
 # BLAS picks a different kernel for a row-count remainder, so a token's result could depend on
 # how many other tokens share its expert. Padded to a multiple of ROW_TILE rows, a row's result is
-# the same in any batch (tests/models/test_batch_invariance.py), so the streaming path, which
-# may split a chunk into pieces, equals the resident path bit for bit.
+# the same in any batch (tests/models/test_batch_invariance.py), so a token's expert output does
+# not depend on which other tokens run with it.
 ROW_TILE = 4
 
 
@@ -364,20 +364,26 @@ class Experts(nn.Module):
         return combine_experts(x, ids, weights, lambda e: (self.gate_up_proj[e], self.down_proj[e]))
 
 
-def combine_experts(x, ids, weights, expert_weights) -> torch.Tensor:
+def combine_experts(x, ids, weights, expert_weights, out=None, experts=None) -> torch.Tensor:
     """Router-weighted sum of each token's experts. x [N, D]; ids, weights [N, A];
     ``expert_weights(e)`` gives (gate_up, down) for expert e. Experts run in ascending id order,
-    each over all its tokens, so the summation order is fixed (deterministic)."""
-    out = torch.zeros_like(x)
+    each over all its tokens, so the summation order is fixed (deterministic).
+
+    ``experts`` (lo, hi): run only the experts with lo <= id <= hi, adding into ``out``. Calls over
+    consecutive ranges in ascending order add in exactly the order one full call does, so a
+    cache too small for all of a chunk's experts at once still gives the same bits."""
+    out = torch.zeros_like(x) if out is None else out
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    ids_of, counts = torch.unique_consecutive(flat[order], return_counts=True)
     token_of = order // ids.shape[1]
     start = 0
-    for e, c in zip(experts.tolist(), counts.tolist()):
+    for e, c in zip(ids_of.tolist(), counts.tolist()):
         sel = order[start : start + c]
         tok = token_of[start : start + c]
         start += c
+        if experts is not None and not experts[0] <= e <= experts[1]:
+            continue
         gate_up, down = expert_weights(e)
         y = expert_ffn(x[tok], gate_up, down) * weights.flatten()[sel, None]
         # tokens are unique within one expert, so this accumulate is order-free (deterministic);

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.options import DTYPES, ServeOptions, load_serve_config
+from edgerun.server.options import (
+    DTYPES,
+    EXPERT_KERNELS,
+    GRAPH_MODES,
+    SLOT_POOLS,
+    ServeOptions,
+    load_serve_config,
+)
 
 # flag dest -> ServeOptions field
 _FLAGS = (
@@ -21,6 +28,9 @@ _FLAGS = (
     "bundle",
     "quota",
     "read_mode",
+    "expert_kernel",
+    "graphs",
+    "slot_pool",
     "torch_device",
     "dtype",
     "context",
@@ -45,6 +55,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", type=Path, help="edgerun bundle dir (experts stream with --quota or --device)")
     p.add_argument("--quota", type=int, help="expert slots per MoE layer (default with --device: the plan's)")
     p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), help="expert reads (default auto)")
+    add_kernel_arguments(p, default=None)
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model dir's name)")
@@ -61,6 +72,44 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int)
     p.add_argument("--max-body-bytes", type=int)
     add_provider_arguments(p)
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """--expert-kernel, --graphs, --slot-pool: shared by serve and generate."""
+    p.add_argument(
+        "--expert-kernel",
+        choices=EXPERT_KERNELS,
+        default=default,
+        help="routed-expert kernel (auto: Triton where its start-up probe passes on the device)",
+    )
+    p.add_argument(
+        "--graphs",
+        choices=GRAPH_MODES,
+        default=default,
+        help="CUDA graph capture of decode steps (off: eager)",
+    )
+    p.add_argument(
+        "--slot-pool",
+        choices=SLOT_POOLS,
+        default=None,
+        help="CUDA expert slots in VRAM (device) or pinned host memory the GPU reads (mapped); "
+        "default: mapped on unified-memory profiles",
+    )
+
+
+def slot_pool(device: str, requested: str | None, profile_path: Path | None) -> str | None:
+    """Where CUDA slots live: as asked, else mapped on a unified-memory profile, else device."""
+    if device != "cuda":
+        if requested is not None:
+            raise ConfigError(f"slot pool {requested!r} is for CUDA devices; this run is on {device}")
+        return None
+    if requested is not None:
+        return requested
+    if profile_path is not None:
+        from edgerun.config import load_device_profile
+
+        return "device" if load_device_profile(profile_path).discrete else "mapped"
+    return "device"
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -104,6 +153,7 @@ def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Cal
     def load(status: Callable[[str], None]):
         import torch
 
+        from edgerun.engine.policy import KernelPolicy
         from edgerun.engine.runner import default_device
         from edgerun.server.engine_worker import ResidentEngine
 
@@ -116,9 +166,12 @@ def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Cal
         source = opts.bundle or opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")
         status(f"loading model {source or 'demo'} on {device}")
+        kernels = KernelPolicy(experts=opts.expert_kernel, graphs=opts.graphs)
+        pool = slot_pool(device, opts.slot_pool, opts.device_profile) if stream else None
         return ResidentEngine.load(
-            source, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers, stream
-        )
+            source, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers, stream,
+            kernels=kernels, pool=pool,
+        )  # fmt: skip
 
     return load
 

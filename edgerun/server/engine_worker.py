@@ -102,6 +102,8 @@ class ResidentEngine:
         prefill_chunk: int = 512,
         providers: Any = None,
         stream: StreamSpec | None = None,
+        kernels: Any = None,
+        pool: str | None = None,
     ) -> ResidentEngine:
         from edgerun.engine.runner import Runner
 
@@ -115,6 +117,8 @@ class ResidentEngine:
             quota=stream.quota if stream else None,
             cache_budget=stream.budget if stream else None,
             read_mode=stream.read_mode if stream else "auto",
+            kernels=kernels,
+            pool=pool,
         )
         return cls(runner, model_dir, model_id, profile, stream)
 
@@ -162,8 +166,8 @@ class ResidentEngine:
             "plan": self.stream.plan if self.stream else None,
             "expert_mode": "streamed" if r.cache else "resident",
             "expert_quota": r.cache.quotas if r.cache else None,
-            "kernels": {"all": "torch eager (no custom kernels selected)"},
-            "fallbacks": [f"{k}: {v}" for k, v in (r.cache.fallbacks() if r.cache else {}).items()],
+            "kernels": r.kernel_summary(),
+            "fallbacks": [f"{k}: {v}" for k, v in r.fallbacks().items()],
             "load": r.load_summary,
             "architecture_provider": r.provider.as_dict() if r.provider else None,
             "provenance": self.provenance(),
@@ -202,7 +206,8 @@ class ResidentEngine:
         return {
             "experts": "streamed" if cache else "resident",
             "layers": layers,
-            "fallbacks": {k: 1 for k in cache.fallbacks()} if cache else {},
+            "fallbacks": {k: 1 for k in self.runner.fallbacks()},
+            "decode_steps": self.runner.decode_counts(),
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
         }

@@ -121,6 +121,13 @@ def render(
         "Fallbacks taken (eager step, CPU reference, buffered read), by kind.",
         [({"kind": k}, n) for k, n in sorted(stats.get("fallbacks", {}).items())],
     )
+    t.family(
+        "edgerun_decode_steps_total",
+        "counter",
+        "Decode steps by how they ran: graph (replayed, no host op), mixed (graph segments with eager "
+        "expert-miss service between them), eager (nothing replayed).",
+        [({"mode": k}, n) for k, n in sorted(stats.get("decode_steps", {}).items())],
+    )
     if "resident_memory_bytes" in stats:
         t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])
     if "peak_memory_bytes" in stats:

@@ -18,6 +18,9 @@ from edgerun.errors import ConfigError
 from edgerun.models.providers import ProviderPolicy
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXPERT_KERNELS = ("auto", "reference", "triton")  # edgerun.engine.policy (not imported: it needs torch)
+GRAPH_MODES = ("auto", "on", "off")
+SLOT_POOLS = ("device", "mapped")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class ServeOptions:
     bundle: Path | None = None  # edgerun bundle dir; experts stream when a quota or a device profile is given
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str = "auto"  # expert reads: direct | buffered | auto (direct, recorded fallback)
+    expert_kernel: str = "auto"  # auto (Triton where its start-up probe passes) | reference | triton
+    graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
+    slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     torch_device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
@@ -62,6 +68,14 @@ class ServeOptions:
             raise ConfigError(
                 f"serve option 'read_mode' must be auto, direct or buffered, got {self.read_mode!r}"
             )
+        for name, valid in (
+            ("expert_kernel", EXPERT_KERNELS),
+            ("graphs", GRAPH_MODES),
+            ("slot_pool", SLOT_POOLS),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in valid:
+                raise ConfigError(f"serve option {name!r} must be one of {', '.join(valid)}, got {value!r}")
         if self.quota is not None and self.bundle is None:
             raise ConfigError("serve option 'quota' needs 'bundle': experts stream from a bundle")
         if self.bundle is not None and self.model is not None:

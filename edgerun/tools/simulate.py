@@ -2,8 +2,8 @@
 
 ``record`` hooks every router and writes one trace line per token, tagged with its forward
 (step). ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
-fetched together, split into pieces when they exceed the quota, exactly as the streaming
-layer does) through the cache's :class:`LRUSet`, or through Belady's optimal policy (evict the
+fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
+exactly as the streaming layer does) through the cache's :class:`LRUSet`, or through Belady's optimal policy (evict the
 expert whose next use is farthest away) as the bound any online policy stays above.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerun.budget.planner import replay
-from edgerun.engine.streaming import pieces
+from edgerun.engine.streaming import fetches
 from edgerun.tools.routes import RouteTrace, RouteTraceWriter, TraceHeader
 
 POLICIES = ("lru", "belady")
@@ -37,7 +37,7 @@ class SimResult:
 
 
 def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[int]]:
-    """One MoE layer's fetches in order: per step, per piece, the experts in router order."""
+    """One MoE layer's cache lookups in order (per step, :func:`fetches`)."""
     by_step: dict[int, list[list[int]]] = defaultdict(list)
     order = []
     for token, step in zip(trace.tokens, trace.step_ids()):
@@ -46,9 +46,7 @@ def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[i
         by_step[step].append(list(token[layer_pos]))
     out = []
     for step in order:
-        rows = by_step[step]
-        for lo, hi in pieces(rows, quota):
-            out.append([e for row in rows[lo:hi] for e in row])
+        out.extend(fetches(by_step[step], quota))
     return out
 
 

@@ -12,7 +12,7 @@ from edgerun.cache.expert_cache import ExpertCache
 from edgerun.cache.slots import QuotaError
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
-from edgerun.engine.streaming import load_streaming_model, pieces
+from edgerun.engine.streaming import fetches, load_streaming_model
 from edgerun.models.layers import expert_ffn
 from edgerun.tools.routes import read_trace
 from edgerun.tools.simulate import RouteRecorder, simulate
@@ -113,11 +113,11 @@ def test_simulated_misses_equal_counted_misses(bundles, tmp_path):
         cache.close()
 
 
-def test_pieces_split_only_when_the_union_exceeds_the_quota():
-    rows = [[1, 2], [2, 3], [4, 5], [5, 1]]
-    assert pieces(rows, 5) == [(0, 4)]
-    assert pieces(rows, 3) == [(0, 2), (2, 4)]
-    assert pieces(rows, 2) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+def test_fetches_batch_distinct_experts_only_when_the_union_exceeds_the_quota():
+    rows = [[1, 2], [2, 3], [5, 4], [5, 1]]
+    assert fetches(rows, 5) == [[1, 2, 2, 3, 5, 4, 5, 1]]  # router order, one lookup
+    assert fetches(rows, 3) == [[1, 2, 3], [4, 5]]  # each expert once, ascending
+    assert fetches(rows, 2) == [[1, 2], [3, 4], [5]]
 
 
 def test_expert_math_is_batch_invariant():

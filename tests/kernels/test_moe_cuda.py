@@ -62,6 +62,24 @@ def test_grouped_real_geometry(fmt):
     assert torch.equal(out, K.moe_grouped(*args, scratch_experts=16))
 
 
+@pytest.mark.parametrize("fmt", REAL_FORMATS[2:], ids=fmt_id)
+def test_grouped_in_expert_ranges_equals_one_call(fmt):
+    """Prefill with more experts than slots: ascending-id parts into one fp32 sum give the bits
+    of one call (the same index_put order)."""
+    from edgerun.kernels.moe import accumulator
+
+    policy = MoeKernelPolicy("triton")
+    x, pool, slots, ids, w, layout, gs = random_step(
+        layout_for(fmt, **REAL), 24, 8, 16, gen(9), device="cuda", x_dtype=torch.bfloat16
+    )
+    want = moe_experts(x, pool, slots, ids, w, layout, gs, policy)
+    acc = accumulator(x, policy)
+    for lo, hi in ((0, 5), (6, 6), (7, 15)):
+        part = torch.where((ids >= lo) & (ids <= hi), slots, 0)
+        acc = moe_experts(x, pool, part, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
+    assert torch.equal(acc.to(x.dtype), want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
 def test_dequantize_slots_is_exact(fmt):
     from edgerun.kernels import moe_triton as K

@@ -108,3 +108,22 @@ def test_import_changes_no_environment_and_defers_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [True, False]
+
+
+@pytest.mark.parametrize("fmt", [("bf16", None, "none"), ("int4", 16, "hadamard")], ids=fmt_id)
+def test_expert_ranges_in_ascending_parts_equal_one_call(fmt):
+    """A cache smaller than a chunk's experts runs them in ascending-id batches into one running
+    sum; the result must be the one-call result bit for bit (the streaming == resident claim)."""
+    from edgerun.kernels.moe import accumulator
+
+    layout = layout_for(fmt)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 9, 3, 8, torch.Generator().manual_seed(2))
+    want = moe_experts(x, pool, slots, ids, w, layout, gs)
+    policy = MoeKernelPolicy()
+    for cuts in ([(0, 2), (3, 5), (6, 7)], [(0, 0), (1, 7)], [(0, 7)]):
+        acc = accumulator(x, policy)
+        for lo, hi in cuts:
+            # entries outside the range point at slot 0: the range's call must not read them
+            part_slots = torch.where((ids >= lo) & (ids <= hi), slots, 0)
+            acc = moe_experts(x, pool, part_slots, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
+        assert torch.equal(acc.to(x.dtype), want), cuts

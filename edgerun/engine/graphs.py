@@ -1,0 +1,348 @@
+"""Batch-1 decode on CUDA: the step as a list of operations over static buffers, captured in CUDA
+graphs where they can be and run eagerly where they must.
+
+A decode step is a sequence of *device* operations (embedding, each layer's token mixer, norms,
+router and shared expert, the routed-expert kernel, the head) and *host* operations (a layer's
+routing read back to the host so the expert cache can serve its misses). Consecutive device
+operations form a segment; in graph mode each segment is one captured CUDA graph, replayed every
+step, and host operations run between segments. In eager mode the very same operations run
+uncaptured, so both modes compute the same bits (``tests/engine/test_graphs_cuda.py``).
+
+What a MoE layer's expert step needs decides its operations:
+
+- ``table``: every expert of the layer sits in a slot and the expert kernel reads slots through
+  an index tensor: the slot lookup runs on the device, nothing leaves the graph. With every layer
+  so, a whole step is one graph.
+- ``routed``: the cache may miss. Host op: read the layer's top-k back, let the cache serve the
+  misses (reads, copies), write the slot indices into a static tensor. The expert kernel then
+  runs at the start of the next segment, reading slots through that tensor.
+- ``eager``: the reference expert step (host-side dequantization) runs between segments.
+- ``stacked``: resident stacked expert weights, gathered by id on the device (capturable).
+
+Attention reads the whole static KV buffer with a mask (positions after the current one are
+masked), so its shapes never change; the position and token are device tensors the host writes
+before each step. Prefill runs the model's own forward on the same static state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from edgerun.kernels.moe import moe_experts
+from edgerun.models import args as A
+from edgerun.models.layers import Attention, DecodeState, DeltaState, SparseMoe, apply_rotary
+
+
+@dataclass
+class DecodeCounters:
+    graph_steps: int = 0  # every device op replayed from graphs, no host op
+    mixed_steps: int = 0  # graphs, with host ops (miss service) between segments
+    eager_steps: int = 0  # nothing replayed: graphs off, the warm-up step, or capture failed
+    captures: int = 0  # graph sets captured (one per static state size)
+
+
+@dataclass
+class _MoeBuffers:
+    ids: torch.Tensor  # [1, A] int64, written by the router
+    weights: torch.Tensor  # [1, A] model dtype
+    slots: torch.Tensor  # [1, A] int64, the slot of each id (routed and table modes)
+    slots_host: torch.Tensor | None  # pinned [1, A] staging of ``slots`` (routed mode)
+    table: torch.Tensor | None  # [E] int64 expert -> slot (table mode)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model,
+        args,
+        cache,
+        policy,
+        device: torch.device,
+        capacity: int,
+        counters: DecodeCounters | None = None,
+    ) -> None:
+        self.model, self.args, self.cache, self.policy = model, args, cache, policy
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.layers = model.model.layers
+        ref = model.model.embed_tokens.weight
+        self.dtype = ref.dtype
+        D, K = args.hidden_size, args.num_experts_per_tok
+        kw = dict(device=self.device)
+        self.state = model.new_state(1, capacity, device=self.device)
+        self.token = torch.zeros(1, 1, dtype=torch.long, **kw)
+        self.pos = torch.zeros(1, dtype=torch.long, **kw)
+        self.kv_index = torch.arange(capacity, **kw)
+        self.x = torch.zeros(1, D, dtype=self.dtype, **kw)
+        self.h = torch.zeros_like(self.x)
+        self.shared = torch.zeros_like(self.x)
+        R = args.rotary_dim
+        self.cos = torch.zeros(1, R, dtype=self.dtype, **kw)
+        self.sin = torch.zeros(1, R, dtype=self.dtype, **kw)
+        self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
+        self.modes: dict[int, str] = {}
+        self.moe: dict[int, _MoeBuffers] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoe):
+                mode = self._expert_mode(i)
+                self.modes[i] = mode
+                self.moe[i] = _MoeBuffers(
+                    ids=torch.zeros(1, K, dtype=torch.long, **kw),
+                    weights=torch.zeros(1, K, dtype=self.dtype, **kw),
+                    slots=torch.zeros(1, K, dtype=torch.long, **kw),
+                    slots_host=torch.zeros(1, K, dtype=torch.long).pin_memory() if mode == "routed" else None,
+                    table=cache.slot_table(i) if mode == "table" else None,
+                )
+        self.ops = self._plan()
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.counters = counters or DecodeCounters()
+        self.fallbacks: dict[str, str] = {}
+        self._warm = False
+
+    # ---- planning ---------------------------------------------------------------------
+
+    def _expert_mode(self, i: int) -> str:
+        if self.cache is None:
+            return "stacked"
+        if self.policy.moe.impl != "triton":
+            return "eager"
+        return "table" if self.cache.slot_table(i) is not None else "routed"
+
+    def _plan(self) -> list[tuple[str, object]]:
+        ops: list[tuple[str, object]] = [("device", self._embed)]
+        for i in range(len(self.layers)):
+            ops.append(("device", partial(self._mixer, i)))
+            mode = self.modes.get(i)
+            if mode == "routed":
+                ops.append(("host", partial(self._route, i)))
+            if mode in ("routed", "table"):
+                ops.append(("device", partial(self._experts_slots, i)))
+            elif mode == "stacked":
+                ops.append(("device", partial(self._experts_stacked, i)))
+            elif mode == "eager":
+                ops.append(("host", partial(self._experts_eager, i)))
+        ops.append(("device", self._head))
+        return ops
+
+    def segments(self) -> list[list]:
+        """Device ops grouped between host ops: [[device...], host, [device...], ...]."""
+        out: list = []
+        for kind, fn in self.ops:
+            if kind == "host":
+                out.append(fn)
+            elif out and isinstance(out[-1], list):
+                out[-1].append(fn)
+            else:
+                out.append([fn])
+        return out
+
+    @property
+    def host_ops(self) -> int:
+        return sum(1 for kind, _ in self.ops if kind == "host")
+
+    # ---- the operations ---------------------------------------------------------------
+
+    def _embed(self) -> None:
+        self.x.copy_(self.model.model.embed_tokens(self.token)[0])
+        cos, sin = self.model.rotary(self.pos, self.dtype)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def _mixer(self, i: int) -> None:
+        layer = self.layers[i]
+        h = layer.input_layernorm(self.x[None])
+        if layer.kind == A.FULL_ATTENTION:
+            h = attention_step(
+                layer.self_attn, h, self.cos, self.sin, self.state.layers[i], self.pos, self.kv_index
+            )
+        else:
+            h = layer.linear_attn(h, self.state.layers[i])
+        x = self.x + h[0]
+        hn = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoe):
+            self.x.copy_(x + mlp(hn))
+            return
+        weights, ids = mlp.gate(hn)
+        buf = self.moe[i]
+        buf.weights.copy_(weights)
+        buf.ids.copy_(ids)
+        self.h.copy_(hn)
+        self.x.copy_(x)
+        if mlp.has_shared:
+            self.shared.copy_(torch.sigmoid(mlp.shared_expert_gate(hn)) * mlp.shared_expert(hn))
+
+    def _add_experts(self, i: int, out: torch.Tensor) -> None:
+        if self.layers[i].mlp.has_shared:
+            out = out + self.shared
+        self.x.copy_(self.x + out)
+
+    def _route(self, i: int) -> None:
+        buf = self.moe[i]
+        buf.slots_host[:] = torch.tensor(self.cache.slot_rows(i, buf.ids.tolist()))  # waits for the router
+        buf.slots.copy_(buf.slots_host, non_blocking=True)
+
+    def _experts_slots(self, i: int) -> None:
+        buf = self.moe[i]
+        if buf.table is not None:
+            torch.index_select(buf.table, 0, buf.ids[0], out=buf.slots[0])
+        c = self.cache
+        out = moe_experts(
+            self.h,
+            c.pools[i],
+            buf.slots,
+            buf.ids,
+            buf.weights,
+            c.bundle.layouts[i],
+            c.slot_scales[i],
+            self.policy.moe,
+        )
+        self._add_experts(i, out)
+
+    def _experts_eager(self, i: int) -> None:
+        buf = self.moe[i]
+        slots = torch.tensor(self.cache.slot_rows(i, buf.ids.tolist()), device=self.device)
+        c = self.cache
+        out = moe_experts(
+            self.h,
+            c.pools[i],
+            slots,
+            buf.ids,
+            buf.weights,
+            c.bundle.layouts[i],
+            c.slot_scales[i],
+            self.policy.moe,
+        )
+        self._add_experts(i, out)
+
+    def _experts_stacked(self, i: int) -> None:
+        experts = self.layers[i].mlp.experts
+        buf = self.moe[i]
+        ids, order = torch.sort(buf.ids[0], stable=True)  # ascending expert id: a fixed sum order
+        w = buf.weights[0].index_select(0, order)
+        gate_up = experts.gate_up_proj.index_select(0, ids)  # [A, 2I, D]
+        down = experts.down_proj.index_select(0, ids)  # [A, D, I]
+        x = self.h.to(gate_up.dtype).expand(ids.shape[0], -1)[..., None]  # [A, D, 1]
+        gate, up = torch.bmm(gate_up, x)[..., 0].chunk(2, dim=-1)
+        y = torch.bmm(down, (F.silu(gate) * up)[..., None])[..., 0]  # [A, D]
+        self._add_experts(i, (y * w[:, None].to(y.dtype)).sum(0, keepdim=True).to(self.dtype))
+
+    def _head(self) -> None:
+        self.logits.copy_(self.model.lm_head(self.model.model.norm(self.x)))
+
+    # ---- running a step ---------------------------------------------------------------
+
+    def reset(self) -> DecodeState:
+        """The static state, emptied for a new sequence (KV past the position is masked)."""
+        for entry in self.state.layers:
+            if isinstance(entry, DeltaState):
+                entry.conv.zero_()
+                entry.recurrent.zero_()
+        self.state.pos = 0
+        return self.state
+
+    def step(self, token: int) -> torch.Tensor:
+        """Consume ``token`` at the state's position; the next-token logits [V] (a static buffer:
+        read it before the next step)."""
+        if self.state.pos >= self.capacity:
+            raise ValueError(
+                f"decode state holds {self.capacity} positions; position {self.state.pos} is past it"
+            )
+        self.token.fill_(token)
+        self.pos.fill_(self.state.pos)
+        if not self.policy.graphs:
+            self._run_eager()
+        elif not self._warm:
+            self._warm_up()
+        elif self.graphs is None:
+            self._run_eager()  # capture failed: recorded in fallbacks
+        else:
+            self._replay()
+        for i, mode in self.modes.items():
+            if mode == "table":
+                self.cache.count_hits(i, self.args.num_experts_per_tok)
+        self.state.pos += 1
+        return self.logits[0]
+
+    def _run_eager(self) -> None:
+        for _, fn in self.ops:
+            fn()
+        self.counters.eager_steps += 1
+
+    def _warm_up(self) -> None:
+        """The first step runs eagerly on a side stream (library handles, Triton compiles), then
+        every segment is captured; a failed capture leaves the engine eager, recorded."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run_eager()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._warm = True
+        try:
+            self.graphs = self._capture()
+            self.counters.captures += 1
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+            self.graphs = None
+            self.fallbacks["graphs"] = f"capture failed, decoding eagerly: {type(exc).__name__}: {exc}"
+
+    def _capture(self) -> list[torch.cuda.CUDAGraph]:
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for seg in self.segments():
+            if not isinstance(seg, list):
+                continue
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                for fn in seg:
+                    fn()
+            graphs.append(g)
+        torch.cuda.synchronize(self.device)
+        return graphs
+
+    def _replay(self) -> None:
+        graphs = iter(self.graphs)
+        for seg in self.segments():
+            if isinstance(seg, list):
+                next(graphs).replay()
+            else:
+                seg()
+        if self.host_ops:
+            self.counters.mixed_steps += 1
+        else:
+            self.counters.graph_steps += 1
+
+    def describe(self) -> str:
+        modes = sorted(set(self.modes.values()))
+        n_graphs = sum(1 for s in self.segments() if isinstance(s, list))
+        how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
+        return f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+
+
+def attention_step(attn: Attention, x, cos, sin, cache, pos, kv_index) -> torch.Tensor:
+    """One token of :class:`Attention` over the whole static KV buffer: the new key and value
+    are written at ``pos`` (a device tensor) and later positions are masked, so no shape depends
+    on the position. Query heads are grouped under their KV head instead of repeating K and V."""
+    B, T, _ = x.shape
+    H, Hk, Dh = attn.n_heads, attn.n_kv, attn.head_dim
+    q = attn.q_proj(x)
+    gate = None
+    if attn.gated:
+        q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+    q = attn.q_norm(q.reshape(B, T, H, Dh)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(B, T, Hk, Dh)).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, Hk, Dh).transpose(1, 2)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    cache.k.index_copy_(2, pos, k)
+    cache.v.index_copy_(2, pos, v)
+    mask = (kv_index <= pos)[None, None, None, :]
+    q = q.reshape(B, Hk, H // Hk, Dh)  # head h = kv * (H // Hk) + r, as repeat_interleave pairs them
+    out = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask)
+    out = out.reshape(B, T, H * Dh)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return attn.o_proj(out)

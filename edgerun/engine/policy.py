@@ -1,0 +1,98 @@
+"""The kernel policy: every implementation choice a decode path makes, in one object the engine
+owns, resolved once at load against the device.
+
+A request (``KernelPolicy``) says what may run; ``resolve`` turns it into what does run
+(``Resolved``), probing each kernel on the device first: a kernel is selected only after it ran
+one small case there and matched its torch reference. What was asked for (or what ``auto`` would
+pick) and did not resolve is a *fallback* with its reason, shown in the start-up line and counted
+in /metrics. Nothing here reads the environment.
+
+Fields and what they decide:
+
+- ``experts``: the routed-expert step over the slot pool. ``reference`` dequantizes each expert
+  with torch (``kernels/moe_reference.py``); ``triton`` runs the fused dequant + GEMV kernels
+  (``kernels/moe_triton.py``). They agree within the probe's stated tolerance (fp32 vs bf16
+  accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
+  request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
+- ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
+  run exactly the same operations eagerly. Both emit identical tokens (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from edgerun.errors import ConfigError
+from edgerun.kernels.moe import MoeKernelPolicy
+
+EXPERT_KERNELS = ("auto", "reference", "triton")
+GRAPH_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    experts: str = "auto"  # auto: triton where its probe passes, else reference
+    graphs: str = "auto"  # auto/on: capture on CUDA; off: the same step, eagerly
+    gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, bf16 scratch + cuBLAS GEMM
+    scratch_experts: int = 16
+
+    def __post_init__(self) -> None:
+        if self.experts not in EXPERT_KERNELS:
+            raise ConfigError(f"expert kernel {self.experts!r} is not one of {', '.join(EXPERT_KERNELS)}")
+        if self.graphs not in GRAPH_MODES:
+            raise ConfigError(f"graphs {self.graphs!r} is not one of {', '.join(GRAPH_MODES)}")
+
+
+@dataclass
+class Resolved:
+    moe: MoeKernelPolicy
+    graphs: bool
+    choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
+    fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self.choices.items())
+
+
+def resolve(policy: KernelPolicy, device: torch.device, layouts=(), top_k: int = 8) -> Resolved:
+    """``layouts``: the bundle's expert block layouts when experts come from a slot pool (none
+    for stacked resident experts, which run torch's own matmuls)."""
+    from edgerun.kernels.probe import probe
+
+    device = torch.device(device)
+    moe = MoeKernelPolicy(gemv_max_tokens=policy.gemv_max_tokens, scratch_experts=policy.scratch_experts)
+    out = Resolved(moe, graphs=False)
+    if not layouts:
+        out.choices["experts"] = "torch (stacked resident weights)"
+    elif policy.experts == "reference":
+        out.choices["experts"] = "reference (by request)"
+    elif device.type != "cuda":
+        out.choices["experts"] = "reference (Triton kernels run on CUDA)"
+        if policy.experts == "triton":
+            out.fallbacks["expert_kernel"] = f"triton asked for, but the device is {device}"
+    else:
+        results = [
+            probe(layout, device, top_k=top_k, policy=MoeKernelPolicy("triton", *_sizes(policy)))
+            for layout in layouts
+        ]
+        refused = [r for r in results if not r.selected]
+        if refused:
+            out.choices["experts"] = "reference"
+            out.fallbacks["expert_kernel"] = f"{refused[0].name} not selected: {refused[0].reason}"
+        else:
+            out.moe = MoeKernelPolicy("triton", *_sizes(policy))
+            out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
+    if device.type != "cuda":
+        out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
+    elif policy.graphs == "off":
+        out.choices["graphs"] = "off (by request)"
+    else:
+        out.graphs = True
+        out.choices["graphs"] = "on"
+    return out
+
+
+def _sizes(policy: KernelPolicy) -> tuple[int, int]:
+    return policy.gemv_max_tokens, policy.scratch_experts

@@ -1,0 +1,96 @@
+"""CUDA graphs with eager miss service: graph-captured and eager decoding run the same
+operations, so they must give identical logits (torch.equal) and tokens, in every expert-step
+mode: stacked resident experts (one graph per step), every expert in a slot (one graph, slots
+looked up on the device), streaming with misses (graph segments, misses served between them),
+the reference expert kernel (eager expert steps), and mapped (unified-memory style) slot pools.
+Skipped without CUDA (CI has none); run on the GPU machine before resolving."""
+
+import pytest
+import torch
+
+from edgerun.engine.policy import KernelPolicy
+from edgerun.engine.runner import Runner
+from hf_fixtures import ARCHS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+PROMPT = list(range(3, 30))
+STEPS = 24
+
+
+def _load(bundle, setup, graphs):
+    kw = dict(device="cuda", dtype=torch.bfloat16, kernels=KernelPolicy(graphs=graphs))
+    if setup == "stacked":
+        return Runner.load(bundle, **kw)
+    if setup == "reference":
+        kw["kernels"] = KernelPolicy(experts="reference", graphs=graphs)
+    quota = {"table": 16}.get(setup, 2)
+    r = Runner.load(bundle, quota=quota, pool="mapped" if setup == "mapped" else None, **kw)
+    if setup == "table":
+        r.cache.warm({layer: [1.0] * r.args.num_experts for layer in r.args.moe_layers})
+    return r
+
+
+def _decode(runner):
+    state = runner.new_state(len(PROMPT) + STEPS)
+    logits = runner.prefill(state, PROMPT)
+    out = []
+    for _ in range(STEPS):
+        out.append(logits.clone())
+        logits = runner.decode_step(state, int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("setup", ["stacked", "table", "routed", "reference", "mapped"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
+    b = bundles[(arch, "int4")]
+    eager, graph = _load(b, setup, "off"), _load(b, setup, "on")
+    want = {
+        "stacked": "stacked",
+        "table": "table",
+        "routed": "routed",
+        "reference": "eager",
+        "mapped": "routed",
+    }
+    a, g = _decode(eager), _decode(graph)
+    assert set(graph.decoder.modes.values()) == {want[setup]}
+    if setup != "reference" and setup != "stacked":
+        assert graph.kernels.moe.impl == "triton", graph.kernels.fallbacks
+    for step, (x, y) in enumerate(zip(a, g)):
+        assert torch.equal(x, y), f"step {step}: max |graph - eager| {float((x - y).abs().max())}"
+    assert "graphs" not in graph.fallbacks(), graph.fallbacks()
+    counts = graph.decode_counts()
+    replayed = counts["graph"] + counts["mixed"]
+    assert replayed == STEPS - 2 and counts["eager"] == 1  # the warm-up step; the rest replayed
+    if setup in ("stacked", "table"):
+        assert counts["mixed"] == 0  # nothing needs the host: whole steps are graphs
+    else:
+        assert counts["mixed"] == replayed
+    assert eager.decode_counts()["eager"] == STEPS - 1
+    if setup == "table":
+        assert graph.cache.totals().misses == 0
+    if setup in ("routed", "mapped"):
+        assert graph.cache.totals().evictions > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mapped_slots_equal_device_slots(bundles, arch):
+    b = bundles[(arch, "int4")]
+    dev, mapped = _load(b, "routed", "on"), _load(b, "mapped", "on")
+    assert mapped.cache.pool_kind == "mapped" and mapped.cache.pools[mapped.args.moe_layers[0]].is_cuda
+    assert mapped.cache.host_slots[mapped.args.moe_layers[0]].is_pinned()
+    for x, y in zip(_decode(dev), _decode(mapped)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_decode_agrees_with_the_cpu_forward(bundles, arch):
+    """fp32 on both sides, reference expert kernel: greedy tokens equal the CPU model's."""
+    from edgerun.engine.sampler import SamplingParams
+
+    b = bundles[(arch, "bf16")]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    cpu = Runner.load(b, device="cpu", dtype=torch.float32).generate_ids(PROMPT, params)
+    for experts in ("reference", "auto"):
+        r = Runner.load(b, device="cuda", dtype=torch.float32, quota=4, kernels=KernelPolicy(experts=experts))
+        assert r.generate_ids(PROMPT, params) == cpu, experts
