@@ -1,0 +1,128 @@
+"""Start-up capability probe for the dense decode kernels (kernels/dense_triton.py).
+
+A kernel is selected only after it ran on the device and matched its torch reference, never
+because a symbol imports. ``probe_dense`` runs the model's own geometry on random inputs in the
+model dtype, twice each: ``rms_norm`` on the hidden row and on one row per attention head
+(q/k norms), and, for a model with DeltaNet layers, ``delta_decode`` from a random history and
+recurrent state.
+
+- accuracy: max |got - ref| <= TOLERANCE[dtype] * max |ref| for every output and for the
+  recurrent state, ref = kernels/dense_reference.py on the same inputs; the conv state, a pure
+  shift of stored values, must equal the reference's bit for bit. The kernels round to the model
+  dtype wherever the modules do and otherwise differ only in fp32 summation order and
+  transcendental ulps (about 1e-6 relative); through those, a rounded intermediate (a conv
+  output, beta, the delta-rule output, the normalised value) now and then lands one ulp away,
+  and that ulp carries into the final rounding (a few elements in 10^4 at the real geometry,
+  max 8e-4 of the scale, under the CPU interpreter). A bf16 ulp is 2^-8 to 2^-7 of a value, so
+  two ulps of the largest output are at most 1.6e-2 of the scale: 2e-2 allows that (fp16:
+  2^-11 to 2^-10 an ulp, 5e-3; fp32: 1e-4, a hundred times the summation-order noise), and
+  still refuses real faults (a wrong head, tap, sign or decay moves the output by O(1) of its
+  scale). Non-finite outputs fail.
+- determinism: the two runs must be bitwise identical (outputs and both states).
+
+Any exception (no Triton, no CUDA device, a compile error, an unsupported geometry) is a refusal
+whose reason says why; the reference then runs. Nothing here reads or changes the environment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgerun.kernels.dense_reference import (
+    DeltaDims,
+    clone_inputs,
+    delta_decode_ref,
+    random_delta_inputs,
+    rms_norm_ref,
+)
+from edgerun.kernels.probe import ProbeResult
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+class Refused(Exception):
+    """A probe case did not match; the message says which and by how much."""
+
+
+def probe_dense(args, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> ProbeResult:
+    """Run the dense decode kernels at ``args``' geometry (a ModelArgs, or anything with its
+    ``hidden_size``, ``num_attention_heads``, ``head_dim``, ``rms_norm_eps``,
+    ``norm_unit_offset`` and ``linear_*`` attributes) on ``device`` in ``dtype`` and compare
+    with the references; selected only if every case matches within TOLERANCE and repeats bit
+    for bit."""
+    name = "dense_triton[rms_norm" + (", delta_decode]" if _has_delta(args) else "]")
+    try:
+        selected, reason = True, _probe(args, torch.device(device), dtype)
+    except Refused as e:
+        selected, reason = False, str(e)
+    except Exception as e:  # whatever broke, the reference runs and the reason says what
+        selected, reason = False, f"{type(e).__name__}: {e}".strip()
+    return ProbeResult(name, selected, reason)
+
+
+def _compare(what: str, runs: list[torch.Tensor], ref: torch.Tensor, tol: float) -> float:
+    if not torch.isfinite(runs[0]).all():
+        raise Refused(f"{what}: non-finite output")
+    err = float((runs[0].float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+    if err > tol:
+        raise Refused(f"{what}: max error {err:.2e} of the output's scale is over {tol:g}")
+    if not torch.equal(runs[0], runs[1]):
+        raise Refused(f"{what}: two runs on the same inputs differ (not deterministic)")
+    return err
+
+
+def _has_delta(args) -> bool:
+    return getattr(args, "linear_num_key_heads", 0) > 0
+
+
+def _probe(args, device: torch.device, dtype: torch.dtype) -> str:
+    if device.type != "cuda":
+        raise Refused(f"Triton kernels run on CUDA devices; this one is {device}")
+    if not torch.cuda.is_available():
+        raise Refused("CUDA is not available to torch")
+    try:
+        import edgerun.kernels.dense_triton  # noqa: F401
+    except ImportError as e:
+        raise Refused(f"Triton is not importable: {e}") from e
+    worst = run_cases(args, device, dtype)
+    torch.cuda.synchronize(device)
+    return (
+        f"matched the references on {torch.cuda.get_device_name(device)} in {dtype} (max error "
+        f"{worst:.1e} of the output's scale, limit {TOLERANCE[dtype]:g}) and repeated bit for bit"
+    )
+
+
+def run_cases(args, device: torch.device, dtype: torch.dtype) -> float:
+    """The probe's cases on ``device`` (CUDA; CPU under Triton's interpreter, for the tests):
+    the worst error relative to the output's scale, or Refused saying which case failed."""
+    from edgerun.kernels import dense_triton as K
+
+    if dtype not in TOLERANCE:
+        raise Refused(f"no kernel for model dtype {dtype}")
+    tol = TOLERANCE[dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    eps, unit = args.rms_norm_eps, args.norm_unit_offset
+    worst = 0.0
+    for N, D in ((1, args.hidden_size), (args.num_attention_heads, args.head_dim)):
+        why = K.unsupported_rms_norm(D)
+        if why:
+            raise Refused(f"rms_norm: {why}")
+        x = (torch.randn(N, D, generator=gen, device=device) * 3).to(dtype)
+        w = (torch.randn(D, generator=gen, device=device) * 0.3 + (0.0 if unit else 1.0)).to(dtype)
+        runs = [K.rms_norm(x, w, eps, unit) for _ in range(2)]
+        worst = max(worst, _compare(f"rms_norm [{N}, {D}]", runs, rms_norm_ref(x, w, eps, unit), tol))
+    if _has_delta(args):
+        dims = DeltaDims.from_args(args)
+        why = K.unsupported_delta(dims)
+        if why:
+            raise Refused(f"delta_decode: {why}")
+        inputs = random_delta_inputs(dims, None, gen, device, dtype, eps)
+        runs = [clone_inputs(inputs) for _ in range(2)]
+        outs = [K.delta_decode(**r) for r in runs]
+        ref = clone_inputs(inputs)
+        want = delta_decode_ref(**ref)
+        worst = max(worst, _compare("delta_decode output", outs, want, tol))
+        worst = max(worst, _compare("delta_decode state", [r["state"] for r in runs], ref["state"], tol))
+        if not all(torch.equal(r["conv_state"], ref["conv_state"]) for r in runs):
+            raise Refused("delta_decode: the conv state differs from the reference's")
+    return worst

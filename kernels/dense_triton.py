@@ -1,0 +1,309 @@
+"""Triton kernels for the dense part of a batch-1 decode step, one launch per call.
+
+Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv channels
+(2·Hk·Dk + Hv·Dv), K = conv taps, Hk / Hv = key / value heads, R = Hv / Hk, Dk / Dv = head dims.
+
+- ``rms_norm``: a program per row.
+- ``delta_decode``: a Gated DeltaNet layer's whole T = 1 step between the projections and
+  out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm), a program per
+  (batch, key head). A key head's q/k channels are shared by R value heads, and their conv
+  state must be read before it is shifted: one program owns them and loops over its R value
+  heads, holding one [Dk, Dv] fp32 state tile at a time. (A program per value head would need
+  a second launch for the conv, or a race on the shared conv state.)
+
+Math is fp32, rounded to the model dtype at every point the modules round (conv products, conv
+sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
+its reference (kernels/dense_reference.py) only by fp32 summation order and transcendental ulps,
+and through those by an occasional one-ulp flip of a rounded value. Tile shapes and warps are a
+fixed function of the geometry (never autotuned) and nothing is atomic, so the bits repeat.
+No host syncs and no data-dependent allocation: both calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from edgerun.kernels.dense_reference import DeltaDims
+
+# dtype -> code the kernels round to (0: none needed)
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile, or of an RMSNorm row
+L2NORM_EPS = tl.constexpr(1e-6)  # edgerun.models.layers.l2norm's default, which GatedDeltaNet uses
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _round(x, CODE: tl.constexpr):
+    """fp32 x rounded to nearest-even in the dtype CODE names, as fp32. bf16 by bit arithmetic,
+    because Triton's CPU interpreter truncates a bf16 cast where the GPU (and torch) round;
+    NaN payloads are not preserved."""
+    if CODE == 1:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    elif CODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))  # torch's form
+
+
+@triton.jit
+def _conv_silu(x, cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
+    """SiLU of the causal depthwise conv of channels c over [conv state, new input] (fp32 values
+    rounded as the module rounds them); shifts the new input into the conv state."""
+    t = tl.arange(0, KP2)[None, :]
+    hist = tl.load(cs + c[:, None] * (K - 1) + t, mask=cmask[:, None] & (t < K - 1), other=0.0)
+    new = tl.load(x + c, mask=cmask, other=0.0)
+    window = tl.where(t == K - 1, new[:, None], hist).to(tl.float32)  # [channels, KP2]
+    wt = tl.load(w + c[:, None] * K + t, mask=cmask[:, None] & (t < K), other=0.0).to(tl.float32)
+    s = _round(tl.sum(_round(window * wt, ACT), axis=1), ACT)
+    # the shifted state goes where other threads read the old one: all reads first
+    tl.debug_barrier()
+    tl.store(
+        cs + c[:, None] * (K - 1) + t - 1,
+        window.to(cs.dtype.element_ty),
+        mask=cmask[:, None] & (t >= 1) & (t < K),
+    )
+    return _round(_silu(s), ACT)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    w,
+    out,
+    x_row,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    X_CODE: tl.constexpr,
+    OUT_CODE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    xf = tl.load(x + n * x_row + cols, mask=m, other=0.0).to(tl.float32)
+    y = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    wf = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        y = y * (1.0 + wf)
+    else:
+        y = _round(y, X_CODE) * wf
+    tl.store(out + n * D + cols, _round(y, OUT_CODE).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _delta_decode_kernel(
+    qkv,
+    z,
+    a,
+    b,
+    conv_state,
+    conv_w,
+    A_log,
+    dt_bias,
+    state,
+    norm_w,
+    out,
+    eps,
+    q_scale,
+    NK: tl.constexpr,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    KP2: tl.constexpr,
+    ACT: tl.constexpr,
+    ROUND_NORM: tl.constexpr,
+):
+    C = 2 * NK * DK + NK * R * DV
+    HV = NK * R
+    bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
+    j = tl.program_id(1)  # key head
+    x = qkv + bi * C
+    cs = conv_state + bi * (C * (K - 1))
+
+    ik = tl.arange(0, BLOCK_DK)
+    mk = ik < DK
+    q = _conv_silu(x, cs, conv_w, j * DK + ik, mk, K, KP2, ACT)
+    k = _conv_silu(x, cs, conv_w, NK * DK + j * DK + ik, mk, K, KP2, ACT)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
+
+    iv = tl.arange(0, BLOCK_DV)
+    mv = iv < DV
+    tile = ik[:, None] * DV + iv[None, :]
+    tmask = mk[:, None] & mv[None, :]
+    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
+    for r in tl.static_range(R):
+        h = j * R + r
+        v = _conv_silu(x, cs, conv_w, 2 * NK * DK + h * DV + iv, mv, K, KP2, ACT)
+        beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * HV + h).to(tl.float32))), ACT)
+        sp = tl.load(a + bi * HV + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+        e = tl.exp(sp)
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
+        g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
+
+        s_ptr = state + (bi * HV + h) * (DK * DV) + tile
+        S = tl.load(s_ptr, mask=tmask, other=0.0) * tl.exp(g)
+        predicted = tl.sum(S * k[:, None], axis=0)
+        delta = (v - predicted) * beta
+        S = S + k[:, None] * delta[None, :]
+        tl.store(s_ptr, S, mask=tmask)
+        o = _round(tl.sum(S * q[:, None], axis=0), ACT)
+
+        # gated RMSNorm over Dv
+        y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
+        if ROUND_NORM:
+            y = _round(y, ACT)
+        zz = tl.load(z + bi * (HV * DV) + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+        y = _round(y * _silu(zz), ACT)
+        tl.store(out + bi * (HV * DV) + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+
+
+def _warps(elements: int, per_thread: int) -> int:
+    """Warps for a program holding ``elements`` values, about ``per_thread`` a thread: 1 to 8."""
+    return max(1, min(8, elements // (32 * per_thread)))
+
+
+def unsupported_rms_norm(dim: int) -> str | None:
+    """Why ``rms_norm`` cannot normalise rows of ``dim``; None when it can."""
+    if dim < 1:
+        return f"row width {dim} is not positive"
+    if triton.next_power_of_2(dim) > MAX_TILE:
+        return f"row width {dim} is over the {MAX_TILE} elements one program holds"
+    return None
+
+
+def unsupported_delta(dims: DeltaDims) -> str | None:
+    """Why ``delta_decode`` cannot run a layer of this geometry; None when it can."""
+    if min(dims.n_k, dims.n_v, dims.dk, dims.dv) < 1:
+        return f"every head count and head dim must be positive, got {dims}"
+    if dims.n_v % dims.n_k:
+        return f"value heads ({dims.n_v}) are not a multiple of key heads ({dims.n_k})"
+    if dims.kernel < 2:
+        return f"conv kernel {dims.kernel} keeps no state (needs >= 2 taps)"
+    tile = triton.next_power_of_2(dims.dk) * triton.next_power_of_2(dims.dv)
+    if tile > MAX_TILE:
+        return f"a head's padded [Dk, Dv] = [{dims.dk}, {dims.dv}] state tile ({tile}) is over {MAX_TILE}"
+    return None
+
+
+def _check(expected: dict, device: torch.device) -> None:
+    """expected: name -> (tensor, shape, allowed dtypes). Errors name the tensor."""
+    for name, (t, shape, dtypes) in expected.items():
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """``rms_norm_ref`` in one launch: x [N, D] (rows may be strided, columns contiguous),
+    weight [D] -> [N, D], contiguous, in the reference's dtype."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, D] with contiguous rows, got {list(x.shape)} strides {x.stride()}")
+    N, D = x.shape
+    why = unsupported_rms_norm(D)
+    if why:
+        raise ValueError(f"rms_norm cannot run: {why}")
+    if x.dtype not in DTYPE_CODE:
+        raise ValueError(f"x must be one of {list(DTYPE_CODE)}, got {x.dtype}")
+    _check({"weight": (weight, (D,), tuple(DTYPE_CODE))}, x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    if N:
+        block = triton.next_power_of_2(D)
+        _rms_norm_kernel[(N,)](
+            x, weight, out, x.stride(0), eps, D=D, BLOCK=block, UNIT_OFFSET=unit_offset,
+            X_CODE=DTYPE_CODE[x.dtype], OUT_CODE=DTYPE_CODE[out_dtype], num_warps=_warps(block, 8),
+        )  # fmt: skip
+    return out
+
+
+def delta_decode(
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    n_k: int,
+    n_v: int,
+    dk: int,
+    dv: int,
+) -> torch.Tensor:
+    """``delta_decode_ref`` in one launch (same arguments, same in-place updates of conv_state
+    and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
+    bf16 or fp16); A_log, dt_bias and norm_weight may be any of those; state is fp32. Every
+    tensor contiguous, on one device."""
+    if conv_weight.dim() != 2:
+        raise ValueError(f"conv_weight must be [C, K], got {list(conv_weight.shape)}")
+    dims = DeltaDims(n_k, n_v, dk, dv, conv_weight.shape[1])
+    why = unsupported_delta(dims)
+    if why:
+        raise ValueError(f"delta_decode cannot run this layer: {why}")
+    if mixed_qkv.dim() not in (1, 2):
+        raise ValueError(f"mixed_qkv must be [C] or [B, C], got {list(mixed_qkv.shape)}")
+    dtype = mixed_qkv.dtype
+    if dtype not in DTYPE_CODE:
+        raise ValueError(f"mixed_qkv must be one of {list(DTYPE_CODE)}, got {dtype}")
+    lead = tuple(mixed_qkv.shape[:-1])
+    C, K, Hv = dims.conv_dim, dims.kernel, n_v
+    act, floats = (dtype,), tuple(DTYPE_CODE)
+    _check(
+        {
+            "mixed_qkv": (mixed_qkv, (*lead, C), act),
+            "z": (z, (*lead, Hv * dv), act),
+            "a": (a, (*lead, Hv), act),
+            "b": (b, (*lead, Hv), act),
+            "conv_state": (conv_state, (*lead, C, K - 1), act),
+            "conv_weight": (conv_weight, (C, K), act),
+            "A_log": (A_log, (Hv,), floats),
+            "dt_bias": (dt_bias, (Hv,), floats),
+            "state": (state, (*lead, Hv, dk, dv), (torch.float32,)),
+            "norm_weight": (norm_weight, (dv,), floats),
+        },
+        mixed_qkv.device,
+    )
+    out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
+    batch = lead[0] if lead else 1
+    if batch:
+        bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+        _delta_decode_kernel[(batch, n_k)](
+            mixed_qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, out,
+            eps, dk**-0.5, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, K=K, BLOCK_DK=bdk, BLOCK_DV=bdv,
+            KP2=triton.next_power_of_2(K), ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype,
+            num_warps=_warps(bdk * bdv, 64),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,140 @@
+"""The dense decode kernels under Triton's CPU interpreter (tiny geometries, one real one).
+
+Not collected on its own: test_dense_interpret.py runs this file in a child process with
+TRITON_INTERPRET=1 set before Triton is imported (Triton reads it at import). Tolerances: in fp32
+a kernel differs from its reference only in summation order and transcendental ulps (1e-5 of
+the output's scale; about 5e-7 seen); in bf16 / fp16 it rounds where the reference rounds, and
+an fp32-level difference occasionally flips one rounding by an ulp, so the probe's TOLERANCE
+(its docstring says why). The conv state is a shift of stored values: always equal.
+"""
+
+import os
+
+import pytest
+import torch
+from dense_cases import GEOMETRIES, REAL, real_args
+from moe_cases import rel_err
+
+from edgerun.kernels import dense_triton as K
+from edgerun.kernels.dense_probe import TOLERANCE, run_cases
+from edgerun.kernels.dense_reference import (
+    DeltaDims,
+    clone_inputs,
+    delta_decode_ref,
+    random_delta_inputs,
+    rms_norm_ref,
+)
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_dense_interpret.py"
+)
+TOL = {**TOLERANCE, torch.float32: 1e-5}
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within TOL; in bf16 / fp16 also bit-equal but for rare one-ulp flips (a few in 10^4 seen):
+    a kernel that rounded anywhere the reference does not would differ in most elements."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < TOL[ref.dtype]
+    if ref.dtype != torch.float32:
+        assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [48, 64])
+def test_rms_norm_matches_reference_and_repeats(D, dtype, unit_offset):
+    g = torch.Generator().manual_seed(D)
+    wide = (torch.randn(5, D + 16, generator=g) * 3).to(dtype)
+    x = wide[:, 8 : 8 + D]  # strided rows
+    w = (torch.randn(D, generator=g) * 0.3 + (0.0 if unit_offset else 1.0)).to(dtype)
+    out = K.rms_norm(x, w, 1e-6, unit_offset)
+    assert_matches(out, rms_norm_ref(x, w, 1e-6, unit_offset))
+    assert torch.equal(out, K.rms_norm(x.contiguous(), w, 1e-6, unit_offset))
+
+
+def test_rms_norm_promotes_like_the_reference():
+    x = torch.randn(3, 32).bfloat16()
+    w = torch.randn(32) * 0.3 + 1.0  # fp32 weight: the product stays fp32
+    out = K.rms_norm(x, w, 1e-6, False)
+    assert out.dtype == torch.float32 and rel_err(out, rms_norm_ref(x, w, 1e-6, False)) < 1e-5
+
+
+def run_steps(fn, inputs: dict, steps: int, seed: int) -> tuple[list[torch.Tensor], dict]:
+    """``steps`` decode steps from inputs' states, fresh activations each step."""
+    state = clone_inputs(inputs)
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for _ in range(steps):
+        for name in ("mixed_qkv", "z", "a", "b"):
+            state[name] = torch.randn(state[name].shape, generator=g).to(state[name].dtype)
+        outs.append(fn(**state))
+    return outs, state
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", GEOMETRIES, ids=str)
+def test_delta_decode_matches_reference(dims, dtype, batch):
+    inputs = random_delta_inputs(dims, batch, torch.Generator().manual_seed(dims.dk), dtype=dtype)
+    got, got_state = run_steps(K.delta_decode, inputs, 2, seed=1)
+    want, want_state = run_steps(delta_decode_ref, inputs, 2, seed=1)
+    for o, r in zip(got, want):
+        assert_matches(o, r)
+    assert rel_err(got_state["state"], want_state["state"]) < TOL[dtype]
+    assert torch.equal(got_state["conv_state"], want_state["conv_state"])
+
+
+def test_probe_cases_pass_at_the_real_geometry():
+    # what probe_dense runs on the GPU, here through the interpreter; Refused if a case fails
+    assert run_cases(real_args(), torch.device("cpu"), torch.bfloat16) < TOL[torch.bfloat16]
+
+
+def test_delta_decode_fp32_weights_with_bf16_activations():
+    # A_log, dt_bias, norm_weight kept in fp32: the norm product is not rounded (the reference's
+    # type promotion)
+    inputs = random_delta_inputs(GEOMETRIES[1], None, torch.Generator().manual_seed(3))
+    for name in ("A_log", "dt_bias", "norm_weight"):
+        inputs[name] = inputs[name].float() + 1e-3
+    got, ref = clone_inputs(inputs), clone_inputs(inputs)
+    assert_matches(K.delta_decode(**got), delta_decode_ref(**ref))
+
+
+def test_delta_decode_repeats_and_is_batch_invariant():
+    dims = GEOMETRIES[0]
+    inputs = random_delta_inputs(dims, 3, torch.Generator().manual_seed(4), dtype=torch.float32)
+    runs = [clone_inputs(inputs) for _ in range(2)]
+    outs = [K.delta_decode(**r) for r in runs]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(runs[0]["state"], runs[1]["state"])
+    one = {
+        k: v[1].clone() if k in ("mixed_qkv", "z", "a", "b", "conv_state", "state") else v
+        for k, v in inputs.items()
+    }
+    assert torch.equal(K.delta_decode(**one), outs[0][1])  # a row's bits do not depend on the batch
+    assert torch.equal(one["state"], runs[0]["state"][1])
+
+
+def test_delta_decode_refusals_name_the_tensor():
+    inputs = random_delta_inputs(GEOMETRIES[1], None, torch.Generator().manual_seed(5))
+    cases = [
+        ("z", inputs["z"][:-1], r"z must be \[64\]"),
+        ("state", inputs["state"].bfloat16(), "state must be torch.float32"),
+        ("a", inputs["a"].float(), "a must be torch.bfloat16"),
+        ("conv_state", inputs["conv_state"].t().contiguous().t(), "conv_state must be contiguous"),
+        ("mixed_qkv", inputs["mixed_qkv"][None, None], r"mixed_qkv must be \[C\] or \[B, C\]"),
+        ("conv_weight", inputs["conv_weight"][:, None], r"conv_weight must be \[C, K\]"),
+        ("n_v", 5, "not a multiple of key heads"),
+    ]
+    for name, bad, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            K.delta_decode(**{**inputs, name: bad})
+    with pytest.raises(ValueError, match="contiguous rows"):
+        K.rms_norm(torch.randn(8, 4).t(), torch.randn(8), 1e-6, True)
+
+
+def test_unsupported_geometries():
+    assert K.unsupported_delta(REAL) is None
+    assert "state tile" in K.unsupported_delta(DeltaDims(2, 2, 256, 256, 4))
+    assert "taps" in K.unsupported_delta(DeltaDims(2, 2, 16, 16, 1))
+    assert K.unsupported_rms_norm(2048) is None and "over" in K.unsupported_rms_norm(40000)
