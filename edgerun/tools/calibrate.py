@@ -1,0 +1,238 @@
+"""Calibration: the bounds a decode benchmark reports its rates against.
+
+``read_bandwidth``: what the disk gives the expert cache. Whole blocks at random block-aligned
+offsets, read with O_DIRECT into page-aligned buffers by N threads that each keep one read in
+flight (queue depth N), for a fixed time per depth. ``device_copy_bandwidth``: device-to-device
+and pinned host-to-device copy rates. Rates are decimal GB/s (1e9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from edgerun.cache.reader import (
+    ALIGN,
+    AlignmentError,
+    ReadError,
+    aligned_buffer,
+    buffer_address,
+    check_alignment,
+)
+from edgerun.errors import EdgerunError
+
+
+class DeviceUnavailable(EdgerunError, RuntimeError):
+    """No device to measure (no torch, no CUDA, or not a CUDA device): nothing was measured."""
+
+
+def _open(path: Path, direct: bool) -> int:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:
+            raise ReadError(
+                f"{path}: the filesystem does not support O_DIRECT (tmpfs?); pass direct=False to "
+                f"measure buffered reads instead (they include page-cache hits)"
+            ) from exc
+        raise ReadError(f"cannot open {path}: {exc.strerror}") from exc
+
+
+def read_bandwidth(
+    path: str | Path | Sequence[str | Path],
+    block_bytes: int,
+    queue_depths: Sequence[int] = (1, 4, 8, 16, 32),
+    seconds_per_depth: float = 2.0,
+    direct: bool = True,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Random whole-block reads of ``path`` (or of several files, every block equally likely, as
+    the expert cache reads a bundle's expert files), one result per queue depth, in order:
+    {queue_depth, reads, bytes, seconds, gb_per_s, median_read_ms, direct, block_bytes}.
+
+    Block k is the ``block_bytes`` at ``k * block_bytes``; a file's partial last block is never
+    read. ``direct=False`` reads through the page cache (each file's cached pages are dropped
+    before each depth, but a block read twice is then a cache hit); refused, never silently
+    substituted, when O_DIRECT is unavailable."""
+    if block_bytes <= 0 or block_bytes % ALIGN:
+        raise AlignmentError(
+            f"block_bytes {block_bytes} is not a positive multiple of {ALIGN}: O_DIRECT reads need "
+            f"aligned lengths (a bundle's block_bytes always is one)"
+        )
+    if not queue_depths or any(d < 1 for d in queue_depths):
+        raise ValueError(f"queue depths must be >= 1, got {list(queue_depths)}")
+    if seconds_per_depth <= 0:
+        raise ValueError(f"seconds_per_depth must be positive, got {seconds_per_depth}")
+    paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+    if not paths:
+        raise ValueError("no file to read")
+    starts = [0]  # first global block index of each file
+    for p in paths:
+        try:
+            size = p.stat().st_size
+        except OSError as exc:
+            raise ReadError(f"cannot read {p}: {exc.strerror}") from exc
+        if size < block_bytes:
+            raise ReadError(
+                f"{p}: {size} bytes, smaller than one block of {block_bytes} bytes: nothing to read"
+            )
+        starts.append(starts[-1] + size // block_bytes)
+    fds = []
+    try:
+        for p in paths:
+            fds.append(_open(p, direct))
+        return [
+            _one_depth(paths, fds, starts, block_bytes, depth, seconds_per_depth, direct, seed)
+            for depth in queue_depths
+        ]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _one_depth(
+    paths: list[Path],
+    fds: list[int],
+    starts: list[int],
+    block_bytes: int,
+    depth: int,
+    seconds: float,
+    direct: bool,
+    seed: int,
+) -> dict[str, Any]:
+    if not direct:
+        for fd in fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    clock: dict[str, float] = {}
+    barrier = threading.Barrier(depth, action=lambda: clock.setdefault("start", time.perf_counter()))
+
+    def reader(i: int) -> tuple[int, list[float], float]:
+        buf = aligned_buffer(block_bytes)
+        view = memoryview(buf)[:block_bytes]
+        rnd = random.Random(f"{seed}/{depth}/{i}")
+        times: list[float] = []
+        try:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                return 0, times, time.perf_counter()  # another reader failed; its error is raised
+            deadline = clock["start"] + seconds
+            while (now := time.perf_counter()) < deadline:
+                k = rnd.randrange(starts[-1])
+                f = bisect.bisect_right(starts, k) - 1
+                offset = (k - starts[f]) * block_bytes
+                if direct:
+                    check_alignment(
+                        offset, block_bytes, buffer_address(buf), f"{paths[f]} block {k - starts[f]}"
+                    )
+                try:
+                    got = os.preadv(fds[f], [view], offset)
+                except OSError as exc:
+                    raise ReadError(
+                        f"{paths[f]}: read of {block_bytes} bytes at offset {offset} failed: {exc}"
+                    ) from exc
+                if got != block_bytes:
+                    raise ReadError(
+                        f"{paths[f]}: short read at offset {offset}: {got} of {block_bytes} bytes"
+                    )
+                times.append(time.perf_counter() - now)
+            return len(times), times, time.perf_counter()
+        except BaseException:
+            barrier.abort()
+            raise
+        finally:
+            view.release()
+            buf.close()
+
+    with ThreadPoolExecutor(depth, thread_name_prefix="edgerun-calibrate") as pool:
+        runs = [f.result() for f in [pool.submit(reader, i) for i in range(depth)]]
+    reads = sum(n for n, _, _ in runs)
+    elapsed = max(end for _, _, end in runs) - clock["start"]
+    nbytes = reads * block_bytes
+    return {
+        "queue_depth": depth,
+        "reads": reads,
+        "bytes": nbytes,
+        "seconds": elapsed,
+        "gb_per_s": nbytes / elapsed / 1e9,
+        "median_read_ms": statistics.median(t for _, ts, _ in runs for t in ts) * 1e3 if reads else None,
+        "direct": direct,
+        "block_bytes": block_bytes,
+    }
+
+
+def best(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The result with the highest GB/s (the disk's bound for the expert cache)."""
+    if not results:
+        raise ValueError("no calibration results")
+    return max(results, key=lambda r: r["gb_per_s"])
+
+
+def device_copy_bandwidth(device: Any = "cuda", nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """Copy rates on a CUDA device, timed with CUDA events over ``repeats`` copies of ``nbytes``
+    each (after one warm-up copy): median and [min, max] GB/s.
+
+    ``d2d``: device memory to device memory; its GB/s counts the bytes read plus the bytes written
+    (2 x nbytes per copy), as memory-bandwidth figures are quoted. ``h2d_pinned``: from page-locked
+    host memory to the device; its GB/s counts the bytes moved (nbytes per copy).
+
+    Raises ``DeviceUnavailable`` (nothing measured, the message says why) without torch, without
+    CUDA, or for a non-CUDA ``device``; refuses, with the numbers, sizes the device cannot hold."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise DeviceUnavailable("device copy bandwidth: torch is not installed; nothing measured") from exc
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"device copy bandwidth: no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}); nothing measured"
+        )
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise DeviceUnavailable(f"device copy bandwidth measures a CUDA device, got {str(dev)!r}")
+    if nbytes <= 0 or repeats < 1:
+        raise ValueError(f"nbytes and repeats must be positive, got {nbytes} and {repeats}")
+    free, total = torch.cuda.mem_get_info(dev)
+    if 2 * nbytes > free:
+        raise EdgerunError(
+            f"device copy bandwidth needs 2 x {nbytes:,d} bytes of device memory; {dev} has {free:,d} "
+            f"of {total:,d} free (pass a smaller nbytes)"
+        )
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def rates(copy, moved: int) -> list[float]:
+        copy()  # warm-up
+        out = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy()
+            end.record()
+            end.synchronize()
+            out.append(moved / (start.elapsed_time(end) / 1e3) / 1e9)
+        return out
+
+    with torch.cuda.device(dev):
+        d2d = rates(lambda: dst.copy_(src), 2 * nbytes)
+        h2d = rates(lambda: dst.copy_(host, non_blocking=True), nbytes)
+    return {
+        "device": f"{dev} ({torch.cuda.get_device_name(dev)})",
+        "nbytes": nbytes,
+        "repeats": repeats,
+        "d2d_gb_per_s": statistics.median(d2d),
+        "d2d_gb_per_s_range": [min(d2d), max(d2d)],
+        "h2d_pinned_gb_per_s": statistics.median(h2d),
+        "h2d_pinned_gb_per_s_range": [min(h2d), max(h2d)],
+    }

@@ -1,0 +1,127 @@
+"""Calibration (edgerun.tools.calibrate): raw block reads per queue depth at block-aligned
+offsets, bad inputs refused by name, O_DIRECT refused (not replaced) where unsupported, and the
+device copy measurement skipping cleanly without CUDA."""
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgerun.cache.reader import AlignmentError, ReadError
+from edgerun.tools import calibrate as C
+
+BLOCK = 16384
+
+
+@pytest.fixture()
+def blocks_file(tmp_path):
+    p = tmp_path / "L00.bin"
+    p.write_bytes(os.urandom(BLOCK * 8 + BLOCK // 2))  # 8 whole blocks and a partial one
+    return p
+
+
+def _read(path, **kw):
+    """Direct reads where the filesystem has O_DIRECT; else the refusal, then buffered reads."""
+    try:
+        return C.read_bandwidth(path, BLOCK, **kw)
+    except ReadError as exc:
+        assert "does not support O_DIRECT" in str(exc) and "direct=False" in str(exc)
+        results = C.read_bandwidth(path, BLOCK, direct=False, **kw)
+        assert all(not r["direct"] for r in results)
+        return results
+
+
+def test_results_per_depth_at_block_aligned_offsets(blocks_file, monkeypatch):
+    offsets = []
+    preadv = os.preadv
+
+    def recording(fd, buffers, offset):
+        offsets.append(offset)
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(C.os, "preadv", recording)
+    results = _read(blocks_file, queue_depths=(1, 3), seconds_per_depth=0.1)
+    assert [r["queue_depth"] for r in results] == [1, 3]
+    for r in results:
+        assert r["reads"] > 0 and r["bytes"] == r["reads"] * BLOCK and r["block_bytes"] == BLOCK
+        assert 0.1 <= r["seconds"] < 5 and r["gb_per_s"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["median_read_ms"] > 0
+    assert sum(r["reads"] for r in results) == len(offsets)
+    assert {o % BLOCK for o in offsets} == {0} and max(offsets) <= 7 * BLOCK  # never the partial block
+    assert len(set(offsets)) > 1  # random, not one block over and over
+    assert C.best(results) == max(results, key=lambda r: r["gb_per_s"])
+
+
+def test_several_files_and_buffered_reads(blocks_file, tmp_path):
+    other = tmp_path / "L01.bin"
+    other.write_bytes(os.urandom(BLOCK * 2))
+    (r,) = C.read_bandwidth([blocks_file, other], BLOCK, (2,), 0.05, direct=False)
+    assert r["reads"] > 0 and not r["direct"]
+
+
+def test_no_o_direct_is_refused_not_replaced(blocks_file, monkeypatch):
+    real_open = os.open
+
+    def without_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(C.os, "open", without_direct)
+    with pytest.raises(ReadError, match=r"L00.bin: the filesystem does not support O_DIRECT .* direct=False"):
+        C.read_bandwidth(blocks_file, BLOCK, (1,), 0.05)
+    (r,) = C.read_bandwidth(blocks_file, BLOCK, (1,), 0.05, direct=False)
+    assert r["reads"] > 0 and not r["direct"]
+
+
+def test_tmpfs_reads_directly_or_refuses_clearly():
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    path = shm / f"edgerun-calibrate-{os.getpid()}.bin"
+    path.write_bytes(os.urandom(BLOCK * 2))
+    try:
+        results = _read(path, queue_depths=(1,), seconds_per_depth=0.05)  # tmpfs has O_DIRECT on Linux >= 6.6
+        assert results[0]["reads"] > 0
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("block_bytes", [1000, 4096 + 512, 0, -4096])
+def test_unaligned_block_size_is_refused(blocks_file, block_bytes):
+    with pytest.raises(AlignmentError, match=f"block_bytes {block_bytes} is not a positive multiple of 4096"):
+        C.read_bandwidth(blocks_file, block_bytes, (1,), 0.05)
+
+
+def test_file_smaller_than_a_block_is_refused(tmp_path):
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"\0" * 4096)
+    with pytest.raises(ReadError, match=r"small.bin: 4096 bytes, smaller than one block of 16384 bytes"):
+        C.read_bandwidth(small, BLOCK, (1,), 0.05)
+    with pytest.raises(ReadError, match="cannot read .*missing.bin"):
+        C.read_bandwidth(tmp_path / "missing.bin", BLOCK, (1,), 0.05)
+    with pytest.raises(ValueError, match="queue depths must be >= 1"):
+        C.read_bandwidth(small, BLOCK, (0,), 0.05)
+
+
+def test_importing_calibrate_does_not_import_torch():
+    code = "import sys, edgerun.tools.calibrate; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_device_copy_bandwidth():
+    try:
+        r = C.device_copy_bandwidth("cuda", nbytes=64 << 20, repeats=3)
+    except C.DeviceUnavailable as exc:
+        assert "no CUDA device" in str(exc) or "torch is not installed" in str(exc)
+        pytest.skip(f"{exc}")
+    assert r["nbytes"] == 64 << 20 and r["repeats"] == 3
+    for key in ("d2d_gb_per_s", "h2d_pinned_gb_per_s"):
+        low, high = r[f"{key}_range"]
+        assert 0 < low <= r[key] <= high
+    with pytest.raises(C.DeviceUnavailable, match="measures a CUDA device, got 'cpu'"):
+        C.device_copy_bandwidth("cpu")
