@@ -100,6 +100,12 @@ class ExpertCache:
             )
         self.bundle = bundle
         self.device = device
+        self._fallbacks: dict[str, str] = {}
+        if pool == "mapped":
+            why = mapped_unsupported(device)
+            if why:
+                self._fallbacks["mapped_slots"] = f"{why}; slots live in device memory"
+                pool = "device"
         self.pool_kind = pool
         self.dtype = dtype
         self.slots = slots
@@ -107,7 +113,6 @@ class ExpertCache:
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
         self.readers = {bb: BlockReader(bb, staging, read_mode) for bb in block_sizes}
-        self._fallbacks: dict[str, str] = {}
         self.copy_stream = None
         if pool == "device":
             # each read's staging buffer (page-locked) is copied to its slot on a side stream; the
@@ -146,12 +151,8 @@ class ExpertCache:
     def _mapped_pool(self, q: int, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(host view, device view) of one page-locked allocation the GPU addresses directly: with
         unified virtual addressing a pinned host pointer is also a valid device pointer."""
-        if not torch.cuda.get_device_properties(self.device).unified_addressing:
-            raise QuotaError(f"mapped slot pools need unified addressing, which {self.device} does not have")
-        raw = torch.empty(q * bb + ALIGN, dtype=torch.uint8, pin_memory=True)
-        skew = (-raw.data_ptr()) % ALIGN  # O_DIRECT reads land in the slots: page-align them
-        host = raw[skew : skew + q * bb].view(q, bb)
-        self._host.append(raw)
+        host = _pinned(q * bb).view(q, bb)
+        self._host.append(host)
         return host, torch.as_tensor(_DeviceView(host), device=self.device)
 
     @property
@@ -301,6 +302,27 @@ class ExpertCache:
         self.pools.clear()
         self.host_slots.clear()
         self._host.clear()
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """Page-locked, page-aligned host bytes (O_DIRECT reads land in them)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+    skew = (-raw.data_ptr()) % ALIGN
+    return raw[skew : skew + nbytes]
+
+
+def mapped_unsupported(device: torch.device) -> str | None:
+    """None if the GPU reads page-locked host memory through its host address (unified virtual
+    addressing), checked by a round trip; else why not."""
+    try:
+        host = _pinned(ALIGN)
+        host.copy_(torch.arange(ALIGN, dtype=torch.int64).remainder(251).to(torch.uint8))
+        seen = torch.as_tensor(_DeviceView(host), device=device).clone().cpu()
+        if not torch.equal(seen, host):
+            return f"{device} read other bytes than the host wrote through a mapped pointer"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable, and why
+        return f"{device} cannot read mapped host memory ({type(exc).__name__}: {exc})"
+    return None
 
 
 class _DeviceView:

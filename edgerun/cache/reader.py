@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -96,6 +97,10 @@ class BlockReader:
         self._inflight = 0
         self._busy_since = 0.0
         self.stats = ReadStats()
+        # a reader dropped without close() still unregisters its page-locked buffers before they
+        # are unmapped (else a later mapping at the same address could not be registered) and
+        # closes its files
+        self._finalizer = weakref.finalize(self, _release, self._pinned, self._fds)
 
     @property
     def staging_bytes(self) -> int:
@@ -205,21 +210,26 @@ class BlockReader:
         for b in self._buffers:
             err = cudart.cudaHostRegister(buffer_address(b), len(b), 0)
             if int(err) != 0:
+                cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it as its own
                 return f"cudaHostRegister failed ({err}): staging buffers stay pageable"
             self._pinned.append(b)
         return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self._pinned:
-            import torch
-
-            for b in self._pinned:
-                torch.cuda.cudart().cudaHostUnregister(buffer_address(b))
-            self._pinned.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._finalizer()
         for b in self._buffers:
             b.close()
         self._buffers.clear()
+
+
+def _release(pinned: list[mmap.mmap], fds: dict) -> None:
+    if pinned:
+        import torch
+
+        for b in pinned:
+            torch.cuda.cudart().cudaHostUnregister(buffer_address(b))
+        pinned.clear()
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from edgerun.engine.streaming import StreamingExperts
 from edgerun.kernels.moe import moe_experts
 from edgerun.models import args as A
 from edgerun.models.layers import Attention, DecodeState, DeltaState, SparseMoe, apply_rotary
@@ -106,8 +107,11 @@ class DecodeGraphs:
     # ---- planning ---------------------------------------------------------------------
 
     def _expert_mode(self, i: int) -> str:
-        if self.cache is None:
+        experts = self.layers[i].mlp.experts
+        if not isinstance(experts, StreamingExperts):
             return "stacked"
+        if self.cache is None:
+            self.cache = experts.cache
         if self.policy.moe.impl != "triton":
             return "eager"
         return "table" if self.cache.slot_table(i) is not None else "routed"
@@ -152,17 +156,38 @@ class DecodeGraphs:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
+    def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
+        if self.policy.dense == "triton":
+            from edgerun.kernels import dense_triton
+
+            return dense_triton.rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
+        return norm(x)
+
+    def _delta(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The Gated DeltaNet step of layer i on h [1, D]: the module, or the fused kernel
+        between the module's own projections."""
+        ln, st = self.layers[i].linear_attn, self.state.layers[i]
+        if self.policy.dense != "triton":
+            return ln(h[None], st)[0]
+        from edgerun.kernels import dense_triton
+
+        out = dense_triton.delta_decode(
+            ln.in_proj_qkv(h)[0], ln.in_proj_z(h)[0], ln.in_proj_a(h)[0], ln.in_proj_b(h)[0],
+            st.conv[0], ln.conv1d.weight[:, 0], ln.A_log, ln.dt_bias, st.recurrent[0],
+            ln.norm.weight, ln.norm.eps, ln.n_k, ln.n_v, ln.dk, ln.dv,
+        )  # fmt: skip
+        return ln.out_proj(out[None])
+
     def _mixer(self, i: int) -> None:
         layer = self.layers[i]
-        h = layer.input_layernorm(self.x[None])
+        h = self._norm(layer.input_layernorm, self.x)
         if layer.kind == A.FULL_ATTENTION:
-            h = attention_step(
-                layer.self_attn, h, self.cos, self.sin, self.state.layers[i], self.pos, self.kv_index
-            )
+            st = self.state.layers[i]
+            h = attention_step(layer.self_attn, h[None], self.cos, self.sin, st, self.pos, self.kv_index)[0]
         else:
-            h = layer.linear_attn(h, self.state.layers[i])
-        x = self.x + h[0]
-        hn = layer.post_attention_layernorm(x)
+            h = self._delta(i, h)
+        x = self.x + h
+        hn = self._norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoe):
             self.x.copy_(x + mlp(hn))
@@ -232,7 +257,7 @@ class DecodeGraphs:
         self._add_experts(i, (y * w[:, None].to(y.dtype)).sum(0, keepdim=True).to(self.dtype))
 
     def _head(self) -> None:
-        self.logits.copy_(self.model.lm_head(self.model.model.norm(self.x)))
+        self.logits.copy_(self.model.lm_head(self._norm(self.model.model.norm, self.x)))
 
     # ---- running a step ---------------------------------------------------------------
 
@@ -319,6 +344,7 @@ class DecodeGraphs:
         modes = sorted(set(self.modes.values()))
         n_graphs = sum(1 for s in self.segments() if isinstance(s, list))
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
+        how += f", dense {self.policy.dense}"
         return f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
 
 

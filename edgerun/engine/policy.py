@@ -14,6 +14,11 @@ Fields and what they decide:
   (``kernels/moe_triton.py``). They agree within the probe's stated tolerance (fp32 vs bf16
   accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
   request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
+- ``dense``: the decode step's norms and Gated DeltaNet step. ``torch`` runs the model's own
+  modules (~100 small kernels per DeltaNet layer); ``triton`` the fused kernels of
+  ``kernels/dense_triton.py`` (one launch for the DeltaNet step between its projections, one
+  per norm). They round at the same points and agree within the dense probe's tolerance (a
+  few bf16 ulps), not bit for bit: fixed for the engine's life, like ``experts``.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
 """
@@ -28,6 +33,7 @@ from edgerun.errors import ConfigError
 from edgerun.kernels.moe import MoeKernelPolicy
 
 EXPERT_KERNELS = ("auto", "reference", "triton")
+DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
 
 
@@ -35,12 +41,15 @@ GRAPH_MODES = ("auto", "on", "off")
 class KernelPolicy:
     experts: str = "auto"  # auto: triton where its probe passes, else reference
     graphs: str = "auto"  # auto/on: capture on CUDA; off: the same step, eagerly
+    dense: str = "auto"  # auto: fused Triton decode kernels where their probe passes, else torch
     gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, bf16 scratch + cuBLAS GEMM
     scratch_experts: int = 16
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
             raise ConfigError(f"expert kernel {self.experts!r} is not one of {', '.join(EXPERT_KERNELS)}")
+        if self.dense not in DENSE_KERNELS:
+            raise ConfigError(f"dense kernel {self.dense!r} is not one of {', '.join(DENSE_KERNELS)}")
         if self.graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs {self.graphs!r} is not one of {', '.join(GRAPH_MODES)}")
 
@@ -49,6 +58,7 @@ class KernelPolicy:
 class Resolved:
     moe: MoeKernelPolicy
     graphs: bool
+    dense: str = "torch"
     choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
     fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
 
@@ -56,9 +66,12 @@ class Resolved:
         return ", ".join(f"{k} {v}" for k, v in self.choices.items())
 
 
-def resolve(policy: KernelPolicy, device: torch.device, layouts=(), top_k: int = 8) -> Resolved:
+def resolve(
+    policy: KernelPolicy, device: torch.device, layouts=(), top_k: int = 8, args=None, dtype=None
+) -> Resolved:
     """``layouts``: the bundle's expert block layouts when experts come from a slot pool (none
-    for stacked resident experts, which run torch's own matmuls)."""
+    for stacked resident experts, which run torch's own matmuls). ``args`` and ``dtype``: the
+    model's geometry and compute dtype, for the dense kernels' probe (without them: torch)."""
     from edgerun.kernels.probe import probe
 
     device = torch.device(device)
@@ -84,6 +97,7 @@ def resolve(policy: KernelPolicy, device: torch.device, layouts=(), top_k: int =
         else:
             out.moe = MoeKernelPolicy("triton", *_sizes(policy))
             out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
+    _resolve_dense(policy, device, args, dtype, out)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
     elif policy.graphs == "off":
@@ -92,6 +106,26 @@ def resolve(policy: KernelPolicy, device: torch.device, layouts=(), top_k: int =
         out.graphs = True
         out.choices["graphs"] = "on"
     return out
+
+
+def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved) -> None:
+    if policy.dense == "torch":
+        out.choices["dense"] = "torch (by request)"
+        return
+    if device.type != "cuda" or args is None:
+        out.choices["dense"] = "torch" + (" (Triton kernels run on CUDA)" if device.type != "cuda" else "")
+        if policy.dense == "triton":
+            out.fallbacks["dense_kernel"] = f"triton asked for, but the device is {device}"
+        return
+    from edgerun.kernels.dense_probe import probe_dense
+
+    result = probe_dense(args, device, dtype or torch.bfloat16)
+    if result.selected:
+        out.dense = "triton"
+        out.choices["dense"] = f"{result.name} ({result.reason})"
+    else:
+        out.choices["dense"] = "torch"
+        out.fallbacks["dense_kernel"] = f"{result.name} not selected: {result.reason}"
 
 
 def _sizes(policy: KernelPolicy) -> tuple[int, int]:

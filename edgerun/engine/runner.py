@@ -100,7 +100,8 @@ class Runner:
         """Resolve the kernel policy against the device (probing each kernel) and hand the
         result to every part that runs one."""
         layouts = list(dict.fromkeys(self.cache.bundle.layouts.values())) if self.cache else []
-        self.kernels = resolve(request, self.device, layouts, self.args.num_experts_per_tok)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.kernels = resolve(request, self.device, layouts, self.args.num_experts_per_tok, self.args, dtype)
         for module in self.model.modules():
             if isinstance(module, StreamingExperts):
                 module.policy = self.kernels.moe
