@@ -53,7 +53,8 @@ def build_bundle(root: Path, layers: int | None) -> tuple[Path, float]:
     cfg = qwen36_config()
     if layers:
         cfg = with_layers(cfg, layers)
-    path = root / f"qwen36-int4-{cfg['num_hidden_layers']}l"
+    layers = cfg.get("text_config", cfg)["num_hidden_layers"]
+    path = root / f"qwen36-int4-{layers}l"
     if (path / "manifest.json").is_file():
         return path, 0.0
     t0 = time.perf_counter()
@@ -113,11 +114,36 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
     return out
 
 
+def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
+    """Where a replayed decode step spends its GPU time: kernels per step and the heaviest
+    kernels by device time (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = runner.new_state(capacity)
+    runner.decode_step(state, 0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.decode_step(state, 0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key, t / steps, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "kernels_per_step": sum(r[2] for r in rows),
+        "gpu_us_per_step": sum(r[1] for r in rows),
+        "top": [{"kernel": k[:80], "us_per_step": round(t, 1), "per_step": c} for k, t, c in rows[:15]],
+    }
+
+
 def med(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all) -> dict:
+def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth) -> dict:
     runner = Runner.load(
         bundle_dir,
         device="cuda",
@@ -126,6 +152,7 @@ def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeat
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
         prefill_chunk=len(prompt),
+        read_depth=depth,
     )
     rec = {"config": name, "quota": quota}
     if warm_all:
@@ -150,6 +177,8 @@ def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeat
     if runner.cache is not None:
         for key in ("misses_per_token", "read_gbs", "read_wait_s"):
             rec[key] = med([r[key] for r in graph_runs])
+    if warm_all:
+        rec["profile"] = profile_steps(runner, capacity)
     if not same:
         diverge = next(i for i, (a, b) in enumerate(zip(eager["tokens"], graph_runs[0]["tokens"])) if a != b)
         rec["refused"] = f"eager and graph tokens differ from token {diverge}: no rate printed"
@@ -172,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
     )
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
+    ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device", file=sys.stderr)
@@ -219,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    # the engine reads with the queue depth the disk was fastest at (--read-depth overrides)
+    depth = ns.read_depth or storage["queue_depth"]
+    result["read_depth"] = depth
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, a.vocab_size, (ns.prompt,), generator=g).tolist()
@@ -238,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
-            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats, budget is None
+            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats, budget is None, depth
         )
         rec["budget_bytes"] = budget
         mean_pos = ns.prompt + ns.decode / 2

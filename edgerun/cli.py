@@ -54,6 +54,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
     )
+    p.add_argument(
+        "--read-depth",
+        type=int,
+        default=None,
+        help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
+    )
     p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
     add_kernel_arguments(p)
     p.add_argument(
@@ -122,6 +128,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         quota=quota,
         cache_budget=budget,
         read_mode=ns.read_mode,
+        read_depth=ns.read_depth,
         warm=_read_warm(ns.warm),
         kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs),
         pool=slot_pool(device, ns.slot_pool, ns.profile) if quota is not None else None,
@@ -207,7 +214,7 @@ def experts_text(runner) -> str:
     modes = {r.mode for r in cache.readers.values()}
     return (
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, "
-        f"read {'/'.join(modes)}, cache {cache.footprint_bytes / 2**20:.1f} MiB); {kernels}; fallbacks: {fb}"
+        f"read {'/'.join(modes)} depth {'/'.join(str(r.depth) for r in cache.readers.values())}, cache {cache.footprint_bytes / 2**20:.1f} MiB); {kernels}; fallbacks: {fb}"
     )
 
 

@@ -63,6 +63,7 @@ class ExpertCache:
         quota: int | dict[int, int],
         staging: int | None = None,
         read_mode: str = "auto",
+        read_depth: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         budget_bytes: int | None = None,
@@ -112,7 +113,7 @@ class ExpertCache:
         self.footprint_bytes = need
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
-        self.readers = {bb: BlockReader(bb, staging, read_mode) for bb in block_sizes}
+        self.readers = {bb: BlockReader(bb, staging, read_mode, read_depth) for bb in block_sizes}
         self.copy_stream = None
         if pool == "device":
             # each read's staging buffer (page-locked) is copied to its slot on a side stream; the

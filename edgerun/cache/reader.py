@@ -77,13 +77,17 @@ class BlockReader:
     memory. ``submit`` returns a Future; ``sink(staging_view)`` consumes the bytes while the
     staging buffer is still owned by the read."""
 
-    def __init__(self, block_bytes: int, staging: int = 4, mode: str = "auto") -> None:
+    def __init__(
+        self, block_bytes: int, staging: int = 4, mode: str = "auto", depth: int | None = None
+    ) -> None:
         if mode not in MODES:
             raise ReadError(f"read_mode {mode!r} is not one of {', '.join(MODES)}")
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise AlignmentError(f"block_bytes {block_bytes} is not a positive multiple of {ALIGN}")
         if staging < 1:
             raise ReadError(f"staging buffer count must be >= 1, got {staging}")
+        if depth is not None and depth < 1:
+            raise ReadError(f"read depth (reads in flight) must be >= 1, got {depth}")
         self.block_bytes = block_bytes
         self.mode = mode
         self._buffers = [aligned_buffer(block_bytes) for _ in range(staging)]
@@ -91,7 +95,10 @@ class BlockReader:
         self._free: queue.Queue[mmap.mmap] = queue.Queue()
         for b in self._buffers:
             self._free.put(b)
-        self._pool = ThreadPoolExecutor(max_workers=staging, thread_name_prefix="edgerun-read")
+        # reads in flight: one per staging buffer, or fewer where the disk is faster shallow
+        # (calibrate with edgerun.tools.calibrate.read_bandwidth)
+        self.depth = min(depth or staging, staging)
+        self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="edgerun-read")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._lock = threading.Lock()
         self._inflight = 0

@@ -133,6 +133,7 @@ class Runner:
         providers: ProviderPolicy | None = None,
         quota: int | None = None,
         read_mode: str = "auto",
+        read_depth: int | None = None,
         warm: dict | None = None,
         cache_budget: int | None = None,
         kernels: KernelPolicy | None = None,
@@ -162,6 +163,7 @@ class Runner:
                     dtype=dtype,
                     device=device,
                     read_mode=read_mode,
+                    read_depth=read_depth,
                     budget_bytes=cache_budget,
                     pool=pool,
                 )

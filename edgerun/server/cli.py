@@ -28,6 +28,7 @@ _FLAGS = (
     "bundle",
     "quota",
     "read_mode",
+    "read_depth",
     "expert_kernel",
     "graphs",
     "slot_pool",
@@ -55,6 +56,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", type=Path, help="edgerun bundle dir (experts stream with --quota or --device)")
     p.add_argument("--quota", type=int, help="expert slots per MoE layer (default with --device: the plan's)")
     p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), help="expert reads (default auto)")
+    p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
     add_kernel_arguments(p, default=None)
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
@@ -130,7 +132,7 @@ def streaming_plan(opts: ServeOptions):
     if opts.bundle is None or (opts.quota is None and opts.device_profile is None):
         return None
     if opts.quota is not None:
-        return StreamSpec(opts.quota, None, opts.read_mode, "fixed quota")
+        return StreamSpec(opts.quota, None, opts.read_mode, "fixed quota", opts.read_depth)
     from edgerun.budget.cli import plan_for_bundle
 
     p = plan_for_bundle(opts.bundle, opts.device_profile, opts.context)
@@ -143,7 +145,7 @@ def streaming_plan(opts: ServeOptions):
         f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer, "
         f"predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
-    return StreamSpec(quotas, budget, opts.read_mode, summary)
+    return StreamSpec(quotas, budget, opts.read_mode, summary, opts.read_depth)
 
 
 def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Callable:

@@ -68,6 +68,7 @@ class StreamSpec:
     budget: int | None
     read_mode: str
     plan: str
+    read_depth: int | None = None
 
 
 class ResidentEngine:
@@ -117,6 +118,7 @@ class ResidentEngine:
             quota=stream.quota if stream else None,
             cache_budget=stream.budget if stream else None,
             read_mode=stream.read_mode if stream else "auto",
+            read_depth=stream.read_depth if stream else None,
             kernels=kernels,
             pool=pool,
         )

@@ -31,6 +31,7 @@ class ServeOptions:
     bundle: Path | None = None  # edgerun bundle dir; experts stream when a quota or a device profile is given
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str = "auto"  # expert reads: direct | buffered | auto (direct, recorded fallback)
+    read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
     expert_kernel: str = "auto"  # auto (Triton where its start-up probe passes) | reference | triton
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
@@ -56,6 +57,8 @@ class ServeOptions:
     providers: ProviderPolicy | None = None  # which external architecture providers may load the model
 
     def __post_init__(self) -> None:
+        if self.read_depth is not None and self.read_depth < 1:
+            raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
         for name in ("queue_size", "max_connections", "default_max_tokens", "max_body_bytes", "max_headers"):

@@ -100,3 +100,41 @@ def test_tmpfs_direct_refused_auto_falls_back_visibly(tmp_path):
         r.close()
     finally:
         shm.unlink()
+
+
+def test_read_depth_bounds_reads_in_flight(expert_file):
+    import threading
+    import time
+
+    path, data = expert_file
+    r = BlockReader(BB, staging=6, mode="buffered", depth=2)
+    assert r.depth == 2
+    inflight, peak, lock = [0], [0], threading.Lock()
+
+    def sink(view, i):
+        with lock:
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        time.sleep(0.02)  # hold the read open so overlapping ones would be seen
+        assert bytes(view) == data[i * BB : (i + 1) * BB]
+        with lock:
+            inflight[0] -= 1
+
+    futs = [r.submit(path, i, lambda v, i=i: sink(v, i), 16) for i in range(8)]
+    for f in futs:
+        f.result()
+    assert peak[0] == 2
+    r.close()
+    with pytest.raises(ReadError, match="read depth"):
+        BlockReader(BB, staging=2, depth=0)
+
+
+def test_direct_read_into_caller_memory(expert_file):
+    path, data = expert_file
+    r = BlockReader(BB, staging=1, mode="buffered")
+    dest = aligned_buffer(2 * BB)
+    r.read_into(path, 3, None, 16, dest=memoryview(dest)[BB : 2 * BB])
+    assert bytes(dest[BB : 2 * BB]) == data[3 * BB : 4 * BB]
+    with pytest.raises(ReadError, match="destination holds"):
+        r.read_into(path, 3, None, 16, dest=memoryview(dest)[:100])
+    r.close()
