@@ -186,25 +186,24 @@ class DecodeGraphs:
             h = attention_step(layer.self_attn, h[None], self.cos, self.sin, st, self.pos, self.kv_index)[0]
         else:
             h = self._delta(i, h)
-        x = self.x + h
-        hn = self._norm(layer.post_attention_layernorm, x)
+        self.x.add_(h)  # the residual stream, in place (one kernel, the same rounding as x + h)
+        hn = self._norm(layer.post_attention_layernorm, self.x)
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoe):
-            self.x.copy_(x + mlp(hn))
+            self.x.add_(mlp(hn))
             return
         weights, ids = mlp.gate(hn)
         buf = self.moe[i]
         buf.weights.copy_(weights)
         buf.ids.copy_(ids)
         self.h.copy_(hn)
-        self.x.copy_(x)
         if mlp.has_shared:
             self.shared.copy_(torch.sigmoid(mlp.shared_expert_gate(hn)) * mlp.shared_expert(hn))
 
     def _add_experts(self, i: int, out: torch.Tensor) -> None:
         if self.layers[i].mlp.has_shared:
             out = out + self.shared
-        self.x.copy_(self.x + out)
+        self.x.add_(out)
 
     def _route(self, i: int) -> None:
         buf = self.moe[i]
