@@ -55,6 +55,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
     )
     p.add_argument(
+        "--host-quota",
+        type=int,
+        default=None,
+        help="--quota on a CUDA device: a pinned host tier of this many experts per layer behind the device slots",
+    )
+    p.add_argument(
         "--read-depth",
         type=int,
         default=None,
@@ -115,9 +121,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         if ns.threads < 1:
             raise EdgerunError(f"--threads must be >= 1, got {ns.threads}")
         torch.set_num_threads(ns.threads)
-    quota, budget = ns.quota, None
+    quota, budget, host_quota = ns.quota, None, ns.host_quota
     if ns.profile is not None:
-        quota, budget = _planned_cache(ns)
+        quota, budget, host_quota = _planned_cache(ns)
     runner = Runner.load(
         ns.model,
         device=device,
@@ -129,6 +135,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         cache_budget=budget,
         read_mode=ns.read_mode,
         read_depth=ns.read_depth,
+        host_quota=host_quota,
         warm=_read_warm(ns.warm),
         kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs),
         pool=slot_pool(device, ns.slot_pool, ns.profile) if quota is not None else None,
@@ -166,8 +173,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_cache(ns: argparse.Namespace) -> tuple[dict[int, int], int]:
-    """Quotas and the expert-cache budget from the plan for --profile (refused if it does not fit)."""
+def _planned_cache(ns: argparse.Namespace) -> tuple[dict[int, int], int, dict[int, int] | None]:
+    """Quotas, the expert-cache budget and the pinned host tier's quotas (discrete GPUs) from the
+    plan for --profile (refused if it does not fit)."""
     from edgerun.budget.cli import plan_for_bundle
 
     if ns.model is None or not (ns.model / "manifest.json").is_file():
@@ -178,7 +186,8 @@ def _planned_cache(ns: argparse.Namespace) -> tuple[dict[int, int], int]:
     if not p.fits:
         raise EdgerunError(p.refusal.message)
     budget = p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes
-    return dict(zip(p.moe_layers, p.quotas)), budget
+    host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
+    return dict(zip(p.moe_layers, p.quotas)), budget, host
 
 
 def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
@@ -199,7 +208,9 @@ def cache_line(cache, tokens: int) -> str:
     t = cache.totals()
     return (
         f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
-        f"{t.evictions} evictions, {t.warm_reads} warm reads, {t.bytes_read / 2**20:.1f} MiB read "
+        f"{t.evictions} evictions, {t.warm_reads} warm reads, "
+        + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
+        + f"{t.bytes_read / 2**20:.1f} MiB read "
         f"at {t.read_bandwidth / 1e9:.2f} GB/s"
     )
 
@@ -212,9 +223,13 @@ def experts_text(runner) -> str:
         return f"experts resident; {kernels}; fallbacks: {fb}"
     quotas = sorted(set(cache.quotas.values()))
     modes = {r.mode for r in cache.readers.values()}
+    depths = "/".join(str(r.depth) for r in cache.readers.values())
+    tier = sorted({t.quota for t in cache.tier.values()})
+    tier_text = f"pinned host tier {'/'.join(map(str, tier))}, " if tier else ""
     return (
-        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, "
-        f"read {'/'.join(modes)} depth {'/'.join(str(r.depth) for r in cache.readers.values())}, cache {cache.footprint_bytes / 2**20:.1f} MiB); {kernels}; fallbacks: {fb}"
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
+        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB); "
+        f"{kernels}; fallbacks: {fb}"
     )
 
 

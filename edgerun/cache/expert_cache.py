@@ -37,6 +37,7 @@ class LayerStats:
     warm_reads: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time this layer waited for its misses
+    tier_copies: int = 0  # misses served from the pinned host tier (a copy, no storage read)
 
     @property
     def read_bandwidth(self) -> float:
@@ -68,6 +69,7 @@ class ExpertCache:
         dtype: torch.dtype = torch.float32,
         budget_bytes: int | None = None,
         pool: str | None = None,
+        host_quota: int | dict[int, int] | None = None,
     ) -> None:
         args = bundle.args
         device = torch.device(device)
@@ -140,6 +142,13 @@ class ExpertCache:
                 self.host_slots[layer], self.pools[layer] = self._mapped_pool(q, bb)
             else:
                 self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
+        # the pinned host tier (discrete GPUs): an inclusive, larger LRU in page-locked host memory
+        # between storage and the device slots, as the planner sizes it (host_quotas)
+        self.tier: dict[int, LayerSlots] = {}
+        self.tier_mem: dict[int, torch.Tensor] = {}
+        self.host_tier_bytes = 0
+        if host_quota:
+            self._make_tier(host_quota, quotas)
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
         self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
         for layer, q in quotas.items():
@@ -148,6 +157,33 @@ class ExpertCache:
             self.slot_scales[layer] = (
                 None if s is None else torch.ones(q, 2, dtype=torch.float32, device=self.device)
             )
+
+    def _make_tier(self, host_quota: int | dict[int, int], quotas: dict[int, int]) -> None:
+        args = self.bundle.args
+        hq = host_quota if isinstance(host_quota, dict) else {layer: host_quota for layer in quotas}
+        if sorted(hq) != sorted(quotas):
+            raise QuotaError(
+                f"host tier quotas given for layers {sorted(hq)}, the MoE layers are {sorted(quotas)}"
+            )
+        if self.pool_kind == "mapped":
+            raise QuotaError("a host tier is for device slot pools: mapped slots already live in host memory")
+        for layer, q in hq.items():
+            q = min(q, args.num_experts)
+            if q < quotas[layer]:
+                raise QuotaError(
+                    f"layer {layer}: host tier quota {q} is below the device quota {quotas[layer]}; "
+                    "the tier holds every device slot's expert and more"
+                )
+            bb = self.bundle.layouts[layer].block_bytes
+            self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok)
+            if self.device.type == "cuda":
+                mem = _pinned(q * bb).view(q, bb)
+            else:
+                buf = aligned_buffer(q * bb)
+                self._host.append(buf)
+                mem = torch.frombuffer(buf, dtype=torch.uint8, count=q * bb).view(q, bb)
+            self.tier_mem[layer] = mem
+            self.host_tier_bytes += q * bb
 
     def _mapped_pool(self, q: int, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(host view, device view) of one page-locked allocation the GPU addresses directly: with
@@ -163,15 +199,11 @@ class ExpertCache:
     # ---- data movement ------------------------------------------------------------------
 
     def _fill(self, layer: int, fills: list[Fill]) -> None:
-        """Read every miss of one layer; all are in flight before the first is awaited."""
+        """Bring every miss of one layer into its slot: from the host tier when there is one,
+        else read from storage; all are in flight before the first is awaited."""
         if not fills:
             return
-        bb = self.bundle.layouts[layer].block_bytes
-        reader = self.readers[bb]
-        path = self.bundle.expert_path(layer)
         pool = self.pools[layer]
-        n = self.bundle.args.num_experts
-
         stream = self.copy_stream
         if self.pool_kind == "mapped":
             # the GPU reads these slots in place: let every queued kernel finish before refilling
@@ -179,6 +211,16 @@ class ExpertCache:
         elif stream is not None:
             # a refill is ordered after every kernel already queued that may read the slot's old expert
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        scales = self.slot_scales[layer]
+        if scales is not None:
+            idx = torch.tensor([f.slot for f in fills])
+            src = torch.tensor([f.expert for f in fills])
+            scales.index_copy_(
+                0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
+            )
+        if layer in self.tier:
+            self._copy_from_tier(layer, fills)
+            return
 
         def sink_for(slot: int):
             def sink(view: memoryview) -> None:
@@ -194,20 +236,25 @@ class ExpertCache:
 
             return sink
 
+        if self.pool_kind == "mapped":
+            self._read(layer, self.slots[layer], fills, dest=self.host_slots[layer])
+        else:
+            self._read(layer, self.slots[layer], fills, sink_for=sink_for)
+
+    def _read(self, layer: int, table: LayerSlots, fills: list[Fill], dest=None, sink_for=None) -> None:
+        """Read ``fills`` from storage: into ``dest[slot]`` (host memory, no staging copy) or
+        through a staging buffer handed to ``sink_for(slot)``. A failed read's slot is abandoned
+        in ``table`` (read again next time); the first error is re-raised once all settled."""
+        bb = self.bundle.layouts[layer].block_bytes
+        reader = self.readers[bb]
+        path = self.bundle.expert_path(layer)
+        n = self.bundle.args.num_experts
+
         def submit(f: Fill):
-            if self.pool_kind == "mapped":
-                return reader.submit(
-                    path, f.expert, None, n, dest=self.host_slots[layer][f.slot].numpy().data
-                )
+            if dest is not None:
+                return reader.submit(path, f.expert, None, n, dest=dest[f.slot].numpy().data)
             return reader.submit(path, f.expert, sink_for(f.slot), n)
 
-        scales = self.slot_scales[layer]
-        if scales is not None:
-            idx = torch.tensor([f.slot for f in fills])
-            src = torch.tensor([f.expert for f in fills])
-            scales.index_copy_(
-                0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
-            )
         t0 = time.perf_counter()
         futures = [(f, submit(f)) for f in fills]
         error = None
@@ -215,18 +262,39 @@ class ExpertCache:
             try:
                 fut.result()
             except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
-                self.slots[layer].abandon(f)
+                table.abandon(f)
                 error = error or exc
         st = self.io[layer]
         st.read_seconds += time.perf_counter() - t0
-        st.bytes_read += bb * (
-            len(fills) if error is None else sum(1 for _, fu in futures if fu.exception() is None)
-        )
+        st.bytes_read += bb * sum(1 for _, fu in futures if fu.exception() is None)
         if error is not None:
             raise error
 
+    def _tier_get(self, layer: int, expert_ids: list[int], count: bool = True) -> None:
+        """The host tier sees every lookup (so it holds the device slots' experts and more, as an
+        LRU of larger quota does) and reads its own misses from storage into pinned memory."""
+        _, fills = self.tier[layer].assign(expert_ids, count=count)
+        self._read(layer, self.tier[layer], fills, dest=self.tier_mem[layer])
+
+    def _copy_from_tier(self, layer: int, fills: list[Fill]) -> None:
+        pool, mem, table = self.pools[layer], self.tier_mem[layer], self.tier[layer].slot_of
+        stream = self.copy_stream
+        self.io[layer].tier_copies += len(fills)
+        if stream is None:
+            for f in fills:
+                pool[f.slot].copy_(mem[table[f.expert]])
+            return
+        with torch.cuda.stream(stream):
+            for f in fills:
+                pool[f.slot].copy_(mem[table[f.expert]], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # a host slot is refilled only after its copies completed
+
     def get_many(self, layer: int, expert_ids: list[int]) -> list[SlotRef]:
         """References to one step's experts (router order, deduplicated), reading the misses."""
+        if layer in self.tier:
+            self._tier_get(layer, expert_ids)
         refs, fills = self.slots[layer].assign(expert_ids)
         self._fill(layer, fills)
         return refs
@@ -267,17 +335,24 @@ class ExpertCache:
             if layer not in self.slots:
                 raise QuotaError(f"warm set names layer {layer}, which is not a MoE layer of this model")
             counts = dict(enumerate(freq)) if isinstance(freq, list) else {int(k): v for k, v in freq.items()}
-            top = sorted(counts, key=lambda e: (-counts[e], e))[: self.slots[layer].quota]
-            top.reverse()  # least used first, so the most used ends up most recent
+            ranked = sorted(counts, key=lambda e: (-counts[e], e))
+            reads = self.io[layer].bytes_read
+            if layer in self.tier:
+                self._tier_get(layer, ranked[: self.tier[layer].quota][::-1], count=False)
+            top = ranked[: self.slots[layer].quota][::-1]  # least used first: the most used ends most recent
             _, fills = self.slots[layer].assign(top, count=False)  # warm reads are not misses
             self._fill(layer, fills)
-            self.io[layer].warm_reads += len(fills)
+            self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[
+                layer
+            ].block_bytes
 
     # ---- reporting ----------------------------------------------------------------------
 
     def layer_stats(self, layer: int) -> LayerStats:
         c, io = self.slots[layer].counters, self.io[layer]
-        return LayerStats(c.hits, c.misses, c.evictions, io.warm_reads, io.bytes_read, io.read_seconds)
+        return LayerStats(
+            c.hits, c.misses, c.evictions, io.warm_reads, io.bytes_read, io.read_seconds, io.tier_copies
+        )
 
     def totals(self) -> LayerStats:
         t = LayerStats()
@@ -288,6 +363,7 @@ class ExpertCache:
             t.warm_reads += s.warm_reads
             t.bytes_read += s.bytes_read
             t.read_seconds += s.read_seconds
+            t.tier_copies += s.tier_copies
         return t
 
     def fallbacks(self) -> dict[str, str]:
@@ -302,6 +378,7 @@ class ExpertCache:
         self.readers.clear()
         self.pools.clear()
         self.host_slots.clear()
+        self.tier_mem.clear()
         self._host.clear()
 
 

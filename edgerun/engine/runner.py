@@ -134,6 +134,7 @@ class Runner:
         quota: int | None = None,
         read_mode: str = "auto",
         read_depth: int | None = None,
+        host_quota: int | dict | None = None,
         warm: dict | None = None,
         cache_budget: int | None = None,
         kernels: KernelPolicy | None = None,
@@ -164,6 +165,7 @@ class Runner:
                     device=device,
                     read_mode=read_mode,
                     read_depth=read_depth,
+                    host_quota=host_quota,
                     budget_bytes=cache_budget,
                     pool=pool,
                 )

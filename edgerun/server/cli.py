@@ -133,6 +133,7 @@ def streaming_plan(opts: ServeOptions):
         return None
     if opts.quota is not None:
         return StreamSpec(opts.quota, None, opts.read_mode, "fixed quota", opts.read_depth)
+    # the plan's device quotas and, on a discrete GPU, its pinned host tier
     from edgerun.budget.cli import plan_for_bundle
 
     p = plan_for_bundle(opts.bundle, opts.device_profile, opts.context)
@@ -145,7 +146,10 @@ def streaming_plan(opts: ServeOptions):
         f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer, "
         f"predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
-    return StreamSpec(quotas, budget, opts.read_mode, summary, opts.read_depth)
+    host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
+    if host:
+        summary += f", pinned host tier {'/'.join(map(str, sorted(set(p.host_quotas))))} per layer"
+    return StreamSpec(quotas, budget, opts.read_mode, summary, opts.read_depth, host)
 
 
 def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Callable:

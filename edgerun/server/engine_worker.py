@@ -69,6 +69,7 @@ class StreamSpec:
     read_mode: str
     plan: str
     read_depth: int | None = None
+    host_quota: dict[int, int] | None = None  # the plan's pinned host tier (discrete GPUs)
 
 
 class ResidentEngine:
@@ -119,6 +120,7 @@ class ResidentEngine:
             cache_budget=stream.budget if stream else None,
             read_mode=stream.read_mode if stream else "auto",
             read_depth=stream.read_depth if stream else None,
+            host_quota=stream.host_quota if stream else None,
             kernels=kernels,
             pool=pool,
         )

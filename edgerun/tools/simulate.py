@@ -78,7 +78,10 @@ def _belady_misses(accesses: list[list[int]], quota: int) -> int:
     return misses
 
 
-def simulate(trace: RouteTrace, quota: int, policy: str = "lru") -> SimResult:
+def simulate(trace: RouteTrace, quota: int, policy: str = "lru", tier_quota: int | None = None) -> SimResult:
+    """Misses per MoE layer of a cache of ``quota`` slots; with ``tier_quota``, the storage reads
+    of a host tier of that many experts behind it (it sees every lookup the device slots make,
+    batched as the device quota batches them)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     h = trace.header
@@ -87,7 +90,7 @@ def simulate(trace: RouteTrace, quota: int, policy: str = "lru") -> SimResult:
     count = replay if policy == "lru" else _belady_misses
     res = SimResult(policy, quota, len(trace.tokens))
     for pos, layer in enumerate(h.moe_layers):
-        res.misses[layer] = count(layer_accesses(trace, pos, quota), quota)
+        res.misses[layer] = count(layer_accesses(trace, pos, quota), tier_quota or quota)
     return res
 
 

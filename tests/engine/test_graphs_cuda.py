@@ -24,6 +24,8 @@ def _load(bundle, setup, graphs):
     if setup == "reference":
         kw["kernels"] = KernelPolicy(experts="reference", graphs=graphs)
     quota = {"table": 16}.get(setup, 2)
+    if setup == "tiered":
+        kw["host_quota"] = 5  # device slots behind a page-locked host tier
     r = Runner.load(bundle, quota=quota, pool="mapped" if setup == "mapped" else None, **kw)
     if setup == "table":
         r.cache.warm({layer: [1.0] * r.args.num_experts for layer in r.args.moe_layers})
@@ -40,20 +42,14 @@ def _decode(runner):
     return out
 
 
-@pytest.mark.parametrize("setup", ["stacked", "table", "routed", "reference", "mapped"])
+@pytest.mark.parametrize("setup", ["stacked", "table", "routed", "reference", "mapped", "tiered"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
     b = bundles[(arch, "int4")]
     eager, graph = _load(b, setup, "off"), _load(b, setup, "on")
-    want = {
-        "stacked": "stacked",
-        "table": "table",
-        "routed": "routed",
-        "reference": "eager",
-        "mapped": "routed",
-    }
+    want = {"stacked": "stacked", "table": "table", "reference": "eager"}.get(setup, "routed")
     a, g = _decode(eager), _decode(graph)
-    assert set(graph.decoder.modes.values()) == {want[setup]}
+    assert set(graph.decoder.modes.values()) == {want}
     if setup != "reference" and setup != "stacked":
         assert graph.kernels.moe.impl == "triton", graph.kernels.fallbacks
     for step, (x, y) in enumerate(zip(a, g)):
@@ -69,19 +65,22 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
     assert eager.decode_counts()["eager"] == STEPS
     if setup == "table":
         assert graph.cache.totals().misses == 0
-    if setup in ("routed", "mapped"):
+    if setup in ("routed", "mapped", "tiered"):
         assert graph.cache.totals().evictions > 0
+    if setup == "tiered":
+        t = graph.cache.totals()
+        assert t.tier_copies == t.misses > 0 and graph.cache.tier_mem[graph.args.moe_layers[0]].is_pinned()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mapped_slots_equal_device_slots(bundles, arch):
+def test_mapped_and_tiered_slots_equal_device_slots(bundles, arch):
     b = bundles[(arch, "int4")]
-    dev, mapped = _load(b, "routed", "on"), _load(b, "mapped", "on")
+    dev, mapped, tiered = _load(b, "routed", "on"), _load(b, "mapped", "on"), _load(b, "tiered", "on")
     assert mapped.cache.pool_kind == "mapped" and mapped.cache.pools[mapped.args.moe_layers[0]].is_cuda
     assert mapped.cache.host_slots[mapped.args.moe_layers[0]].is_pinned()
     assert mapped.fallbacks() == {}
-    for x, y in zip(_decode(dev), _decode(mapped)):
-        assert torch.equal(x, y)
+    for x, y, z in zip(_decode(dev), _decode(mapped), _decode(tiered)):
+        assert torch.equal(x, y) and torch.equal(x, z)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -182,3 +182,50 @@ def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):
     assert "experts streamed (quota 6 per layer" in capsys.readouterr().err  # everything fits: all 6 experts
     assert main(argv + [str(tiny)]) == 2
     assert "does not fit on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_host_tier_streaming_equals_resident(bundles, arch):
+    """Device slots behind an inclusive host tier (here both in CPU memory; on a discrete GPU
+    the tier is page-locked host RAM): identical logits and tokens; the tier serves device
+    misses as copies and storage sees only the tier's own misses."""
+    b = bundles[(arch, "int4")]
+    resident, args, _ = load_bundle_model(b, dtype=torch.float32)
+    params = SamplingParams(max_tokens=24)
+    want = Runner(resident, args, None).generate_ids(list(range(3, 20)), params)
+    top_k, E = args.num_experts_per_tok, args.num_experts
+    model, _, cache, _ = load_streaming_model(b, top_k, dtype=torch.float32, host_quota=E - 1)
+    assert Runner(model, args, None).generate_ids(list(range(3, 20)), params) == want
+    t = cache.totals()
+    bb = cache.bundle.layouts[args.moe_layers[0]].block_bytes
+    assert t.tier_copies > 0 and t.misses == t.tier_copies  # every device miss came from the tier
+    assert t.bytes_read // bb < t.misses  # storage read fewer blocks than the device slots missed
+    for layer in args.moe_layers:
+        held = set(cache.tier[layer].slot_of)
+        assert set(cache.slots[layer].slot_of) <= held  # inclusive
+    cache.close()
+
+
+def test_host_tier_refusals(bundles):
+    b = bundles[("qwen3_moe", "bf16")]
+    bundle = Bundle.open(b)
+    with pytest.raises(QuotaError, match="host tier quota 2 is below the device quota 3"):
+        ExpertCache(bundle, 3, host_quota=2)
+    with pytest.raises(QuotaError, match="host tier quotas given for layers"):
+        ExpertCache(bundle, 3, host_quota={99: 4})
+
+
+def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
+    """The tier sees every lookup, so its storage reads are an LRU of the tier's quota over the
+    device slots' access stream, as the simulator (and the planner's storage-tier replay) counts."""
+    b = bundles[("qwen3_5_moe", "bf16")]
+    model, args, cache, _ = load_streaming_model(b, 2, dtype=torch.float32, host_quota=4)
+    rec = RouteRecorder(model, args, tmp_path / "t.jsonl", "tiny")
+    Runner(model, args, None, prefill_chunk=16).generate_ids(
+        list(range(3, 30)), SamplingParams(max_tokens=16)
+    )
+    rec.close()
+    sim = simulate(read_trace(tmp_path / "t.jsonl"), 2, "lru", tier_quota=4)
+    bb = cache.bundle.layouts[args.moe_layers[0]].block_bytes
+    assert {layer: cache.layer_stats(layer).bytes_read // bb for layer in args.moe_layers} == sim.misses
+    cache.close()
