@@ -384,6 +384,7 @@ def test_metrics_families(daemon, runner):
         "edgerun_expert_cache_evictions_total",
         "edgerun_expert_bytes_read_total",
         "edgerun_fallbacks_total",
+        "edgerun_decode_steps_total",
         "edgerun_resident_memory_bytes",
         "edgerun_peak_memory_bytes",
     ):
@@ -392,6 +393,8 @@ def test_metrics_families(daemon, runner):
         assert f'edgerun_expert_cache_misses_total{{layer="{layer}",experts="resident"}} 0' in text
     assert 'edgerun_http_responses_total{endpoint="/v1/completions",status="400"}' in text
     assert metric(daemon.sock, "edgerun_generated_tokens_total") > 0
+    # the CPU engine decodes eagerly (no graphs on a CPU), and says so
+    assert metric(daemon.sock, 'edgerun_decode_steps_total{mode="eager"}') > 0
     for line in text.splitlines():  # every sample line parses
         assert line.startswith("#") or re.fullmatch(r"[a-z_]+(\{[^}]*\})? [0-9.e+-]+", line), line
 

@@ -1,0 +1,78 @@
+"""The kernel policy: what a request resolves to on a device, with every fallback named; the
+options that carry it (generate flags, serve keys) refuse bad values by name. CPU only; the
+CUDA resolution (probes selecting Triton) is covered by tests/engine/test_graphs_cuda.py."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgerun.bundle.reader import Bundle
+from edgerun.engine.policy import KernelPolicy, resolve
+from edgerun.errors import ConfigError
+from edgerun.server.cli import slot_pool
+from edgerun.server.options import ServeOptions
+
+
+def test_cpu_resolves_to_the_references_and_names_asked_for_triton(bundles):
+    layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
+    auto = resolve(KernelPolicy(), torch.device("cpu"), layouts)
+    assert auto.moe.impl == "reference" and not auto.graphs and auto.dense == "torch"
+    assert auto.fallbacks == {}  # auto on a CPU: the reference is the only choice, not a fallback
+    assert "graphs off (no CUDA graphs on cpu)" in auto.describe()
+    asked = resolve(
+        KernelPolicy(experts="triton", dense="triton"), torch.device("cpu"), layouts, args=object()
+    )
+    assert asked.moe.impl == "reference"
+    assert asked.fallbacks["expert_kernel"] == "triton asked for, but the device is cpu"
+    assert asked.fallbacks["dense_kernel"] == "triton asked for, but the device is cpu"
+    stacked = resolve(KernelPolicy(), torch.device("cpu"), [])
+    assert stacked.choices["experts"] == "torch (stacked resident weights)"
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("experts", "cutlass", "expert kernel 'cutlass' is not one of auto, reference, triton"),
+        ("graphs", "sometimes", "graphs 'sometimes' is not one of auto, on, off"),
+        ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
+    ],
+)
+def test_policy_refuses_unknown_values(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        KernelPolicy(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("expert_kernel", "cutlass", "'expert_kernel' must be one of auto, reference, triton"),
+        ("graphs", "yes", "'graphs' must be one of auto, on, off"),
+        ("slot_pool", "vram", "'slot_pool' must be one of device, mapped"),
+        ("read_depth", 0, "'read_depth' must be at least 1"),
+    ],
+)
+def test_serve_options_refuse_bad_kernel_keys(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        ServeOptions(**{key: value})
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_slot_pool_follows_the_profile():
+    assert slot_pool("cuda", None, None) == "device"
+    assert slot_pool("cuda", None, CONFIGS / "jetson_thor.yaml") == "mapped"  # unified memory
+    assert slot_pool("cuda", None, CONFIGS / "rtx5070.yaml") == "device"  # discrete: VRAM slots
+    assert slot_pool("cuda", "device", CONFIGS / "jetson_thor.yaml") == "device"  # asked for
+    assert slot_pool("cpu", None, None) is None
+    with pytest.raises(ConfigError, match="slot pool 'mapped' is for CUDA devices"):
+        slot_pool("cpu", "mapped", None)
+
+
+def test_a_mapped_pool_is_refused_on_the_cpu(bundles):
+    from edgerun.cache.expert_cache import ExpertCache
+    from edgerun.cache.slots import QuotaError
+
+    with pytest.raises(QuotaError, match="slot pool 'mapped' does not serve device cpu"):
+        ExpertCache(Bundle.open(bundles[("qwen3_moe", "bf16")]), 2, pool="mapped")
