@@ -137,7 +137,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         read_depth=ns.read_depth,
         host_quota=host_quota,
         warm=_read_warm(ns.warm),
-        kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs),
+        kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs, dense=ns.dense_kernel),
         pool=slot_pool(device, ns.slot_pool, ns.profile) if quota is not None else None,
     )
     if not ns.quiet:

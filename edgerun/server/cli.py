@@ -12,6 +12,7 @@ from pathlib import Path
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import (
+    DENSE_KERNELS,
     DTYPES,
     EXPERT_KERNELS,
     GRAPH_MODES,
@@ -31,6 +32,7 @@ _FLAGS = (
     "read_depth",
     "expert_kernel",
     "graphs",
+    "dense_kernel",
     "slot_pool",
     "torch_device",
     "dtype",
@@ -89,6 +91,12 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         choices=GRAPH_MODES,
         default=default,
         help="CUDA graph capture of decode steps (off: eager)",
+    )
+    p.add_argument(
+        "--dense-kernel",
+        choices=DENSE_KERNELS,
+        default=default,
+        help="decode norms and DeltaNet step (auto: fused Triton where its start-up probe passes)",
     )
     p.add_argument(
         "--slot-pool",
@@ -172,7 +180,7 @@ def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Cal
         source = opts.bundle or opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")
         status(f"loading model {source or 'demo'} on {device}")
-        kernels = KernelPolicy(experts=opts.expert_kernel, graphs=opts.graphs)
+        kernels = KernelPolicy(experts=opts.expert_kernel, graphs=opts.graphs, dense=opts.dense_kernel)
         pool = slot_pool(device, opts.slot_pool, opts.device_profile) if stream else None
         return ResidentEngine.load(
             source, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers, stream,

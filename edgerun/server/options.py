@@ -20,6 +20,7 @@ from edgerun.models.providers import ProviderPolicy
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPERT_KERNELS = ("auto", "reference", "triton")  # edgerun.engine.policy (not imported: it needs torch)
 GRAPH_MODES = ("auto", "on", "off")
+DENSE_KERNELS = ("auto", "torch", "triton")
 SLOT_POOLS = ("device", "mapped")
 
 
@@ -34,6 +35,7 @@ class ServeOptions:
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
     expert_kernel: str = "auto"  # auto (Triton where its start-up probe passes) | reference | triton
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
+    dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     torch_device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
@@ -74,6 +76,7 @@ class ServeOptions:
         for name, valid in (
             ("expert_kernel", EXPERT_KERNELS),
             ("graphs", GRAPH_MODES),
+            ("dense_kernel", DENSE_KERNELS),
             ("slot_pool", SLOT_POOLS),
         ):
             value = getattr(self, name)
