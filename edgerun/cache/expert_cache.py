@@ -127,19 +127,14 @@ class ExpertCache:
                     self._fallbacks["pageable_staging"] = reason
         self._host: list = []  # aligned mappings / pinned tensors backing host-side pools (kept alive)
         self.pools: dict[int, torch.Tensor] = {}  # what kernels read: [Q, block_bytes] uint8 on self.device
-        self.host_slots: dict[
-            int, torch.Tensor
-        ] = {}  # host and mapped pools: the CPU-side view reads land in
+        self.host_slots: dict[int, torch.Tensor] = {}  # host and mapped pools: where reads land
         for layer, q in quotas.items():
             bb = bundle.layouts[layer].block_bytes
             if pool == "host":
-                buf = aligned_buffer(q * bb)
-                self._host.append(buf)
-                self.pools[layer] = self.host_slots[layer] = torch.frombuffer(
-                    buf, dtype=torch.uint8, count=q * bb
-                ).view(q, bb)
+                self.pools[layer] = self.host_slots[layer] = self._host_memory(q, bb)
             elif pool == "mapped":
-                self.host_slots[layer], self.pools[layer] = self._mapped_pool(q, bb)
+                self.host_slots[layer] = self._host_memory(q, bb)
+                self.pools[layer] = torch.as_tensor(_DeviceView(self.host_slots[layer]), device=device)
             else:
                 self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
         # the pinned host tier (discrete GPUs): an inclusive, larger LRU in page-locked host memory
@@ -176,21 +171,22 @@ class ExpertCache:
                 )
             bb = self.bundle.layouts[layer].block_bytes
             self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok)
-            if self.device.type == "cuda":
-                mem = _pinned(q * bb).view(q, bb)
-            else:
-                buf = aligned_buffer(q * bb)
-                self._host.append(buf)
-                mem = torch.frombuffer(buf, dtype=torch.uint8, count=q * bb).view(q, bb)
-            self.tier_mem[layer] = mem
+            self.tier_mem[layer] = self._host_memory(q, bb)
             self.host_tier_bytes += q * bb
 
-    def _mapped_pool(self, q: int, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host view, device view) of one page-locked allocation the GPU addresses directly: with
-        unified virtual addressing a pinned host pointer is also a valid device pointer."""
-        host = _pinned(q * bb).view(q, bb)
-        self._host.append(host)
-        return host, torch.as_tensor(_DeviceView(host), device=self.device)
+    def _host_memory(self, q: int, bb: int) -> torch.Tensor:
+        """q page-aligned blocks of host memory (O_DIRECT reads land in them), kept alive by the
+        cache: page-locked with CUDA (copies to the device run async; a mapped pool's GPU reads
+        them in place, its pinned host pointer being a valid device pointer under unified virtual
+        addressing), a plain anonymous mapping on the CPU."""
+        if self.device.type == "cuda":
+            mem = _pinned(q * bb)
+        else:
+            buf = aligned_buffer(q * bb)
+            self._host.append(buf)
+            mem = torch.frombuffer(buf, dtype=torch.uint8, count=q * bb)
+        self._host.append(mem)
+        return mem.view(q, bb)
 
     @property
     def quotas(self) -> dict[int, int]:
@@ -336,15 +332,13 @@ class ExpertCache:
                 raise QuotaError(f"warm set names layer {layer}, which is not a MoE layer of this model")
             counts = dict(enumerate(freq)) if isinstance(freq, list) else {int(k): v for k, v in freq.items()}
             ranked = sorted(counts, key=lambda e: (-counts[e], e))
-            reads = self.io[layer].bytes_read
+            reads, bb = self.io[layer].bytes_read, self.bundle.layouts[layer].block_bytes
             if layer in self.tier:
                 self._tier_get(layer, ranked[: self.tier[layer].quota][::-1], count=False)
             top = ranked[: self.slots[layer].quota][::-1]  # least used first: the most used ends most recent
             _, fills = self.slots[layer].assign(top, count=False)  # warm reads are not misses
             self._fill(layer, fills)
-            self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[
-                layer
-            ].block_bytes
+            self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // bb  # storage reads
 
     # ---- reporting ----------------------------------------------------------------------
 
