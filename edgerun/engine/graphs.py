@@ -89,14 +89,14 @@ class DecodeGraphs:
         self.moe: dict[int, _MoeBuffers] = {}
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoe):
-                mode = self._expert_mode(i)
+                mode, table = self._expert_mode(i)
                 self.modes[i] = mode
                 self.moe[i] = _MoeBuffers(
                     ids=torch.zeros(1, K, dtype=torch.long, **kw),
                     weights=torch.zeros(1, K, dtype=self.dtype, **kw),
                     slots=torch.zeros(1, K, dtype=torch.long, **kw),
                     slots_host=torch.zeros(1, K, dtype=torch.long).pin_memory() if mode == "routed" else None,
-                    table=cache.slot_table(i) if mode == "table" else None,
+                    table=table,
                 )
         self.ops = self._plan()
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -106,15 +106,17 @@ class DecodeGraphs:
 
     # ---- planning ---------------------------------------------------------------------
 
-    def _expert_mode(self, i: int) -> str:
+    def _expert_mode(self, i: int) -> tuple[str, torch.Tensor | None]:
+        """(mode, the device slot table in table mode)."""
         experts = self.layers[i].mlp.experts
         if not isinstance(experts, StreamingExperts):
-            return "stacked"
+            return "stacked", None
         if self.cache is None:
             self.cache = experts.cache
         if self.policy.moe.impl != "triton":
-            return "eager"
-        return "table" if self.cache.slot_table(i) is not None else "routed"
+            return "eager", None
+        table = self.cache.slot_table(i)
+        return ("table" if table is not None else "routed"), table
 
     def _plan(self) -> list[tuple[str, object]]:
         ops: list[tuple[str, object]] = [("device", self._embed)]
