@@ -11,13 +11,15 @@ last: a directory without one is an unfinished bundle.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -528,6 +530,53 @@ def _open_destination(plan: ConversionPlan, dst: Path, progress: Progress) -> Jo
     return Journal(dst, key, {})
 
 
+@contextmanager
+def destination(plan: ConversionPlan, dst: Path, progress: Progress) -> Iterator[Journal | F.Manifest]:
+    """The destination, held for one writer: an exclusive lock on the directory itself (flock;
+    released by the kernel if the process dies), so a second conversion into it is refused; then
+    what ``_open_destination`` finds. For a conversion to do, the free space is checked and the
+    journal saved before anything is written. A directory this call created is removed again if
+    it is refused before writing."""
+    created = not dst.exists()
+    dst.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise F.BundleError(
+            f"{dst}: another conversion is writing into it (it holds the directory's lock); wait for "
+            "it to finish or choose another directory"
+        ) from None
+    started = False
+    try:
+        state = _open_destination(plan, dst, progress)
+        if isinstance(state, Journal):
+            _check_space(plan, dst, state)
+            (dst / F.EXPERT_DIR).mkdir(parents=True, exist_ok=True)
+            state.save()
+            started = True
+        yield state
+    finally:
+        os.close(fd)  # releases the lock
+        if created and not started:
+            shutil.rmtree(dst, ignore_errors=True)
+
+
+def finish(plan: ConversionPlan, journal: Journal, src: Path, dst: Path) -> F.Manifest:
+    """Copy the tokenizer files, write the manifest (which makes the bundle complete) and drop
+    the journal."""
+    files = {n: F.FileRecord(r["bytes"], r["blake2b"]) for n, r in journal.done.items()}
+    for name in plan.tokenizer:
+        w = _Writer(dst / name)
+        w.write((src / name).read_bytes())
+        files[name] = w.commit()
+    manifest = _manifest(plan, journal, files)
+    F.write_atomic(dst / F.MANIFEST, manifest.dumps().encode())
+    os.unlink(journal.path)
+    return manifest
+
+
 def _check_space(plan: ConversionPlan, dst: Path, journal: Journal) -> None:
     sizes = plan.file_sizes()
     total = sum(sizes.values()) + plan.manifest_estimate()
@@ -560,40 +609,28 @@ def convert(
     plan.check()
     todo = sum(r.entry.nbytes for r in plan.resident) + sum(x.nbytes for x in plan.experts)
     bar = Progress(todo, log, tty)
-    state = _open_destination(plan, dst, bar)
-    if isinstance(state, F.Manifest):
-        bar.log(f"{dst}: already a complete bundle of this source and quantization; nothing to do")
-        return state
-    journal = state
-    _check_space(plan, dst, journal)
-    (dst / F.EXPERT_DIR).mkdir(parents=True, exist_ok=True)
-    journal.save()
-
-    reader = Source()
-    try:
-        if F.DENSE not in journal.done:
-            _write_dense(plan, dst, journal, reader, bar)
-        else:
-            bar.advance(sum(r.entry.nbytes for r in plan.resident), "dense (done before)")
-        for x in plan.experts:
-            name = F.expert_file(x.layer)
-            if name in journal.done and (
-                plan.layout.quant != "int4" or F.sidecar_file(x.layer) in journal.done
-            ):
-                bar.advance(x.nbytes, f"layer {x.layer} (done before)")
-                continue
-            _write_layer(plan, x, dst, journal, reader, bar, on_block)
-    finally:
-        reader.close()
-
-    files = {n: F.FileRecord(r["bytes"], r["blake2b"]) for n, r in journal.done.items()}
-    for name in plan.tokenizer:
-        w = _Writer(dst / name)
-        w.write((src / name).read_bytes())
-        files[name] = w.commit()
-    manifest = _manifest(plan, journal, files)
-    F.write_atomic(dst / F.MANIFEST, manifest.dumps().encode())
-    os.unlink(journal.path)
+    with destination(plan, dst, bar) as state:
+        if isinstance(state, F.Manifest):
+            bar.log(f"{dst}: already a complete bundle of this source and quantization; nothing to do")
+            return state
+        journal = state
+        reader = Source()
+        try:
+            if F.DENSE not in journal.done:
+                _write_dense(plan, dst, journal, reader, bar)
+            else:
+                bar.advance(sum(r.entry.nbytes for r in plan.resident), "dense (done before)")
+            for x in plan.experts:
+                name = F.expert_file(x.layer)
+                if name in journal.done and (
+                    plan.layout.quant != "int4" or F.sidecar_file(x.layer) in journal.done
+                ):
+                    bar.advance(x.nbytes, f"layer {x.layer} (done before)")
+                    continue
+                _write_layer(plan, x, dst, journal, reader, bar, on_block)
+        finally:
+            reader.close()
+        manifest = finish(plan, journal, src, dst)
     bar.close()
     bar.log(
         f"{dst}: bundle complete: {len(plan.experts)} expert files, block_bytes {plan.layout.block_bytes}, "

@@ -50,10 +50,9 @@ from edgerun.bundle.convert import (
     ConvertOptions,
     Journal,
     Progress,
-    _check_space,
-    _manifest,
-    _open_destination,
     _Writer,
+    destination,
+    finish,
     plan_conversion,
 )
 from edgerun.bundle.layout import QUANTS, ROTATIONS, BlockLayout
@@ -426,24 +425,12 @@ def synth_bundle(
         }
         payload = sum(v for k, v in plan.file_sizes().items() if k not in plan.tokenizer)
         bar = Progress(payload, log)
-        state = _open_destination(plan, dst, bar)
-        if isinstance(state, F.Manifest):
-            bar.log(f"{dst}: already this synthetic bundle; nothing to do")
-            return dst
-        journal: Journal = state
-        _check_space(plan, dst, journal)
-        (dst / F.EXPERT_DIR).mkdir(parents=True, exist_ok=True)
-        journal.save()
-        _write_payload(plan, dst, journal, seed, threads, bar)
-
-        files = {n: F.FileRecord(r["bytes"], r["blake2b"]) for n, r in journal.done.items()}
-        for name in plan.tokenizer:
-            w = _Writer(dst / name)
-            w.write((src / name).read_bytes())
-            files[name] = w.commit()
-        manifest = _manifest(plan, journal, files)
-        F.write_atomic(dst / F.MANIFEST, manifest.dumps().encode())
-        os.unlink(journal.path)
+        with destination(plan, dst, bar) as state:
+            if isinstance(state, F.Manifest):
+                bar.log(f"{dst}: already this synthetic bundle; nothing to do")
+                return dst
+            _write_payload(plan, dst, state, seed, threads, bar)
+            finish(plan, state, src, dst)
     bar.close()
     bar.log(
         f"{dst}: synthetic bundle complete (random weights): {len(plan.experts)} expert files, "

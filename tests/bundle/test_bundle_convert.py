@@ -236,3 +236,21 @@ def test_dense_dtype_on_request_only(sources, bundles, tmp_path):
     assert {e.dtype for e in cast.values()} == {"BF16"} and m.dtype == "BF16" and m.dense_dtype == "bf16"
     model, _, _ = load_bundle_model(dst)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_a_second_conversion_into_the_same_directory_is_refused(sources, tmp_path):
+    import fcntl
+    import os
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a conversion in another process holds it
+    try:
+        with pytest.raises(F.BundleError, match="another conversion is writing into it"):
+            convert(sources["qwen3_moe"], dst, ConvertOptions("int8"))
+        assert list(dst.iterdir()) == []  # nothing written
+    finally:
+        os.close(fd)
+    convert(sources["qwen3_moe"], dst, ConvertOptions("int8"))
+    assert (dst / F.MANIFEST).is_file()
