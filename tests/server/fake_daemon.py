@@ -1,7 +1,8 @@
 """The real daemon around a scripted engine, for the faults a real model will not produce on cue.
 
 The first prompt token picks the behaviour: RAISE fails the request, FATAL kills the engine,
-SLOW emits a token every 50 ms; anything else counts up quickly. Run as a script:
+SLOW emits a token every 50 ms, HANG blocks the engine for 4 s inside one step (a stuck device
+call); anything else counts up quickly. Run as a script:
 ``python tests/server/fake_daemon.py --socket PATH [--load-delay S] [--queue-size N] ...``
 """
 
@@ -20,7 +21,7 @@ from edgerun.server import daemon  # noqa: E402
 from edgerun.server.engine_worker import EngineFailure  # noqa: E402
 from edgerun.server.options import ServeOptions  # noqa: E402
 
-RAISE, FATAL, SLOW = 90, 91, 92
+RAISE, FATAL, SLOW, HANG = 90, 91, 92, 93
 VOCAB, CONTEXT = 97, 64
 
 
@@ -55,6 +56,8 @@ class FakeEngine:
             raise RuntimeError("injected engine error")
         if ids[0] == FATAL:
             raise EngineFailure("injected: the device is lost")
+        if ids[0] == HANG:
+            time.sleep(4.0)
         for i in range(params.max_tokens):
             if ids[0] == SLOW:
                 time.sleep(0.05)

@@ -19,7 +19,7 @@ from edgerun.engine.runner import DEMO_MODEL
 from edgerun.server.client import UnixHTTPConnection
 
 FAKE = Path(__file__).with_name("fake_daemon.py")
-RAISE, FATAL, SLOW = 90, 91, 92
+RAISE, FATAL, SLOW, HANG = 90, 91, 92, 93
 
 
 class NotifySocket:
@@ -226,6 +226,33 @@ def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
         assert daemon.proc.wait(10) == 1
         notify.wait_for("STOPPING=1")
         assert any("engine failed" in m for m in notify.messages if m.startswith("STATUS="))
+    finally:
+        daemon.stop()
+
+
+def test_a_hung_engine_stops_the_watchdog_pings(tmp_path):
+    """WATCHDOG=1 comes from the engine thread (and only while the loop is alive too), so an
+    engine stuck in a step stops the pings and systemd's WatchdogSec restarts the service; the
+    pings resume once the step returns."""
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "hang.sock"
+    daemon = Daemon(fake_argv(sock), sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    try:
+        daemon.wait_health(200)
+        notify.wait_for("WATCHDOG=1", timeout=5)
+        done = threading.Thread(
+            target=post, args=(sock, "/v1/completions", {"prompt": [HANG], "max_tokens": 2})
+        )
+        done.start()
+        time.sleep(1.0)  # the engine is inside the 4 s step now
+        before = notify.poll().count("WATCHDOG=1")
+        time.sleep(2.0)  # five watchdog periods of 0.4 s
+        assert notify.poll().count("WATCHDOG=1") == before, "pinged while the engine was stuck"
+        done.join(10)
+        deadline = time.monotonic() + 5
+        while notify.poll().count("WATCHDOG=1") == before:
+            assert time.monotonic() < deadline, "pings did not resume after the step returned"
+            time.sleep(0.05)
     finally:
         daemon.stop()
 
