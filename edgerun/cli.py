@@ -121,6 +121,18 @@ def run_generate(ns: argparse.Namespace) -> int:
         if ns.threads < 1:
             raise EdgerunError(f"--threads must be >= 1, got {ns.threads}")
         torch.set_num_threads(ns.threads)
+    if ns.quota is None and ns.profile is None:
+        for flag, value in (
+            ("--host-quota", ns.host_quota),
+            ("--slot-pool", ns.slot_pool),
+            ("--read-depth", ns.read_depth),
+        ):
+            if value is not None:
+                raise EdgerunError(f"{flag} sets up expert streaming: give it with --quota or --profile")
+    if ns.profile is not None and ns.host_quota is not None:
+        raise EdgerunError(
+            "give --host-quota or --profile, not both (the profile's plan sizes the host tier)"
+        )
     quota, budget, host_quota = ns.quota, None, ns.host_quota
     if ns.profile is not None:
         quota, budget, host_quota = _planned_cache(ns)

@@ -229,3 +229,36 @@ def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
     bb = cache.bundle.layouts[args.moe_layers[0]].block_bytes
     assert {layer: cache.layer_stats(layer).bytes_read // bb for layer in args.moe_layers} == sim.misses
     cache.close()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--host-quota", "4"], "--host-quota sets up expert streaming: give it with --quota or --profile"),
+        (["--slot-pool", "device"], "--slot-pool sets up expert streaming"),
+        (["--read-depth", "2"], "--read-depth sets up expert streaming"),
+    ],
+)
+def test_streaming_flags_without_streaming_are_refused(bundles, capsys, extra, message):
+    from edgerun.cli import main
+
+    argv = ["generate", "--model", str(bundles[("qwen3_moe", "int4")]), "--token-ids", "4", "--device", "cpu"]
+    assert main(argv + extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_with_a_host_tier_reports_it(bundles, capsys):
+    from edgerun.cli import main
+
+    argv = [
+        "generate",
+        "--model",
+        str(bundles[("qwen3_moe", "int4")]),
+        "--token-ids",
+        "4,5,6",
+        "--device",
+        "cpu",
+    ]
+    assert main(argv + ["--quota", "2", "--host-quota", "4", "--max-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "host slots, pinned host tier 4," in err and "served from the host tier" in err
