@@ -304,6 +304,28 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=getattr(mod, run))
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from edgerun.bench import BENCHES
+
+    p = sub.add_parser(
+        "bench",
+        help="reproducible benchmarks (decode on a GPU, streaming, the socket)",
+        description="\n".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its options (edgerun bench NAME --help)")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(ns: argparse.Namespace) -> int:
+    import importlib
+
+    from edgerun.bench import BENCHES
+
+    return importlib.import_module(BENCHES[ns.name][0]).main(ns.args) or 0
+
+
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
     p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
@@ -375,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_package_commands(sub)
     _add_trace(sub)
+    _add_bench(sub)
     _add_simulate(sub)
     return parser
 

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from edgerun.cli import main
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -39,3 +41,20 @@ def test_generate_errors_are_one_clear_line(hf_checkpoints, tmp_path, capsys):
 def test_console_entry_point_runs():
     res = subprocess.run([sys.executable, "-m", "edgerun.cli", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_bench_lists_the_benchmarks_and_runs_one(capsys, tmp_path):
+    import torch
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("decode:", "streaming:", "socket:"))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "streaming", "--help"])  # the benchmark's own options
+    assert exc.value.code == 0 and "--workdir" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["bench", "decode", "--dir", str(tmp_path)]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []  # refused before writing anything

@@ -1,0 +1,25 @@
+"""Reproducible benchmarks, run as ``edgerun bench NAME [options]`` (or the scripts in
+``benchmarks/``); every figure quoted in docs/benchmarks.md comes from one of them.
+
+Each module has ``main(argv) -> int`` and says in its docstring what it measures and against
+which bound. Importing this package imports none of them (nor torch).
+"""
+
+from __future__ import annotations
+
+# name -> (module, what it measures)
+BENCHES = {
+    "decode": (
+        "edgerun.bench.decode",
+        "decode on a CUDA GPU at the Qwen3.6-35B-A3B geometry: resident and streamed under budgets, "
+        "each against its bound measured in the same run",
+    ),
+    "streaming": (
+        "edgerun.bench.streaming",
+        "streaming vs resident on this machine's CPU, misses/token (LRU, Belady), read bandwidth vs the disk",
+    ),
+    "socket": (
+        "edgerun.bench.serve_socket",
+        "tokens/s through the daemon's Unix socket against the same generation in-process",
+    ),
+}

@@ -1,0 +1,328 @@
+"""Decode on a CUDA GPU at the real Qwen3.6-35B-A3B geometry: resident vs streamed experts, each
+rate against its bound measured in the same run.
+
+  edgerun bench decode --dir /tmp/edgerun-bench [--decode 48] [--repeats 2]
+
+1. A bundle of the real geometry (40 layers, 256 experts top-8, hidden 2048, expert width 512,
+   vocab 248,320) with *random weights*, int4 g32 experts, written straight to local disk by
+   ``edgerun.tools.synth_bundle`` (no checkpoint, no convert). Random routing has no locality, so
+   miss rates are worse than a trained model's: a pessimistic workload for streaming.
+2. Calibration: raw O_DIRECT read bandwidth of that disk over the expert files (whole blocks at
+   random offsets, several queue depths; the best is the storage bound), and device copy
+   bandwidth (the memory bound).
+3. For each configuration, a 1K-token random prompt then ``--decode`` greedy tokens:
+   (a) every expert resident in device slots, (b) an 8 GiB and (c) a 16 GiB device budget for
+   dense weights + decode state + expert slots + a fixed allowance for activations/workspaces;
+   the expert quota per layer is what is left, divided evenly. Time to first token (prefill of
+   the 1K prompt + the first token) and decode tok/s (median and range over ``--repeats``
+   graph-mode runs), misses/token and read GB/s during decode.
+4. Bounds: streaming decode against storage bandwidth / (misses per token x block bytes);
+   resident decode against device bandwidth / bytes each token must read (dense weights but the
+   embedding table, the top-k experts' blocks, DeltaNet state read and written, KV so far).
+5. Eager and graph-captured decoding must give identical tokens; a configuration where they
+   differ prints no rate.
+
+Writes a JSON record and a markdown table to --out (default: the --dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from edgerun.bundle.reader import Bundle
+from edgerun.engine.policy import KernelPolicy
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import SamplingParams
+from edgerun.models.layers import DeltaState, KVCache
+from edgerun.tools import calibrate
+from edgerun.tools.synth_bundle import qwen36_config, synth_bundle, with_layers
+
+GiB = 2**30
+ALLOWANCE = 1 * GiB  # activations, cuBLAS/Triton workspaces, graph pools, the CUDA context's share
+
+
+def build_bundle(root: Path, layers: int | None) -> tuple[Path, float]:
+    cfg = qwen36_config()
+    if layers:
+        cfg = with_layers(cfg, layers)
+    layers = cfg.get("text_config", cfg)["num_hidden_layers"]
+    path = root / f"qwen36-int4-{layers}l"
+    if (path / "manifest.json").is_file():
+        return path, 0.0
+    t0 = time.perf_counter()
+    synth_bundle(path, cfg, quant="int4", seed=0)
+    return path, time.perf_counter() - t0
+
+
+def dense_bytes(bundle: Bundle) -> tuple[int, int]:
+    """(all dense bytes, dense bytes one token reads: every dense tensor but the embedding
+    table, of which it reads one row)."""
+    total = sum(e.nbytes for e in bundle.dense.values())
+    embed = sum(e.nbytes for n, e in bundle.dense.items() if n.startswith("model.embed_tokens"))
+    row = embed // bundle.args.vocab_size
+    return total, total - embed + row
+
+
+def state_bytes(bundle: Bundle, capacity: int) -> tuple[int, int, int]:
+    """(decode state bytes at ``capacity``, recurrent bytes per token (read + write), KV bytes
+    per cached position (read by each new token)), from a meta-device model (no memory)."""
+    with torch.device("meta"):
+        model = bundle.arch.Model(bundle.args)
+    one = model.new_state(1, 1, device="meta", dtype=torch.bfloat16)
+    rec = sum(2 * (e.recurrent.nbytes + e.conv.nbytes) for e in one.layers if isinstance(e, DeltaState))
+    kv_pos = sum(e.k.nbytes + e.v.nbytes for e in one.layers if isinstance(e, KVCache))
+    return model.new_state(1, capacity, device="meta", dtype=torch.bfloat16).nbytes(), rec, kv_pos
+
+
+def quota_for(budget: int, bundle: Bundle, dense: int, state: int) -> tuple[int, int]:
+    a = bundle.args
+    per_slot = sum(bundle.layouts[layer].block_bytes for layer in a.moe_layers)
+    left = budget - dense - state - ALLOWANCE
+    return max(0, min(a.num_experts, left // per_slot)), left
+
+
+def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
+    params = SamplingParams(max_tokens=decode, ignore_eos=True)
+    cache = runner.cache
+    tokens, first = [], None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    stats = None
+    for ev in runner.generate(prompt, params):
+        if ev.token_id is not None:
+            tokens.append(ev.token_id)
+            if first is None:
+                first = time.perf_counter() - t0
+                before = cache.totals() if cache else None
+        stats = ev.stats or stats
+    out = {"tokens": tokens, "ttft_s": first, "decode_tps": stats.decode_tps, "decode_s": stats.decode_s}
+    if cache is not None:
+        after = cache.totals()
+        steps = max(len(tokens) - 1, 1)
+        out["misses_per_token"] = (after.misses - before.misses) / steps
+        out["bytes_read"] = after.bytes_read - before.bytes_read
+        out["read_gbs"] = out["bytes_read"] / stats.decode_s / 1e9 if stats.decode_s else 0.0
+        out["read_wait_s"] = after.read_seconds - before.read_seconds
+    return out
+
+
+def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
+    """Where a replayed decode step spends its GPU time: kernels per step and the heaviest
+    kernels by device time (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = runner.new_state(capacity)
+    runner.decode_step(state, 0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.decode_step(state, 0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key, t / steps, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "kernels_per_step": sum(r[2] for r in rows),
+        "gpu_us_per_step": sum(r[1] for r in rows),
+        "top": [{"kernel": k[:80], "us_per_step": round(t, 1), "per_step": c} for k, t, c in rows[:15]],
+    }
+
+
+def med(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth) -> dict:
+    runner = Runner.load(
+        bundle_dir,
+        device="cuda",
+        dtype=torch.bfloat16,
+        quota=quota,
+        max_context=capacity,
+        kernels=KernelPolicy(graphs="off"),
+        prefill_chunk=len(prompt),
+        read_depth=depth,
+    )
+    rec = {"config": name, "quota": quota}
+    if warm_all:
+        t0 = time.perf_counter()
+        runner.cache.warm({layer: [1.0] * bundle.args.num_experts for layer in bundle.args.moe_layers})
+        rec["warm_s"] = time.perf_counter() - t0
+    eager = one_run(runner, prompt, decode)
+    runner.set_kernels(KernelPolicy(graphs="on"))
+    state = runner.new_state(capacity)  # the decoder at the runs' size: warm-up step + capture, untimed
+    for _ in range(2):
+        runner.decode_step(state, 0)
+    graph_runs = [one_run(runner, prompt, decode) for _ in range(repeats)]
+    rec["kernels"] = runner.kernel_summary()
+    rec["fallbacks"] = runner.fallbacks()
+    rec["decode_steps"] = runner.decode_counts()
+    same = all(r["tokens"] == eager["tokens"] for r in graph_runs)
+    rec["tokens_identical"] = same
+    rec["eager_decode_tps"] = eager["decode_tps"]
+    rec["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+    rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
+    rec["decode_tps"] = med([r["decode_tps"] for r in graph_runs])
+    if runner.cache is not None:
+        for key in ("misses_per_token", "read_gbs", "read_wait_s"):
+            rec[key] = med([r[key] for r in graph_runs])
+    if warm_all:
+        rec["profile"] = profile_steps(runner, capacity)
+    if not same:
+        diverge = next(i for i, (a, b) in enumerate(zip(eager["tokens"], graph_runs[0]["tokens"])) if a != b)
+        rec["refused"] = f"eager and graph tokens differ from token {diverge}: no rate printed"
+    runner.cache.close()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="edgerun bench decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="local disk for the bundle")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--decode", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budgets", default="resident,16,8", help="resident and/or device budgets in GiB")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
+    )
+    ap.add_argument("--calibrate-seconds", type=float, default=2.0)
+    ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
+    ns = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("edgerun bench decode: needs a CUDA device, and torch sees none", file=sys.stderr)
+        return 2
+    ns.dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ns.out or ns.dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers)
+    bundle = Bundle.open(bundle_dir)
+    a = bundle.args
+    block = bundle.layouts[a.moe_layers[0]].block_bytes
+    result = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "bundle": str(bundle_dir),
+        "synth_seconds": synth_s,
+        "geometry": {
+            "layers": a.num_hidden_layers,
+            "experts": a.num_experts,
+            "top_k": a.num_experts_per_tok,
+            "hidden": a.hidden_size,
+            "expert_width": a.moe_intermediate_size,
+            "vocab": a.vocab_size,
+            "block_bytes": block,
+        },
+    }
+    print(f"bundle {bundle_dir} (synthesized in {synth_s:.0f} s), block {block:,} B", flush=True)
+
+    paths = [bundle.expert_path(layer) for layer in a.moe_layers]
+    reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)
+    storage = calibrate.best(reads)
+    copy = calibrate.device_copy_bandwidth("cuda")
+    result["storage_read"] = reads
+    result["device_copy"] = copy
+    storage_bw = storage["gb_per_s"] * 1e9
+    device_bw = copy["d2d_gb_per_s"] * 1e9
+    for r in reads:
+        print(f"  O_DIRECT read depth {r['queue_depth']:>2}: {r['gb_per_s']:.2f} GB/s", flush=True)
+    print(f"storage bound: {storage_bw / 1e9:.2f} GB/s (depth {storage['queue_depth']})", flush=True)
+    print(
+        f"device copy: {device_bw / 1e9:.0f} GB/s read + write (range {copy['d2d_gb_per_s_range']}), "
+        f"pinned host->device {copy['h2d_pinned_gb_per_s']:.1f} GB/s",
+        flush=True,
+    )
+
+    # the engine reads with the queue depth the disk was fastest at (--read-depth overrides)
+    depth = ns.read_depth or storage["queue_depth"]
+    result["read_depth"] = depth
+    capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, a.vocab_size, (ns.prompt,), generator=g).tolist()
+    dense_all, dense_tok = dense_bytes(bundle)
+    state_total, rec_tok, kv_pos = state_bytes(bundle, capacity)
+    records = []
+    for spec in ns.budgets.split(","):
+        if spec == "resident":
+            name, quota, budget = "resident", a.num_experts, None
+        else:
+            name, budget = f"{float(spec):g} GiB", int(float(spec) * GiB)
+            quota, left = quota_for(budget, bundle, dense_all, state_total)
+            if quota < a.num_experts_per_tok:
+                records.append(
+                    {"config": name, "refused": f"budget leaves {left:,} B for slots: below top_k"}
+                )
+                continue
+        print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
+        rec = run_config(
+            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats, budget is None, depth
+        )
+        rec["budget_bytes"] = budget
+        mean_pos = ns.prompt + ns.decode / 2
+        if budget is None:
+            per_token = (
+                dense_tok + a.num_experts_per_tok * len(a.moe_layers) * block + rec_tok + kv_pos * mean_pos
+            )
+            rec["bound_kind"] = "memory"
+            rec["bytes_per_token"] = per_token
+            rec["bound_tps"] = device_bw / per_token
+        else:
+            mpt = rec["misses_per_token"]["median"]
+            rec["bound_kind"] = "storage"
+            rec["bytes_per_token"] = mpt * block
+            rec["bound_tps"] = storage_bw / (mpt * block) if mpt else float("inf")
+        rec["ratio"] = rec["decode_tps"]["median"] / rec["bound_tps"] if "refused" not in rec else None
+        records.append(rec)
+        print(json.dumps(rec, default=str), flush=True)
+        result["configs"] = records  # written after every configuration: a cut-off run keeps its rows
+        (out_dir / "bench_decode.json").write_text(json.dumps(result, indent=1, default=str))
+        (out_dir / "bench_decode.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    best = max(result["storage_read"], key=lambda r: r["gb_per_s"])
+    c = result["device_copy"]
+    lines = [
+        f"{result['date']}, {result['device']}, torch {result['torch']}; `{result['command']}`",
+        "",
+        "O_DIRECT block reads (GB/s by queue depth): "
+        + ", ".join(f"{r['queue_depth']}: {r['gb_per_s']:.2f}" for r in result["storage_read"])
+        + f"; storage bound {best['gb_per_s']:.2f} GB/s. Device copy {c['d2d_gb_per_s']:.0f} GB/s "
+        f"(read + write, range {c['d2d_gb_per_s_range'][0]:.0f}-{c['d2d_gb_per_s_range'][1]:.0f}).",
+        "",
+        "| config | quota/layer | eager == graph | TTFT 1K (s) | decode tok/s median (range) | misses/token | read GB/s | bound tok/s | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["configs"]:
+        if "decode_tps" not in r or "refused" in r:
+            lines.append(
+                f"| {r['config']} | {r.get('quota', '-')} | {r.get('tokens_identical', '-')} | - | refused: {r.get('refused')} | | | | |"
+            )
+            continue
+        d, t = r["decode_tps"], r["ttft_s"]
+        mpt = f"{r['misses_per_token']['median']:.1f}" if "misses_per_token" in r else "-"
+        rgb = f"{r['read_gbs']['median']:.2f}" if "read_gbs" in r else "-"
+        lines.append(
+            f"| {r['config']} | {r['quota']} | {r['tokens_identical']} | {t['median']:.2f} | "
+            f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {mpt} | {rgb} | "
+            f"{r['bound_tps']:.1f} ({r['bound_kind']}) | {100 * r['ratio']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
