@@ -14,6 +14,22 @@ from safetensors.torch import save_file
 from edgerun.models.registry import load_args
 
 
+def init_rule(name: str, shape: tuple[int, ...], unit_offset: bool, matrix_std: float) -> tuple[str, float]:
+    """How a synthetic tensor is drawn: ("const", value), ("uniform", high) on [0, high) or
+    ("normal", std). Norms at their neutral value (zero under a (1 + w) offset; the DeltaNet's
+    gated norm has none), DeltaNet decay parameters in their usual range, 1-D others (biases)
+    zero, matrices N(0, matrix_std)."""
+    if name.endswith("norm.weight"):
+        return "const", 0.0 if unit_offset and "linear_attn.norm" not in name else 1.0
+    if name.endswith("A_log"):
+        return "uniform", 2.0
+    if name.endswith("dt_bias"):
+        return "const", 1.0
+    if len(shape) == 1:
+        return "const", 0.0
+    return "normal", matrix_std
+
+
 def synthesize_checkpoint(
     config: dict,
     out: str | Path,
@@ -31,18 +47,13 @@ def synthesize_checkpoint(
     size = 0
     for spec in arch.tensor_specs(args):
         name = spec.name
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            t = (
-                torch.zeros(spec.shape)
-                if args.norm_unit_offset and "linear_attn.norm" not in name
-                else torch.ones(spec.shape)
-            )
-        elif name.endswith("A_log"):
-            t = torch.empty(spec.shape).uniform_(0.0, 2.0, generator=g)
-        elif name.endswith("dt_bias"):
-            t = torch.ones(spec.shape)
+        kind, value = init_rule(name, spec.shape, args.norm_unit_offset, matrix_std=0.02)
+        if kind == "const":
+            t = torch.full(spec.shape, value)
+        elif kind == "uniform":
+            t = torch.empty(spec.shape).uniform_(0.0, value, generator=g)
         else:
-            t = torch.randn(spec.shape, generator=g) * 0.02
+            t = torch.randn(spec.shape, generator=g) * value
         t = t.to(dtype).contiguous()
         if size + t.nbytes > 2 << 30 and shards[-1]:  # 2 GiB shards, like published checkpoints
             shards.append({})

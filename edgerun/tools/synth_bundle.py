@@ -60,6 +60,7 @@ from edgerun.bundle.quant import e4m3_value
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.kernels.moe_reference import layout_dims
 from edgerun.models.registry import load_args
+from edgerun.tools.synth import init_rule
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN36_CONFIG = REPO / "configs" / "models" / "qwen3.6-35b-a3b.json"
@@ -243,18 +244,9 @@ def random_block(layout: BlockLayout, rng: np.random.Generator) -> tuple[np.ndar
 
 
 def _dense_init(name: str, shape: tuple[int, ...], unit_offset: bool) -> tuple[str, float]:
-    """How a resident tensor is drawn: ("const", value), ("uniform", high) on [0, high) or
-    ("normal", std). Norms neutral (zero-centred ones under a (1 + w) offset; the DeltaNet's gated
-    norm has none), DeltaNet decay as edgerun.tools.synth draws it, matrices N(0, 1/fan_in)."""
-    if name.endswith("norm.weight"):
-        return "const", 0.0 if unit_offset and "linear_attn.norm" not in name else 1.0
-    if name.endswith("A_log"):
-        return "uniform", 2.0
-    if name.endswith("dt_bias"):
-        return "const", 1.0
-    if len(shape) == 1:
-        return "const", 0.0  # biases
-    return "normal", 1.0 / math.sqrt(math.prod(shape[1:]))
+    """``edgerun.tools.synth.init_rule`` with matrices N(0, 1/fan_in), so activations stay O(1)
+    through 40 layers of random weights."""
+    return init_rule(name, shape, unit_offset, matrix_std=1.0 / math.sqrt(math.prod(shape[1:])))
 
 
 # --------------------------------------------------------------------------------------------
