@@ -135,7 +135,10 @@ class ResidentEngine:
     def probe(self) -> str:
         import torch
 
-        state = self.runner.new_state(2)
+        # on CUDA the decode state is static and its graphs are captured for its size: build it
+        # now at a size most requests fit, so the first request does not pay for it
+        size = min(self.max_context, 4096) if self.runner.device.type == "cuda" else 2
+        state = self.runner.new_state(size)
         logits = self.runner.prefill(state, [0])
         logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
         if not bool(torch.isfinite(logits).all()):
