@@ -237,7 +237,11 @@ def experts_text(runner) -> str:
     modes = {r.mode for r in cache.readers.values()}
     depths = "/".join(str(r.depth) for r in cache.readers.values())
     tier = sorted({t.quota for t in cache.tier.values()})
-    tier_text = f"pinned host tier {'/'.join(map(str, tier))}, " if tier else ""
+    tier_text = (
+        f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB), "
+        if tier
+        else ""
+    )
     return (
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB); "

@@ -261,4 +261,4 @@ def test_generate_with_a_host_tier_reports_it(bundles, capsys):
     ]
     assert main(argv + ["--quota", "2", "--host-quota", "4", "--max-tokens", "6"]) == 0
     err = capsys.readouterr().err
-    assert "host slots, pinned host tier 4," in err and "served from the host tier" in err
+    assert "host slots, pinned host tier 4 (" in err and "served from the host tier" in err
