@@ -27,6 +27,7 @@ from edgerun.bundle.quant import dequantize_block
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
+from edgerun.kernels.moe import moe_experts
 
 
 @dataclass
@@ -309,6 +310,14 @@ class ExpertCache:
         if len(table) < self.bundle.args.num_experts:
             return None
         return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
+
+    def run(self, layer: int, x, slots, ids, weights, policy, **part) -> torch.Tensor:
+        """The routed-expert step of ``layer`` over its slot pool: ``moe_experts`` with this
+        layer's pool, layout and per-slot scales (``part``: its acc / expert_range)."""
+        return moe_experts(
+            x, self.pools[layer], slots, ids, weights, self.bundle.layouts[layer], self.slot_scales[layer],
+            policy, **part,
+        )  # fmt: skip
 
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from edgerun.engine.streaming import StreamingExperts
-from edgerun.kernels.moe import moe_experts
 from edgerun.models import args as A
 from edgerun.models.layers import Attention, DecodeState, DeltaState, SparseMoe, apply_rotary
 
@@ -216,34 +215,12 @@ class DecodeGraphs:
         buf = self.moe[i]
         if buf.table is not None:
             torch.index_select(buf.table, 0, buf.ids[0], out=buf.slots[0])
-        c = self.cache
-        out = moe_experts(
-            self.h,
-            c.pools[i],
-            buf.slots,
-            buf.ids,
-            buf.weights,
-            c.bundle.layouts[i],
-            c.slot_scales[i],
-            self.policy.moe,
-        )
-        self._add_experts(i, out)
+        self._add_experts(i, self.cache.run(i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe))
 
     def _experts_eager(self, i: int) -> None:
         buf = self.moe[i]
         slots = torch.tensor(self.cache.slot_rows(i, buf.ids.tolist()), device=self.device)
-        c = self.cache
-        out = moe_experts(
-            self.h,
-            c.pools[i],
-            slots,
-            buf.ids,
-            buf.weights,
-            c.bundle.layouts[i],
-            c.slot_scales[i],
-            self.policy.moe,
-        )
-        self._add_experts(i, out)
+        self._add_experts(i, self.cache.run(i, self.h, slots, buf.ids, buf.weights, self.policy.moe))
 
     def _experts_stacked(self, i: int) -> None:
         experts = self.layers[i].mlp.experts

@@ -15,7 +15,7 @@ from torch import nn
 
 from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.cache.expert_cache import ExpertCache
-from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
+from edgerun.kernels.moe import MoeKernelPolicy, accumulator
 from edgerun.models.layers import SparseMoe
 
 REFERENCE = MoeKernelPolicy()
@@ -36,12 +36,11 @@ class StreamingExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [N, D], ids/weights [N, A]
         c, i = self.cache, self.layer
-        layout, pool, scales = c.bundle.layouts[i], c.pools[i], c.slot_scales[i]
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
         if len(batches) == 1:
             slots = torch.tensor(c.slot_rows(i, rows), device=x.device)
-            return moe_experts(x, pool, slots, ids, weights, layout, scales, self.policy)
+            return c.run(i, x, slots, ids, weights, self.policy)
         # more distinct experts than slots (prefill): ascending-id batches that fit, each expert
         # read once and run over all its tokens, summing in the order of one pass
         acc = accumulator(x, self.policy)
@@ -49,18 +48,7 @@ class StreamingExperts(nn.Module):
             slot_of = dict(zip(batch, c.slot_rows(i, [batch])[0]))
             filler = slot_of[batch[0]]  # entries of other experts: any valid slot, never read
             slots = torch.tensor([[slot_of.get(e, filler) for e in row] for row in rows], device=x.device)
-            acc = moe_experts(
-                x,
-                pool,
-                slots,
-                ids,
-                weights,
-                layout,
-                scales,
-                self.policy,
-                acc=acc,
-                expert_range=(batch[0], batch[-1]),
-            )
+            acc = c.run(i, x, slots, ids, weights, self.policy, acc=acc, expert_range=(batch[0], batch[-1]))
         return acc.to(x.dtype)
 
 
