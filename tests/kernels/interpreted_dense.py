@@ -1,6 +1,6 @@
 """The dense decode kernels under Triton's CPU interpreter (tiny geometries, one real one).
 
-Not collected on its own: test_dense_interpret.py runs this file in a child process with
+Not collected on its own: test_interpret.py runs this file in a child process with
 TRITON_INTERPRET=1 set before Triton is imported (Triton reads it at import). Tolerances: in fp32
 a kernel differs from its reference only in summation order and transcendental ulps (1e-5 of
 the output's scale; about 5e-7 seen); in bf16 / fp16 it rounds where the reference rounds, and
@@ -25,9 +25,7 @@ from edgerun.kernels.dense_reference import (
     rms_norm_ref,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_dense_interpret.py"
-)
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 TOL = {**TOLERANCE, torch.float32: 1e-5}
 
 

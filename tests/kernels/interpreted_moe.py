@@ -1,6 +1,6 @@
 """The Triton kernels under Triton's CPU interpreter (tiny shapes, every scheme).
 
-Not collected on its own: test_moe_interpret.py runs this file in a child process with
+Not collected on its own: test_interpret.py runs this file in a child process with
 TRITON_INTERPRET=1 set before Triton is imported (Triton reads it at import). Tolerances: the
 GEMV path is fp32 throughout, so it differs from the fp32 reference only in summation order
 (1e-5 of the output's scale); the GEMM path rounds operands and products to bf16 (probe's 2e-2).
@@ -17,9 +17,7 @@ from edgerun.kernels import moe_triton as K
 from edgerun.kernels.moe_reference import random_pool
 from edgerun.kernels.probe import TOLERANCE
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_moe_interpret.py"
-)
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
