@@ -7,46 +7,48 @@ import logging
 import sys
 from pathlib import Path
 
+from edgerun.engine.setup import DTYPES
 from edgerun.errors import EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.cli import add_kernel_arguments, slot_pool
-
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+from edgerun.server.cli import add_kernel_arguments
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text (in-process; through a running daemon with --socket)")
-    p.add_argument("prompt", nargs="?", help="prompt text (omit with --token-ids)")
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """How the model is loaded and run: shared by generate, trace (and, as flags, by serve)."""
     p.add_argument(
-        "--model", type=Path, default=None, help="HF checkpoint dir (default: the shipped demo model)"
+        "--model",
+        type=Path,
+        default=None,
+        help="HF checkpoint or bundle dir (default: the shipped demo model)",
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu"
     )
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPES,
         default="auto",
         help="compute dtype (auto: float32 on cpu, the checkpoint's dtype on cuda)",
     )
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument(
-        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
-    )
-    p.add_argument("--token-ids", default=None, help="prompt as comma-separated token ids instead of text")
     p.add_argument("--context", type=int, default=None, help="max context length (default: the model's)")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's, one per core); 1 is fastest for small models on a busy machine",
+    )
     p.add_argument(
         "--quota",
         type=int,
         default=None,
         help="--model is a bundle: stream routed experts through this many cache slots per layer",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="device profile (configs/*.yaml): plan the bundle and stream with the plan's quotas",
     )
     p.add_argument(
         "--read-mode",
@@ -66,20 +68,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
     )
-    p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
     add_kernel_arguments(p)
+    add_provider_arguments(p)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text (in-process; through a running daemon with --socket)")
+    p.add_argument("prompt", nargs="?", help="prompt text (omit with --token-ids)")
+    _add_engine_arguments(p)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        help="device profile (configs/*.yaml): plan the bundle and stream with the plan's quotas",
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's, one per core); 1 is fastest for small models on a busy machine",
-    )
+    p.add_argument("--token-ids", default=None, help="prompt as comma-separated token ids instead of text")
+    p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
     p.add_argument(
         "--socket",
         type=Path,
@@ -87,16 +95,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="send the request to a running daemon at this socket instead of loading a model here",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
-    add_provider_arguments(p)
     p.set_defaults(func=run_generate)
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    import torch
-
-    from edgerun.engine.policy import KernelPolicy
-    from edgerun.engine.runner import Runner, default_device
+    from edgerun.engine.provenance import cache_line, provenance
+    from edgerun.engine.runner import Runner
     from edgerun.engine.sampler import SamplingParams
+    from edgerun.engine.setup import runtime
 
     if (ns.prompt is None) == (ns.token_ids is None):
         raise EdgerunError("give either a prompt or --token-ids (exactly one)")
@@ -113,47 +119,25 @@ def run_generate(ns: argparse.Namespace) -> int:
         stop=tuple(ns.stop),
         ignore_eos=ns.ignore_eos,
     )
-    device = ns.device or default_device()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EdgerunError("--device cuda: no CUDA device is available (use --device cpu)")
-    dtype = getattr(torch, DTYPES[ns.dtype]) if DTYPES[ns.dtype] else None
-    if ns.threads is not None:
-        if ns.threads < 1:
-            raise EdgerunError(f"--threads must be >= 1, got {ns.threads}")
-        torch.set_num_threads(ns.threads)
-    if ns.quota is None and ns.profile is None:
-        for flag, value in (
-            ("--host-quota", ns.host_quota),
-            ("--slot-pool", ns.slot_pool),
-            ("--read-depth", ns.read_depth),
-        ):
-            if value is not None:
-                raise EdgerunError(f"{flag} sets up expert streaming: give it with --quota or --profile")
-    if ns.profile is not None and ns.host_quota is not None:
-        raise EdgerunError(
-            "give --host-quota or --profile, not both (the profile's plan sizes the host tier)"
-        )
-    quota, budget, host_quota = ns.quota, None, ns.host_quota
-    if ns.profile is not None:
-        quota, budget, host_quota = _planned_cache(ns)
+    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs)
+    providers = ProviderPolicy.from_namespace(ns)
+    cache = _cache_config(ns, providers, warm=_read_warm(ns.warm))
+    log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = Runner.load(
         ns.model,
-        device=device,
-        dtype=dtype,
-        providers=ProviderPolicy.from_namespace(ns),
+        device=rt.device,
+        dtype=rt.dtype,
+        providers=providers,
+        cache=cache,
+        kernels=rt.kernels,
+        log=log,
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
-        quota=quota,
-        cache_budget=budget,
-        read_mode=ns.read_mode,
-        read_depth=ns.read_depth,
-        host_quota=host_quota,
-        warm=_read_warm(ns.warm),
-        kernels=KernelPolicy(experts=ns.expert_kernel, graphs=ns.graphs, dense=ns.dense_kernel),
-        pool=slot_pool(device, ns.slot_pool, ns.profile) if quota is not None else None,
     )
     if not ns.quiet:
-        print(provenance(runner, ns.model), file=sys.stderr, flush=True)
+        print(
+            provenance(runner, ns.model, plan=cache.summary if cache else None), file=sys.stderr, flush=True
+        )
 
     if ns.token_ids is not None:
         try:
@@ -167,9 +151,12 @@ def run_generate(ns: argparse.Namespace) -> int:
         if ns.chat:
             text = runner.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
         ids = runner.tokenizer.encode(text)
+    request = runner.request(
+        ids, params, prompt_field="--token-ids" if ns.token_ids else "prompt", max_tokens_field="--max-tokens"
+    )
 
     stats = None
-    for event in runner.generate(ids, params):
+    for event in runner.generate(request):
         if event.text:
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -185,21 +172,31 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_cache(ns: argparse.Namespace) -> tuple[dict[int, int], int, dict[int, int] | None]:
-    """Quotas, the expert-cache budget and the pinned host tier's quotas (discrete GPUs) from the
-    plan for --profile (refused if it does not fit)."""
-    from edgerun.budget.cli import plan_for_bundle
+def _is_bundle(model: Path | None) -> bool:
+    return model is not None and (model / "manifest.json").is_file()
 
-    if ns.model is None or not (ns.model / "manifest.json").is_file():
+
+def _cache_config(ns: argparse.Namespace, providers, warm=None):
+    """The expert cache of ``generate`` / ``trace``: from --quota or the --profile plan (None:
+    experts resident)."""
+    from edgerun.engine.setup import cache_config
+
+    if ns.profile is not None and not _is_bundle(ns.model):
         raise EdgerunError("--profile plans an edgerun bundle: pass --model BUNDLE_DIR")
-    if ns.quota is not None:
+    if ns.profile is not None and ns.quota is not None:
         raise EdgerunError("give --quota or --profile, not both (the profile's plan decides the quota)")
-    p = plan_for_bundle(ns.model, ns.profile, ns.context)
-    if not p.fits:
-        raise EdgerunError(p.refusal.message)
-    budget = p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes
-    host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
-    return dict(zip(p.moe_layers, p.quotas)), budget, host
+    return cache_config(
+        ns.model if _is_bundle(ns.model) else None,
+        quota=ns.quota,
+        profile=ns.profile,
+        context=ns.context,
+        host_quota=ns.host_quota,
+        read_mode=ns.read_mode,
+        read_depth=ns.read_depth,
+        pool=ns.slot_pool,
+        warm=warm,
+        providers=providers,
+    )
 
 
 def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
@@ -214,54 +211,6 @@ def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
         raise EdgerunError(
             f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
         ) from exc
-
-
-def cache_line(cache, tokens: int) -> str:
-    t = cache.totals()
-    return (
-        f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
-        f"{t.evictions} evictions, {t.warm_reads} warm reads, "
-        + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
-        + f"{t.bytes_read / 2**20:.1f} MiB read "
-        f"at {t.read_bandwidth / 1e9:.2f} GB/s"
-    )
-
-
-def experts_text(runner) -> str:
-    cache = runner.cache
-    fb = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
-    kernels = f"kernels: {runner.kernel_summary()}"
-    if cache is None:
-        return f"experts resident; {kernels}; fallbacks: {fb}"
-    quotas = sorted(set(cache.quotas.values()))
-    modes = {r.mode for r in cache.readers.values()}
-    depths = "/".join(str(r.depth) for r in cache.readers.values())
-    tier = sorted({t.quota for t in cache.tier.values()})
-    tier_text = (
-        f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB), "
-        if tier
-        else ""
-    )
-    return (
-        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
-        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB); "
-        f"{kernels}; fallbacks: {fb}"
-    )
-
-
-def provenance(runner, model_dir: Path | None) -> str:
-    import torch
-
-    a = runner.args
-    n_params = sum(p.numel() for p in runner.model.parameters())
-    dtype = next(runner.model.parameters()).dtype
-    return (
-        f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
-        f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
-        f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()} "
-        f"{experts_text(runner)}; {runner.load_summary}"
-        + (f"; {runner.provider.describe()}" if runner.provider else "")
-    )
 
 
 # Subcommands that live in their own package: (name, module, add-arguments, run, help).
@@ -302,7 +251,7 @@ def _add_package_commands(sub: argparse._SubParsersAction) -> None:
     import importlib
 
     for name, module, add, run, text in SUBCOMMANDS:
-        mod = importlib.import_module(module)
+        mod = importlib.import_module(module)  # each defines its flags without torch; runs import it
         p = sub.add_parser(name, help=text)
         getattr(mod, add)(p)
         p.set_defaults(func=getattr(mod, run))
@@ -333,11 +282,10 @@ def run_bench(ns: argparse.Namespace) -> int:
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
     p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint or bundle dir (default: demo)")
     p.add_argument("--out", type=Path, required=True, help="route trace to write (JSONL)")
     p.add_argument("--frequencies", type=Path, default=None, help="also write a warm-set JSON here")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    _add_engine_arguments(p)
     p.set_defaults(func=run_trace)
 
 
@@ -346,13 +294,26 @@ def run_trace(ns: argparse.Namespace) -> int:
 
     from edgerun.engine.runner import Runner
     from edgerun.engine.sampler import SamplingParams
+    from edgerun.engine.setup import runtime
+    from edgerun.engine.trace import RouteRecorder
     from edgerun.tools.routes import read_trace
-    from edgerun.tools.simulate import RouteRecorder, frequencies
+    from edgerun.tools.simulate import frequencies
 
-    runner = Runner.load(ns.model, device=ns.device)
+    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs)
+    providers = ProviderPolicy.from_namespace(ns)
+    runner = Runner.load(
+        ns.model,
+        device=rt.device,
+        dtype=rt.dtype,
+        providers=providers,
+        cache=_cache_config(ns, providers),
+        kernels=rt.kernels,
+        max_context=ns.context,
+        prefill_chunk=ns.prefill_chunk,
+    )
     if runner.tokenizer is None:
         raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")
-    rec = RouteRecorder(runner.model, runner.args, ns.out, str(ns.model or "demo"))
+    rec = RouteRecorder.for_runner(runner, ns.out, str(ns.model or "demo"))
     try:
         for seq, prompt in enumerate(ns.prompts):
             rec.seq = seq

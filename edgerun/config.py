@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from decimal import Decimal
 from pathlib import Path
@@ -234,3 +235,33 @@ def load_device_profile(path: str | Path) -> DeviceProfile:
 
 
 # ServeConfig (socket path, bundle, kernel-policy defaults) will live here beside DeviceProfile.
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Every setting of the expert cache, in one object from the plan (or the flags) to the cache.
+
+    ``quotas``: slots per MoE layer (one number for all, or by layer). ``host_quotas``: the
+    pinned host tier behind device slots (discrete GPUs). ``pool``: where slots live (host on
+    the CPU; device or mapped on CUDA; None: host on the CPU, and on CUDA mapped where the
+    profile's memory is unified, else device). ``budget``:
+    bytes slots and staging may take, refused over it. ``warm``: per-layer expert frequencies
+    to preload. ``profile`` / ``context``: the plan the quotas came from, so the engine can
+    re-plan against the dense bytes it measured after loading (None: fixed quotas)."""
+
+    quotas: int | Mapping[int, int]
+    host_quotas: int | Mapping[int, int] | None = None
+    read_mode: str = "auto"
+    read_depth: int | None = None
+    pool: str | None = None
+    unified_memory: bool = False  # the device profile's memory is unified: CUDA slots default to mapped
+    staging: int | None = None
+    warm: Mapping[int, Any] | None = None
+    budget: int | None = None
+    profile: Path | None = None
+    context: int | None = None
+    summary: str = "fixed quota"  # how the quotas were chosen, for the start-up line
+
+    def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
+        q = self.quotas
+        return dict(q) if isinstance(q, Mapping) else {layer: q for layer in layers}

@@ -5,8 +5,8 @@ Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv ch
 
 Each function is the module code of edgerun/models/layers.py restated over flat decode-step
 tensors, op for op (same shapes where a reduction runs, same casts), so the tests assert
-``torch.equal`` against the modules. ``delta_decode_ref`` calls the layers' own ``l2norm`` and
-``delta_rule_recurrent``.
+``torch.equal`` against the modules. The gated delta rule itself (``l2norm``,
+``delta_rule_recurrent``, ``delta_rule_chunked``) lives here and the model's layers call it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,56 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from edgerun.models.layers import delta_rule_recurrent, l2norm
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule. q, k: [B, H, T, Dk]; v: [B, H, T, Dv]; g, beta: [B, H, T];
+    state: [B, H, Dk, Dv] fp32. Returns (out [B, H, T, Dv], new state)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        predicted = (state * kt[..., None]).sum(dim=-2)  # [B, H, Dv]
+        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        state = state + kt[..., None] * delta[..., None, :]
+        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
+    return out, state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """The same recurrence in chunks: within a chunk the delta-rule updates are solved as one
+    unit-lower-triangular system (UT transform), across chunks the state is carried."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    pad = (chunk - T % chunk) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+
+    cum = g.cumsum(dim=-1)  # log decay from chunk start to each position
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    out = torch.empty(B, H, n, chunk, Dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_dec[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(B, H, n * chunk, Dv)[:, :, :T], state
 
 
 @dataclass(frozen=True)

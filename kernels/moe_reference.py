@@ -1,8 +1,9 @@
-"""Pure-torch reference for the routed-expert step over a slot pool, and random valid pools.
+"""The routed-expert math, and its pure-torch reference over a slot pool, and random valid pools.
 
 Shape legend: T = tokens, A = active experts per token, S = slots, D = hidden, I = expert width.
 
-``moe_experts_ref`` is ``combine_experts`` (edgerun/models/layers.py) over experts dequantized
+``expert_ffn`` and ``combine_experts`` are the expert math the model's layers run on resident
+weights. ``moe_experts_ref`` is ``combine_experts`` over experts dequantized
 from their slots with ``dequantize_block``: a token's experts are summed in ascending *expert
 id* order (``expert_ids``), not in slot or router order, so the result equals the resident
 model's bit for bit and does not depend on the order of the A entries. Every kernel in this
@@ -12,10 +13,53 @@ package is compared against it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import dequantize_block
-from edgerun.models.layers import combine_experts
+
+# BLAS picks a different kernel for a row-count remainder, so a token's result could depend on
+# how many other tokens share its expert. Padded to a multiple of ROW_TILE rows, a row's result is
+# the same in any batch (tests/kernels/test_moe_reference.py), so a token's expert output does
+# not depend on which other tokens run with it.
+ROW_TILE = 4
+
+
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert: x [N, D], gate_up [2I, D], down [D, I] -> [N, D]."""
+    n = x.shape[0]
+    if n % ROW_TILE:
+        x = F.pad(x, (0, 0, 0, ROW_TILE - n % ROW_TILE))
+    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down.to(x.dtype))[:n]
+
+
+def combine_experts(x, ids, weights, expert_weights, out=None, experts=None) -> torch.Tensor:
+    """Router-weighted sum of each token's experts. x [N, D]; ids, weights [N, A];
+    ``expert_weights(e)`` gives (gate_up, down) for expert e. Experts run in ascending id order,
+    each over all its tokens, so the summation order is fixed (deterministic).
+
+    ``experts`` (lo, hi): run only the experts with lo <= id <= hi, adding into ``out``. Calls over
+    consecutive ranges in ascending order add in exactly the order one full call does, so a
+    cache too small for all of a chunk's experts at once still gives the same bits."""
+    out = torch.zeros_like(x) if out is None else out
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    ids_of, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token_of = order // ids.shape[1]
+    start = 0
+    for e, c in zip(ids_of.tolist(), counts.tolist()):
+        sel = order[start : start + c]
+        tok = token_of[start : start + c]
+        start += c
+        if experts is not None and not experts[0] <= e <= experts[1]:
+            continue
+        gate_up, down = expert_weights(e)
+        y = expert_ffn(x[tok], gate_up, down) * weights.flatten()[sel, None]
+        # tokens are unique within one expert, so this accumulate is order-free (deterministic);
+        # index_add_ on CPU is pathologically slow under thread contention
+        out.index_put_((tok,), y.to(out.dtype), accumulate=True)
+    return out
 
 
 def layout_dims(layout: BlockLayout) -> tuple[int, int]:

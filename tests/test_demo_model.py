@@ -100,7 +100,8 @@ def test_demo_generates_english_words():
     runner = Runner.load(device="cpu")
     ids = runner.tokenizer.encode("And God said")
     text = "".join(
-        e.text for e in runner.generate(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=1))
+        e.text
+        for e in runner.generate(runner.request(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=1)))
     )
     words = text.split()
     assert len(words) >= 15

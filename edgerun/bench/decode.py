@@ -41,6 +41,7 @@ from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
+from edgerun.engine.setup import cache_config
 from edgerun.models.layers import DeltaState, KVCache
 from edgerun.tools import calibrate
 from edgerun.tools.synth_bundle import qwen36_config, synth_bundle, with_layers
@@ -96,7 +97,7 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     stats = None
-    for ev in runner.generate(prompt, params):
+    for ev in runner.generate(runner.request(prompt, params)):
         if ev.token_id is not None:
             tokens.append(ev.token_id)
             if first is None:
@@ -144,21 +145,17 @@ def med(values: list[float]) -> dict:
 
 
 def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth) -> dict:
-    runner = Runner.load(
+    t0 = time.perf_counter()
+    runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
         dtype=torch.bfloat16,
-        quota=quota,
+        cache=cache_config(Path(bundle_dir), quota=quota, read_depth=depth),
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
         prefill_chunk=len(prompt),
-        read_depth=depth,
     )
-    rec = {"config": name, "quota": quota}
-    if warm_all:
-        t0 = time.perf_counter()
-        runner.cache.warm({layer: [1.0] * bundle.args.num_experts for layer in bundle.args.moe_layers})
-        rec["warm_s"] = time.perf_counter() - t0
+    rec = {"config": name, "quota": quota, "load_s": time.perf_counter() - t0}
     eager = one_run(runner, prompt, decode)
     runner.set_kernels(KernelPolicy(graphs="on"))
     state = runner.new_state(capacity)  # the decoder at the runs' size: warm-up step + capture, untimed

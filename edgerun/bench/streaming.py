@@ -28,8 +28,10 @@ from edgerun.bundle.reader import Bundle
 from edgerun.cache.reader import BlockReader
 from edgerun.engine.runner import DEMO_MODEL, Runner
 from edgerun.engine.sampler import SamplingParams
+from edgerun.engine.setup import cache_config
+from edgerun.engine.trace import RouteRecorder
 from edgerun.tools.routes import read_trace
-from edgerun.tools.simulate import RouteRecorder, simulate
+from edgerun.tools.simulate import simulate
 from edgerun.tools.synth import synthesize_checkpoint
 
 SYNTH = {
@@ -118,7 +120,7 @@ def calibrate(bundle: Bundle, inflight: int) -> float:
 
 
 def decode_rate(runner: Runner, ids: list[int], n: int) -> float:
-    events = list(runner.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True)))
+    events = list(runner.generate(runner.request(ids, SamplingParams(max_tokens=n, ignore_eos=True))))
     return events[-1].stats.decode_tps
 
 
@@ -148,7 +150,11 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
         trace_path = workdir / f"{name}-q{quota}.jsonl"
         rates, bws, counted = [], [], None
         for r in range(repeats):
-            runner = Runner.load(bundle_dir, device="cpu", quota=quota, read_mode="direct")
+            runner = Runner.load(
+                bundle_dir,
+                device="cpu",
+                cache=cache_config(Path(bundle_dir), quota=quota, read_mode="direct"),
+            )
             rec = RouteRecorder(runner.model, args, trace_path, name) if r == 0 else None
             rates.append(decode_rate(runner, ids, tokens))
             if rec:
@@ -170,7 +176,9 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
     for mode in ("direct", "buffered"):
         evict(files)
         before = cached_bytes(files)
-        runner = Runner.load(bundle_dir, device="cpu", quota=quotas[0], read_mode=mode)
+        runner = Runner.load(
+            bundle_dir, device="cpu", cache=cache_config(Path(bundle_dir), quota=quotas[0], read_mode=mode)
+        )
         decode_rate(runner, ids, tokens)
         read = runner.cache.totals().bytes_read
         runner.cache.close()

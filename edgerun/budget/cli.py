@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from edgerun.budget import inputs
@@ -14,6 +15,7 @@ from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.layout import QUANTS
 from edgerun.config import load_device_profile
 from edgerun.errors import EdgerunError
+from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.tools.routes import read_trace
 
 EXIT_FITS, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -51,19 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-buffers", type=int, default=None, help="pinned read buffers (2 x top_k)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill forward (512)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="plan no CUDA graph pool")
+    add_provider_arguments(parser)
 
 
 def run(ns: argparse.Namespace) -> int:
     try:
         device = load_device_profile(ns.device)
+        providers = ProviderPolicy.from_namespace(ns)
         if ns.bundle:
             if ns.quant is not None or ns.group_size is not None:
                 raise EdgerunError("--quant / --group-size do not apply to --bundle: its manifest says")
-            model = inputs.from_bundle(ns.bundle)
+            model = inputs.from_bundle(ns.bundle, providers)
         elif ns.checkpoint:
-            model = inputs.from_checkpoint(ns.checkpoint, ns.quant or "int4", ns.group_size)
+            model = inputs.from_checkpoint(ns.checkpoint, ns.quant or "int4", ns.group_size, providers)
         else:
-            model = inputs.from_config_file(ns.config, ns.quant or "int4", ns.group_size)
+            model = inputs.from_config_file(ns.config, ns.quant or "int4", ns.group_size, providers)
         options = PlanOptions(
             dense_dtype=ns.dense_dtype,
             kv_dtype=ns.kv_dtype,
@@ -95,10 +99,18 @@ def run(ns: argparse.Namespace) -> int:
     return EXIT_FITS
 
 
-def plan_for_bundle(bundle: str | Path, profile: str | Path, context: int | None = None, batch: int = 1):
+def plan_for_bundle(
+    bundle: str | Path,
+    profile: str | Path,
+    context: int | None = None,
+    batch: int = 1,
+    providers: ProviderPolicy | None = None,
+    resident: Mapping[str, int] | None = None,
+):
     """The plan the engine sizes its expert cache by (default options; context None: the
-    model's maximum, capped at 4096)."""
-    model = inputs.from_bundle(bundle)
+    model's maximum, capped at 4096). ``resident``: bytes per category that loading measured,
+    in place of the estimate from the tensor inventory."""
+    model = inputs.from_bundle(bundle, providers)
     context = context or min(4096, model.args.max_position_embeddings)
     return plan(
         model.args,
@@ -110,6 +122,7 @@ def plan_for_bundle(bundle: str | Path, profile: str | Path, context: int | None
         PlanOptions(),
         None,
         model_name=model.name,
+        resident=resident,
         notes=model.notes,
     )
 

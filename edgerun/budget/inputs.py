@@ -14,6 +14,7 @@ from edgerun.bundle.layout import ALIGN
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, TensorSpec
+from edgerun.models.providers import ProviderPolicy
 from edgerun.models.registry import architecture
 
 
@@ -26,8 +27,15 @@ class ModelInput:
     notes: tuple[str, ...]
 
 
-def _from_config(cfg: dict[str, Any], source: str, name: str, quant: str, group: int | None) -> ModelInput:
-    arch = architecture(cfg.get("model_type"), source)
+def _from_config(
+    cfg: dict[str, Any],
+    source: str,
+    name: str,
+    quant: str,
+    group: int | None,
+    providers: ProviderPolicy | None,
+) -> ModelInput:
+    arch = architecture(cfg.get("model_type"), source, providers)
     args = arch.model_args(cfg, source)
     experts = expert_source_from_layout(args, quant, group)
     notes = []
@@ -38,24 +46,35 @@ def _from_config(cfg: dict[str, Any], source: str, name: str, quant: str, group:
     return ModelInput(name, args, tuple(arch.tensor_specs(args)), experts, tuple(notes))
 
 
-def from_config_file(path: str | Path, quant: str = "int4", group_size: int | None = None) -> ModelInput:
-    """A bare ``config.json`` (or any JSON file holding an HF config)."""
+def from_config_file(
+    path: str | Path,
+    quant: str = "int4",
+    group_size: int | None = None,
+    providers: ProviderPolicy | None = None,
+) -> ModelInput:
+    """A bare ``config.json`` (or any JSON file holding an HF config). ``providers``: which
+    installed architecture providers may serve its ``model_type`` (default: built-ins only)."""
     path = Path(path)
     cfg = A.read_config(path)
     name = path.parent.name if path.name == "config.json" else path.stem
-    return _from_config(cfg, str(path), name, quant, group_size)
+    return _from_config(cfg, str(path), name, quant, group_size, providers)
 
 
-def from_checkpoint(path: str | Path, quant: str = "int4", group_size: int | None = None) -> ModelInput:
+def from_checkpoint(
+    path: str | Path,
+    quant: str = "int4",
+    group_size: int | None = None,
+    providers: ProviderPolicy | None = None,
+) -> ModelInput:
     """An HF checkpoint directory: only its ``config.json`` is read."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path}: not a directory (for a bare config.json use --config)")
     cfg = A.read_config(path)
-    return _from_config(cfg, str(path / "config.json"), path.name, quant, group_size)
+    return _from_config(cfg, str(path / "config.json"), path.name, quant, group_size, providers)
 
 
-def from_bundle(path: str | Path) -> ModelInput:
+def from_bundle(path: str | Path, providers: ProviderPolicy | None = None) -> ModelInput:
     """An edgerun bundle: the model config, quantization and per-layer block sizes come from its
     ``manifest.json`` (keys read: ``model_config``, ``quant`` {scheme, group_size}, ``layers``
     [{layer, block_bytes}])."""
@@ -76,7 +95,7 @@ def from_bundle(path: str | Path) -> ModelInput:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{mpath}: manifest key 'model_config' (the HF config) is missing or not an object")
     scheme, group = _manifest_quant(m.get("quant"), mpath)
-    probe = _from_config(cfg, f"{mpath} model_config", path.name, scheme, group)
+    probe = _from_config(cfg, f"{mpath} model_config", path.name, scheme, group, providers)
     moe = probe.args.moe_layers
     expected = probe.experts.block_bytes[0] if moe else 0
     blocks = _manifest_blocks(m, moe, mpath)

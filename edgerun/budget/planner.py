@@ -12,17 +12,19 @@ S = context tokens, a = bytes per dense activation.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgerun.bundle.layout import expert_block_layout
-from edgerun.cache.policy import LRUSet
 from edgerun.config import DeviceProfile, format_bytes
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, TensorSpec
-from edgerun.tools.routes import RouteTrace
+
+if TYPE_CHECKING:  # the planner reads a trace's header and tokens; it never reads a file
+    from edgerun.tools.routes import RouteTrace
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # what the runtime can hold weights and KV in
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (models/layers.py)
@@ -490,21 +492,24 @@ def trace_steps(trace: RouteTrace, batch: int) -> list[list[tuple[int, ...]]]:
 
 
 def miss_curve(steps: Sequence[Sequence[int]], num_experts: int) -> list[int]:
-    """misses[Q] for Q = 0..E under :class:`LRUSet` semantics, in one pass (LRU's stack property:
-    an id hits at quota Q iff fewer than Q other ids were used since it last was). Valid for Q at
-    least every step's distinct ids."""
+    """misses[Q] for Q = 0..num_experts under the expert cache's LRU (``cache.policy.LRUSet``: a
+    step's ids deduplicated in order, hits decided against what the step found, then every id of
+    the step most recent, the earliest oldest), in one pass. LRU's stack property makes this exact:
+    an id hits at quota Q iff fewer than Q other ids were used since it last was. Valid for Q at
+    least every step's distinct ids (the cache refuses smaller quotas)."""
     stack: list[int] = []  # most recent first, a step's ids in reverse router order
-    hist = [0] * (num_experts + 1)  # hits by stack depth
+    hist: Counter[int] = Counter()  # hits by stack depth
     total = 0
-    for step in steps:
+    for ids in steps:
+        step = list(dict.fromkeys(ids))
         total += len(step)
         for e in step:  # depths at the start of the step: a step's ids never evict each other
-            if e in stack:
+            try:
                 hist[stack.index(e)] += 1
-        for e in step:
-            if e in stack:
-                stack.remove(e)
-        stack[0:0] = reversed(step)
+            except ValueError:
+                pass  # first use: a miss at every quota
+        seen = set(step)
+        stack = step[::-1] + [e for e in stack if e not in seen]
     curve, hits = [], 0
     for q in range(num_experts + 1):
         curve.append(total - hits)
@@ -513,9 +518,17 @@ def miss_curve(steps: Sequence[Sequence[int]], num_experts: int) -> list[int]:
 
 
 def replay(steps: Sequence[Sequence[int]], quota: int) -> int:
-    """Misses of one layer's steps through the cache's own LRU."""
-    lru = LRUSet(quota)
-    return sum(len(lru.access(s).misses) for s in steps)
+    """Misses of one layer's steps through the cache's LRU with ``quota`` slots; refused, as the
+    cache refuses it, when a step holds more distinct ids than the quota."""
+    if quota < 1:
+        raise ValueError(f"quota must be >= 1, got {quota}")
+    widest = max((len(set(s)) for s in steps), default=0)
+    if widest > quota:
+        raise ValueError(
+            f"a step routes to {widest} distinct experts but the quota is {quota}: "
+            "one step's experts would evict each other"
+        )
+    return miss_curve(steps, quota)[quota]
 
 
 # --------------------------------------------------------------------------------------------

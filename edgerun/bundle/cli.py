@@ -1,15 +1,17 @@
 """`convert` and `verify` subcommands. ``edgerun.cli`` adds them with ``add_*_arguments`` and runs
-them with ``run_*``; ``python -m edgerun.bundle.cli convert|verify ...`` runs them alone."""
+them with ``run_*``; ``python -m edgerun.bundle.cli convert|verify ...`` runs them alone.
+
+Building the parser imports no torch (``edgerun plan`` shares it): the converter and the reader
+are imported by the ``run_*`` functions."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
 from edgerun.bundle.layout import QUANTS
-from edgerun.bundle.verify import verify_bundle
 from edgerun.errors import EdgerunError
+from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,17 +39,21 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read safetensors headers only; print every tensor's classification and the bundle's sizes",
     )
+    add_provider_arguments(p)
 
 
 def run_convert(ns: argparse.Namespace) -> int:
+    from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
+
     options = ConvertOptions(quant=ns.quant, group=ns.group, rotate=ns.rotate, dense_dtype=ns.dense_dtype)
     try:
+        providers = ProviderPolicy.from_namespace(ns)
         if ns.dry_run:
-            plan = plan_conversion(ns.src, options)
+            plan = plan_conversion(ns.src, options, providers)
             print(dry_run_report(plan))
             plan.check()
             return 0
-        convert(ns.src, ns.dst, options, log=sys.stderr)
+        convert(ns.src, ns.dst, options, log=sys.stderr, providers=providers)
     except (EdgerunError, OSError) as exc:
         print(f"convert: error: {exc}", file=sys.stderr)
         return 1
@@ -57,11 +63,14 @@ def run_convert(ns: argparse.Namespace) -> int:
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="bundle directory")
     p.add_argument("--deep", action="store_true", help="also hash every file and block against the manifest")
+    add_provider_arguments(p)
 
 
 def run_verify(ns: argparse.Namespace) -> int:
+    from edgerun.bundle.verify import verify_bundle
+
     try:
-        report = verify_bundle(ns.dst, deep=ns.deep)
+        report = verify_bundle(ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns))
     except (EdgerunError, OSError) as exc:
         print(f"verify: FAILED: {exc}", file=sys.stderr)
         return 1

@@ -42,6 +42,7 @@ from edgerun.models.checkpoint import (
     read_entries,
     source_dtype,
 )
+from edgerun.models.providers import ProviderPolicy
 from edgerun.models.registry import load_args
 from edgerun.safetensors_io import DTYPES, ITEMSIZE, TensorEntry
 
@@ -187,12 +188,16 @@ def _header_hash(path: Path) -> str:
         return F.part_hash(f.read(n))
 
 
-def plan_conversion(src: str | Path, options: ConvertOptions) -> ConversionPlan:
+def plan_conversion(
+    src: str | Path, options: ConvertOptions, providers: ProviderPolicy | None = None
+) -> ConversionPlan:
     """Classify every source tensor and size the bundle, reading only safetensors headers.
-    Problems (unknown or missing tensors, wrong shapes) are collected, not raised: see ``check``."""
+    Problems (unknown or missing tensors, wrong shapes) are collected, not raised: see ``check``.
+    ``providers``: which installed architecture providers may serve the checkpoint's model_type
+    (default: built-in architectures only)."""
     src = Path(src)
     config = read_config(src)
-    arch, args = load_args(src)
+    arch, args = load_args(src, providers)
     if not args.moe_layers:
         raise ConfigError(f"{src}: the model has no MoE layers; a bundle streams routed experts")
     if options.dense_dtype is not None and options.dense_dtype not in DENSE_DTYPES:
@@ -600,12 +605,14 @@ def convert(
     log: TextIO | None = None,
     tty: bool | None = None,
     on_block: Callable[[int, int], None] | None = None,
+    providers: ProviderPolicy | None = None,
 ) -> F.Manifest:
     """Convert checkpoint ``src`` into bundle ``dst``; returns the manifest written. Progress goes
     to ``log`` (None: silent) as a bar when it is a terminal (or ``tty``), as lines otherwise.
-    ``on_block(layer, expert)`` runs after each block is written (tests use it to kill a run)."""
+    ``on_block(layer, expert)`` runs after each block is written (tests use it to kill a run).
+    ``providers``: as for :func:`plan_conversion`."""
     src, dst = Path(src), Path(dst)
-    plan = plan_conversion(src, options)
+    plan = plan_conversion(src, options, providers)
     plan.check()
     todo = sum(r.entry.nbytes for r in plan.resident) + sum(x.nbytes for x in plan.experts)
     bar = Progress(todo, log, tty)

@@ -11,9 +11,12 @@ group) changes how the bytes are read back, never where they are. Pure arithmeti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from edgerun.errors import ConfigError
-from edgerun.models.args import ModelArgs
+
+if TYPE_CHECKING:
+    from edgerun.models.args import ModelArgs
 
 ALIGN = 4096
 COMPONENT_ALIGN = 64

@@ -24,7 +24,8 @@ from edgerun.errors import EdgerunError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs
 from edgerun.models.checkpoint import LoadReport, load_entries, set_parameter
-from edgerun.models.registry import load_args
+from edgerun.models.providers import ProviderError, ProviderPolicy, Resolution
+from edgerun.models.registry import resolve_config
 from edgerun.safetensors_io import DTYPES, TensorEntry, read_header
 
 __all__ = ["Bundle", "BundleError", "dequantize_block", "load_bundle_model"]
@@ -39,15 +40,20 @@ class Bundle:
     args: ModelArgs
     dense: dict[str, TensorEntry]  # dense.safetensors header, by canonical name
     layouts: dict[int, BlockLayout]  # MoE layer -> block layout
+    provider: Resolution | None = None  # which provider supplied the architecture
 
     @classmethod
-    def open(cls, root: str | Path) -> Bundle:
-        """Validate ``root`` (cheap checks only: no payload is read) and return the bundle."""
+    def open(cls, root: str | Path, *, providers: ProviderPolicy | None = None) -> Bundle:
+        """Validate ``root`` (cheap checks only: no payload is read) and return the bundle.
+        ``providers``: which installed architecture providers may serve the bundle's model_type
+        (default: built-in architectures only)."""
         root = Path(root)
         m = F.read_manifest(root)
         mpath = root / F.MANIFEST
         try:
-            arch, args = load_args(m.config)
+            arch, args, resolution = resolve_config(m.config, providers)
+        except ProviderError as exc:  # the user's policy refused it: the bundle is not at fault
+            raise ProviderError(f"{mpath}: {exc}") from exc
         except EdgerunError as exc:
             raise BundleError(f"{mpath}: key 'model_config' is not a usable model config: {exc}") from exc
         if args.model_type != m.model_type:
@@ -66,7 +72,7 @@ class Bundle:
         for rec in m.layers:
             _check_expert_files(root, rec)
         _check_file_sizes(root, m)
-        return cls(root, m, arch, args, dense, layouts)
+        return cls(root, m, arch, args, dense, layouts, resolution)
 
     def expert_path(self, layer: int) -> Path:
         return self.root / self.manifest.layer(layer).file
@@ -124,16 +130,19 @@ def load_bundle_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     experts: bool = True,
+    *,
+    providers: ProviderPolicy | None = None,
 ) -> tuple[nn.Module, ModelArgs, LoadReport]:
     """The model ``load_model`` would build, from a bundle: dense weights from dense.safetensors,
     routed experts dequantized from their blocks (``dequantize_block``, the streaming path's own
     dequantizer). ``dtype`` None: the source checkpoint's dtype. ``experts=False`` leaves them on
     the meta device for a caller that streams them. The bundle is validated before anything is
-    allocated."""
-    b = root if isinstance(root, Bundle) else Bundle.open(root)
+    allocated. ``providers`` applies when ``root`` is a path (an open Bundle already resolved)."""
+    b = root if isinstance(root, Bundle) else Bundle.open(root, providers=providers)
     dtype = dtype or DTYPES[b.manifest.dtype]
     model, report = load_entries(b.arch, b.args, b.dense, dtype=dtype, device=device, experts=False)
     report.files = 1 + len(b.manifest.layers)
+    report.provider = b.provider
     report.expert_layout = f"bundle {b.manifest.quant.scheme}"
     if experts:
         E, I, D = b.args.num_experts, b.args.moe_intermediate_size, b.args.hidden_size

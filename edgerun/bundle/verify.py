@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgerun.bundle import format as F
 from edgerun.bundle.reader import Bundle, BundleError
+from edgerun.models.providers import ProviderPolicy
 
 CHUNK = 16 << 20
 
@@ -37,8 +38,12 @@ class VerifyReport:
         )
 
 
-def verify_bundle(root: str | Path, deep: bool = False) -> VerifyReport:
-    b = Bundle.open(root)
+def verify_bundle(
+    root: str | Path, deep: bool = False, providers: ProviderPolicy | None = None
+) -> VerifyReport:
+    """``providers``: which installed architecture providers may serve the bundle's model_type
+    (its tensor inventory is checked against the architecture)."""
+    b = Bundle.open(root, providers=providers)
     hashed = 0
     if deep:
         m = b.manifest

@@ -19,15 +19,15 @@ Where the slots live (``pool``):
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from edgerun.bundle.quant import dequantize_block
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
-from edgerun.kernels.moe import moe_experts
+from edgerun.config import CacheConfig
 
 
 @dataclass
@@ -59,29 +59,28 @@ POOLS = ("host", "device", "mapped")
 
 
 class ExpertCache:
+    """A bundle's routed experts in bounded per-layer slot pools, as ``config`` sizes them.
+    Keeps books and moves bytes; the expert step itself is ``engine/streaming.run_experts``."""
+
     def __init__(
         self,
         bundle: Bundle,
-        quota: int | dict[int, int],
-        staging: int | None = None,
-        read_mode: str = "auto",
-        read_depth: int | None = None,
+        config: CacheConfig,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-        budget_bytes: int | None = None,
-        pool: str | None = None,
-        host_quota: int | dict[int, int] | None = None,
     ) -> None:
         args = bundle.args
         device = torch.device(device)
-        pool = pool or ("host" if device.type == "cpu" else "device")
+        pool, staging, budget_bytes = config.pool, config.staging, config.budget
+        if pool is None:  # host memory is device memory on unified profiles: the GPU reads slots there
+            pool = "host" if device.type == "cpu" else "mapped" if config.unified_memory else "device"
         if pool not in POOLS:
             raise QuotaError(f"slot pool {pool!r} is not one of {', '.join(POOLS)}")
         if (pool == "host") != (device.type == "cpu"):
             raise QuotaError(
                 f"slot pool {pool!r} does not serve device {device}: host is for cpu, device and mapped for cuda"
             )
-        quotas = quota if isinstance(quota, dict) else {layer: quota for layer in args.moe_layers}
+        quotas = config.quota_by_layer(args.moe_layers)
         if sorted(quotas) != sorted(args.moe_layers):
             raise QuotaError(
                 f"quotas given for layers {sorted(quotas)}, the model's MoE layers are {list(args.moe_layers)}"
@@ -116,16 +115,16 @@ class ExpertCache:
         self.footprint_bytes = need
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
-        self.readers = {bb: BlockReader(bb, staging, read_mode, read_depth) for bb in block_sizes}
+        self.readers = {
+            bb: BlockReader(bb, staging, config.read_mode, config.read_depth) for bb in block_sizes
+        }
         self.copy_stream = None
         if pool == "device":
             # each read's staging buffer (page-locked) is copied to its slot on a side stream; the
             # read owns the buffer until its copy has completed
             self.copy_stream = torch.cuda.Stream(self.device)
             for r in self.readers.values():
-                reason = r.pin()
-                if reason:
-                    self._fallbacks["pageable_staging"] = reason
+                r.pin()  # a refusal is the reader's pageable_staging fallback
         self._host: list = []  # aligned mappings / pinned tensors backing host-side pools (kept alive)
         self.pools: dict[int, torch.Tensor] = {}  # what kernels read: [Q, block_bytes] uint8 on self.device
         self.host_slots: dict[int, torch.Tensor] = {}  # host and mapped pools: where reads land
@@ -143,8 +142,8 @@ class ExpertCache:
         self.tier: dict[int, LayerSlots] = {}
         self.tier_mem: dict[int, torch.Tensor] = {}
         self.host_tier_bytes = 0
-        if host_quota:
-            self._make_tier(host_quota, quotas)
+        if config.host_quotas:
+            self._make_tier(config.host_quotas, quotas)
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
         self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
         for layer, q in quotas.items():
@@ -154,9 +153,9 @@ class ExpertCache:
                 None if s is None else torch.ones(q, 2, dtype=torch.float32, device=self.device)
             )
 
-    def _make_tier(self, host_quota: int | dict[int, int], quotas: dict[int, int]) -> None:
+    def _make_tier(self, host_quota: int | Mapping[int, int], quotas: dict[int, int]) -> None:
         args = self.bundle.args
-        hq = host_quota if isinstance(host_quota, dict) else {layer: host_quota for layer in quotas}
+        hq = dict(host_quota) if isinstance(host_quota, Mapping) else {layer: host_quota for layer in quotas}
         if sorted(hq) != sorted(quotas):
             raise QuotaError(
                 f"host tier quotas given for layers {sorted(hq)}, the MoE layers are {sorted(quotas)}"
@@ -296,11 +295,11 @@ class ExpertCache:
         self._fill(layer, fills)
         return refs
 
-    def slot_rows(self, layer: int, rows: list[list[int]]) -> list[list[int]]:
-        """The slot of every entry of ``rows`` (tokens' expert ids), reading the misses: what a
-        kernel's slot-index tensor holds."""
-        slot_of = {r.expert: r.slot for r in self.get_many(layer, [e for row in rows for e in row])}
-        return [[slot_of[e] for e in row] for row in rows]
+    def check(self, layer: int, refs) -> None:
+        """Refuse (:class:`StaleSlotError`) any reference whose slot was refilled since its lookup."""
+        table = self.slots[layer]
+        for ref in refs:
+            table.check(ref)
 
     def slot_table(self, layer: int) -> torch.Tensor | None:
         """expert -> slot (int64 [E] on the device) when every expert of ``layer`` is held, so a
@@ -311,28 +310,17 @@ class ExpertCache:
             return None
         return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
 
-    def run(self, layer: int, x, slots, ids, weights, policy, **part) -> torch.Tensor:
-        """The routed-expert step of ``layer`` over its slot pool: ``moe_experts`` with this
-        layer's pool, layout and per-slot scales (``part``: its acc / expert_range)."""
-        return moe_experts(
-            x, self.pools[layer], slots, ids, weights, self.bundle.layouts[layer], self.slot_scales[layer],
-            policy, **part,
-        )  # fmt: skip
-
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""
         self.slots[layer].counters.hits += n
 
-    def weights(self, ref: SlotRef) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, D], down [D, I]) of a referenced expert, dequantized from its slot."""
-        self.slots[ref.layer].check(ref)
-        scales = self.scales[ref.layer]
-        return dequantize_block(
-            self.bundle.layouts[ref.layer],
-            self.pools[ref.layer][ref.slot],
-            None if scales is None else scales[ref.expert],
-            self.dtype,
-        )
+    def hold_complete_layers(self) -> None:
+        """Read in every expert of each layer whose quota holds them all: such a layer never
+        misses or evicts, so its slot table is valid from the start (one graph per decode step)."""
+        E = self.bundle.args.num_experts
+        for layer, table in self.slots.items():
+            if table.quota >= E and len(table.slot_of) < E:
+                self._preload(layer, list(range(E)))
 
     def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
         """Preload each layer's most used experts (up to its quota); they stay evictable."""
@@ -341,13 +329,17 @@ class ExpertCache:
                 raise QuotaError(f"warm set names layer {layer}, which is not a MoE layer of this model")
             counts = dict(enumerate(freq)) if isinstance(freq, list) else {int(k): v for k, v in freq.items()}
             ranked = sorted(counts, key=lambda e: (-counts[e], e))
-            reads, bb = self.io[layer].bytes_read, self.bundle.layouts[layer].block_bytes
-            if layer in self.tier:
-                self._tier_get(layer, ranked[: self.tier[layer].quota][::-1], count=False)
-            top = ranked[: self.slots[layer].quota][::-1]  # least used first: the most used ends most recent
-            _, fills = self.slots[layer].assign(top, count=False)  # warm reads are not misses
-            self._fill(layer, fills)
-            self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // bb  # storage reads
+            self._preload(layer, ranked[::-1])  # least used first: the most used ends most recent
+
+    def _preload(self, layer: int, experts: list[int]) -> None:
+        """Bring the last ``quota`` of ``experts`` (the last most recent) into the slots (and the
+        last tier-quota into the host tier); counted as warm reads, not misses."""
+        reads, bb = self.io[layer].bytes_read, self.bundle.layouts[layer].block_bytes
+        if layer in self.tier:
+            self._tier_get(layer, experts[-self.tier[layer].quota :], count=False)
+        _, fills = self.slots[layer].assign(experts[-self.slots[layer].quota :], count=False)
+        self._fill(layer, fills)
+        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // bb  # storage reads
 
     # ---- reporting ----------------------------------------------------------------------
 
@@ -373,6 +365,14 @@ class ExpertCache:
         out: dict[str, str] = dict(self._fallbacks)
         for r in self.readers.values():
             out.update(r.stats.fallbacks)
+        return out
+
+    def fallback_reads(self) -> dict[str, int]:
+        """Reads served under each read fallback (buffered reads, pageable staging)."""
+        out: dict[str, int] = {}
+        for r in self.readers.values():
+            for kind, n in r.stats.fallback_reads.items():
+                out[kind] = out.get(kind, 0) + n
         return out
 
     def close(self) -> None:

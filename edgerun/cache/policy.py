@@ -69,3 +69,13 @@ class LRUSet:
             self._order[e] = None
             self._order.move_to_end(e)
         return Access(hits, misses, tuple(evictions))
+
+
+def fetches(rows: list[list[int]], quota: int) -> list[list[int]]:
+    """The cache lookups one forward of a layer makes, in order: every token's experts at once
+    when their union fits the quota, else the distinct experts in ascending-id batches of at
+    most ``quota`` (the streaming layer runs exactly these; the simulator replays them)."""
+    distinct = sorted({e for row in rows for e in row})
+    if len(distinct) <= quota:
+        return [[e for row in rows for e in row]]
+    return [distinct[lo : lo + quota] for lo in range(0, len(distinct), quota)]

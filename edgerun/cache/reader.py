@@ -59,6 +59,9 @@ def check_alignment(offset: int, length: int, address: int, what: str) -> None:
         raise AlignmentError(f"O_DIRECT read of {what}: " + "; ".join(problems))
 
 
+READ_FALLBACKS = ("direct_read", "pageable_staging")  # counted per read they serve
+
+
 @dataclass
 class ReadStats:
     reads: int = 0
@@ -66,6 +69,7 @@ class ReadStats:
     seconds: float = 0.0  # summed per-read wall time (reads overlap: see wall_seconds)
     wall_seconds: float = 0.0  # time with at least one read in flight
     fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> reason
+    fallback_reads: dict[str, int] = field(default_factory=dict)  # kind -> reads it served
 
     @property
     def bandwidth(self) -> float:
@@ -178,9 +182,13 @@ class BlockReader:
             if sink is not None:
                 sink(view)
             with self._lock:
-                self.stats.reads += 1
-                self.stats.bytes += n
-                self.stats.seconds += dt
+                st = self.stats
+                st.reads += 1
+                st.bytes += n
+                st.seconds += dt
+                for kind in st.fallbacks:  # direct_read: this read was buffered; pageable_staging: staged
+                    if kind == "direct_read" or dest is None:
+                        st.fallback_reads[kind] = st.fallback_reads.get(kind, 0) + 1
             return n
         finally:
             if buf is not None:
@@ -218,7 +226,9 @@ class BlockReader:
             err = cudart.cudaHostRegister(buffer_address(b), len(b), 0)
             if int(err) != 0:
                 cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it as its own
-                return f"cudaHostRegister failed ({err}): staging buffers stay pageable"
+                reason = f"cudaHostRegister failed ({err}): staging buffers stay pageable"
+                self.stats.fallbacks["pageable_staging"] = reason
+                return reason
             self._pinned.append(b)
         return None
 

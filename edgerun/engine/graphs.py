@@ -19,9 +19,12 @@ What a MoE layer's expert step needs decides its operations:
 - ``eager``: the reference expert step (host-side dequantization) runs between segments.
 - ``stacked``: resident stacked expert weights, gathered by id on the device (capturable).
 
-Attention reads the whole static KV buffer with a mask (positions after the current one are
-masked), so its shapes never change; the position and token are device tensors the host writes
-before each step. Prefill runs the model's own forward on the same static state.
+The model math is the model's own (``DecoderLayer.mix_static``, ``SparseMoe``, ``Experts``) and
+the routed-expert step is ``engine/streaming.run_experts``, the one the streaming layer calls:
+this module only plans, captures and replays. Attention reads the whole static KV buffer with
+a mask (``Attention.decode_static``), so its shapes never change; the position and token are
+device tensors the host writes before each step. Prefill runs the model's own forward on the
+same static state.
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from edgerun.engine.streaming import StreamingExperts
-from edgerun.models import args as A
-from edgerun.models.layers import Attention, DecodeState, DeltaState, SparseMoe, apply_rotary
+from edgerun.cache.slots import SlotRef
+from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
+from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
 
 
 @dataclass
@@ -52,6 +54,7 @@ class _MoeBuffers:
     slots: torch.Tensor  # [1, A] int64, the slot of each id (routed and table modes)
     slots_host: torch.Tensor | None  # pinned [1, A] staging of ``slots`` (routed mode)
     table: torch.Tensor | None  # [E] int64 expert -> slot (table mode)
+    refs: list[SlotRef]  # the lookup's references, checked when the expert step is queued
 
 
 class DecodeGraphs:
@@ -76,13 +79,17 @@ class DecodeGraphs:
         self.state = model.new_state(1, capacity, device=self.device)
         self.token = torch.zeros(1, 1, dtype=torch.long, **kw)
         self.pos = torch.zeros(1, dtype=torch.long, **kw)
-        self.kv_index = torch.arange(capacity, **kw)
         self.x = torch.zeros(1, D, dtype=self.dtype, **kw)
         self.h = torch.zeros_like(self.x)
         self.shared = torch.zeros_like(self.x)
         R = args.rotary_dim
-        self.cos = torch.zeros(1, R, dtype=self.dtype, **kw)
-        self.sin = torch.zeros(1, R, dtype=self.dtype, **kw)
+        self.static = StaticStep(
+            cos=torch.zeros(1, R, dtype=self.dtype, **kw),
+            sin=torch.zeros(1, R, dtype=self.dtype, **kw),
+            pos=self.pos,
+            kv_index=torch.arange(capacity, **kw),
+            fused=policy.dense == "triton",
+        )
         self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
         self.modes: dict[int, str] = {}
         self.moe: dict[int, _MoeBuffers] = {}
@@ -96,6 +103,7 @@ class DecodeGraphs:
                     slots=torch.zeros(1, K, dtype=torch.long, **kw),
                     slots_host=torch.zeros(1, K, dtype=torch.long).pin_memory() if mode == "routed" else None,
                     table=table,
+                    refs=[],
                 )
         self.ops = self._plan()
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -154,41 +162,12 @@ class DecodeGraphs:
     def _embed(self) -> None:
         self.x.copy_(self.model.model.embed_tokens(self.token)[0])
         cos, sin = self.model.rotary(self.pos, self.dtype)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-
-    def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
-        if self.policy.dense == "triton":
-            from edgerun.kernels import dense_triton
-
-            return dense_triton.rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
-        return norm(x)
-
-    def _delta(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """The Gated DeltaNet step of layer i on h [1, D]: the module, or the fused kernel
-        between the module's own projections."""
-        ln, st = self.layers[i].linear_attn, self.state.layers[i]
-        if self.policy.dense != "triton":
-            return ln(h[None], st)[0]
-        from edgerun.kernels import dense_triton
-
-        out = dense_triton.delta_decode(
-            ln.in_proj_qkv(h)[0], ln.in_proj_z(h)[0], ln.in_proj_a(h)[0], ln.in_proj_b(h)[0],
-            st.conv[0], ln.conv1d.weight[:, 0], ln.A_log, ln.dt_bias, st.recurrent[0],
-            ln.norm.weight, ln.norm.eps, ln.n_k, ln.n_v, ln.dk, ln.dv,
-        )  # fmt: skip
-        return ln.out_proj(out[None])
+        self.static.cos.copy_(cos)
+        self.static.sin.copy_(sin)
 
     def _mixer(self, i: int) -> None:
         layer = self.layers[i]
-        h = self._norm(layer.input_layernorm, self.x)
-        if layer.kind == A.FULL_ATTENTION:
-            st = self.state.layers[i]
-            h = attention_step(layer.self_attn, h[None], self.cos, self.sin, st, self.pos, self.kv_index)[0]
-        else:
-            h = self._delta(i, h)
-        self.x.add_(h)  # the residual stream, in place (one kernel, the same rounding as x + h)
-        hn = self._norm(layer.post_attention_layernorm, self.x)
+        hn = layer.mix_static(self.x, self.state.layers[i], self.static)
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoe):
             self.x.add_(mlp(hn))
@@ -199,43 +178,45 @@ class DecodeGraphs:
         buf.ids.copy_(ids)
         self.h.copy_(hn)
         if mlp.has_shared:
-            self.shared.copy_(torch.sigmoid(mlp.shared_expert_gate(hn)) * mlp.shared_expert(hn))
+            self.shared.copy_(mlp.shared_output(hn))
 
-    def _add_experts(self, i: int, out: torch.Tensor) -> None:
-        if self.layers[i].mlp.has_shared:
-            out = out + self.shared
-        self.x.add_(out)
+    def _add_experts(self, i: int, routed: torch.Tensor) -> None:
+        mlp = self.layers[i].mlp
+        self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _route(self, i: int) -> None:
         buf = self.moe[i]
-        buf.slots_host[:] = torch.tensor(self.cache.slot_rows(i, buf.ids.tolist()))  # waits for the router
+        slots, buf.refs = lookup(self.cache, i, buf.ids.tolist(), "cpu")  # waits for the router
+        buf.slots_host.copy_(slots)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
         if buf.table is not None:
             torch.index_select(buf.table, 0, buf.ids[0], out=buf.slots[0])
-        self._add_experts(i, self.cache.run(i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe))
+        # routed: the refs of the lookup just before this segment (captured: checked at capture,
+        # and at replay nothing runs between the lookup and the kernel)
+        routed = run_experts(
+            self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs
+        )
+        self._add_experts(i, routed)
 
     def _experts_eager(self, i: int) -> None:
         buf = self.moe[i]
-        slots = torch.tensor(self.cache.slot_rows(i, buf.ids.tolist()), device=self.device)
-        self._add_experts(i, self.cache.run(i, self.h, slots, buf.ids, buf.weights, self.policy.moe))
+        slots, refs = lookup(self.cache, i, buf.ids.tolist(), self.device)
+        routed = run_experts(self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs)
+        self._add_experts(i, routed)
 
     def _experts_stacked(self, i: int) -> None:
-        experts = self.layers[i].mlp.experts
         buf = self.moe[i]
-        ids, order = torch.sort(buf.ids[0], stable=True)  # ascending expert id: a fixed sum order
-        w = buf.weights[0].index_select(0, order)
-        gate_up = experts.gate_up_proj.index_select(0, ids)  # [A, 2I, D]
-        down = experts.down_proj.index_select(0, ids)  # [A, D, I]
-        x = self.h.to(gate_up.dtype).expand(ids.shape[0], -1)[..., None]  # [A, D, 1]
-        gate, up = torch.bmm(gate_up, x)[..., 0].chunk(2, dim=-1)
-        y = torch.bmm(down, (F.silu(gate) * up)[..., None])[..., 0]  # [A, D]
-        self._add_experts(i, (y * w[:, None].to(y.dtype)).sum(0, keepdim=True).to(self.dtype))
+        self._add_experts(i, self.layers[i].mlp.experts.gathered(self.h, buf.ids, buf.weights))
 
     def _head(self) -> None:
-        self.logits.copy_(self.model.lm_head(self._norm(self.model.model.norm, self.x)))
+        self.logits.copy_(self.model.lm_head(self.model.model.norm.decode(self.x, self.static.fused)))
+
+    def routes(self) -> dict[int, list[list[int]]]:
+        """The expert ids each MoE layer's router chose in the last step (its static buffers)."""
+        return {i: buf.ids.tolist() for i, buf in self.moe.items()}
 
     # ---- running a step ---------------------------------------------------------------
 
@@ -324,32 +305,3 @@ class DecodeGraphs:
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
         how += f", dense {self.policy.dense}"
         return f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
-
-
-def attention_step(attn: Attention, x, cos, sin, cache, pos, kv_index) -> torch.Tensor:
-    """One token of :class:`Attention` over the whole static KV buffer: the new key and value
-    are written at ``pos`` (a device tensor) and later positions are masked, so no shape depends
-    on the position. Query heads are grouped under their KV head instead of repeating K and V."""
-    B, T, _ = x.shape
-    H, Hk, Dh = attn.n_heads, attn.n_kv, attn.head_dim
-    q = attn.q_proj(x)
-    gate = None
-    if attn.gated:
-        q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)
-        gate = gate.reshape(B, T, -1)
-    q = attn.q_norm(q.reshape(B, T, H, Dh)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(B, T, Hk, Dh)).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, Hk, Dh).transpose(1, 2)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    cache.k.index_copy_(2, pos, k)
-    cache.v.index_copy_(2, pos, v)
-    q = q.reshape(B, Hk, H // Hk, Dh)  # head h = kv * (H // Hk) + r, as repeat_interleave pairs them
-    # scores and softmax in fp32, then P (in the cache's dtype) times V: a few small kernels. A
-    # fused SDPA kernel with a mask over the whole buffer measured ~100 µs a layer on an H200.
-    scores = torch.matmul(q.float() * Dh**-0.5, cache.k.float().transpose(-1, -2))  # [B, Hk, H/Hk, S]
-    scores = scores.masked_fill((kv_index > pos)[None, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(cache.v.dtype), cache.v)
-    out = out.reshape(B, T, H * Dh)
-    if gate is not None:
-        out = out * torch.sigmoid(gate)
-    return attn.o_proj(out)

@@ -26,11 +26,14 @@ Fields and what they decide:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from edgerun.errors import ConfigError
-from edgerun.kernels.moe import MoeKernelPolicy
+
+if TYPE_CHECKING:  # importing the policy does not import torch: the daemon binds its socket first
+    import torch
+
+    from edgerun.kernels.moe import MoeKernelPolicy
 
 EXPERT_KERNELS = ("auto", "reference", "triton")
 DENSE_KERNELS = ("auto", "torch", "triton")
@@ -72,6 +75,9 @@ def resolve(
     """``layouts``: the bundle's expert block layouts when experts come from a slot pool (none
     for stacked resident experts, which run torch's own matmuls). ``args`` and ``dtype``: the
     model's geometry and compute dtype, for the dense kernels' probe (without them: torch)."""
+    import torch
+
+    from edgerun.kernels.moe import MoeKernelPolicy
     from edgerun.kernels.probe import probe
 
     device = torch.device(device)
@@ -109,6 +115,8 @@ def resolve(
 
 
 def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved) -> None:
+    import torch
+
     if policy.dense == "torch":
         out.choices["dense"] = "torch (by request)"
         return

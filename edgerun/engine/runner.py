@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
+from edgerun.cache.reader import READ_FALLBACKS
+from edgerun.config import CacheConfig
 from edgerun.engine.graphs import DecodeCounters, DecodeGraphs
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
-from edgerun.engine.sampler import Sampler, SamplingError, SamplingParams
+from edgerun.engine.request import Limits, Request, check_request
+from edgerun.engine.sampler import Sampler, SamplingParams
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
@@ -95,6 +98,12 @@ class Runner:
         self.kernels: Resolved = resolve(KernelPolicy(), self.device)  # load() resolves the request
         self.decoder = None  # DecodeGraphs on CUDA, sized for the longest request so far
         self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
+        self.routes = None  # a RouteRecorder (engine/trace.py) that also takes the decoder's steps
+        self._fallback_steps: dict[str, int] = {}  # engine steps run under each kernel/graph/pool fallback
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.args.vocab_size, self.max_context)
 
     def set_kernels(self, request: KernelPolicy) -> None:
         """Resolve the kernel policy against the device (probing each kernel) and hand the
@@ -116,6 +125,18 @@ class Runner:
             out.update(self.decoder.fallbacks)
         return out
 
+    def fallback_counts(self) -> dict[str, int]:
+        """How often each fallback in force was taken: reads for the read fallbacks (buffered
+        reads, pageable staging), engine steps (prefill chunks and decode steps) for the rest."""
+        reads = self.cache.fallback_reads() if self.cache is not None else {}
+        counts = reads | self._fallback_steps
+        return {kind: counts.get(kind, 0) for kind in self.fallbacks()}
+
+    def _count_step(self) -> None:
+        for kind in self.fallbacks():
+            if kind not in READ_FALLBACKS:
+                self._fallback_steps[kind] = self._fallback_steps.get(kind, 0) + 1
+
     def decode_counts(self) -> dict[str, int]:
         c = self.steps
         return {"graph": c.graph_steps, "mixed": c.mixed_steps, "eager": c.eager_steps}
@@ -131,55 +152,42 @@ class Runner:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         providers: ProviderPolicy | None = None,
-        quota: int | None = None,
-        read_mode: str = "auto",
-        read_depth: int | None = None,
-        host_quota: int | dict | None = None,
-        warm: dict | None = None,
-        cache_budget: int | None = None,
+        cache: CacheConfig | None = None,
         kernels: KernelPolicy | None = None,
-        pool: str | None = None,
+        log=None,
         **kw,
     ) -> Runner:
         """A model dir is an HF checkpoint or an edgerun bundle (``manifest.json``). For a bundle,
-        ``quota`` (per layer, or a dict by layer) streams the routed experts through a cache of
-        that many slots (``pool``: where they live, see ExpertCache), refused if it needs more
-        than ``cache_budget`` bytes; without a quota the experts are dequantized into resident
-        tensors. ``kernels`` is resolved against the device once the model is loaded."""
+        ``cache`` streams the routed experts through an expert cache it configures; without it
+        the experts are dequantized into resident tensors. ``kernels`` is resolved against the
+        device once the model is loaded; ``log`` (a callable) hears what loading decided."""
         from edgerun.bundle.format import MANIFEST
-        from edgerun.models.checkpoint import load_model
 
         model_dir = Path(model_dir) if model_dir else DEMO_MODEL
         device = device or default_device()
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
-        cache = None
+        expert_cache = None
         if (model_dir / MANIFEST).is_file():
-            if quota is not None:
+            if cache is not None:
                 from edgerun.engine.streaming import load_streaming_model
 
-                model, args, cache, report = load_streaming_model(
-                    model_dir,
-                    quota,
-                    dtype=dtype,
-                    device=device,
-                    read_mode=read_mode,
-                    read_depth=read_depth,
-                    host_quota=host_quota,
-                    budget_bytes=cache_budget,
-                    pool=pool,
+                model, args, expert_cache, report = load_streaming_model(
+                    model_dir, cache, dtype=dtype, device=device, providers=providers, log=log
                 )
-                if warm:
-                    cache.warm(warm)
             else:
                 from edgerun.bundle.reader import load_bundle_model
 
-                model, args, report = load_bundle_model(model_dir, dtype=dtype, device=device)
-        elif quota is not None:
+                model, args, report = load_bundle_model(
+                    model_dir, dtype=dtype, device=device, providers=providers
+                )
+        elif cache is not None:
             raise EdgerunError(
                 f"{model_dir}: streaming (a quota) needs an edgerun bundle; run `edgerun convert` first"
             )
         else:
+            from edgerun.models.checkpoint import load_model
+
             model, args, report = load_model(model_dir, dtype=dtype, device=device, providers=providers)
         tok = (
             Tokenizer.from_dir(model_dir, args.eos_token_ids)
@@ -189,7 +197,7 @@ class Runner:
         runner = cls(model, args, tok, device, **kw)
         runner.load_summary = report.summary()
         runner.provider = report.provider
-        runner.cache = cache
+        runner.cache = expert_cache
         runner.set_kernels(kernels or KernelPolicy())
         return runner
 
@@ -216,32 +224,29 @@ class Runner:
         logits = None
         for start in range(0, len(ids), self.prefill_chunk):
             logits = self.model(tokens[:, start : start + self.prefill_chunk], state, last_only=True)
+            self._count_step()
         return logits[0, -1]
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
+        self._count_step()
         if self.decoder is not None and state is self.decoder.state:
-            return self.decoder.step(token)
+            logits = self.decoder.step(token)
+            if self.routes is not None:  # the model's forward hooks do not see a decoder step
+                self.routes.add_step(self.decoder.routes())
+            return logits
         tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
         self.steps.eager_steps += 1
         return self.model(tokens, state, last_only=True)[0, -1]
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise SamplingError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise SamplingError(
-                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.args.vocab_size - 1})"
-            )
-        if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise SamplingError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_context} tokens"
-            )
+    def request(self, prompt_ids: list[int], params: SamplingParams, **fields) -> Request:
+        """The request checked against this model's limits (``fields``: how the caller names the
+        prompt and max_tokens in its errors)."""
+        return check_request(prompt_ids, params, self.limits, **fields)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
-        self.check_request(prompt_ids, params)
+    def generate(self, request: Request) -> Iterator[Event]:
+        """Text deltas of a checked request (:meth:`request`), then a final event with stats."""
+        prompt_ids, params = list(request.prompt_ids), request.params
         sampler = Sampler(params)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         if self.device.type == "cuda":
@@ -275,7 +280,8 @@ class Runner:
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The generated token ids (EOS excluded)."""
-        return [e.token_id for e in self.generate(prompt_ids, params) if e.token_id is not None]
+        events = self.generate(self.request(prompt_ids, params))
+        return [e.token_id for e in events if e.token_id is not None]
 
 
 class _TextStream:

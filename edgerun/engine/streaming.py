@@ -1,13 +1,19 @@
-"""The streaming MoE path: routed experts come from the expert cache, never from stacked
-resident tensors. Routing, the expert math (:func:`combine_experts`), the shared expert and
-the combine are the resident path's own code, so both paths give identical logits (with the
-reference expert kernel; the Triton kernels agree within their probe's tolerance).
+"""The routed-expert step over the expert cache: the one place a layer's experts run from slots.
+
+:func:`run_experts` is called by the streaming layer (:class:`StreamingExperts`, every forward:
+prefill, and decode on the CPU) and by the CUDA decode step (``engine/graphs.py``) alike. The
+cache (``cache/expert_cache.py``) only keeps books and moves bytes; the kernel it runs is the
+engine's resolved choice (``kernels/moe.py``). Routing, the shared expert and the combine are
+the model's own code (``models/layers.SparseMoe``), so the resident and streaming paths give
+identical logits with the reference kernel; the Triton kernels agree within their probe's
+tolerance.
 
 Shape legend: N = tokens in the forward, A = top_k, Q = the layer's slot quota.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,16 +21,56 @@ from torch import nn
 
 from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.cache.expert_cache import ExpertCache
-from edgerun.kernels.moe import MoeKernelPolicy, accumulator
+from edgerun.cache.policy import fetches
+from edgerun.cache.slots import SlotRef
+from edgerun.config import CacheConfig
+from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
 from edgerun.models.layers import SparseMoe
 
 REFERENCE = MoeKernelPolicy()
 
 
+def run_experts(
+    cache: ExpertCache,
+    layer: int,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    policy: MoeKernelPolicy,
+    refs: Sequence[SlotRef] = (),
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
+    slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
+    step run in parts, see ``moe_experts``).
+
+    ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
+    against the slot table first, so a slot refilled since its lookup is refused
+    (:class:`~edgerun.cache.slots.StaleSlotError`), never read as another expert's bytes. A
+    step whose slots come from the device-side table (every expert held, nothing evictable)
+    has none to check."""
+    cache.check(layer, refs)
+    part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
+    pool, layout, scales = cache.pools[layer], cache.bundle.layouts[layer], cache.slot_scales[layer]
+    return moe_experts(x, pool, slots, ids, weights, layout, scales, policy, **part)
+
+
+def lookup(
+    cache: ExpertCache, layer: int, rows: list[list[int]], device
+) -> tuple[torch.Tensor, list[SlotRef]]:
+    """The slot of every entry of ``rows`` (tokens' expert ids) as a tensor on ``device``, and
+    the references to check before use; the misses are read first."""
+    refs = cache.get_many(layer, [e for row in rows for e in row])
+    slot_of = {r.expert: r.slot for r in refs}
+    return torch.tensor([[slot_of[e] for e in row] for row in rows], device=device), refs
+
+
 class StreamingExperts(nn.Module):
     """Drop-in for a layer's resident ``Experts``: same call, weights from cache slots, computed
-    by ``moe_experts`` under ``policy`` (the engine's resolved choice; the reference by default,
-    which is :func:`combine_experts` over the dequantized slots, as the resident path)."""
+    by :func:`run_experts` under ``policy`` (the engine's resolved choice; the reference by
+    default, which is ``combine_experts`` over the dequantized slots, as the resident path)."""
 
     def __init__(self, layer: int, cache: ExpertCache, policy: MoeKernelPolicy = REFERENCE) -> None:
         super().__init__()
@@ -39,43 +85,47 @@ class StreamingExperts(nn.Module):
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
         if len(batches) == 1:
-            slots = torch.tensor(c.slot_rows(i, rows), device=x.device)
-            return c.run(i, x, slots, ids, weights, self.policy)
+            slots, refs = lookup(c, i, rows, x.device)
+            return run_experts(c, i, x, slots, ids, weights, self.policy, refs)
         # more distinct experts than slots (prefill): ascending-id batches that fit, each expert
         # read once and run over all its tokens, summing in the order of one pass
         acc = accumulator(x, self.policy)
         for batch in batches:
-            slot_of = dict(zip(batch, c.slot_rows(i, [batch])[0]))
+            refs = c.get_many(i, batch)
+            slot_of = {r.expert: r.slot for r in refs}
             filler = slot_of[batch[0]]  # entries of other experts: any valid slot, never read
             slots = torch.tensor([[slot_of.get(e, filler) for e in row] for row in rows], device=x.device)
-            acc = c.run(i, x, slots, ids, weights, self.policy, acc=acc, expert_range=(batch[0], batch[-1]))
+            part = (batch[0], batch[-1])
+            acc = run_experts(c, i, x, slots, ids, weights, self.policy, refs, acc=acc, expert_range=part)
         return acc.to(x.dtype)
-
-
-def fetches(rows: list[list[int]], quota: int) -> list[list[int]]:
-    """The cache lookups one forward of a layer makes, in order: every token's experts at once
-    when their union fits the quota, else the distinct experts in ascending-id batches of at
-    most ``quota`` (the expert cache simulator replays exactly these)."""
-    distinct = sorted({e for row in rows for e in row})
-    if len(distinct) <= quota:
-        return [[e for row in rows for e in row]]
-    return [distinct[lo : lo + quota] for lo in range(0, len(distinct), quota)]
 
 
 def load_streaming_model(
     bundle_dir: str | Path,
-    quota: int | dict[int, int],
+    config,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    **cache_kw,
+    providers=None,
+    log=None,
 ):
-    """(model, args, cache, report): dense weights resident, routed experts streamed."""
-    bundle = Bundle.open(bundle_dir)  # validated once, before anything is allocated
+    """(model, args, cache, report): dense weights resident, routed experts streamed through
+    an :class:`ExpertCache` built from ``config`` (a :class:`CacheConfig`, or a quota per layer). A planned config is re-planned against the dense bytes actually
+    loaded before the cache is sized (``log`` gets the difference)."""
+    from edgerun.engine.setup import measured_resident, replan
+
+    if not isinstance(config, CacheConfig):
+        config = CacheConfig(quotas=config)
+    bundle = Bundle.open(bundle_dir, providers=providers)  # validated once, before anything is allocated
     model, args, report = load_bundle_model(bundle, dtype=dtype, device=device, experts=False)
     dtype = model.model.embed_tokens.weight.dtype
-    cache = ExpertCache(bundle, quota, device=device, dtype=dtype, **cache_kw)
+    # measure what loading used, then size what remains
+    config = replan(config, Path(bundle_dir), measured_resident(model), providers, log)
+    cache = ExpertCache(bundle, config, device=device, dtype=dtype)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe):
             layer.mlp.experts = StreamingExperts(i, cache)
+    cache.hold_complete_layers()
+    if config.warm:
+        cache.warm(config.warm)
     report.expert_layout += f", streamed (quota {cache.quotas[args.moe_layers[0]]}/layer)"
     return model, args, cache, report

@@ -8,7 +8,17 @@ from torch import nn
 
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, TensorSpec
-from edgerun.models.layers import MLP, Attention, DecodeState, GatedDeltaNet, RMSNorm, Rotary, SparseMoe
+from edgerun.models.inventory import categorize
+from edgerun.models.layers import (
+    MLP,
+    Attention,
+    DecodeState,
+    GatedDeltaNet,
+    RMSNorm,
+    Rotary,
+    SparseMoe,
+    StaticStep,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -36,6 +46,19 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, state)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def mix_static(self, x: torch.Tensor, state, step: StaticStep) -> torch.Tensor:
+        """The first half of one decode step over static buffers (``engine/graphs.py``): the token
+        mixer, its residual added into x [1, D] in place (one kernel, the rounding of x + h);
+        returns the MLP's input. The MLP half is the caller's: its routed experts may need the
+        expert cache between the router and the expert kernel."""
+        h = self.input_layernorm.decode(x, step.fused)
+        if self.kind == A.FULL_ATTENTION:
+            h = self.self_attn.decode_static(h[None], step, state)[0]
+        else:
+            h = self.linear_attn.decode(h, state, step.fused)
+        x.add_(h)
+        return self.post_attention_layernorm.decode(x, step.fused)
 
 
 class _Body(nn.Module):
@@ -92,29 +115,10 @@ class CausalLM(nn.Module):
         return self.lm_head(x)
 
 
-def categorize(name: str) -> str:
-    """The planner category of a canonical tensor name."""
-    if name.startswith("model.embed_tokens"):
-        return A.EMBED
-    if name.startswith("lm_head"):
-        return A.LM_HEAD
-    if ".mlp.experts." in name:
-        return A.EXPERT
-    if ".mlp.shared_expert" in name:
-        return A.SHARED_EXPERT
-    if ".mlp.gate." in name:
-        return A.ROUTER
-    if ".mlp." in name:
-        return A.DENSE_MLP
-    if ".self_attn." in name:
-        return A.ATTENTION
-    if ".linear_attn." in name:
-        return A.DELTANET
-    return A.NORM
-
-
 def tensor_specs(model_cls: type[CausalLM], args: ModelArgs) -> list[TensorSpec]:
-    """Every tensor the model holds, read off a meta-device instance (no memory allocated)."""
+    """Every tensor a model class holds, read off a meta-device instance (no memory allocated).
+    Built-in architectures list theirs without torch (``models/inventory.py``, tested equal);
+    a provider's architecture may use this."""
     with torch.device("meta"):
         model = model_cls(args)
     specs = []

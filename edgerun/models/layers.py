@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm
+from edgerun.kernels.moe_reference import combine_experts
 from edgerun.models.args import ModelArgs
 
 
@@ -33,6 +35,14 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
+
+    def decode(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x [N, D]: the module, or the one-launch Triton kernel (``fused``, CUDA only)."""
+        if not fused:
+            return self(x)
+        from edgerun.kernels import dense_triton
+
+        return dense_triton.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -113,6 +123,19 @@ class DecodeState:
         return total
 
 
+@dataclass
+class StaticStep:
+    """What one decode step over static buffers (CUDA graphs) shares across layers: the rope of
+    the position, the position itself as a device tensor (no shape depends on it), the KV
+    buffer's index, and whether the fused Triton dense kernels run."""
+
+    cos: torch.Tensor  # [1, R]
+    sin: torch.Tensor
+    pos: torch.Tensor  # [1] int64
+    kv_index: torch.Tensor  # [S_max] int64
+    fused: bool = False
+
+
 # --------------------------------------------------------------------------------------------
 # Attention
 
@@ -165,6 +188,35 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
+    def decode_static(self, x: torch.Tensor, step: StaticStep, cache: KVCache) -> torch.Tensor:
+        """One token of :meth:`forward` over the whole static KV buffer: the new key and value
+        are written at ``step.pos`` (a device tensor) and later positions are masked, so no
+        shape depends on the position. Query heads are grouped under their KV head instead of
+        repeating K and V. x [B, 1, D] -> [B, 1, D]."""
+        B, T, _ = x.shape
+        H, Hk, Dh = self.n_heads, self.n_kv, self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = self.q_norm(q.reshape(B, T, H, Dh)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, Hk, Dh)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, Hk, Dh).transpose(1, 2)
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        cache.k.index_copy_(2, step.pos, k)
+        cache.v.index_copy_(2, step.pos, v)
+        q = q.reshape(B, Hk, H // Hk, Dh)  # head h = kv * (H // Hk) + r, as repeat_interleave pairs them
+        # scores and softmax in fp32, then P (in the cache's dtype) times V: a few small kernels. A
+        # fused SDPA kernel with a mask over the whole buffer measured ~100 µs a layer on an H200.
+        scores = torch.matmul(q.float() * Dh**-0.5, cache.k.float().transpose(-1, -2))  # [B, Hk, H/Hk, S]
+        scores = scores.masked_fill((step.kv_index > step.pos)[None, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(cache.v.dtype), cache.v)
+        out = out.reshape(B, T, H * Dh)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """q: [B, H, T, Dh] at positions start..start+T-1; k, v: [B, Hk, S, Dh] at positions 0..S-1."""
@@ -182,57 +234,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 # --------------------------------------------------------------------------------------------
 # Gated DeltaNet (linear attention)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def delta_rule_recurrent(q, k, v, g, beta, state):
-    """Token-by-token gated delta rule. q, k: [B, H, T, Dk]; v: [B, H, T, Dv]; g, beta: [B, H, T];
-    state: [B, H, Dk, Dv] fp32. Returns (out [B, H, T, Dv], new state)."""
-    out = torch.empty_like(v)
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
-        predicted = (state * kt[..., None]).sum(dim=-2)  # [B, H, Dv]
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + kt[..., None] * delta[..., None, :]
-        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
-    return out, state
-
-
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """The same recurrence in chunks: within a chunk the delta-rule updates are solved as one
-    unit-lower-triangular system (UT transform), across chunks the state is carried."""
-    B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
-    pad = (chunk - T % chunk) % chunk
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // chunk
-    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
-
-    cum = g.cumsum(dim=-1)  # log decay from chunk start to each position
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * cum.exp()[..., None]
-    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-
-    out = torch.empty(B, H, n, chunk, Dv, dtype=q.dtype, device=q.device)
-    for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        out[:, :, i] = q_dec[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
-    return out.reshape(B, H, n * chunk, Dv)[:, :, :T], state
 
 
 class GatedDeltaNet(nn.Module):
@@ -300,6 +301,20 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(B, T, self.value_dim)
         return self.out_proj(out)
 
+    def decode(self, x: torch.Tensor, state: DeltaState, fused: bool = False) -> torch.Tensor:
+        """One token, x [1, D] -> [1, D]: :meth:`forward`, or (``fused``, CUDA only) the one-launch
+        Triton step between this module's own projections (``kernels/dense_triton.py``)."""
+        if not fused:
+            return self(x[None], state)[0]
+        from edgerun.kernels import dense_triton
+
+        out = dense_triton.delta_decode(
+            self.in_proj_qkv(x)[0], self.in_proj_z(x)[0], self.in_proj_a(x)[0], self.in_proj_b(x)[0],
+            state.conv[0], self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent[0],
+            self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv,
+        )  # fmt: skip
+        return self.out_proj(out[None])
+
 
 # --------------------------------------------------------------------------------------------
 # Feed-forward and MoE
@@ -335,22 +350,6 @@ class Router(nn.Module):
         return top.to(logits.dtype), ids
 
 
-# BLAS picks a different kernel for a row-count remainder, so a token's result could depend on
-# how many other tokens share its expert. Padded to a multiple of ROW_TILE rows, a row's result is
-# the same in any batch (tests/models/test_batch_invariance.py), so a token's expert output does
-# not depend on which other tokens run with it.
-ROW_TILE = 4
-
-
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert: x [N, D], gate_up [2I, D], down [D, I] -> [N, D]."""
-    n = x.shape[0]
-    if n % ROW_TILE:
-        x = F.pad(x, (0, 0, 0, ROW_TILE - n % ROW_TILE))
-    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down.to(x.dtype))[:n]
-
-
 class Experts(nn.Module):
     """All routed experts of one layer, resident and stacked: gate_up [E, 2I, D], down [E, D, I]."""
 
@@ -363,33 +362,18 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return combine_experts(x, ids, weights, lambda e: (self.gate_up_proj[e], self.down_proj[e]))
 
-
-def combine_experts(x, ids, weights, expert_weights, out=None, experts=None) -> torch.Tensor:
-    """Router-weighted sum of each token's experts. x [N, D]; ids, weights [N, A];
-    ``expert_weights(e)`` gives (gate_up, down) for expert e. Experts run in ascending id order,
-    each over all its tokens, so the summation order is fixed (deterministic).
-
-    ``experts`` (lo, hi): run only the experts with lo <= id <= hi, adding into ``out``. Calls over
-    consecutive ranges in ascending order add in exactly the order one full call does, so a
-    cache too small for all of a chunk's experts at once still gives the same bits."""
-    out = torch.zeros_like(x) if out is None else out
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    ids_of, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token_of = order // ids.shape[1]
-    start = 0
-    for e, c in zip(ids_of.tolist(), counts.tolist()):
-        sel = order[start : start + c]
-        tok = token_of[start : start + c]
-        start += c
-        if experts is not None and not experts[0] <= e <= experts[1]:
-            continue
-        gate_up, down = expert_weights(e)
-        y = expert_ffn(x[tok], gate_up, down) * weights.flatten()[sel, None]
-        # tokens are unique within one expert, so this accumulate is order-free (deterministic);
-        # index_add_ on CPU is pathologically slow under thread contention
-        out.index_put_((tok,), y.to(out.dtype), accumulate=True)
-    return out
+    def gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token, x [1, D], ids / weights [1, A] -> [1, D], with no host round trip (so a CUDA
+        graph can hold it): the A experts' weights gathered by id on the device, summed in
+        ascending expert-id order (a fixed order)."""
+        ids, order = torch.sort(ids[0], stable=True)
+        w = weights[0].index_select(0, order)
+        gate_up = self.gate_up_proj.index_select(0, ids)  # [A, 2I, D]
+        down = self.down_proj.index_select(0, ids)  # [A, D, I]
+        h = x.to(gate_up.dtype).expand(ids.shape[0], -1)[..., None]  # [A, D, 1]
+        gate, up = torch.bmm(gate_up, h)[..., 0].chunk(2, dim=-1)
+        y = torch.bmm(down, (F.silu(gate) * up)[..., None])[..., 0]  # [A, D]
+        return (y * w[:, None].to(y.dtype)).sum(0, keepdim=True).to(x.dtype)
 
 
 class SparseMoe(nn.Module):
@@ -408,8 +392,15 @@ class SparseMoe(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(-1, D)
         weights, ids = self.gate(flat)
-        out = self.experts(flat, ids, weights)
-        if self.has_shared:
-            shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-            out = out + shared
+        out = self.combine(self.experts(flat, ids, weights), self.shared_output(flat))
         return out.reshape(B, T, D)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The gated shared expert on x [N, D] (None without one)."""
+        if not self.has_shared:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    @staticmethod
+    def combine(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        return routed if shared is None else routed + shared

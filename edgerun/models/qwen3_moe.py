@@ -7,9 +7,8 @@ from typing import Any
 
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
-from edgerun.models.args import ConfigReader, ModelArgs, TensorSpec
-from edgerun.models.base import CausalLM
-from edgerun.models.base import tensor_specs as _specs
+from edgerun.models.args import ConfigReader, ModelArgs
+from edgerun.models.inventory import tensor_specs  # noqa: F401  (the provider API's tensor_specs)
 
 MODEL_TYPES = ("qwen3_moe",)
 
@@ -58,9 +57,10 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     return args
 
 
-class Model(CausalLM):
-    pass
+def __getattr__(name: str):
+    # the torch model class, made on first use: resolving and planning an architecture imports no torch
+    if name == "Model":
+        from edgerun.models.base import CausalLM
 
-
-def tensor_specs(args: ModelArgs) -> list[TensorSpec]:
-    return _specs(Model, args)
+        return CausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,17 +53,18 @@ def import_architecture(res: Resolution) -> ModuleType:
             f"provider {origin}: importing {res.module!r} for model_type {res.model_type!r} failed: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    from edgerun.models.base import CausalLM  # torch: only once a module is being used
-
     problems = []
     if res.model_type not in getattr(module, "MODEL_TYPES", ()):
         problems.append(f"MODEL_TYPES does not contain {res.model_type!r}")
     problems += [
         f"no function {f!r}" for f in ("model_args", "tensor_specs") if not callable(getattr(module, f, None))
     ]
-    model = getattr(module, "Model", None)
-    if not (isinstance(model, type) and issubclass(model, CausalLM)):
-        problems.append("'Model' is not a subclass of edgerun.models.base.CausalLM")
+    if not res.provider.builtin:  # built-in modules make their Model (torch) on first use only
+        from edgerun.models.base import CausalLM
+
+        model = getattr(module, "Model", None)
+        if not (isinstance(model, type) and issubclass(model, CausalLM)):
+            problems.append("'Model' is not a subclass of edgerun.models.base.CausalLM")
     if problems:
         raise ProviderError(
             f"provider {origin}: module {res.module!r} does not implement provider API {API_LEVELS[-1]}: "

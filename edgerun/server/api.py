@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from edgerun.engine.request import RequestError, check_request
 from edgerun.errors import ConfigError
 from edgerun.server.engine_worker import Engine, EngineWorker, Job, JobFailed, QueueFull
 from edgerun.server.http import Exchange, HTTPError, Request, error_body
@@ -183,7 +184,7 @@ class App:
             "object": "model",
             "created": self.started,
             "owned_by": "edgerun",
-            "max_model_len": engine.max_context,
+            "max_model_len": engine.limits.max_context,
             "edgerun": self.info,
         }
         if req.path.startswith("/v1/models/"):
@@ -235,14 +236,12 @@ class App:
     async def _generate(
         self, ex: Exchange, body: dict, ids: list[int], prompt_field: str, chat: bool
     ) -> None:
-        from edgerun.engine.sampler import SamplingError
-
         engine = self.engine
-        params = _sampling(body, chat, len(ids), engine.max_context, self.opts, prompt_field)
+        params, max_tokens_field = _sampling(body, chat, len(ids), engine.limits.max_context, self.opts)
         try:
-            engine.check_request(ids, params)
-        except SamplingError as exc:
-            raise HTTPError(400, str(exc), param=prompt_field) from exc
+            request = check_request(ids, params, engine.limits, prompt_field, max_tokens_field)
+        except RequestError as exc:
+            raise HTTPError(400, str(exc), param=exc.param, code=exc.code) from None
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         include_usage = _field(options, "include_usage", bool, False, "stream_options.include_usage")
@@ -257,7 +256,7 @@ class App:
             except RuntimeError:  # the loop is gone: nobody wants the rest
                 job.cancelled = True
 
-        job = Job(ids, params, deliver)
+        job = Job(request, deliver)
         try:
             self.worker.submit(job)
         except QueueFull as exc:
@@ -543,8 +542,10 @@ _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logp
 
 
 def _sampling(
-    body: dict, chat: bool, prompt_len: int, context: int, opts: ApiOptions, prompt_field: str
-) -> SamplingParams:
+    body: dict, chat: bool, prompt_len: int, context: int, opts: ApiOptions
+) -> tuple[SamplingParams, str]:
+    """The sampling parameters, and how the request spelled max_tokens. Limits against the
+    prompt and the context are :func:`check_request`'s, not checked here."""
     for name, default in _UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != default and not (name == "logprobs" and value is False):
@@ -554,27 +555,10 @@ def _sampling(
     if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
         max_tokens = _field(body, name, int)
-    if prompt_len >= context:
-        raise HTTPError(
-            400,
-            f"the prompt ('{prompt_field}') is {prompt_len} tokens; the context is {context} tokens, "
-            "and at least one must be left to generate",
-            param=prompt_field,
-            code="context_length_exceeded",
-        )
-    room = context - prompt_len
-    if max_tokens is None:
-        max_tokens = min(opts.default_max_tokens, room)
-    elif max_tokens < 1:
-        raise HTTPError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
-    elif max_tokens > room:
-        raise HTTPError(
-            400,
-            f"'{name}' ({max_tokens}) + the prompt ({prompt_len} tokens) exceeds the context of "
-            f"{context} tokens; at most {room}",
-            param=name,
-            code="context_length_exceeded",
-        )
+    if (
+        max_tokens is None
+    ):  # the default, clipped to the context left (the prompt's own limit is checked later)
+        max_tokens = max(min(opts.default_max_tokens, context - prompt_len), 1)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -600,7 +584,7 @@ def _sampling(
         ignore_eos=_field(body, "ignore_eos", bool, False),
     )
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**kw), name
     except SamplingError as exc:
         param = next((k for k in kw if str(exc).startswith(k)), None)
-        raise HTTPError(400, str(exc), param=param) from None
+        raise HTTPError(400, str(exc), param=name if param == "max_tokens" else param) from None

@@ -9,17 +9,10 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from edgerun.errors import ConfigError, EdgerunError
+from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.setup import DTYPES
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.options import (
-    DENSE_KERNELS,
-    DTYPES,
-    EXPERT_KERNELS,
-    GRAPH_MODES,
-    SLOT_POOLS,
-    ServeOptions,
-    load_serve_config,
-)
+from edgerun.server.options import SLOT_POOLS, ServeOptions, load_serve_config
 
 # flag dest -> ServeOptions field
 _FLAGS = (
@@ -107,21 +100,6 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
     )
 
 
-def slot_pool(device: str, requested: str | None, profile_path: Path | None) -> str | None:
-    """Where CUDA slots live: as asked, else mapped on a unified-memory profile, else device."""
-    if device != "cuda":
-        if requested is not None:
-            raise ConfigError(f"slot pool {requested!r} is for CUDA devices; this run is on {device}")
-        return None
-    if requested is not None:
-        return requested
-    if profile_path is not None:
-        from edgerun.config import load_device_profile
-
-        return "device" if load_device_profile(profile_path).discrete else "mapped"
-    return "device"
-
-
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
     opts = ServeOptions()
     if ns.config is not None:
@@ -132,60 +110,43 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return opts.merged(flags)
 
 
-def streaming_plan(opts: ServeOptions):
-    """How experts are held: None (resident), or a StreamSpec from --quota or the device plan.
-    Planned before the daemon binds, so a bundle that does not fit is refused up front."""
-    from edgerun.server.engine_worker import StreamSpec
+def cache_plan(opts: ServeOptions):
+    """How experts are held: None (resident), or the cache's settings from --quota or the
+    device plan. Planned before the daemon binds (no torch), so a bundle that does not fit is
+    refused up front."""
+    from edgerun.engine.setup import cache_config
 
-    if opts.bundle is None or (opts.quota is None and opts.device_profile is None):
+    if opts.bundle is None:
         return None
-    if opts.quota is not None:
-        return StreamSpec(opts.quota, None, opts.read_mode, "fixed quota", opts.read_depth)
-    # the plan's device quotas and, on a discrete GPU, its pinned host tier
-    from edgerun.budget.cli import plan_for_bundle
-
-    p = plan_for_bundle(opts.bundle, opts.device_profile, opts.context)
-    if not p.fits:
-        raise EdgerunError(p.refusal.message)
-    quotas = dict(zip(p.moe_layers, p.quotas))
-    budget = p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes
-    pred = p.prediction
-    summary = (
-        f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer, "
-        f"predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
+    return cache_config(
+        opts.bundle,
+        quota=opts.quota,
+        profile=opts.device_profile,
+        context=opts.context,
+        read_mode=opts.read_mode,
+        read_depth=opts.read_depth,
+        pool=opts.slot_pool,
+        providers=opts.providers,
     )
-    host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
-    if host:
-        summary += f", pinned host tier {'/'.join(map(str, sorted(set(p.host_quotas))))} per layer"
-    return StreamSpec(quotas, budget, opts.read_mode, summary, opts.read_depth, host)
 
 
-def resident_loader(opts: ServeOptions, profile: str | None, stream=None) -> Callable:
+def engine_loader(opts: ServeOptions, profile: str | None, cache=None) -> Callable:
     """The engine factory the daemon's engine thread calls: the model with its experts resident,
-    or streamed through the expert cache when ``stream`` says so."""
+    or streamed through the expert cache ``cache`` configures."""
 
     def load(status: Callable[[str], None]):
-        import torch
+        from edgerun.engine.setup import runtime
+        from edgerun.server.engine_worker import RunnerEngine
 
-        from edgerun.engine.policy import KernelPolicy
-        from edgerun.engine.runner import default_device
-        from edgerun.server.engine_worker import ResidentEngine
-
-        device = opts.torch_device or default_device()
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("torch_device cuda: no CUDA device is available")
-        dtype = getattr(torch, opts.dtype) if opts.dtype != "auto" else None
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
+        rt = runtime(
+            opts.torch_device, opts.dtype, opts.threads, opts.expert_kernel, opts.dense_kernel, opts.graphs
+        )
         source = opts.bundle or opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")
-        status(f"loading model {source or 'demo'} on {device}")
-        kernels = KernelPolicy(experts=opts.expert_kernel, graphs=opts.graphs, dense=opts.dense_kernel)
-        pool = slot_pool(device, opts.slot_pool, opts.device_profile) if stream else None
-        return ResidentEngine.load(
-            source, name, profile, device, dtype, opts.context, opts.prefill_chunk, opts.providers, stream,
-            kernels=kernels, pool=pool,
-        )  # fmt: skip
+        status(f"loading model {source or 'demo'} on {rt.device}")
+        return RunnerEngine.load(
+            source, name, profile, rt, opts.context, opts.prefill_chunk, opts.providers, cache, log=status
+        )
 
     return load
 
@@ -199,7 +160,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         from edgerun.config import load_device_profile
 
         profile = load_device_profile(opts.device_profile).name
-    daemon.hard_exit(daemon.run(opts, resident_loader(opts, profile, streaming_plan(opts))))
+    daemon.hard_exit(daemon.run(opts, engine_loader(opts, profile, cache_plan(opts))))
     return 0  # not reached
 
 

@@ -5,7 +5,8 @@ The event loop submits :class:`Job` s; each job's events (``runner.Event``, or a
 thread-safe. torch is imported here, by the engine thread, as it loads: the socket answers
 ``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout, shutdown) takes it out of the queue, or
 stops its generation at the next token. The engine sits behind the small :class:`Engine`
-interface so the streaming engine can replace :class:`ResidentEngine` without touching the server.
+interface (:class:`RunnerEngine` serves a :class:`~edgerun.engine.runner.Runner`, resident or
+streaming; tests script their own). Requests reach it checked (``engine/request.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from edgerun.errors import EdgerunError
 
 if TYPE_CHECKING:
+    from edgerun.engine.request import Limits, Request
     from edgerun.engine.runner import Event, Runner
-    from edgerun.engine.sampler import SamplingParams
+    from edgerun.engine.setup import Runtime
     from edgerun.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,9 @@ log = logging.getLogger(__name__)
 class Engine(Protocol):
     model_id: str
     tokenizer: Tokenizer | None
-    max_context: int
+    limits: Limits  # what check_request holds requests to, before they are queued
+    generate: Callable[[Request], Iterator[Event]]
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]: ...
     def probe(self) -> str:
         """Start-up self-check (kernel probes); raises if the engine cannot serve."""
 
@@ -45,7 +46,7 @@ class Engine(Protocol):
     def stats(self) -> dict[str, Any]:
         """A snapshot safe to take from another thread while the engine runs:
         ``experts`` (mode label), ``layers`` {layer: {hits, misses, evictions, bytes_read}},
-        ``fallbacks`` {kind: count}, ``resident_memory_bytes``, ``peak_memory_bytes``."""
+        ``fallbacks`` {kind: times taken}, ``resident_memory_bytes``, ``peak_memory_bytes``."""
 
 
 class EngineFailure(EdgerunError):
@@ -59,85 +60,57 @@ def is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, accel) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
 
 
-@dataclass(frozen=True)
-class StreamSpec:
-    """Experts stream from a bundle through a cache of ``quota`` slots per layer (or per-layer
-    quotas), refused over ``budget`` bytes; ``plan`` is the plan's one-line summary."""
-
-    quota: int | dict[int, int]
-    budget: int | None
-    read_mode: str
-    plan: str
-    read_depth: int | None = None
-    host_quota: dict[int, int] | None = None  # the plan's pinned host tier (discrete GPUs)
-
-
-class ResidentEngine:
-    """The engine of :class:`Runner`: dense weights resident, routed experts either resident
-    or streamed through its expert cache (``runner.cache``)."""
+class RunnerEngine:
+    """The daemon's engine: a :class:`Runner` (dense weights resident, routed experts resident
+    or streamed through its expert cache), with the provenance, probe and statistics the daemon
+    reports. Requests go straight to the runner's ``generate``."""
 
     def __init__(
-        self,
-        runner: Runner,
-        model_dir: Path | None,
-        model_id: str,
-        profile: str | None,
-        stream: StreamSpec | None = None,
+        self, runner: Runner, model_dir: Path | None, model_id: str, profile: str | None, plan: str | None
     ) -> None:
         self.runner = runner
         self.model_dir = model_dir
         self.model_id = model_id
         self.profile = profile
-        self.stream = stream
+        self.plan = plan
         self.tokenizer = runner.tokenizer
-        self.max_context = runner.max_context
+        self.limits = runner.limits
+        self.generate = runner.generate
 
     @classmethod
     def load(
         cls,
         model_dir: Path | None,
         model_id: str,
-        profile: str | None = None,
-        device: str | None = None,
-        dtype: Any = None,
+        profile: str | None,
+        rt: Runtime,
         max_context: int | None = None,
         prefill_chunk: int = 512,
         providers: Any = None,
-        stream: StreamSpec | None = None,
-        kernels: Any = None,
-        pool: str | None = None,
-    ) -> ResidentEngine:
+        cache: Any = None,
+        log: Callable[[str], None] | None = None,
+    ) -> RunnerEngine:
         from edgerun.engine.runner import Runner
 
         runner = Runner.load(
             model_dir,
-            device=device,
-            dtype=dtype,
+            device=rt.device,
+            dtype=rt.dtype,
             providers=providers,
+            cache=cache,
+            kernels=rt.kernels,
+            log=log,
             max_context=max_context,
             prefill_chunk=prefill_chunk,
-            quota=stream.quota if stream else None,
-            cache_budget=stream.budget if stream else None,
-            read_mode=stream.read_mode if stream else "auto",
-            read_depth=stream.read_depth if stream else None,
-            host_quota=stream.host_quota if stream else None,
-            kernels=kernels,
-            pool=pool,
         )
-        return cls(runner, model_dir, model_id, profile, stream)
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.runner.check_request(prompt_ids, params)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
-        return self.runner.generate(prompt_ids, params)
+        return cls(runner, model_dir, model_id, profile, cache.summary if cache is not None else None)
 
     def probe(self) -> str:
         import torch
 
         # on CUDA the decode state is static and its graphs are captured for its size: build it
         # now at a size most requests fit, so the first request does not pay for it
-        size = min(self.max_context, 4096) if self.runner.device.type == "cuda" else 2
+        size = min(self.limits.max_context, 4096) if self.runner.device.type == "cuda" else 2
         state = self.runner.new_state(size)
         logits = self.runner.prefill(state, [0])
         logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
@@ -146,11 +119,9 @@ class ResidentEngine:
         return f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
 
     def provenance(self) -> str:
-        from edgerun.cli import provenance
+        from edgerun.engine.provenance import provenance
 
-        line = provenance(self.runner, self.model_dir)
-        plan = f"; {self.stream.plan}" if self.stream else ""
-        return f"{line}; device profile {self.profile or 'none'}{plan}"
+        return provenance(self.runner, self.model_dir, self.profile or "none", self.plan)
 
     def describe(self) -> dict[str, Any]:
         import torch
@@ -170,7 +141,7 @@ class ResidentEngine:
             "device_profile": self.profile,
             "bundle": str(self.model_dir) if self._bundle_manifest() else None,
             "bundle_hash": self._bundle_hash(),
-            "plan": self.stream.plan if self.stream else None,
+            "plan": self.plan,
             "expert_mode": "streamed" if r.cache else "resident",
             "expert_quota": r.cache.quotas if r.cache else None,
             "kernels": r.kernel_summary(),
@@ -213,7 +184,7 @@ class ResidentEngine:
         return {
             "experts": "streamed" if cache else "resident",
             "layers": layers,
-            "fallbacks": {k: 1 for k in self.runner.fallbacks()},
+            "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
@@ -222,8 +193,7 @@ class ResidentEngine:
 
 @dataclass(eq=False)
 class Job:
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: Request  # checked before it was queued
     deliver: Callable[[Any], None]  # thread-safe: hands one Event, or a JobFailed, to the handler
     cancelled: bool = False
 
@@ -339,11 +309,11 @@ class EngineWorker:
 
         c = self.counters
         c.requests += 1
-        c.prompt_tokens += len(job.prompt_ids)
+        c.prompt_tokens += len(job.request.prompt_ids)
         self.running = job
         events = None
         try:
-            events = engine.generate(job.prompt_ids, job.params)
+            events = engine.generate(job.request)
             finished = False
             for event in events:
                 if event.token_id is not None:

@@ -14,13 +14,11 @@ from typing import Any
 import yaml
 
 from edgerun.config import parse_bytes
+from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.setup import DTYPES
 from edgerun.errors import ConfigError
 from edgerun.models.providers import ProviderPolicy
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-EXPERT_KERNELS = ("auto", "reference", "triton")  # edgerun.engine.policy (not imported: it needs torch)
-GRAPH_MODES = ("auto", "on", "off")
-DENSE_KERNELS = ("auto", "torch", "triton")
 SLOT_POOLS = ("device", "mapped")
 
 

@@ -1,7 +1,6 @@
-"""Route traces: record them from a running model, and replay them through cache policies.
+"""Replay route traces through cache policies (recording them is ``edgerun.engine.trace``).
 
-``record`` hooks every router and writes one trace line per token, tagged with its forward
-(step). ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
+``simulate`` replays a trace with the cache's own step structure (a step's tokens are
 fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
 exactly as the streaming layer does) through the cache's :class:`LRUSet`, or through Belady's optimal policy (evict the
 expert whose next use is farthest away) as the bound any online policy stays above.
@@ -11,11 +10,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from edgerun.budget.planner import replay
-from edgerun.engine.streaming import fetches
-from edgerun.tools.routes import RouteTrace, RouteTraceWriter, TraceHeader
+from edgerun.cache.policy import fetches
+from edgerun.tools.routes import RouteTrace
 
 POLICIES = ("lru", "belady")
 
@@ -103,38 +101,3 @@ def frequencies(trace: RouteTrace) -> dict[int, list[int]]:
             for e in ids:
                 out[layer][e] += 1
     return out
-
-
-class RouteRecorder:
-    """Forward hooks on every router of a model; each model forward becomes one trace step."""
-
-    def __init__(self, model, args, path: str | Path, name: str, seq: int | None = None) -> None:
-        self.args = args
-        self.writer = RouteTraceWriter(path, TraceHeader.for_model(args, name))
-        self.step = 0
-        self.seq = seq
-        self._ids: dict[int, list[list[int]]] = {}
-        self._hooks = []
-        for i, layer in enumerate(model.model.layers):
-            if i in args.moe_layers:
-                self._hooks.append(layer.mlp.gate.register_forward_hook(self._on_route(i)))
-        self._hooks.append(model.register_forward_hook(self._on_forward))
-
-    def _on_route(self, layer: int):
-        def hook(_module, _inputs, output) -> None:
-            _, ids = output
-            self._ids[layer] = ids.tolist()
-
-        return hook
-
-    def _on_forward(self, _module, _inputs, _output) -> None:
-        per_layer = [self._ids[layer] for layer in self.args.moe_layers]
-        for t in range(len(per_layer[0])):
-            self.writer.add([rows[t] for rows in per_layer], seq=self.seq, step=self.step)
-        self.step += 1
-        self._ids.clear()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self.writer.close()

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from edgerun.budget import report
-from edgerun.budget.cli import main
+from edgerun.budget.cli import main, plan_for_bundle
+from edgerun.budget.planner import RESIDENT_CATEGORIES
 from hf_fixtures import QWEN3_MOE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,22 @@ def test_bundle_manifest(tmp_path, capsys):
     assert any("differ from the v1 layout" in n for n in p.notes)
     assert main(["--device", ORIN, "--bundle", bundle, "--quant", "int4"]) == 2
     assert "do not apply to --bundle" in capsys.readouterr().err
+
+
+def test_plan_for_bundle_uses_measured_resident_bytes(tmp_path):
+    """The engine re-plans with what loading measured: those bytes replace the estimate."""
+    manifest = {
+        "model_config": {**QWEN3_MOE, "model_type": "qwen3_moe"},
+        "quant": {"scheme": "int8", "group_size": 0},
+        "block_bytes": 4096,
+    }
+    bundle = _bundle(tmp_path, manifest)
+    estimated = plan_for_bundle(bundle, ORIN, 64)
+    held = {it.name for it in estimated.items} & set(RESIDENT_CATEGORIES)
+    assert held  # the tiny model has embeddings, attention, routers, norms
+    measured = {c: 2 * estimated.item(c).nbytes for c in held}
+    p = plan_for_bundle(bundle, ORIN, 64, resident=measured)
+    assert {c: p.item(c).nbytes for c in measured} == measured
 
 
 @pytest.mark.parametrize(

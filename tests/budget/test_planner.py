@@ -1,4 +1,6 @@
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from edgerun.budget.planner import (
     replay,
     trace_steps,
 )
+from edgerun.cache.policy import LRUSet
 from edgerun.config import device_profile_from_dict
 from edgerun.errors import ConfigError
 from edgerun.models.registry import load_args
@@ -236,17 +239,60 @@ def test_no_host_tier_when_pinned_memory_cannot_include_the_vram_tier():
 # Route traces: per-layer quotas and replayed misses
 
 
-def test_miss_curve_equals_lru_replay():
+def lru_misses(steps, quota):
+    """The expert cache's own bookkeeping, step by step: what the planner's replay must equal."""
+    lru = LRUSet(quota)
+    return sum(len(lru.access(s).misses) for s in steps)
+
+
+def test_miss_curve_and_replay_equal_the_cache_lru():
+    """On random traces, every quota from the widest step to E: one-token steps, batched steps
+    from trace_steps, and the simulator's steps (repeated ids, ragged widths)."""
     rng = random.Random(1)
-    for batch in (1, 3):
+    E = 16
+    for trial in range(6):
+        hot = rng.sample(range(E), 10)  # a skewed trace: most routes go to 10 of the 16
         tokens = tuple(
-            tuple(tuple(rng.sample(range(10), 2)) for _ in range(2)) for _ in range(200)
-        )  # a hot set of 10 of 16 experts
-        steps = trace_steps(RouteTrace(TraceHeader("x", "t", 2, (0, 1), 16, 2), tokens), batch)
-        for layer in steps:
-            curve = miss_curve(layer, 16)
-            for q in range(2 * batch, 17):
-                assert curve[q] == replay(layer, q)
+            tuple(tuple(rng.sample(hot if rng.random() < 0.8 else range(E), 2)) for _ in range(2))
+            for _ in range(150)
+        )
+        cases = [trace_steps(RouteTrace(TraceHeader("x", "t", 2, (0, 1), E, 2), tokens), b) for b in (1, 3)]
+        ragged = [
+            [rng.choice(hot) for _ in range(rng.randint(1, 7))] for _ in range(150)
+        ]  # duplicates within a step, as fetches() batches a prefill's tokens
+        cases.append([ragged])
+        for steps in cases:
+            for layer in steps:
+                widest = max(len(set(s)) for s in layer)
+                curve = miss_curve(layer, E)
+                for q in range(widest, E + 1):
+                    want = lru_misses(layer, q)
+                    assert curve[q] == replay(layer, q) == want, (trial, q)
+                assert curve[widest] > curve[E]  # the traces do reuse: the check compares hits
+
+
+def test_replay_refuses_what_the_cache_refuses():
+    steps = [[1, 2, 3], [3, 3, 4]]
+    for quota in (0, 2):
+        with pytest.raises(ValueError) as ours:
+            replay(steps, quota)
+        with pytest.raises(ValueError) as cache:
+            lru_misses(steps, quota)
+        assert str(ours.value) == str(cache.value)
+    assert replay([], 1) == lru_misses([], 1) == 0
+
+
+def test_planner_imports_neither_the_cache_nor_the_trace_reader():
+    """The planner computes LRU misses itself: importing it pulls in neither the cache package's
+    bookkeeping nor the route-trace reader (a type only)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import edgerun.budget.planner\n"
+        "print(sorted(m for m in ('edgerun.cache.policy', 'edgerun.tools.routes') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_trace_gives_layers_that_need_more_a_larger_quota():

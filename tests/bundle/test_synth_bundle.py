@@ -15,7 +15,7 @@ from edgerun.bundle.quant import dequantize_block, quantize_expert
 from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.bundle.verify import verify_bundle
 from edgerun.errors import ConfigError
-from edgerun.models.layers import expert_ffn
+from edgerun.kernels.moe_reference import expert_ffn
 from edgerun.models.registry import load_args
 from edgerun.tools import synth_bundle as S
 

@@ -8,6 +8,7 @@ Skipped without CUDA (CI has none); run on the GPU machine before resolving."""
 import pytest
 import torch
 
+from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from hf_fixtures import ARCHS
@@ -23,13 +24,12 @@ def _load(bundle, setup, graphs):
         return Runner.load(bundle, **kw)
     if setup == "reference":
         kw["kernels"] = KernelPolicy(experts="reference", graphs=graphs)
-    quota = {"table": 16}.get(setup, 2)
-    if setup == "tiered":
-        kw["host_quota"] = 5  # device slots behind a page-locked host tier
-    r = Runner.load(bundle, quota=quota, pool="mapped" if setup == "mapped" else None, **kw)
-    if setup == "table":
-        r.cache.warm({layer: [1.0] * r.args.num_experts for layer in r.args.moe_layers})
-    return r
+    cache = CacheConfig(
+        {"table": 16}.get(setup, 2),  # table: every expert held (read in at load), one graph a step
+        host_quotas=5 if setup == "tiered" else None,  # device slots behind a page-locked host tier
+        pool="mapped" if setup == "mapped" else None,
+    )
+    return Runner.load(bundle, cache=cache, **kw)
 
 
 def _decode(runner):
@@ -92,7 +92,9 @@ def test_cuda_decode_agrees_with_the_cpu_forward(bundles, arch):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     cpu = Runner.load(b, device="cpu", dtype=torch.float32).generate_ids(PROMPT, params)
     for experts in ("reference", "auto"):
-        r = Runner.load(b, device="cuda", dtype=torch.float32, quota=4, kernels=KernelPolicy(experts=experts))
+        r = Runner.load(
+            b, device="cuda", dtype=torch.float32, cache=CacheConfig(4), kernels=KernelPolicy(experts=experts)
+        )
         assert r.generate_ids(PROMPT, params) == cpu, experts
 
 
@@ -104,9 +106,42 @@ def test_fused_dense_kernels_agree_with_the_modules(bundles, arch):
     b = bundles[(arch, "bf16")]
     runs = {}
     for dense in ("torch", "triton"):
-        r = Runner.load(b, device="cuda", dtype=torch.float32, quota=4, kernels=KernelPolicy(dense=dense))
+        r = Runner.load(
+            b, device="cuda", dtype=torch.float32, cache=CacheConfig(4), kernels=KernelPolicy(dense=dense)
+        )
         assert r.kernels.dense == dense, r.kernels.fallbacks
         runs[dense] = _decode(r)
     for x, y in zip(runs["torch"], runs["triton"]):
         assert torch.allclose(x, y, atol=1e-4, rtol=0), float((x - y).abs().max())
         assert int(x.argmax()) == int(y.argmax())
+
+
+@pytest.mark.parametrize("setup", ["stacked", "streamed"])
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_trace_on_cuda_records_every_token_as_the_cpu_does(bundles, tmp_path, setup, graphs):
+    """`edgerun trace` on the GPU runs the decoder (graph or eager), not the model's forward:
+    every decoded token is still traced, as many as on the CPU, with the prefill's routes equal."""
+    from edgerun.cli import main
+    from edgerun.tools.routes import read_trace
+
+    b = bundles[("qwen3_5_moe", "bf16")]
+    extra = ["--quota", "4"] if setup == "streamed" else []
+    traces = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.jsonl"
+        argv = [
+            "trace",
+            "t5 t6",
+            "--model",
+            str(b),
+            "--out",
+            str(out),
+            "--max-tokens",
+            "18",
+            "--device",
+            device,
+        ]
+        assert main(argv + ["--dtype", "float32", "--graphs", graphs] + extra) == 0
+        traces[device] = read_trace(out)
+    assert len(traces["cuda"].tokens) == len(traces["cpu"].tokens) > 18 - 1
+    assert traces["cuda"].tokens[0] == traces["cpu"].tokens[0]

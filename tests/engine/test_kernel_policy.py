@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from edgerun.bundle.reader import Bundle
+from edgerun.cache.expert_cache import ExpertCache
+from edgerun.cache.slots import QuotaError
+from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy, resolve
+from edgerun.engine.setup import cache_config
 from edgerun.errors import ConfigError
-from edgerun.server.cli import slot_pool
 from edgerun.server.options import ServeOptions
 
 
@@ -60,19 +63,16 @@ def test_serve_options_refuse_bad_kernel_keys(key, value, message):
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def test_slot_pool_follows_the_profile():
-    assert slot_pool("cuda", None, None) == "device"
-    assert slot_pool("cuda", None, CONFIGS / "jetson_thor.yaml") == "mapped"  # unified memory
-    assert slot_pool("cuda", None, CONFIGS / "rtx5070.yaml") == "device"  # discrete: VRAM slots
-    assert slot_pool("cuda", "device", CONFIGS / "jetson_thor.yaml") == "device"  # asked for
-    assert slot_pool("cpu", None, None) is None
-    with pytest.raises(ConfigError, match="slot pool 'mapped' is for CUDA devices"):
-        slot_pool("cpu", "mapped", None)
+def test_slot_pool_follows_the_profile(bundles):
+    def pool(requested, profile):
+        return cache_config(bundles[("qwen3_moe", "bf16")], quota=2, pool=requested, profile=profile)
+
+    assert pool(None, None).pool is None and not pool(None, None).unified_memory  # CUDA: device slots
+    assert pool(None, CONFIGS / "jetson_thor.yaml").unified_memory  # unified memory: mapped slots
+    assert not pool(None, CONFIGS / "rtx5070.yaml").unified_memory  # discrete: VRAM slots
+    assert pool("device", CONFIGS / "jetson_thor.yaml").pool == "device"  # asked for
 
 
 def test_a_mapped_pool_is_refused_on_the_cpu(bundles):
-    from edgerun.cache.expert_cache import ExpertCache
-    from edgerun.cache.slots import QuotaError
-
     with pytest.raises(QuotaError, match="slot pool 'mapped' does not serve device cpu"):
-        ExpertCache(Bundle.open(bundles[("qwen3_moe", "bf16")]), 2, pool="mapped")
+        ExpertCache(Bundle.open(bundles[("qwen3_moe", "bf16")]), CacheConfig(2, pool="mapped"))

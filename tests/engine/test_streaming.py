@@ -7,15 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from edgerun.bundle.quant import dequantize_block
 from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.cache.expert_cache import ExpertCache
+from edgerun.cache.policy import fetches
 from edgerun.cache.slots import QuotaError
+from edgerun.config import CacheConfig
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
-from edgerun.engine.streaming import fetches, load_streaming_model
-from edgerun.models.layers import expert_ffn
+from edgerun.engine.streaming import load_streaming_model
+from edgerun.engine.trace import RouteRecorder
+from edgerun.kernels.moe_reference import expert_ffn
 from edgerun.tools.routes import read_trace
-from edgerun.tools.simulate import RouteRecorder, simulate
+from edgerun.tools.simulate import simulate
 from hf_fixtures import ARCHS
 
 
@@ -77,22 +81,23 @@ def test_budget_refusal_names_the_quota_that_fits(bundles):
     n_layers = len(bundle.args.moe_layers)
     budget = 3 * bb * n_layers + 4 * bb  # quota 3 and 4 staging buffers
     with pytest.raises(QuotaError, match=r"budget is .* bytes: a quota of 3 per layer fits"):
-        ExpertCache(bundle, 5, staging=4, budget_bytes=budget)
+        ExpertCache(bundle, CacheConfig(5, staging=4, budget=budget))
     with pytest.raises(QuotaError, match=r"not even the minimum quota \(top_k = 2\) fits"):
-        ExpertCache(bundle, 2, staging=4, budget_bytes=bb * 4)
-    ExpertCache(bundle, 3, staging=4, budget_bytes=budget).close()
+        ExpertCache(bundle, CacheConfig(2, staging=4, budget=bb * 4))
+    ExpertCache(bundle, CacheConfig(3, staging=4, budget=budget)).close()
 
 
 def test_warm_preloads_most_used_and_counts_no_misses(bundles):
     bundle = Bundle.open(bundles[("qwen3_moe", "bf16")])
-    cache = ExpertCache(bundle, 3)
+    cache = ExpertCache(bundle, CacheConfig(3))
     layer = bundle.args.moe_layers[0]
     cache.warm({layer: [0, 9, 1, 7, 5, 0]})
     assert cache.slots[layer].resident() == [4, 3, 1]  # least used first, most used most recent
     assert cache.totals().misses == 0 and cache.io[layer].warm_reads == 3
     refs = cache.get_many(layer, [1, 3])
     assert cache.totals().misses == 0 and cache.totals().hits == 2
-    assert torch.equal(cache.weights(refs[0])[0], Bundle.open(bundle.root).expert(layer, 1, torch.float32)[0])
+    held = dequantize_block(bundle.layouts[layer], cache.pools[layer][refs[0].slot], None, torch.float32)
+    assert torch.equal(held[0], Bundle.open(bundle.root).expert(layer, 1, torch.float32)[0])
     cache.close()
 
 
@@ -179,7 +184,9 @@ def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):
         "--profile",
     ]
     assert main(argv + [str(ok)]) == 0
-    assert "experts streamed (quota 6 per layer" in capsys.readouterr().err  # everything fits: all 6 experts
+    err = capsys.readouterr().err
+    assert "experts streamed (quota 6 per layer" in err  # everything fits: all 6 experts
+    assert "re-planned with the measured resident weights" in err  # sized after loading, by measurement
     assert main(argv + [str(tiny)]) == 2
     assert "does not fit on" in capsys.readouterr().err
 
@@ -194,7 +201,7 @@ def test_host_tier_streaming_equals_resident(bundles, arch):
     params = SamplingParams(max_tokens=24)
     want = Runner(resident, args, None).generate_ids(list(range(3, 20)), params)
     top_k, E = args.num_experts_per_tok, args.num_experts
-    model, _, cache, _ = load_streaming_model(b, top_k, dtype=torch.float32, host_quota=E - 1)
+    model, _, cache, _ = load_streaming_model(b, CacheConfig(top_k, host_quotas=E - 1), dtype=torch.float32)
     assert Runner(model, args, None).generate_ids(list(range(3, 20)), params) == want
     t = cache.totals()
     bb = cache.bundle.layouts[args.moe_layers[0]].block_bytes
@@ -210,16 +217,16 @@ def test_host_tier_refusals(bundles):
     b = bundles[("qwen3_moe", "bf16")]
     bundle = Bundle.open(b)
     with pytest.raises(QuotaError, match="host tier quota 2 is below the device quota 3"):
-        ExpertCache(bundle, 3, host_quota=2)
+        ExpertCache(bundle, CacheConfig(3, host_quotas=2))
     with pytest.raises(QuotaError, match="host tier quotas given for layers"):
-        ExpertCache(bundle, 3, host_quota={99: 4})
+        ExpertCache(bundle, CacheConfig(3, host_quotas={99: 4}))
 
 
 def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
     """The tier sees every lookup, so its storage reads are an LRU of the tier's quota over the
     device slots' access stream, as the simulator (and the planner's storage-tier replay) counts."""
     b = bundles[("qwen3_5_moe", "bf16")]
-    model, args, cache, _ = load_streaming_model(b, 2, dtype=torch.float32, host_quota=4)
+    model, args, cache, _ = load_streaming_model(b, CacheConfig(2, host_quotas=4), dtype=torch.float32)
     rec = RouteRecorder(model, args, tmp_path / "t.jsonl", "tiny")
     Runner(model, args, None, prefill_chunk=16).generate_ids(
         list(range(3, 30)), SamplingParams(max_tokens=16)

@@ -13,9 +13,14 @@ from moe_cases import FORMATS, fmt_id, layout_for, random_step
 from edgerun.bundle.quant import dequantize_block, quantize_expert
 from edgerun.errors import ConfigError
 from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
-from edgerun.kernels.moe_reference import layout_dims, moe_experts_ref, random_pool
+from edgerun.kernels.moe_reference import (
+    combine_experts,
+    expert_ffn,
+    layout_dims,
+    moe_experts_ref,
+    random_pool,
+)
 from edgerun.kernels.probe import probe
-from edgerun.models.layers import combine_experts
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -127,3 +132,17 @@ def test_expert_ranges_in_ascending_parts_equal_one_call(fmt):
             part_slots = torch.where((ids >= lo) & (ids <= hi), slots, 0)
             acc = moe_experts(x, pool, part_slots, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
         assert torch.equal(acc.to(x.dtype), want), cuts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_expert_output_does_not_depend_on_its_batch(dtype):
+    # the ROW_TILE padding's claim: the same token through the same expert gives the same bits
+    # whether it runs alone or among 1..9 other tokens (BLAS kernels differ by row remainder)
+    g = torch.Generator().manual_seed(5)
+    D, I = 64, 32
+    gate_up = (torch.randn(2 * I, D, generator=g) / D**0.5).to(dtype)
+    down = (torch.randn(D, I, generator=g) / I**0.5).to(dtype)
+    rows = torch.randn(10, D, generator=g).to(dtype)
+    alone = expert_ffn(rows[:1], gate_up, down)
+    for n in range(2, 11):
+        assert torch.equal(expert_ffn(rows[:n], gate_up, down)[:1], alone), n

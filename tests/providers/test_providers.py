@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from edgerun.bundle.reader import Bundle, load_bundle_model
 from edgerun.cli import build_parser
+from edgerun.cli import main as edgerun_main
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.errors import ConfigError
@@ -34,6 +36,7 @@ from edgerun.models.providers import (
 from edgerun.models.registry import BUILTIN_PROVIDER, import_architecture, load_args, resolve_config
 
 EXAMPLE_SRC = Path(__file__).parent / "edgerun_example_provider"
+CPU_PROFILE = str(Path(__file__).parents[2] / "configs" / "cpu.yaml")
 EXAMPLE = "edgerun-example-provider"
 ALLOW_EXAMPLE = ProviderPolicy(allow=frozenset({EXAMPLE}))
 PROVIDER_MODULES = ("edgerun_example_provider", "boom_arch", "partial_arch")
@@ -210,6 +213,78 @@ def test_other_processes_resolve_the_same(example_site, example_ckpt):
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.split()) == 4
     assert "architecture example_moe from edgerun-example-provider 0.1.0 (provider API 1)" in ok.stderr
+
+
+# ---- every command that resolves an architecture takes the options its refusal advises ------
+
+
+def refusal_advice(capsys, argv: list[str]) -> list[str]:
+    """Run ``edgerun ARGV``, which must refuse the example provider; the options it says to pass."""
+    assert edgerun_main(argv) != 0
+    err = capsys.readouterr().err
+    m = re.search(r"model_type 'example_moe' is provided by .*: pass ((?:--allow-provider \S+ ?)+)", err)
+    assert m, err
+    return m.group(1).split()
+
+
+def accepted(capsys, argv: list[str]) -> str:
+    """Run ``edgerun ARGV``, which must succeed; its stdout."""
+    rc = edgerun_main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+@pytest.mark.parametrize("source", ["--checkpoint", "--config"])
+def test_plan_takes_the_provider_options(
+    example_site, example_ckpt, monkeypatch, capsys, forget_provider_modules, source
+):
+    monkeypatch.syspath_prepend(str(example_site))
+    path = example_ckpt if source == "--checkpoint" else example_ckpt / "config.json"
+    argv = ["plan", "--device", CPU_PROFILE, source, str(path), "--context", "64", "--quant", "int8"]
+    advice = refusal_advice(capsys, argv)
+    assert advice == ["--allow-provider", EXAMPLE]
+    assert "edgerun plan: ckpt (example_moe) on " in accepted(capsys, argv + advice)
+
+
+def test_convert_verify_and_plan_a_provider_bundle(
+    example_site, example_ckpt, monkeypatch, capsys, tmp_path, forget_provider_modules
+):
+    """convert (--dry-run and for real), verify, plan --bundle and the bundle reader, each refused
+    without the provider options and accepted with the ones the refusal names."""
+    from tokenizers import Tokenizer, models
+
+    monkeypatch.syspath_prepend(str(example_site))
+    src = shutil.copytree(example_ckpt, tmp_path / "ckpt")  # a bundle carries a tokenizer
+    Tokenizer(models.WordLevel({"t0": 0}, unk_token="t0")).save(str(src / "tokenizer.json"))
+    dst = tmp_path / "bundle"
+    argv = ["convert", str(src), str(dst), "--quant", "int8"]
+    advice = refusal_advice(capsys, argv + ["--dry-run"])
+    assert advice == ["--allow-provider", EXAMPLE]
+    assert "bundle: example_moe, experts int8" in accepted(capsys, argv + ["--dry-run", *advice])
+    assert refusal_advice(capsys, argv) == advice
+    assert not dst.exists()  # refused before the destination was made
+    accepted(capsys, argv + advice)
+
+    argv = ["verify", str(dst), "--deep"]
+    assert refusal_advice(capsys, argv) == advice
+    out = accepted(capsys, argv + advice)
+    assert f"{dst}: OK: edgerun bundle v1, example_moe, experts int8" in out and "files hashed" in out
+
+    argv = ["plan", "--device", CPU_PROFILE, "--bundle", str(dst), "--context", "64"]
+    assert refusal_advice(capsys, argv) == advice
+    out = accepted(capsys, argv + advice)
+    assert "edgerun plan: bundle (example_moe) on " in out and "experts int8" in out
+
+    with pytest.raises(ProviderError, match=r"manifest.json: model_type 'example_moe' is provided by"):
+        Bundle.open(dst)
+    _, args, report = load_bundle_model(dst, experts=False, providers=ALLOW_EXAMPLE)
+    assert args.model_type == "example_moe"
+    assert (
+        report.provider.describe()
+        == "architecture example_moe from edgerun-example-provider 0.1.0 (provider API 1)"
+    )
+    assert Bundle.open(dst, providers=ALLOW_EXAMPLE).provider == report.provider
 
 
 # ---- refusals ---------------------------------------------------------------------------------

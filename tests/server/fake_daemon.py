@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from edgerun.engine.request import Limits  # noqa: E402
 from edgerun.errors import EdgerunError  # noqa: E402
 from edgerun.server import daemon  # noqa: E402
 from edgerun.server.engine_worker import EngineFailure  # noqa: E402
@@ -46,12 +47,10 @@ class Event:  # runner.Event's shape, without importing torch (so this daemon st
 class FakeEngine:
     model_id = "fake"
     tokenizer = None
-    max_context = CONTEXT
+    limits = Limits(VOCAB, CONTEXT)
 
-    def check_request(self, ids, params) -> None:
-        pass  # the daemon has checked the context already
-
-    def generate(self, ids, params):
+    def generate(self, request):
+        ids, params = request.prompt_ids, request.params
         if ids[0] == RAISE:
             raise RuntimeError("injected engine error")
         if ids[0] == FATAL:

@@ -86,7 +86,7 @@ def test_completion_matches_in_process(daemon, runner, sampling):
     status, out = post(daemon.sock, "/v1/completions", body)
     assert status == 200, out
     params = SamplingParams(max_tokens=12, ignore_eos=True, **sampling)
-    events = list(runner.generate(runner.tokenizer.encode(PROMPT), params))
+    events = list(runner.generate(runner.request(runner.tokenizer.encode(PROMPT), params)))
     choice = out["choices"][0]
     assert choice["token_ids"] == [e.token_id for e in events if e.token_id is not None]
     assert choice["text"] == "".join(e.text for e in events)

@@ -10,6 +10,7 @@ import pytest
 from server_helpers import Daemon, get, post, serve_argv
 
 from edgerun.bundle.convert import ConvertOptions, convert
+from edgerun.config import CacheConfig
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 
@@ -37,7 +38,7 @@ def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
             sock, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
         )
         assert code == 200, body
-        runner = Runner.load(bundle, device="cpu", quota=2)
+        runner = Runner.load(bundle, device="cpu", cache=CacheConfig(2))
         ids = runner.generate_ids([5, 6, 7, 8], SamplingParams(max_tokens=12))
         assert body["choices"][0]["text"] == runner.tokenizer.decode(ids)
         _, models = get(sock, "/v1/models")
@@ -68,3 +69,29 @@ def test_plan_that_does_not_fit_is_refused_before_binding(bundle, tmp_path):
     d = Daemon(serve_argv("--bundle", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
     assert d.proc.wait(60) == 2
     assert "does not fit on" in d.log() and not sock.exists()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (none on this machine)")
+def test_a_bundle_whose_every_expert_fits_decodes_one_graph_a_step(bundle, tmp_path):
+    """Every expert in a slot: they are read in at load, so the decoder built by the start-up
+    probe already finds the slot table on the device and a decode step is one CUDA graph."""
+    sock = tmp_path / "g.sock"
+    argv = serve_argv(
+        "--bundle", str(bundle), "--quota", "6", "--socket", str(sock), "--torch-device", "cuda"
+    )
+    d = Daemon(argv, sock)
+    try:
+        d.wait_health(timeout=300)
+        code, body = post(
+            sock, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+        )
+        assert code == 200, body
+        _, models = get(sock, "/v1/models")
+        kernels = models["data"][0]["edgerun"]["kernels"]
+        assert "1 graph(s) per step" in kernels and "expert steps table" in kernels, kernels
+        _, metrics = get(sock, "/metrics")
+        graph = re.search(r'^edgerun_decode_steps_total\{mode="graph"\} ([0-9.e+]+)$', metrics, re.M)
+        assert graph is not None and float(graph.group(1)) >= 10, metrics
+        assert _metric_sum(metrics, "edgerun_expert_cache_misses_total") == 0
+    finally:
+        assert d.stop() == 0

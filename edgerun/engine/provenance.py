@@ -1,0 +1,60 @@
+"""The start-up provenance line and the expert-cache summary line: what runs, in words. One
+formatter for ``generate``, ``serve`` and the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cache_line(cache, tokens: int) -> str:
+    t = cache.totals()
+    return (
+        f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
+        f"{t.evictions} evictions, {t.warm_reads} warm reads, "
+        + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
+        + f"{t.bytes_read / 2**20:.1f} MiB read "
+        f"at {t.read_bandwidth / 1e9:.2f} GB/s"
+    )
+
+
+def experts_text(runner) -> str:
+    cache = runner.cache
+    fb = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
+    kernels = f"kernels: {runner.kernel_summary()}"
+    if cache is None:
+        return f"experts resident; {kernels}; fallbacks: {fb}"
+    quotas = sorted(set(cache.quotas.values()))
+    modes = {r.mode for r in cache.readers.values()}
+    depths = "/".join(str(r.depth) for r in cache.readers.values())
+    tier = sorted({t.quota for t in cache.tier.values()})
+    tier_text = (
+        f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB), "
+        if tier
+        else ""
+    )
+    return (
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
+        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB); "
+        f"{kernels}; fallbacks: {fb}"
+    )
+
+
+def provenance(runner, model_dir: Path | None, profile: str | None = None, plan: str | None = None) -> str:
+    """One line: model and bundle, device, dtype, threads, how experts are held, the kernel
+    policy as resolved, every fallback with its reason, what loading did, the architecture's
+    provider, and (the daemon) the device profile and the plan."""
+    import torch
+
+    a = runner.args
+    n_params = sum(p.numel() for p in runner.model.parameters())
+    dtype = next(runner.model.parameters()).dtype
+    line = (
+        f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
+        f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
+        f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()} "
+        f"{experts_text(runner)}; {runner.load_summary}"
+        + (f"; {runner.provider.describe()}" if runner.provider else "")
+    )
+    if profile is not None or plan is not None:
+        line += f"; device profile {profile or 'none'}" + (f"; {plan}" if plan else "")
+    return line

@@ -1,0 +1,148 @@
+"""The one decode path's contracts on the CPU: the static-buffer attention step is the module's
+forward; a slot reference made stale by an eviction is refused; every decoded token is traced,
+decoder steps included; fallbacks are counted per event; a quota that holds every expert reads
+them all in at load (so CUDA decodes one graph a step); the cache only keeps books and bytes."""
+
+import pytest
+import torch
+
+from edgerun.bundle.reader import Bundle
+from edgerun.cache.expert_cache import ExpertCache
+from edgerun.cache.slots import StaleSlotError
+from edgerun.config import CacheConfig
+from edgerun.engine.graphs import DecodeGraphs
+from edgerun.engine.policy import KernelPolicy
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import SamplingParams
+from edgerun.engine.streaming import REFERENCE, lookup, run_experts
+from edgerun.engine.trace import RouteRecorder
+from edgerun.models.layers import StaticStep
+from edgerun.tools.routes import read_trace
+from hf_fixtures import ARCHS
+
+CPU = torch.device("cpu")
+PROMPT = list(range(3, 20))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_attention_step_equals_the_forward(bundles, arch):
+    runner = Runner.load(bundles[(arch, "bf16")], device="cpu")
+    model, S = runner.model, 32
+    layer = next(layer for layer in model.model.layers if hasattr(layer, "self_attn"))
+    attn = layer.self_attn
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(1, 9, runner.args.hidden_size, generator=g)
+    with torch.no_grad():
+        rope = model.rotary(torch.arange(9), xs.dtype)
+        want = attn(xs, rope, attn.new_state(1, S, CPU, xs.dtype), 0)  # all 9 tokens in one forward
+        cache = attn.new_state(1, S, CPU, xs.dtype)
+        for t in range(9):
+            pos = torch.tensor([t])
+            cos, sin = model.rotary(pos, xs.dtype)
+            step = StaticStep(cos, sin, pos, torch.arange(S))
+            got = attn.decode_static(xs[:, t : t + 1], step, cache)
+            # fp32 both: SDPA and the masked fp32 softmax over the 32-slot buffer sum in other
+            # orders (~1e-7 relative); 1e-5 on O(1) outputs catches a wrong position, mask or
+            # head grouping, each of which is off by O(1e-1)
+            assert torch.allclose(got[0, 0], want[0, t], atol=1e-5, rtol=0), t
+
+
+def test_a_reference_made_stale_by_an_eviction_is_refused(bundles):
+    bundle = Bundle.open(bundles[("qwen3_moe", "bf16")])
+    cache = ExpertCache(bundle, CacheConfig(2))
+    layer, D, A = bundle.args.moe_layers[0], bundle.args.hidden_size, bundle.args.num_experts_per_tok
+    x, w = torch.randn(1, D), torch.full((1, A), 1.0 / A)
+    ids = torch.tensor([[0, 1]])
+    slots, refs = lookup(cache, layer, ids.tolist(), "cpu")
+    run_experts(cache, layer, x, slots, ids, w, REFERENCE, refs)  # fresh: runs
+    lookup(cache, layer, [[2, 3]], "cpu")  # evicts experts 0 and 1: their slots now hold 2 and 3
+    with pytest.raises(StaleSlotError, match="expert 0 in slot"):
+        run_experts(cache, layer, x, slots, ids, w, REFERENCE, refs)
+    cache.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoder_steps_are_traced_like_forward_steps(bundles, arch, tmp_path):
+    """The CUDA decoder (its operations run uncaptured on the CPU here) bypasses the model's
+    forward, so the runner hands its routes to the recorder: the trace holds every token."""
+    b, n = bundles[(arch, "int4")], 8
+    plain = Runner.load(b, device="cpu", cache=CacheConfig(4))
+    rec = RouteRecorder.for_runner(plain, tmp_path / "plain.jsonl", "tiny")
+    want = plain.generate_ids(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
+    rec.close()
+
+    runner = Runner.load(b, device="cpu", cache=CacheConfig(4))
+    runner.decoder = DecodeGraphs(
+        runner.model, runner.args, runner.cache, runner.kernels, CPU, 64, runner.steps
+    )
+    rec = RouteRecorder.for_runner(runner, tmp_path / "decoder.jsonl", "tiny")
+    state = runner.decoder.reset()
+    with torch.no_grad():
+        got = [int(runner.prefill(state, PROMPT).argmax())]
+        for _ in range(n - 1):
+            got.append(int(runner.decode_step(state, got[-1]).argmax()))
+    rec.close()
+    assert runner.routes is None  # closing detaches the recorder
+    assert got == want
+    a, d = read_trace(tmp_path / "plain.jsonl"), read_trace(tmp_path / "decoder.jsonl")
+    assert len(d.tokens) == len(a.tokens) == len(PROMPT) + n - 1
+    assert d.tokens[: len(PROMPT)] == a.tokens[: len(PROMPT)]  # the prefill forward: identical routes
+    assert runner.steps.eager_steps == n - 1  # the decoder ran every decode step
+
+
+def test_fallbacks_are_counted_per_engine_step(bundles):
+    runner = Runner.load(
+        bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(4), kernels=KernelPolicy(experts="triton"),
+        prefill_chunk=8,
+    )  # fmt: skip
+    assert "expert_kernel" in runner.fallbacks()  # triton asked for on a CPU
+    assert runner.fallback_counts() == {"expert_kernel": 0}
+    runner.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    # 17 prompt tokens in chunks of 8: 3 prefill forwards, then 4 decode steps
+    assert runner.fallback_counts() == {"expert_kernel": 7}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_quota_of_every_expert_reads_them_all_at_load(bundles, arch):
+    runner = Runner.load(bundles[(arch, "int4")], device="cpu", cache=CacheConfig(64))
+    cache, E = runner.cache, runner.args.num_experts
+    for layer in runner.args.moe_layers:
+        assert cache.slot_table(layer) is not None  # the device-side lookup a CUDA graph needs
+        assert cache.io[layer].warm_reads == E and cache.layer_stats(layer).misses == 0
+    runner.generate_ids(PROMPT, SamplingParams(max_tokens=4))
+    assert cache.totals().misses == 0 and cache.totals().evictions == 0
+
+
+def test_the_cache_keeps_books_and_bytes_only():
+    import edgerun.cache.expert_cache as module
+
+    assert not hasattr(module.ExpertCache, "run") and not hasattr(module.ExpertCache, "weights")
+    assert "moe_experts" not in vars(module) and "dequantize_block" not in vars(module)
+
+
+def test_the_graph_module_holds_no_model_math():
+    """engine/graphs.py plans, captures and replays; attention, MLP and expert math are the
+    model's (models/layers.py) and the expert step is engine/streaming.run_experts."""
+    import ast
+    from pathlib import Path
+
+    import edgerun.engine.graphs as graphs
+
+    tree = ast.parse(Path(graphs.__file__).read_text())
+    called = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
+    math = {
+        "matmul",
+        "bmm",
+        "softmax",
+        "sigmoid",
+        "silu",
+        "linear",
+        "apply_rotary",
+        "masked_fill",
+        "moe_experts",
+    }
+    assert not called & math, called & math
