@@ -229,15 +229,16 @@ class Runner:
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
-        self._count_step()
         if self.decoder is not None and state is self.decoder.state:
             logits = self.decoder.step(token)
             if self.routes is not None:  # the model's forward hooks do not see a decoder step
                 self.routes.add_step(self.decoder.routes())
-            return logits
-        tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        self.steps.eager_steps += 1
-        return self.model(tokens, state, last_only=True)[0, -1]
+        else:
+            tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            self.steps.eager_steps += 1
+            logits = self.model(tokens, state, last_only=True)[0, -1]
+        self._count_step()  # after the step: a fallback it took (a failed capture) counts already
+        return logits
 
     def request(self, prompt_ids: list[int], params: SamplingParams, **fields) -> Request:
         """The request checked against this model's limits (``fields``: how the caller names the
