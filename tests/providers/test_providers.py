@@ -286,6 +286,28 @@ def test_convert_verify_and_plan_a_provider_bundle(
     )
     assert Bundle.open(dst, providers=ALLOW_EXAMPLE).provider == report.provider
 
+    # streaming it (generate --quota) and tracing it take the same options
+    argv = ["generate", "--model", str(dst), "--quota", "2", "--token-ids", "0", "--max-tokens", "3", "-q"]
+    assert refusal_advice(capsys, argv) == advice
+    accepted(capsys, argv + advice)
+    argv = [
+        "trace",
+        "t0",
+        "--model",
+        str(dst),
+        "--quota",
+        "2",
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--max-tokens",
+        "3",
+    ]
+    assert refusal_advice(capsys, argv) == advice
+    accepted(capsys, argv + advice)
+    assert (
+        len((tmp_path / "t.jsonl").read_text().splitlines()) == 1 + 3
+    )  # header, 1 prompt + 2 decoded tokens
+
 
 # ---- refusals ---------------------------------------------------------------------------------
 
