@@ -100,7 +100,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def run_generate(ns: argparse.Namespace) -> int:
     from edgerun.engine.provenance import cache_line, provenance
-    from edgerun.engine.runner import Runner
     from edgerun.engine.sampler import SamplingParams
     from edgerun.engine.setup import runtime
 
@@ -123,13 +122,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     providers = ProviderPolicy.from_namespace(ns)
     cache = _cache_config(ns, providers, warm=_read_warm(ns.warm))
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
-    runner = Runner.load(
+    runner = rt.load(
         ns.model,
-        device=rt.device,
-        dtype=rt.dtype,
         providers=providers,
         cache=cache,
-        kernels=rt.kernels,
         log=log,
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
@@ -292,7 +288,6 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
 def run_trace(ns: argparse.Namespace) -> int:
     import json
 
-    from edgerun.engine.runner import Runner
     from edgerun.engine.sampler import SamplingParams
     from edgerun.engine.setup import runtime
     from edgerun.engine.trace import RouteRecorder
@@ -301,15 +296,9 @@ def run_trace(ns: argparse.Namespace) -> int:
 
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs)
     providers = ProviderPolicy.from_namespace(ns)
-    runner = Runner.load(
-        ns.model,
-        device=rt.device,
-        dtype=rt.dtype,
-        providers=providers,
-        cache=_cache_config(ns, providers),
-        kernels=rt.kernels,
-        max_context=ns.context,
-        prefill_chunk=ns.prefill_chunk,
+    cache = _cache_config(ns, providers)
+    runner = rt.load(
+        ns.model, providers=providers, cache=cache, max_context=ns.context, prefill_chunk=ns.prefill_chunk
     )
     if runner.tokenizer is None:
         raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")

@@ -24,6 +24,13 @@ class Runtime:
     dtype: Any  # torch.dtype, or None: float32 on cpu, the checkpoint's on cuda
     kernels: KernelPolicy
 
+    def load(self, model_dir: Path | None, **kw):
+        """The :class:`~edgerun.engine.runner.Runner` of ``model_dir`` on this device, dtype and
+        kernel policy (``kw``: the rest of ``Runner.load``'s options)."""
+        from edgerun.engine.runner import Runner
+
+        return Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
+
 
 def runtime(
     device: str | None = None,

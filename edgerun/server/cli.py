@@ -144,9 +144,15 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None) -> Callab
         source = opts.bundle or opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")
         status(f"loading model {source or 'demo'} on {rt.device}")
-        return RunnerEngine.load(
-            source, name, profile, rt, opts.context, opts.prefill_chunk, opts.providers, cache, log=status
+        runner = rt.load(
+            source,
+            providers=opts.providers,
+            cache=cache,
+            log=status,
+            max_context=opts.context,
+            prefill_chunk=opts.prefill_chunk,
         )
+        return RunnerEngine(runner, source, name, profile, cache.summary if cache is not None else None)
 
     return load
 

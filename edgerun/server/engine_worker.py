@@ -25,7 +25,6 @@ from edgerun.errors import EdgerunError
 if TYPE_CHECKING:
     from edgerun.engine.request import Limits, Request
     from edgerun.engine.runner import Event, Runner
-    from edgerun.engine.setup import Runtime
     from edgerun.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -76,34 +75,6 @@ class RunnerEngine:
         self.tokenizer = runner.tokenizer
         self.limits = runner.limits
         self.generate = runner.generate
-
-    @classmethod
-    def load(
-        cls,
-        model_dir: Path | None,
-        model_id: str,
-        profile: str | None,
-        rt: Runtime,
-        max_context: int | None = None,
-        prefill_chunk: int = 512,
-        providers: Any = None,
-        cache: Any = None,
-        log: Callable[[str], None] | None = None,
-    ) -> RunnerEngine:
-        from edgerun.engine.runner import Runner
-
-        runner = Runner.load(
-            model_dir,
-            device=rt.device,
-            dtype=rt.dtype,
-            providers=providers,
-            cache=cache,
-            kernels=rt.kernels,
-            log=log,
-            max_context=max_context,
-            prefill_chunk=prefill_chunk,
-        )
-        return cls(runner, model_dir, model_id, profile, cache.summary if cache is not None else None)
 
     def probe(self) -> str:
         import torch
