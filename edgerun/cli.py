@@ -169,7 +169,9 @@ def run_generate(ns: argparse.Namespace) -> int:
 
 
 def _is_bundle(model: Path | None) -> bool:
-    return model is not None and (model / "manifest.json").is_file()
+    from edgerun.bundle.format import MANIFEST
+
+    return model is not None and (model / MANIFEST).is_file()
 
 
 def _cache_config(ns: argparse.Namespace, providers, warm=None):
@@ -177,8 +179,6 @@ def _cache_config(ns: argparse.Namespace, providers, warm=None):
     experts resident)."""
     from edgerun.engine.setup import cache_config
 
-    if ns.profile is not None and not _is_bundle(ns.model):
-        raise EdgerunError("--profile plans an edgerun bundle: pass --model BUNDLE_DIR")
     if ns.profile is not None and ns.quota is not None:
         raise EdgerunError("give --quota or --profile, not both (the profile's plan decides the quota)")
     return cache_config(

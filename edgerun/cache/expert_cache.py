@@ -67,7 +67,6 @@ class ExpertCache:
         bundle: Bundle,
         config: CacheConfig,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
     ) -> None:
         args = bundle.args
         device = torch.device(device)
@@ -110,7 +109,6 @@ class ExpertCache:
                 self._fallbacks["mapped_slots"] = f"{why}; slots live in device memory"
                 pool = "device"
         self.pool_kind = pool
-        self.dtype = dtype
         self.slots = slots
         self.footprint_bytes = need
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time

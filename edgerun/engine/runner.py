@@ -20,6 +20,7 @@ from edgerun.engine.graphs import DecodeCounters, DecodeGraphs
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import Sampler, SamplingParams
+from edgerun.engine.setup import default_device
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
@@ -62,10 +63,6 @@ class Event:
     token_id: int | None = None
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     stats: GenerationStats | None = None
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def peak_memory(device: torch.device) -> int:

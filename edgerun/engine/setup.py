@@ -32,6 +32,12 @@ class Runtime:
         return Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
 
 
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def runtime(
     device: str | None = None,
     dtype: str | None = "auto",
@@ -44,8 +50,7 @@ def runtime(
     here, process-wide) and the kernel request, refusing what cannot run."""
     import torch
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda: no CUDA device is available (use cpu)")
     dtype = dtype or "auto"
@@ -89,7 +94,10 @@ def cache_config(
                 )
         return None
     if bundle is None:
-        raise ConfigError("expert streaming (a quota or a device profile's plan) needs an edgerun bundle")
+        raise ConfigError(
+            "expert streaming (a quota or a device profile's plan) needs an edgerun bundle: pass one "
+            "(generate: --model BUNDLE_DIR; serve: --bundle DIR), made with `edgerun convert`"
+        )
     if quota is None and host_quota is not None:
         raise ConfigError(
             "give --host-quota or a device profile, not both (the profile's plan sizes the host tier)"

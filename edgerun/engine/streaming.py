@@ -117,10 +117,9 @@ def load_streaming_model(
         config = CacheConfig(quotas=config)
     bundle = Bundle.open(bundle_dir, providers=providers)  # validated once, before anything is allocated
     model, args, report = load_bundle_model(bundle, dtype=dtype, device=device, experts=False)
-    dtype = model.model.embed_tokens.weight.dtype
     # measure what loading used, then size what remains
     config = replan(config, Path(bundle_dir), measured_resident(model), providers, log)
-    cache = ExpertCache(bundle, config, device=device, dtype=dtype)
+    cache = ExpertCache(bundle, config, device=device)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe):
             layer.mlp.experts = StreamingExperts(i, cache)
