@@ -44,15 +44,22 @@ class Refused(Exception):
     """A probe case did not match; the message says which and by how much."""
 
 
-def probe_dense(args, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> ProbeResult:
+def probe_dense(
+    args, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, gemv: list | tuple = ()
+) -> ProbeResult:
     """Run the dense decode kernels at ``args``' geometry (a ModelArgs, or anything with its
     ``hidden_size``, ``num_attention_heads``, ``head_dim``, ``rms_norm_eps``,
     ``norm_unit_offset`` and ``linear_*`` attributes) on ``device`` in ``dtype`` and compare
     with the references; selected only if every case matches within TOLERANCE and repeats bit
-    for bit."""
-    name = "dense_triton[rms_norm" + (", delta_decode]" if _has_delta(args) else "]")
+    for bit. ``gemv``: the model's projection GEMV cases (scheme, rows, cols, group, epilogue),
+    with the router top-k and attention kernels at ``args``' geometry (without: norms and
+    DeltaNet only)."""
+    kernels = ["rms_norm"] + (["delta_decode"] if _has_delta(args) else [])
+    if gemv:
+        kernels += ["qgemv", "router_topk"] + (["attention_decode"] if _has_attention(args) else [])
+    name = f"dense_triton[{', '.join(kernels)}]"
     try:
-        selected, reason = True, _probe(args, torch.device(device), dtype)
+        selected, reason = True, _probe(args, torch.device(device), dtype, gemv)
     except Refused as e:
         selected, reason = False, str(e)
     except Exception as e:  # whatever broke, the reference runs and the reason says what
@@ -75,7 +82,11 @@ def _has_delta(args) -> bool:
     return getattr(args, "linear_num_key_heads", 0) > 0
 
 
-def _probe(args, device: torch.device, dtype: torch.dtype) -> str:
+def _has_attention(args) -> bool:
+    return any(t == "full_attention" for t in getattr(args, "layer_types", ()))
+
+
+def _probe(args, device: torch.device, dtype: torch.dtype, gemv=()) -> str:
     if device.type != "cuda":
         raise Refused(f"Triton kernels run on CUDA devices; this one is {device}")
     if not torch.cuda.is_available():
@@ -84,7 +95,7 @@ def _probe(args, device: torch.device, dtype: torch.dtype) -> str:
         import edgerun.kernels.dense_triton  # noqa: F401
     except ImportError as e:
         raise Refused(f"Triton is not importable: {e}") from e
-    worst = run_cases(args, device, dtype)
+    worst = run_cases(args, device, dtype, gemv)
     torch.cuda.synchronize(device)
     return (
         f"matched the references on {torch.cuda.get_device_name(device)} in {dtype} (max error "
@@ -92,10 +103,14 @@ def _probe(args, device: torch.device, dtype: torch.dtype) -> str:
     )
 
 
-def run_cases(args, device: torch.device, dtype: torch.dtype) -> float:
+def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
     """The probe's cases on ``device`` (CUDA; CPU under Triton's interpreter, for the tests):
     the worst error relative to the output's scale, or Refused saying which case failed."""
     from edgerun.kernels import dense_triton as K
+    from edgerun.kernels.decode_reference import Mismatch as DecodeMismatch
+    from edgerun.kernels.decode_reference import probe_cases as decode_cases
+    from edgerun.kernels.qlinear_reference import Mismatch as GemvMismatch
+    from edgerun.kernels.qlinear_reference import probe_cases as gemv_cases
 
     if dtype not in TOLERANCE:
         raise Refused(f"no kernel for model dtype {dtype}")
@@ -125,4 +140,9 @@ def run_cases(args, device: torch.device, dtype: torch.dtype) -> float:
         worst = max(worst, _compare("delta_decode state", [r["state"] for r in runs], ref["state"], tol))
         if not all(torch.equal(r["conv_state"], ref["conv_state"]) for r in runs):
             raise Refused("delta_decode: the conv state differs from the reference's")
+    if gemv:
+        try:
+            worst = max(worst, gemv_cases(list(gemv), device, dtype), decode_cases(args, device, dtype))
+        except (GemvMismatch, DecodeMismatch) as e:
+            raise Refused(str(e)) from e
     return worst

@@ -223,9 +223,11 @@ def _check(expected: dict, device: torch.device) -> None:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``rms_norm_ref`` in one launch: x [N, D] (rows may be strided, columns contiguous),
-    weight [D] -> [N, D], contiguous, in the reference's dtype."""
+    weight [D] -> [N, D], contiguous, in the reference's dtype (written into ``out`` when given)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [N, D] with contiguous rows, got {list(x.shape)} strides {x.stride()}")
     N, D = x.shape
@@ -236,7 +238,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
         raise ValueError(f"x must be one of {list(DTYPE_CODE)}, got {x.dtype}")
     _check({"weight": (weight, (D,), tuple(DTYPE_CODE))}, x.device)
     out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    else:
+        _check({"out": (out, (N, D), (out_dtype,))}, x.device)
     if N:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(N,)](

@@ -50,6 +50,8 @@ def moe_experts(
     out_dtype: torch.dtype | None = None,
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    table: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -58,16 +60,36 @@ def moe_experts(
     In parts: with ``expert_range`` (lo, hi) only those experts run (entries of other experts may
     hold any slot: they are not read), added into ``acc`` from :func:`accumulator`; calls over
     consecutive ranges in ascending order give the bits one call would. Round the sum to x's dtype at the
-    end."""
-    args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
-    part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
-    if policy.impl == "reference":
-        return moe_experts_ref(*args, **part)
-    from edgerun.kernels import moe_triton
+    end.
 
-    if x.shape[0] <= policy.gemv_max_tokens and not part:
-        return moe_triton.moe_gemv(*args)
-    return moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts, **part)
+    ``table`` (int64 [E]: the slot of every expert, when the layer holds them all): slots are
+    ``table[expert_ids]`` and ``slot_idx`` is not read (the decode kernel looks them up itself).
+    ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
+    rounded as ``resid.add_(routed + shared)`` rounds; ``resid`` is returned (the decode kernel
+    does it in its epilogue)."""
+    part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
+    if part and (table is not None or into is not None):
+        raise ValueError("a step run in parts takes neither a slot table nor a residual")
+    fused = policy.impl == "triton" and x.shape[0] <= policy.gemv_max_tokens and not part
+    if fused:
+        from edgerun.kernels import moe_triton
+
+        return moe_triton.moe_gemv(
+            x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into
+        )
+    if table is not None:
+        slot_idx = table[expert_ids]
+    args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
+    if policy.impl == "reference":
+        routed = moe_experts_ref(*args, **part)
+    else:
+        from edgerun.kernels import moe_triton
+
+        routed = moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts, **part)
+    if into is None:
+        return routed
+    resid, shared = into
+    return resid.add_(routed if shared is None else routed + shared)
 
 
 def accumulator(x: torch.Tensor, policy: MoeKernelPolicy) -> torch.Tensor:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from edgerun.bundle.layout import BlockLayout
+from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
@@ -122,6 +123,14 @@ def _rows_dot(
     return acc
 
 
+@triton.jit
+def _slot(slots, table, ids, p, TABLE: tl.constexpr):
+    """The slot of pair p: slots[p], or (a layer whose every expert is held) table[ids[p]]."""
+    if TABLE:
+        return tl.load(table + tl.load(ids + p)).to(tl.int64)
+    return tl.load(slots + p).to(tl.int64)  # 64-bit: slot * block passes 2^31 in large pools
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 
@@ -132,6 +141,8 @@ def _gate_up_kernel(
     wpool,
     spool,
     slots,
+    table,
+    ids,
     gscales,
     h,
     w_block,
@@ -145,10 +156,11 @@ def _gate_up_kernel(
     G: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     p = tl.program_id(0)  # pair t*A + a
     r0 = tl.program_id(1) * BLOCK_R
-    slot = tl.load(slots + p).to(tl.int64)  # 64-bit: slot * block passes 2^31 in large pools
+    slot = _slot(slots, table, ids, p, TABLE)
     w = wpool + slot * w_block + w_off
     s = spool + slot * s_block + s_off
     xt = x + (p // A) * D
@@ -167,9 +179,11 @@ def _down_kernel(
     wpool,
     spool,
     slots,
+    table,
     ids,
     rw,
     gscales,
+    shared,
     out,
     w_block,
     s_block,
@@ -183,7 +197,14 @@ def _down_kernel(
     G: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TABLE: tl.constexpr,
+    SHARED: tl.constexpr,
+    INTO: tl.constexpr,
+    CODE: tl.constexpr,
 ):
+    """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
+    the residual and gets out + (routed [+ shared]) instead, rounded where the model's
+    ``x.add_(routed + shared)`` rounds."""
     t = tl.program_id(0)
     r0 = tl.program_id(1) * BLOCK_R
     # each entry's rank in (expert id, position) order: the experts are summed by ascending id
@@ -196,14 +217,20 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for r in tl.static_range(A):
         p = t * A + tl.sum(tl.where(rank == r, ar, 0))
-        slot = tl.load(slots + p).to(tl.int64)
+        slot = _slot(slots, table, ids, p, TABLE)
         w = wpool + slot * w_block + w_off
         s = spool + slot * s_block + s_off
         y = _rows_dot(w, s, r0, h + p * I, I, QUANT, G, BLOCK_R, BLOCK_K)
         if QUANT == 2:
             y *= tl.load(gscales + slot * 2 + 1)
         acc += y * tl.load(rw + p).to(tl.float32)
-    tl.store(out + t * D + r0 + tl.arange(0, BLOCK_R), acc.to(out.dtype.element_ty))
+    cols = t * D + r0 + tl.arange(0, BLOCK_R)
+    if INTO:
+        acc = _round(acc, CODE)
+        if SHARED:
+            acc = _round(acc + tl.load(shared + cols).to(tl.float32), CODE)
+        acc = _round(tl.load(out + cols).to(tl.float32) + acc, CODE)
+    tl.store(out + cols, acc.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -369,14 +396,24 @@ def moe_gemv(
     global_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig = DEFAULT_GEMV,
+    table: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Decode: fused dequant + GEMV from the pool, two launches (four with a rotation). Same
     contract as ``moe_experts_ref``, except that everything runs in fp32 and is rounded to
-    ``out_dtype`` once. Slots must be in range (not checked: that would cost a device sync)."""
+    ``out_dtype`` once. Slots must be in range (not checked: that would cost a device sync).
+
+    ``table`` (int64 [E], every expert of the layer held): the slot of an entry is
+    ``table[expert_ids]``, looked up inside the kernels (``slot_idx`` is then not read).
+    ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
+    as ``resid.add_(routed + shared)`` rounds, and ``resid`` is returned."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
-    out = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    resid, shared = into if into is not None else (None, None)
+    if resid is not None:
+        _check_into(resid, shared, (T, D), x)
+    out = resid if resid is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
     if T == 0:
         return out
     slots = slot_idx.to(torch.int64).contiguous()  # no copy (and no launch) when already so
@@ -385,24 +422,40 @@ def moe_gemv(
     rotated = layout.rotation == "hadamard"
     wv, sv = _views(pool, layout)
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
+    tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
     h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     br = _pow2_divisor(I, config.block_r)
     bk = _block_k(D, layout, config.row_bytes)
     _gate_up_kernel[(T * A, I // br)](
-        xin, wv, sv, slots, gs, h, *_component_args(layout, "gate_up", wv, sv),
-        D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, num_warps=config.num_warps,
+        xin, wv, sv, slots, tab, ids, gs, h, *_component_args(layout, "gate_up", wv, sv),
+        D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None,
+        num_warps=config.num_warps,
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
     br = _pow2_divisor(D, config.block_r)
     bk = _block_k(I, layout, config.row_bytes)
     _down_kernel[(T, D // br)](
-        h, wv, sv, slots, ids, rw, gs, out, *_component_args(layout, "down", wv, sv),
+        h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out,
+        *_component_args(layout, "down", wv, sv),
         D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk,
-        num_warps=config.num_warps,
+        TABLE=table is not None, SHARED=shared is not None, INTO=resid is not None,
+        CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
     )  # fmt: skip
     return out
+
+
+def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[int, int], x) -> None:
+    for name, t in (("resid", resid), ("shared", shared)):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(
+                f"{name} must be a contiguous {list(shape)} tensor on {x.device}, got {list(t.shape)}"
+            )
+        if t.dtype != resid.dtype:
+            raise ValueError(f"{name} is {t.dtype}, resid {resid.dtype}: they must agree")
 
 
 def dequantize_slots(

@@ -1,10 +1,11 @@
 """Decode on a CUDA GPU at the real Qwen3.6-35B-A3B geometry: resident vs streamed experts, each
 rate against its bound measured in the same run.
 
-  edgerun bench decode --dir /tmp/edgerun-bench [--decode 48] [--repeats 2]
+  edgerun bench decode --dir /tmp/edgerun-bench [--decode 48] [--repeats 2] [--dense int4]
 
 1. A bundle of the real geometry (40 layers, 256 experts top-8, hidden 2048, expert width 512,
-   vocab 248,320) with *random weights*, int4 g32 experts, written straight to local disk by
+   vocab 248,320) with *random weights*, int4 g32 experts, resident linear weights as ``--dense``
+   / ``--lm-head`` say (bf16 by default), written straight to local disk by
    ``edgerun.tools.synth_bundle`` (no checkpoint, no convert). Random routing has no locality, so
    miss rates are worse than a trained model's: a pessimistic workload for streaming.
 2. Calibration: raw O_DIRECT read bandwidth of that disk over the expert files (whole blocks at
@@ -17,8 +18,9 @@ rate against its bound measured in the same run.
    the 1K prompt + the first token) and decode tok/s (median and range over ``--repeats``
    graph-mode runs), misses/token and read GB/s during decode.
 4. Bounds: streaming decode against storage bandwidth / (misses per token x block bytes);
-   resident decode against device bandwidth / bytes each token must read (dense weights but the
-   embedding table, the top-k experts' blocks, DeltaNet state read and written, KV so far).
+   resident decode against device bandwidth / bytes each token must read (dense weights as
+   stored, quantized ones with their scales, but the embedding table, of which one row; the top-k
+   experts' blocks; DeltaNet state read and written; KV so far).
 5. Eager and graph-captured decoding must give identical tokens; a configuration where they
    differ prints no rate.
 
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from edgerun.bundle.dense_layout import PLAIN, SCHEMES, DenseScheme
 from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
@@ -50,22 +53,31 @@ GiB = 2**30
 ALLOWANCE = 1 * GiB  # activations, cuBLAS/Triton workspaces, graph pools, the CUDA context's share
 
 
-def build_bundle(root: Path, layers: int | None) -> tuple[Path, float]:
+def build_bundle(
+    root: Path,
+    layers: int | None,
+    dense: str = PLAIN,
+    lm_head: str | None = None,
+    dense_group: int | None = None,
+) -> tuple[Path, float]:
     cfg = qwen36_config()
     if layers:
         cfg = with_layers(cfg, layers)
-    layers = cfg.get("text_config", cfg)["num_hidden_layers"]
-    path = root / f"qwen36-int4-{layers}l"
+    text = cfg.get("text_config", cfg)
+    layers = text["num_hidden_layers"]
+    scheme = DenseScheme.resolve(dense, lm_head, dense_group, bool(text.get("tie_word_embeddings", False)))
+    tag = "" if not scheme.quantized else "-dense-" + scheme.label().replace(", ", "-").replace(" ", "")
+    path = root / f"qwen36-int4-{layers}l{tag}"
     if (path / "manifest.json").is_file():
         return path, 0.0
     t0 = time.perf_counter()
-    synth_bundle(path, cfg, quant="int4", seed=0)
+    synth_bundle(path, cfg, quant="int4", seed=0, dense=dense, lm_head=lm_head, dense_group=dense_group)
     return path, time.perf_counter() - t0
 
 
 def dense_bytes(bundle: Bundle) -> tuple[int, int]:
-    """(all dense bytes, dense bytes one token reads: every dense tensor but the embedding
-    table, of which it reads one row)."""
+    """(all dense bytes, dense bytes one token reads: every stored dense tensor (a quantized
+    weight's values, scales and global) but the embedding table, of which it reads one row)."""
     total = sum(e.nbytes for e in bundle.dense.values())
     embed = sum(e.nbytes for n, e in bundle.dense.items() if n.startswith("model.embed_tokens"))
     row = embed // bundle.args.vocab_size
@@ -198,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
     )
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
+    ap.add_argument(
+        "--dense", choices=SCHEMES, default=PLAIN, help="resident linear weights: bf16 (plain), int8, int4"
+    )
+    ap.add_argument(
+        "--lm-head", choices=SCHEMES, default=None, help="the lm_head's scheme (default: --dense's)"
+    )
+    ap.add_argument("--dense-group", type=int, default=None, help="dense group size (default: the scheme's)")
     ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -206,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.dir.mkdir(parents=True, exist_ok=True)
     out_dir = ns.out or ns.dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers)
+    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers, ns.dense, ns.lm_head, ns.dense_group)
     bundle = Bundle.open(bundle_dir)
     a = bundle.args
     block = bundle.layouts[a.moe_layers[0]].block_bytes
@@ -225,9 +244,14 @@ def main(argv: list[str] | None = None) -> int:
             "expert_width": a.moe_intermediate_size,
             "vocab": a.vocab_size,
             "block_bytes": block,
+            "dense": bundle.manifest.dense_quant.scheme.label(),
         },
     }
-    print(f"bundle {bundle_dir} (synthesized in {synth_s:.0f} s), block {block:,} B", flush=True)
+    print(
+        f"bundle {bundle_dir} (synthesized in {synth_s:.0f} s), block {block:,} B, "
+        f"dense {bundle.manifest.dense_quant.scheme.label()}",
+        flush=True,
+    )
 
     paths = [bundle.expert_path(layer) for layer in a.moe_layers]
     reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)

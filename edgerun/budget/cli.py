@@ -12,6 +12,7 @@ from pathlib import Path
 from edgerun.budget import inputs
 from edgerun.budget.planner import DTYPE_BYTES, PlanOptions, plan
 from edgerun.budget.report import FORMATS, render
+from edgerun.bundle.dense_layout import SCHEMES, DenseScheme
 from edgerun.bundle.layout import QUANTS
 from edgerun.config import load_device_profile
 from edgerun.errors import EdgerunError
@@ -45,6 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quant", choices=QUANTS, default=None, help="expert quantization without a bundle (int4)"
     )
     parser.add_argument("--group-size", type=int, default=None, help="quantization group (int4 default 32)")
+    parser.add_argument(
+        "--dense",
+        choices=SCHEMES,
+        default=None,
+        help="resident linear weights without a bundle: bf16 (plain, the default), int8 or int4",
+    )
+    parser.add_argument(
+        "--lm-head", choices=SCHEMES, default=None, help="an untied lm_head's scheme (default: --dense's)"
+    )
+    parser.add_argument(
+        "--dense-group", type=int, default=None, help="quantized dense group (int4 default 32, int8 per row)"
+    )
     parser.add_argument("--dense-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     parser.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     parser.add_argument(
@@ -61,15 +74,22 @@ def run(ns: argparse.Namespace) -> int:
         device = load_device_profile(ns.device)
         providers = ProviderPolicy.from_namespace(ns)
         if ns.bundle:
-            if ns.quant is not None or ns.group_size is not None:
-                raise EdgerunError("--quant / --group-size do not apply to --bundle: its manifest says")
+            if any(v is not None for v in (ns.quant, ns.group_size, ns.dense, ns.lm_head, ns.dense_group)):
+                raise EdgerunError(
+                    "--quant / --group-size / --dense / --lm-head / --dense-group do not apply to --bundle: "
+                    "its manifest says"
+                )
             model = inputs.from_bundle(ns.bundle, providers)
         elif ns.checkpoint:
             model = inputs.from_checkpoint(ns.checkpoint, ns.quant or "int4", ns.group_size, providers)
         else:
             model = inputs.from_config_file(ns.config, ns.quant or "int4", ns.group_size, providers)
+        dense = model.dense or DenseScheme.resolve(
+            ns.dense or "bf16", ns.lm_head, ns.dense_group, model.args.tie_word_embeddings
+        )
         options = PlanOptions(
             dense_dtype=ns.dense_dtype,
+            dense=dense,
             kv_dtype=ns.kv_dtype,
             staging_buffers=ns.staging_buffers,
             prefill_chunk=ns.prefill_chunk,
@@ -119,7 +139,7 @@ def plan_for_bundle(
         load_device_profile(profile),
         context,
         batch,
-        PlanOptions(),
+        PlanOptions(dense=model.dense or DenseScheme()),
         None,
         model_name=model.name,
         resident=resident,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edgerun.budget.planner import ExpertSource, expert_source_from_layout
+from edgerun.bundle import dense_layout as DL
 from edgerun.bundle.layout import ALIGN
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
@@ -25,6 +26,7 @@ class ModelInput:
     specs: tuple[TensorSpec, ...]
     experts: ExpertSource
     notes: tuple[str, ...]
+    dense: DL.DenseScheme | None = None  # a bundle's dense quantization (its manifest's); None: not a bundle
 
 
 def _from_config(
@@ -75,9 +77,10 @@ def from_checkpoint(
 
 
 def from_bundle(path: str | Path, providers: ProviderPolicy | None = None) -> ModelInput:
-    """An edgerun bundle: the model config, quantization and per-layer block sizes come from its
-    ``manifest.json`` (keys read: ``model_config``, ``quant`` {scheme, group_size}, ``layers``
-    [{layer, block_bytes}])."""
+    """An edgerun bundle: the model config, quantization, per-layer block sizes and dense
+    quantization come from its ``manifest.json`` (keys read: ``model_config``, ``quant`` {scheme,
+    group_size}, ``layers`` [{layer, block_bytes}], ``dense.quant`` {linear, lm_head, group_size,
+    tensors} (version 2; absent: every resident tensor plain))."""
     path = Path(path)
     mpath = path / "manifest.json"
     if not mpath.is_file():
@@ -106,7 +109,30 @@ def from_bundle(path: str | Path, providers: ProviderPolicy | None = None) -> Mo
         notes.append(
             f"manifest block_bytes differ from the v1 layout for {scheme} ({expected} B); the manifest's are used"
         )
-    return ModelInput(str(name), probe.args, probe.specs, experts, tuple(notes))
+    dense = _manifest_dense(m.get("dense"), mpath)
+    return ModelInput(str(name), probe.args, probe.specs, experts, tuple(notes), dense)
+
+
+def _manifest_dense(d: Any, mpath: Path) -> DL.DenseScheme:
+    q = d.get("quant") if isinstance(d, dict) else None
+    if q is None:
+        return DL.DenseScheme()
+    try:
+        if not isinstance(q, dict):
+            raise ConfigError("must be an object {linear, lm_head, group_size, tensors}")
+        linear, head = (
+            DL.check_scheme(q.get("linear"), "linear"),
+            DL.check_scheme(q.get("lm_head"), "lm_head"),
+        )
+        record = (q.get("tensors") or {}).get(DL.LM_HEAD_WEIGHT) or {}
+        return DL.DenseScheme(
+            linear,
+            DL.check_group(linear, q.get("group_size"), "group_size"),
+            head,
+            DL.check_group(head, record.get("group_size"), "lm_head group_size"),
+        )
+    except (ConfigError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{mpath}: manifest key 'dense.quant' is not usable: {exc}") from exc
 
 
 def _manifest_quant(q: Any, mpath: Path) -> tuple[str, int | None]:

@@ -12,11 +12,13 @@ S = context tokens, a = bytes per dense activation.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from edgerun.bundle.dense_layout import PLAIN, DenseScheme, dense_targets, quantized_nbytes, scheme_label
 from edgerun.bundle.layout import expert_block_layout
 from edgerun.config import DeviceProfile, format_bytes
 from edgerun.errors import ConfigError
@@ -64,7 +66,9 @@ def expert_source_from_layout(
 
 @dataclass(frozen=True)
 class PlanOptions:
-    dense_dtype: str = "bf16"  # every resident (non-expert) tensor and the activations
+    dense_dtype: str = "bf16"  # every plain resident (non-expert) tensor and the activations
+    # which resident linear weights are quantized, and how (a bundle's: its manifest's)
+    dense: DenseScheme = DenseScheme()
     kv_dtype: str = "bf16"
     staging_buffers: int | None = None  # pinned read buffers of one block each; None: 2 * top_k
     prefill_chunk: int = 512  # tokens per prefill forward: sizes the activation workspace
@@ -149,6 +153,7 @@ class Plan:
     prediction: Prediction | None
     refusal: Refusal | None
     notes: tuple[str, ...] = ()
+    dense_quant: str = PLAIN  # the resident linear weights' scheme (DenseScheme.label)
 
     @property
     def fits(self) -> bool:
@@ -198,17 +203,40 @@ def _tuples(v: Any) -> Any:
 # Sizes of the things that do not depend on the quota
 
 
-def resident_bytes(specs: Sequence[TensorSpec], dense_dtype: str = "bf16") -> dict[str, int]:
-    """Bytes per category of every tensor that stays resident (all but the routed experts)."""
+def resident_bytes(
+    specs: Sequence[TensorSpec], dense_dtype: str = "bf16", dense: DenseScheme | None = None
+) -> dict[str, int]:
+    """Bytes per category of every tensor that stays resident (all but the routed experts): a
+    plain tensor numel x the dense width; a weight ``dense`` quantizes its weight and scale bytes
+    (+ 4 for int4's global), as the bundle stores it."""
+    return _resident(specs, dense_dtype, dense or DenseScheme())[0]
+
+
+def _resident(
+    specs: Sequence[TensorSpec], dense_dtype: str, dense: DenseScheme
+) -> tuple[dict[str, int], dict[str, str]]:
+    """``resident_bytes``, and per category how its weights are held (``bf16 weights``, ``int4
+    g32 linear weights, the rest bf16``)."""
     width = _dtype_bytes(dense_dtype, "dense_dtype")
-    out = dict.fromkeys(RESIDENT_CATEGORIES, 0)
+    quant = dense_targets(specs, dense)
+    nbytes = dict.fromkeys(RESIDENT_CATEGORIES, 0)
+    schemes: dict[str, set[str]] = {}
+    plain: set[str] = set()
     for s in specs:
-        if s.category != A.EXPERT:
-            n = 1
-            for d in s.shape:
-                n *= d
-            out[s.category] += n * width
-    return out
+        if s.name in quant:
+            nbytes[s.category] += quantized_nbytes(s.shape, *quant[s.name])
+            schemes.setdefault(s.category, set()).add(scheme_label(*quant[s.name]))
+        elif s.category != A.EXPERT:
+            nbytes[s.category] += math.prod(s.shape) * width
+            plain.add(s.category)
+    details = {}
+    for cat in RESIDENT_CATEGORIES:
+        if cat not in schemes:
+            details[cat] = f"{dense_dtype} weights"
+            continue
+        what = f"{' + '.join(sorted(schemes[cat]))} {'weights' if cat == A.LM_HEAD else 'linear weights'}"
+        details[cat] = what + (f", the rest {dense_dtype}" if cat in plain else "")
+    return nbytes, details
 
 
 def kv_bytes_per_token(args: ModelArgs, kv_dtype: str = "bf16") -> int:
@@ -274,6 +302,7 @@ class _Sizer:
     options: PlanOptions
     resident: Mapping[str, int]
     staging_buffers: int
+    details: Mapping[str, str]  # per resident category, how its weights are held
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -302,7 +331,7 @@ class _Sizer:
         ]
         for cat in RESIDENT_CATEGORIES:
             if self.resident.get(cat, 0):
-                items.append(Item(cat, main, self.resident[cat], f"{opt.dense_dtype} weights"))
+                items.append(Item(cat, main, self.resident[cat], self.details[cat]))
         n_full = len(args.full_attention_layers)
         if n_full:
             items.append(
@@ -554,7 +583,8 @@ def plan(
     options = options or PlanOptions()
     _dtype_bytes(options.dense_dtype, "dense_dtype")
     _dtype_bytes(options.kv_dtype, "kv_dtype")
-    res = dict(resident) if resident is not None else resident_bytes(specs, options.dense_dtype)
+    computed, details = _resident(specs, options.dense_dtype, options.dense)
+    res = dict(resident) if resident is not None else computed
     L, E, k = len(args.moe_layers), args.num_experts, args.num_experts_per_tok
     if len(experts.block_bytes) != L:
         raise ConfigError(
@@ -571,7 +601,7 @@ def plan(
     staging = options.staging_buffers if options.staging_buffers is not None else 2 * k
     if L and staging < 1:
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
-    sizer = _Sizer(args, experts, device, options, res, staging)
+    sizer = _Sizer(args, experts, device, options, res, staging, details)
     floor = sizer.min_quota(batch)
     if options.quota is not None and not floor <= options.quota <= E:
         raise ConfigError(
@@ -601,6 +631,7 @@ def plan(
         moe_layers=args.moe_layers,
         block_bytes=experts.block_bytes,
         staging_buffers=staging if L else 0,
+        dense_quant=options.dense.label(),
     )
     notes = list(notes)
     if options.cuda_graphs and not device.has_cuda:
@@ -608,7 +639,14 @@ def plan(
 
     over = sizer.overflow(context, batch, options.quota)
     if over is not None:
-        return _refused(sizer, base, context, batch, over, notes)
+        refused = _refused(sizer, base, context, batch, over, notes)
+        hint = None
+        if resident is None and not options.dense.quantized:
+            hint = _int4_dense_hint(args, specs, experts, device, context, batch, options, trace, res)
+        if hint is not None:
+            r = refused.refusal
+            refused = replace(refused, refusal=replace(r, message=f"{r.message} {hint}"))
+        return refused
 
     fixed = sizer.fixed_items(context, batch)
     free = sizer.free(fixed)
@@ -657,6 +695,34 @@ def plan(
         prediction=prediction,
         refusal=None,
         notes=tuple(notes),
+    )
+
+
+def _int4_dense_hint(
+    args: ModelArgs,
+    specs: Sequence[TensorSpec],
+    experts: ExpertSource,
+    device: DeviceProfile,
+    context: int,
+    batch: int,
+    options: PlanOptions,
+    trace: RouteTrace | None,
+    resident: Mapping[str, int],
+) -> str | None:
+    """What a refusal with plain dense weights adds when the same plan fits with the resident
+    linear weights int4 (default group); None when it does not, or their widths take no int4
+    group."""
+    try:
+        dense = DenseScheme.resolve("int4", tied=args.tie_word_embeddings)
+        alt = plan(args, specs, experts, device, context, batch, replace(options, dense=dense), trace)
+    except ConfigError:
+        return None
+    if not alt.fits:
+        return None
+    saved = sum(resident.values()) - sum(i.nbytes for i in alt.items if i.name in RESIDENT_CATEGORIES)
+    return (
+        f"With int4 resident linear weights (--dense int4: {format_bytes(saved)} less resident) it fits: "
+        f"{_quota_detail(alt.quotas, alt.block_bytes)}, {alt.prediction.tok_s:.1f} tok/s predicted."
     )
 
 

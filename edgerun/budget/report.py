@@ -8,6 +8,7 @@ import textwrap
 import yaml
 
 from edgerun.budget.planner import Plan
+from edgerun.bundle.dense_layout import PLAIN
 from edgerun.config import format_bytes
 
 FORMATS = ("table", "json", "yaml")
@@ -52,6 +53,10 @@ def to_table(plan: Plan) -> str:
         f"  context {plan.context}, batch {plan.batch}; experts {plan.quant}{group}, {block} per block "
         f"({plan.expert_origin}); dense {plan.dense_dtype}, KV {plan.kv_dtype}",
     ]
+    if plan.dense_quant != PLAIN:
+        out.append(
+            f"  resident linear weights {plan.dense_quant}; every other resident tensor {plan.dense_dtype}"
+        )
     for pool in plan.pools:
         out.append("")
         out.append(f"{pool.name} pool: cap {format_bytes(pool.cap)} ({pool.cap:,} B)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from edgerun.bundle.dense_layout import SCHEMES
 from edgerun.bundle.layout import QUANTS
 from edgerun.errors import EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
@@ -35,6 +36,25 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
         help="cast resident floating tensors to this dtype (default: keep each tensor's source dtype)",
     )
     p.add_argument(
+        "--dense",
+        choices=SCHEMES,
+        default="bf16",
+        help="resident linear weights (attention, DeltaNet, shared expert, dense MLP): bf16 keeps them "
+        "plain at the dense dtype (default); int8 / int4 quantize them as the experts are",
+    )
+    p.add_argument(
+        "--dense-group",
+        type=int,
+        default=None,
+        help="group size of the quantized dense weights (default: int4 32, int8 0 = per row)",
+    )
+    p.add_argument(
+        "--lm-head",
+        choices=SCHEMES,
+        default=None,
+        help="an untied lm_head's scheme (default: --dense's); refused for tied embeddings",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="read safetensors headers only; print every tensor's classification and the bundle's sizes",
@@ -45,7 +65,15 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 def run_convert(ns: argparse.Namespace) -> int:
     from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
 
-    options = ConvertOptions(quant=ns.quant, group=ns.group, rotate=ns.rotate, dense_dtype=ns.dense_dtype)
+    options = ConvertOptions(
+        quant=ns.quant,
+        group=ns.group,
+        rotate=ns.rotate,
+        dense_dtype=ns.dense_dtype,
+        dense=ns.dense,
+        lm_head=ns.lm_head,
+        dense_group=ns.dense_group,
+    )
     try:
         providers = ProviderPolicy.from_namespace(ns)
         if ns.dry_run:

@@ -1,9 +1,10 @@
-"""`edgerun convert`: a Hugging Face checkpoint -> a bundle (format v1), streaming and restartable.
+"""`edgerun convert`: a Hugging Face checkpoint -> a bundle (format v2), streaming and restartable.
 
 Planning reads safetensors headers only (that is all `--dry-run` does). Conversion then reads one
-dense tensor (in chunks) or one expert at a time with positional reads, not a memory map, so what
-was read sits in the page cache rather than in the process: peak RSS is about one expert's working
-set plus the interpreter, whatever the model's size. Every output file is written under a
+dense tensor (in chunks; a quantized one in blocks of rows) or one expert at a time with
+positional reads, not a memory map, so what was read sits in the page cache rather than in the
+process: peak RSS is about one expert's working set plus the interpreter, whatever the model's
+size. Every output file is written under a
 temporary name and renamed when complete; a journal in DST records each finished file's hash, so a
 killed conversion resumes, re-hashes the files it finished and skips them. The manifest is written
 last: a directory without one is an unfinished bundle.
@@ -28,9 +29,19 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from edgerun.bundle import dense_layout as DL
 from edgerun.bundle import format as F
 from edgerun.bundle.layout import BlockLayout, expert_block_layout
-from edgerun.bundle.quant import dequantize_block, quantize_expert
+from edgerun.bundle.quant import (
+    dequantize_block,
+    dequantize_int4,
+    dequantize_int8,
+    int4_global_scale,
+    int4_max_group_scale,
+    quantize_expert,
+    quantize_int4,
+    quantize_int8,
+)
 from edgerun.errors import CheckpointError, ConfigError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, read_config
@@ -48,6 +59,7 @@ from edgerun.safetensors_io import DTYPES, ITEMSIZE, TensorEntry
 
 JOURNAL = ".convert-journal.json"
 CHUNK = 64 << 20  # dense tensors are copied in chunks of this many source bytes
+QCHUNK = 16 << 20  # a quantized dense weight is read in blocks of rows of about this many source bytes
 DENSE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -58,6 +70,9 @@ class ConvertOptions:
     group: int | None = None  # None: the scheme's default (int8: per row; int4: 32)
     rotate: bool = False
     dense_dtype: str | None = None  # bf16 | fp16 | fp32; None keeps each resident tensor's dtype
+    dense: str = "bf16"  # linear weights: bf16 (plain, at the dense dtype) | int8 | int4
+    lm_head: str | None = None  # an untied lm_head's scheme; None: as ``dense`` (a tied one stays plain)
+    dense_group: int | None = None  # None: each scheme's default (int4 32, int8 0 = per row)
 
 
 @dataclass(frozen=True)
@@ -75,12 +90,26 @@ class Row:
 class Resident:
     name: str  # canonical name, as stored in dense.safetensors
     entry: TensorEntry
-    dtype: str  # output dtype code
+    dtype: str  # output dtype code (of a plain tensor)
     category: str
+    scheme: str = DL.PLAIN  # int8 | int4: stored as DL.quantized_parts
+    group: int = 0
+
+    @property
+    def parts(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """(stored name, dtype code, shape, nbytes) of what dense.safetensors holds for it."""
+        if self.scheme == DL.PLAIN:
+            return [
+                (self.name, self.dtype, self.entry.shape, math.prod(self.entry.shape) * ITEMSIZE[self.dtype])
+            ]
+        return [
+            (p.name, p.dtype, p.shape, p.nbytes)
+            for p in DL.quantized_parts(self.name, self.entry.shape, self.scheme, self.group)
+        ]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.entry.shape) * ITEMSIZE[self.dtype]
+        return sum(p[3] for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -114,11 +143,12 @@ class ConversionPlan:
     tokenizer: list[str]
     source_dtype: str
     source: dict[str, Any]
+    dense: DL.DenseScheme = DL.DenseScheme()
     problems: list[str] = field(default_factory=list)
 
     @property
     def dense_header(self) -> bytes:
-        return F.safetensors_header([(r.name, r.dtype, r.entry.shape, r.nbytes) for r in self.resident])
+        return F.safetensors_header([p for r in self.resident for p in r.parts])
 
     def file_sizes(self) -> dict[str, int]:
         """Exact size of every file the bundle will hold, except the manifest."""
@@ -134,7 +164,9 @@ class ConversionPlan:
     def manifest_estimate(self) -> int:
         """Upper bound of manifest.json's size: hashes and components dominate."""
         blocks = len(self.experts) * self.args.num_experts
-        return 64 * 1024 + len(json.dumps(self.config)) + 48 * blocks + 120 * len(self.resident)
+        stored = sum(len(r.parts) for r in self.resident)
+        quantized = sum(r.scheme != DL.PLAIN for r in self.resident)
+        return 64 * 1024 + len(json.dumps(self.config)) + 48 * blocks + 120 * stored + 200 * quantized
 
     def sizes_by_category(self) -> dict[str, int]:
         out: Counter[str] = Counter()
@@ -162,6 +194,7 @@ class ConversionPlan:
             "source_mtime_ns": mtimes,
             "quant": quant_key(quant_record(self.layout, 0.0)),
             "dense_dtype": self.options.dense_dtype or "source",
+            "dense_quant": self.dense.key(),
         }
 
 
@@ -203,9 +236,13 @@ def plan_conversion(
     if options.dense_dtype is not None and options.dense_dtype not in DENSE_DTYPES:
         raise ConfigError(f"dense dtype {options.dense_dtype!r} is not one of {', '.join(DENSE_DTYPES)}")
     layout = expert_block_layout(args, options.quant, options.group, "hadamard" if options.rotate else "none")
+    dense = DL.DenseScheme.resolve(
+        options.dense, options.lm_head, options.dense_group, args.tie_word_embeddings
+    )
     entries, _ = read_entries(src)
     cp = classify(entries, args)
     specs = {s.name: s for s in arch.tensor_specs(args)}
+    targets = DL.dense_targets(specs.values(), dense)
     E, I, D = args.num_experts, args.moe_intermediate_size, args.hidden_size
     expert_layer = {n.rsplit(".", 1)[0]: s.layer for n, s in specs.items() if s.category == A.EXPERT}
     problems: list[str] = []
@@ -243,8 +280,10 @@ def plan_conversion(
             row(e, "expert", f"layer {spec.layer} all experts ({leaf})")
         else:
             dtype = out_dtype if out_dtype and e.dtype in FLOAT_DTYPES else e.dtype
-            resident[canon] = Resident(canon, e, dtype, spec.category)
-            row(e, "resident", spec.category)
+            scheme, group = targets.get(canon, (DL.PLAIN, 0))
+            resident[canon] = Resident(canon, e, dtype, spec.category, scheme, group)
+            quant = f" {DL.scheme_label(scheme, group)}" if scheme != DL.PLAIN else ""
+            row(e, "resident", spec.category + quant)
     for prefix, parts in cp.per_expert.items():
         layer = expert_layer.get(prefix)
         for (x, part), e in parts.items():
@@ -316,6 +355,7 @@ def plan_conversion(
         tokenizer=tokenizer,
         source_dtype=src_dtype,
         source=source,
+        dense=dense,
         problems=problems,
     )
 
@@ -335,8 +375,15 @@ def dry_run_report(plan: ConversionPlan) -> str:
     q = quant_record(lay, 0.0)
     lines.append(
         f"bundle: {args.model_type}, experts {q.scheme} (group {q.group_size}, rotation {q.rotation}), "
-        f"dense dtype {plan.options.dense_dtype or 'source'}"
+        f"dense dtype {plan.options.dense_dtype or 'source'}, dense linear weights {plan.dense.label()}"
     )
+    quantized = [r for r in plan.resident if r.scheme != DL.PLAIN]
+    if quantized:
+        plain = sum(math.prod(r.entry.shape) * ITEMSIZE[r.dtype] for r in quantized)
+        lines.append(
+            f"  {len(quantized)} dense weights quantized: {sum(r.nbytes for r in quantized):,d} bytes stored "
+            f"(weights + scales; plain: {plain:,d})"
+        )
     lines.append(
         f"  block_bytes {lay.block_bytes} ({lay.block_bytes // 4096} x 4096; payload {lay.payload_bytes}), "
         f"{len(plan.experts)} MoE layers x {args.num_experts} experts"
@@ -498,12 +545,13 @@ def _open_destination(plan: ConversionPlan, dst: Path, progress: Progress) -> Jo
             m.source == plan.source
             and quant_key(m.quant) == key["quant"]
             and m.dense_dtype == key["dense_dtype"]
+            and m.dense_quant.scheme == plan.dense
         )
         if not same:
             raise F.BundleError(
                 f"{dst}: already holds a complete bundle of another source or quantization "
                 f"({m.source.get('path')}, {m.quant.scheme} group {m.quant.group_size} rotation "
-                f"{m.quant.rotation}); choose another directory or remove it"
+                f"{m.quant.rotation}, dense {m.dense_quant.scheme.label()}); choose another directory or remove it"
             )
         return m
     if (dst / JOURNAL).exists():
@@ -649,8 +697,11 @@ def convert(
 def _write_dense(plan: ConversionPlan, dst: Path, journal: Journal, reader: Source, bar: Progress) -> None:
     w = _Writer(dst / F.DENSE)
     w.write(plan.dense_header)
-    tensor_hashes = {}
+    tensor_hashes, errors = {}, {}
     for r in plan.resident:
+        if r.scheme != DL.PLAIN:
+            errors[r.name] = _write_quantized(r, w, tensor_hashes, reader, bar)
+            continue
         h = F.new_hash(F.PART_DIGEST)
         step = CHUNK // ITEMSIZE[r.entry.dtype] * ITEMSIZE[r.entry.dtype]
         for off in range(0, r.entry.nbytes, step):
@@ -660,8 +711,60 @@ def _write_dense(plan: ConversionPlan, dst: Path, journal: Journal, reader: Sour
             h.update(data)
             bar.advance(t.nbytes, "dense")
         tensor_hashes[r.name] = h.hexdigest()
-    journal.finish(F.DENSE, w.commit(), tensors=tensor_hashes)
-    bar.log(f"{F.DENSE}: {len(plan.resident)} resident tensors, {_gib(w.size)}")
+    journal.finish(F.DENSE, w.commit(), tensors=tensor_hashes, quant=errors)
+    quant = f", {len(errors)} quantized ({plan.dense.label()})" if errors else ""
+    bar.log(f"{F.DENSE}: {len(plan.resident)} resident tensors{quant}, {_gib(w.size)}")
+
+
+def _write_quantized(
+    r: Resident, w: _Writer, hashes: dict[str, str], reader: Source, bar: Progress
+) -> dict[str, float]:
+    """Quantize one dense weight [R, C] in blocks of rows and write its parts (weight, scales,
+    int4 global) in file order; only the scales wait in memory until the weight is written.
+    Returns its squared error and norm (``err2``, ``ref2``), measured on the bytes written. int4
+    reads the source twice: the global scale is the whole tensor's."""
+    e = r.entry
+    R, C = e.shape
+    row_bytes = C * ITEMSIZE[e.dtype]
+    rows = max(1, QCHUNK // row_bytes)
+
+    def blocks() -> Iterator[torch.Tensor]:
+        for r0 in range(0, R, rows):
+            n = min(rows, R - r0)
+            x = reader.read(e, r0 * row_bytes, n * row_bytes).view(n, C).float()
+            if not torch.isfinite(x).all():
+                bad = r0 + int((~torch.isfinite(x)).any(1).nonzero()[0])
+                raise CheckpointError(f"{e.file}: tensor {e.name!r} has a non-finite value in row {bad}")
+            yield x
+
+    gscale = 0.0
+    if r.scheme == "int4":
+        gscale = int4_global_scale(max((int4_max_group_scale(x) for x in blocks()), default=0.0))
+    h = F.new_hash(F.PART_DIGEST)
+    scales, err2, ref2 = [], 0.0, 0.0
+    for x in blocks():
+        if r.scheme == "int4":
+            q, s, _ = quantize_int4(x, r.group, gscale)
+            got = dequantize_int4(q, s, gscale)
+        else:
+            q, s = quantize_int8(x, r.group)
+            got = dequantize_int8(q, s)
+        data = _bytes(q)
+        w.write(data)
+        h.update(data)
+        scales.append(s)
+        err2 += _sum_squares(got - x)
+        ref2 += _sum_squares(x)
+        bar.advance(x.shape[0] * row_bytes, "dense")
+    hashes[r.name] = h.hexdigest()
+    tail = [(r.name + DL.SCALES, torch.cat(scales))]
+    if r.scheme == "int4":
+        tail.append((r.name + DL.GLOBAL, torch.tensor([gscale], dtype=torch.float32)))
+    for name, t in tail:
+        data = _bytes(t)
+        w.write(data)
+        hashes[name] = F.part_hash(data)
+    return {"err2": err2, "ref2": ref2}
 
 
 def _write_layer(
@@ -739,7 +842,7 @@ def _manifest(plan: ConversionPlan, journal: Journal, files: dict[str, F.FileRec
                 rel_rmse=_rel(rec["err2"], rec["ref2"]),
             )
         )
-    dense = [(r.name, r.dtype, r.entry.shape) for r in plan.resident]
+    dense = [(name, dtype, shape) for r in plan.resident for name, dtype, shape, _ in r.parts]
     return F.Manifest(
         model_type=args.model_type,
         config=plan.config,
@@ -753,4 +856,18 @@ def _manifest(plan: ConversionPlan, journal: Journal, files: dict[str, F.FileRec
         layers=tuple(layers),
         tokenizer_files=tuple(plan.tokenizer),
         files=dict(sorted(files.items())),
+        dense_quant=_dense_quant_record(plan, journal.done[F.DENSE].get("quant", {})),
     )
+
+
+def _dense_quant_record(plan: ConversionPlan, errors: dict[str, dict[str, float]]) -> F.DenseQuantRecord:
+    """Manifest ``dense.quant`` from each quantized weight's error (``err2``, ``ref2``)."""
+    tensors = {
+        r.name: F.DenseTensorQuant(r.scheme, r.group, _rel(errors[r.name]["err2"], errors[r.name]["ref2"]))
+        for r in plan.resident
+        if r.scheme != DL.PLAIN
+    }
+    err2 = sum(errors[n]["err2"] for n in tensors)
+    ref2 = sum(errors[n]["ref2"] for n in tensors)
+    d = plan.dense
+    return F.DenseQuantRecord(d.linear, d.lm_head, d.linear_group, _rel(err2, ref2), tensors)

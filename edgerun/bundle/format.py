@@ -1,6 +1,7 @@
-"""Bundle format v1: file names, the manifest schema (parse + validate + serialise), hashing and
-a streaming safetensors header writer. docs/bundle-format.md is the specification; this module is
-its executable form. No torch here: the planner and `verify` read manifests without it.
+"""Bundle format v2 (v1 still read): file names, the manifest schema (parse + validate +
+serialise), hashing and a streaming safetensors header writer. docs/bundle-format.md is the
+specification; this module is its executable form. No torch here: the planner and `verify` read
+manifests without it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgerun.bundle import dense_layout as DL
 from edgerun.bundle.layout import ALIGN, Component
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ConfigReader
 
 FORMAT_NAME = "edgerun-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what convert writes
+READ_VERSIONS = (1, 2)  # v1: no dense.quant (every resident tensor plain)
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 EXPERT_DIR = "experts"
@@ -153,6 +156,39 @@ class QuantRecord:
 
 
 @dataclass(frozen=True)
+class DenseTensorQuant:
+    """One quantized dense weight (manifest ``dense.quant.tensors[name]``)."""
+
+    scheme: str  # int8 | int4
+    group_size: int  # 0: one scale per row (int8)
+    rel_rmse: float  # sqrt(sum err^2 / sum w^2) of this weight, on the bytes written
+
+
+@dataclass(frozen=True)
+class DenseQuantRecord:
+    """Manifest ``dense.quant`` (version 2): how the resident linear weights are stored."""
+
+    linear: str  # bf16 (plain) | int8 | int4: the attention / DeltaNet / shared-expert / dense-MLP linears
+    lm_head: str  # the same for an untied lm_head (bf16 when tied: the embedding table stays plain)
+    group_size: int  # the linear weights' group (int8 0: per row; 0 when bf16)
+    rel_rmse: float  # pooled over every quantized dense weight
+    tensors: dict[str, DenseTensorQuant]  # canonical weight name -> record, every quantized weight
+
+    @property
+    def scheme(self) -> DL.DenseScheme:
+        head = self.tensors.get(DL.LM_HEAD_WEIGHT)
+        return DL.DenseScheme(self.linear, self.group_size, self.lm_head, head.group_size if head else 0)
+
+    @classmethod
+    def plain(cls) -> DenseQuantRecord:
+        """What a version 1 manifest implies: nothing quantized."""
+        return cls(DL.PLAIN, DL.PLAIN, 0, 0.0, {})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tensors": {n: asdict(t) for n, t in self.tensors.items()}}
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_type: str
     config: dict[str, Any]  # key 'model_config': the source's config.json, as read
@@ -162,10 +198,11 @@ class Manifest:
     quant: QuantRecord
     dense_file: str
     dense_dtype: str  # "source" (each tensor keeps its checkpoint dtype) or the safetensors code cast to
-    dense_tensors: dict[str, str]  # name -> blake2b-128 of its bytes, in file order
+    dense_tensors: dict[str, str]  # stored name -> blake2b-128 of its bytes, in file order
     layers: tuple[LayerRecord, ...]
     tokenizer_files: tuple[str, ...]
     files: dict[str, FileRecord] = field(default_factory=dict)  # every file but the manifest
+    dense_quant: DenseQuantRecord = field(default_factory=DenseQuantRecord.plain)  # v1: all plain
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -192,7 +229,12 @@ class Manifest:
             "model_config": self.config,
             "source": self.source,
             "quant": {**asdict(self.quant), "value_range": _list(self.quant.value_range)},
-            "dense": {"file": self.dense_file, "dtype": self.dense_dtype, "tensors": self.dense_tensors},
+            "dense": {
+                "file": self.dense_file,
+                "dtype": self.dense_dtype,
+                "tensors": self.dense_tensors,
+                **({"quant": self.dense_quant.to_json()} if self.version >= 2 else {}),
+            },
             "layers": [
                 {
                     "layer": r.layer,
@@ -248,17 +290,18 @@ def read_manifest(bundle: str | Path) -> Manifest:
         got = doc.get("format") if isinstance(doc, dict) else None
         raise BundleError(f"{path}: key 'format' is {got!r}, expected {FORMAT_NAME!r}: not an edgerun bundle")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise BundleError(
-            f"{path}: unknown bundle format version {version!r} (this edgerun reads version {FORMAT_VERSION})"
+            f"{path}: unknown bundle format version {version!r} (this edgerun reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))})"
         )
     try:
-        return _parse(doc, path)
+        return _parse(doc, path, version)
     except ConfigError as exc:
         raise BundleError(str(exc)) from exc
 
 
-def _parse(doc: dict[str, Any], path: Path) -> Manifest:
+def _parse(doc: dict[str, Any], path: Path, version: int) -> Manifest:
     top = _obj(doc, path, "")
     q = _obj(top.require("quant", dict), path, "quant")
     scheme = q.require("scheme", str)
@@ -318,6 +361,12 @@ def _parse(doc: dict[str, Any], path: Path) -> Manifest:
         files[name] = FileRecord(fr.require("bytes"), fr.require("blake2b", str))
     model = _obj(top.require("model", dict), path, "model")
     dense = _obj(top.require("dense", dict), path, "dense")
+    if version >= 2:
+        dense_quant = _parse_dense_quant(_obj(dense.require("quant", dict), path, "dense.quant"), path)
+    elif "quant" in dense.cfg:
+        raise BundleError(f"{dense.source}: key 'quant' is a version 2 key, but 'version' is {version}")
+    else:
+        dense_quant = DenseQuantRecord.plain()
     return Manifest(
         model_type=model.require("model_type", str),
         config=top.require("model_config", dict),
@@ -331,7 +380,50 @@ def _parse(doc: dict[str, Any], path: Path) -> Manifest:
         layers=tuple(layers),
         tokenizer_files=tuple(_obj(top.require("tokenizer", dict), path, "tokenizer").require("files", list)),
         files=files,
+        dense_quant=dense_quant,
+        version=version,
     )
+
+
+def _parse_dense_quant(q: ConfigReader, path: Path) -> DenseQuantRecord:
+    """``dense.quant``, checked as far as the manifest alone allows (the reader checks the names
+    and shapes against the model): scheme names, group sizes, and that each tensor's scheme and
+    group are the ones the top-level keys give for its role."""
+    linear, lm_head = q.require("linear", str), q.require("lm_head", str)
+    for key, scheme in (("linear", linear), ("lm_head", lm_head)):
+        if scheme not in DL.SCHEMES:
+            raise BundleError(
+                f"{q.source}: key {key!r} is {scheme!r}, expected one of {', '.join(DL.SCHEMES)}"
+            )
+    group = q.require("group_size")
+    _check_dense_group(q.source, "group_size", linear, group)
+    tensors = {}
+    for name, raw in q.require("tensors", dict).items():
+        t = _obj(raw, path, f"dense.quant.tensors[{name!r}]")
+        rec = DenseTensorQuant(
+            t.require("scheme", str), t.require("group_size"), t.require("rel_rmse", float)
+        )
+        which = DL.LM_HEAD if name == DL.LM_HEAD_WEIGHT else DL.LINEAR
+        want = lm_head if which == DL.LM_HEAD else linear
+        if rec.scheme != want or want == DL.PLAIN:
+            raise BundleError(
+                f"{t.source}: key 'scheme' is {rec.scheme!r}, but the {which} weights are {want!r} "
+                f"(key 'dense.quant.{which}')"
+            )
+        _check_dense_group(t.source, "group_size", rec.scheme, rec.group_size)
+        if name != DL.LM_HEAD_WEIGHT and rec.group_size != group:
+            raise BundleError(
+                f"{t.source}: key 'group_size' is {rec.group_size}, but the linear weights' group is {group} "
+                "(key 'dense.quant.group_size')"
+            )
+        tensors[name] = rec
+    return DenseQuantRecord(linear, lm_head, group, q.require("rel_rmse", float), tensors)
+
+
+def _check_dense_group(source: str, key: str, scheme: str, group: int) -> None:
+    why = DL.group_error(scheme, group)
+    if why is not None:
+        raise BundleError(f"{source}: key {key!r} is {group}, but {why}")
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -1,4 +1,4 @@
-"""The byte layout of one routed expert's block in an expert file (bundle format v1).
+"""The byte layout of one routed expert's block in an expert file (bundle formats 1 and 2).
 
 A block holds one expert's gate_up [2I, D] and down [D, I] projections, quantized as the bundle
 says, each followed by its per-row or per-group scales. Components start on 64-byte boundaries

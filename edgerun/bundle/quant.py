@@ -1,4 +1,4 @@
-"""Expert quantizers (bundle format v1) and the one dequantizer every load path uses.
+"""Expert (and dense weight) quantizers and the one dequantizer every load path uses.
 
 Each scheme's quantizer sits beside its dequantizer. ``quantize_expert`` packs one routed expert
 into a block of ``layout.block_bytes`` bytes; ``dequantize_block`` turns such a block (read from
@@ -115,16 +115,27 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return ((n.to(torch.int16) ^ 8) - 8).to(torch.int8)
 
 
-def quantize_int4(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def int4_max_group_scale(w: torch.Tensor) -> float:
+    """The largest ideal group scale (absmax / 7, in fp32) of ``w``: what the global is chosen
+    from. The max over row blocks of a tensor is the tensor's, so a caller quantizing a large
+    weight in row blocks takes the max of the blocks' and passes ``int4_global_scale`` of it."""
+    return float(w.float().abs().amax() / INT4_MAX)
+
+
+def quantize_int4(
+    w: torch.Tensor, g: int, global_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """w [R, C] -> (packed uint8 [R, C/2], group scale codes uint8 (e4m3 bits) [R, G], global fp32).
 
-    The per-tensor global scale is a power of two (see ``int4_global_scale``). Each group's code
-    is the one, among the four e4m3 values around absmax / 7 / global (the nearest, two below it
-    and one above, clamped to [2^-6, 448]: never subnormal, never zero), whose rounded and clamped
-    values have the least squared error; ties go to the smaller code."""
+    The per-tensor global scale is a power of two (see ``int4_global_scale``); ``global_scale``
+    gives it for ``w`` a block of rows of a larger tensor (groups are independent given the
+    global, so the blocks' bytes are the whole tensor's). Each group's code is the one, among the
+    four e4m3 values around absmax / 7 / global (the nearest, two below it and one above, clamped
+    to [2^-6, 448]: never subnormal, never zero), whose rounded and clamped values have the least
+    squared error; ties go to the smaller code."""
     x = _groups(w, g)  # [R, G, g]
     ideal = x.abs().amax(-1) / INT4_MAX  # [R, G]
-    gscale = int4_global_scale(float(ideal.max()))
+    gscale = int4_global_scale(float(ideal.max())) if global_scale is None else global_scale
     nearest = e4m3_bits((ideal / gscale).clamp(E4M3_MIN_NORMAL, E4M3_MAX)).to(torch.int16)
     best_err = best_q = best_codes = None
     for k in (-2, -1, 0, 1):

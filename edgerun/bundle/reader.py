@@ -3,20 +3,22 @@ blocks, and load the whole model with its experts resident.
 
 ``Bundle.open`` checks the manifest (format, version, schema), that its model config yields the
 block layout it records, that ``dense.safetensors`` holds exactly the resident tensors that config
-implies, and every file's size: a broken or mismatched bundle is refused with a message naming the
+and the manifest's dense quantization imply (a quantized weight's parts with their dtypes and
+shapes), and every file's size: a broken or mismatched bundle is refused with a message naming the
 file and the offset or key. Hashes are `verify --deep`'s job (they read every byte).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from edgerun.bundle import dense_layout as DL
 from edgerun.bundle import format as F
 from edgerun.bundle.layout import BlockLayout, expert_block_layout
 from edgerun.bundle.quant import dequantize_block
@@ -28,8 +30,23 @@ from edgerun.models.providers import ProviderError, ProviderPolicy, Resolution
 from edgerun.models.registry import resolve_config
 from edgerun.safetensors_io import DTYPES, TensorEntry, read_header
 
-__all__ = ["Bundle", "BundleError", "dequantize_block", "load_bundle_model"]
+__all__ = ["Bundle", "BundleError", "DenseQuant", "dequantize_block", "load_bundle_model"]
 BundleError = F.BundleError
+
+
+@dataclass(frozen=True)
+class DenseQuant:
+    """Where one quantized resident weight [R, C] is in dense.safetensors (format v2), as
+    ``edgerun.bundle.quant`` reads it back: int8: ``weight`` I8 [R, C], ``scales`` F32 [R, C /
+    group], value = q * scale; int4: ``weight`` U8 [R, C / 2] (column 2j in the low nibble of byte
+    j), ``scales`` U8 [R, C / group] (e4m3 codes), ``global_`` F32 [1], value = q * (e4m3(code) *
+    global) (``dequantize_int4``)."""
+
+    scheme: str  # int8 | int4
+    group: int  # columns per scale: C for int8 per row (the manifest's group_size 0)
+    weight: TensorEntry
+    scales: TensorEntry
+    global_: TensorEntry | None  # int4 only
 
 
 @dataclass
@@ -38,9 +55,10 @@ class Bundle:
     manifest: F.Manifest
     arch: ModuleType
     args: ModelArgs
-    dense: dict[str, TensorEntry]  # dense.safetensors header, by canonical name
+    dense: dict[str, TensorEntry]  # dense.safetensors header: every stored tensor by its stored name
     layouts: dict[int, BlockLayout]  # MoE layer -> block layout
     provider: Resolution | None = None  # which provider supplied the architecture
+    dense_quant: dict[str, DenseQuant] = field(default_factory=dict)  # canonical weight name; {}: all plain
 
     @classmethod
     def open(cls, root: str | Path, *, providers: ProviderPolicy | None = None) -> Bundle:
@@ -68,11 +86,11 @@ class Bundle:
                 f"{mpath}: key 'layers' lists MoE layers {sorted(layouts)}, but the model config has "
                 f"MoE layers {list(args.moe_layers)}"
             )
-        dense = _check_dense(root, m, arch, args)
+        dense, dense_quant = _check_dense(root, m, arch, args)
         for rec in m.layers:
             _check_expert_files(root, rec)
         _check_file_sizes(root, m)
-        return cls(root, m, arch, args, dense, layouts, resolution)
+        return cls(root, m, arch, args, dense, layouts, resolution, dense_quant)
 
     def expert_path(self, layer: int) -> Path:
         return self.root / self.manifest.layer(layer).file
@@ -140,7 +158,12 @@ def load_bundle_model(
     allocated. ``providers`` applies when ``root`` is a path (an open Bundle already resolved)."""
     b = root if isinstance(root, Bundle) else Bundle.open(root, providers=providers)
     dtype = dtype or DTYPES[b.manifest.dtype]
-    model, report = load_entries(b.arch, b.args, b.dense, dtype=dtype, device=device, experts=False)
+    # quantized weights load as stored (QLinear modules), the other tensors as today
+    parts = {e.name for q in b.dense_quant.values() for e in (q.weight, q.scales, q.global_) if e is not None}
+    plain = {n: e for n, e in b.dense.items() if n not in parts}
+    model, report = load_entries(
+        b.arch, b.args, plain, dtype=dtype, device=device, experts=False, quantized=b.dense_quant
+    )
     report.files = 1 + len(b.manifest.layers)
     report.provider = b.provider
     report.expert_layout = f"bundle {b.manifest.quant.scheme}"
@@ -239,8 +262,12 @@ def _check_layer_record(mpath: Path, m: F.Manifest, rec: F.LayerRecord, args: Mo
     return want
 
 
-def _check_dense(root: Path, m: F.Manifest, arch: ModuleType, args: ModelArgs) -> dict[str, TensorEntry]:
-    """dense.safetensors holds exactly the resident tensors the manifest's config implies."""
+def _check_dense(
+    root: Path, m: F.Manifest, arch: ModuleType, args: ModelArgs
+) -> tuple[dict[str, TensorEntry], dict[str, DenseQuant]]:
+    """dense.safetensors holds exactly the resident tensors the manifest's config implies: each
+    plain one under its name with its shape, each quantized one (``dense.quant``) as its parts
+    with the dtypes and shapes its scheme and group give."""
     path = root / m.dense_file
     if not path.is_file():
         raise BundleError(f"missing {path} (the bundle's resident weights)")
@@ -248,18 +275,32 @@ def _check_dense(root: Path, m: F.Manifest, arch: ModuleType, args: ModelArgs) -
         entries, _ = read_header(path)
     except EdgerunError as exc:
         raise BundleError(str(exc)) from exc
-    want = {s.name: s.shape for s in arch.tensor_specs(args) if s.category != A.EXPERT}
+    specs = [s for s in arch.tensor_specs(args) if s.category != A.EXPERT]
+    shapes = {s.name: s.shape for s in specs}
+    quant = _check_dense_quant(root / F.MANIFEST, m.dense_quant, specs)
     other = f"{root / F.MANIFEST} describes another model than {path}"
-    for name, shape in want.items():
-        e = entries.get(name)
+    for spec in specs:
+        if spec.name in quant:
+            _check_quantized_parts(path, spec, *quant[spec.name], entries)
+            continue
+        e = entries.get(spec.name)
         if e is None:
-            raise BundleError(f"{other}: the manifest's config implies tensor {name!r}, which the file lacks")
-        if tuple(e.shape) != tuple(shape):
             raise BundleError(
-                f"{other}: tensor {name!r} is {list(e.shape)} in the file, {list(shape)} by the manifest's config"
+                f"{other}: the manifest's config implies tensor {spec.name!r}, which the file lacks"
             )
-    extra = sorted(set(entries) - set(want))
+        if tuple(e.shape) != tuple(spec.shape):
+            raise BundleError(
+                f"{other}: tensor {spec.name!r} is {list(e.shape)} in the file, {list(spec.shape)} by the manifest's config"
+            )
+    parts = {p.name for n, (sch, g) in quant.items() for p in DL.quantized_parts(n, shapes[n], sch, g)}
+    extra = sorted(set(entries) - set(shapes) - parts)
     if extra:
+        base = extra[0].removesuffix(DL.SCALES).removesuffix(DL.GLOBAL)
+        if base in shapes:
+            raise BundleError(
+                f"{path}: holds tensor {extra[0]!r}, a quantized weight's part, but {root / F.MANIFEST} key "
+                f"'dense.quant.tensors' does not record {base!r} as quantized"
+            )
         raise BundleError(f"{other}: the file holds tensor {extra[0]!r}, which the manifest's config lacks")
     found = F.inventory_fingerprint([(e.name, e.dtype, e.shape) for e in entries.values()])
     if found != m.inventory:
@@ -269,7 +310,70 @@ def _check_dense(root: Path, m: F.Manifest, arch: ModuleType, args: ModelArgs) -
         )
     if set(m.dense_tensors) != set(entries):
         raise BundleError(f"{root / F.MANIFEST}: key 'dense.tensors' does not list the file's tensors")
-    return entries
+    out = {
+        name: DenseQuant(
+            scheme,
+            group or shapes[name][1],
+            entries[name],
+            entries[name + DL.SCALES],
+            entries.get(name + DL.GLOBAL),
+        )
+        for name, (scheme, group) in quant.items()
+    }
+    return entries, out
+
+
+def _check_dense_quant(
+    mpath: Path, q: F.DenseQuantRecord, specs: list[A.TensorSpec]
+) -> dict[str, tuple[str, int]]:
+    """``dense.quant`` against the model: every name it lists is a linear weight of the model of
+    the role its scheme is for, its group divides the weight's columns, and every weight of a
+    quantized role is listed. Returns name -> (scheme, group)."""
+    by_name = {s.name: s for s in specs}
+    out = {}
+    for name, t in q.tensors.items():
+        spec = by_name.get(name)
+        if spec is None or DL.role(name, spec.shape) is None:
+            what = "a tensor the model lacks" if spec is None else "not a linear weight --dense quantizes"
+            raise BundleError(
+                f"{mpath}: key 'dense.quant.tensors' lists {name!r}: {what} (quantized weights are the "
+                "attention, DeltaNet, shared-expert and dense-MLP projections, and an untied lm_head)"
+            )
+        try:
+            DL.check_weight(name, spec.shape, t.scheme, t.group_size)
+        except EdgerunError as exc:
+            raise BundleError(f"{mpath}: key 'dense.quant.tensors[{name!r}]': {exc}") from exc
+        out[name] = (t.scheme, t.group_size)
+    for spec in specs:
+        which = DL.role(spec.name, spec.shape)
+        scheme = None if which is None else q.scheme.for_role(which)[0]
+        if scheme not in (None, DL.PLAIN) and spec.name not in out:
+            raise BundleError(
+                f"{mpath}: key 'dense.quant.{which}' is {scheme!r}, but 'dense.quant.tensors' does not list "
+                f"the model's {which} weight {spec.name!r}"
+            )
+    if q.lm_head != DL.PLAIN and DL.LM_HEAD_WEIGHT not in by_name:
+        raise BundleError(
+            f"{mpath}: key 'dense.quant.lm_head' is {q.lm_head!r}, but the model ties its lm_head to the "
+            "embedding table, which stays plain"
+        )
+    return out
+
+
+def _check_quantized_parts(
+    path: Path, spec: A.TensorSpec, scheme: str, group: int, entries: dict[str, TensorEntry]
+) -> None:
+    """Each stored part of one quantized weight is in the file with its dtype and shape."""
+    for p in DL.quantized_parts(spec.name, spec.shape, scheme, group):
+        e = entries.get(p.name)
+        want = f"{p.dtype} {list(p.shape)}"
+        why = f"the manifest records {spec.name!r} {list(spec.shape)} as {DL.scheme_label(scheme, group)}"
+        if e is None:
+            raise BundleError(f"{path}: lacks tensor {p.name!r} ({want}): {why}")
+        if e.dtype != p.dtype or tuple(e.shape) != p.shape:
+            raise BundleError(
+                f"{path}: tensor {p.name!r} is {e.dtype} {list(e.shape)}, expected {want}: {why}"
+            )
 
 
 def _check_expert_files(root: Path, rec: F.LayerRecord) -> None:

@@ -1,15 +1,21 @@
 """`edgerun verify`: the reader's cheap checks (structure, sizes, alignment, manifest/model
-consistency), and with ``deep`` every byte hashed against the manifest. A damaged file is named
-with the part that is damaged: the expert block (and its offset) or the dense tensor."""
+consistency), and with ``deep`` every byte hashed against the manifest and every quantized dense
+weight's values checked (scales finite and positive, int8 values in range). A damaged file is
+named with the part that is damaged: the expert block (and its offset) or the dense tensor."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from edgerun.bundle import format as F
-from edgerun.bundle.reader import Bundle, BundleError
+from edgerun.bundle.quant import E4M3_MAX_BITS, E4M3_MIN_NORMAL_BITS
+from edgerun.bundle.reader import Bundle, BundleError, DenseQuant
 from edgerun.models.providers import ProviderPolicy
+from edgerun.safetensors_io import TensorEntry
 
 CHUNK = 16 << 20
 
@@ -34,7 +40,8 @@ class VerifyReport:
         return (
             f"{self.root}: OK: edgerun bundle v{m.version}, {m.model_type}, experts {q.scheme} "
             f"(group {q.group_size}, rotation {q.rotation}), {len(m.layers)} MoE layers x {rec.num_experts} "
-            f"experts, block_bytes {rec.block_bytes}, {total / 2**30:.3f} GiB; {hashes}"
+            f"experts, block_bytes {rec.block_bytes}, dense {m.dense_quant.scheme.label()}, "
+            f"{total / 2**30:.3f} GiB; {hashes}"
         )
 
 
@@ -58,7 +65,50 @@ def verify_bundle(
         ]
         for name, rec in m.files.items():
             hashed += _check_file(b.root / name, rec, name, parts[name])
+        for q in b.dense_quant.values():
+            _check_dense_values(q)
     return VerifyReport(b.root, b.manifest, deep, hashed)
+
+
+def _check_dense_values(q: DenseQuant) -> None:
+    """What the quantizer never writes, so that every value dequantizes to a finite number: an
+    int4 scale code that is not a positive normal e4m3 (zero, subnormal, negative, NaN), a global
+    that is not a positive finite power of two, an int8 scale that is negative or not finite, an
+    int8 value of -128."""
+    if q.scheme == "int4":
+        _scan(
+            q.scales, np.uint8, lambda c: (c < E4M3_MIN_NORMAL_BITS) | (c > E4M3_MAX_BITS), "e4m3 scale code"
+        )
+        _scan(
+            q.global_,
+            np.float32,
+            lambda g: ~np.isfinite(g) | (g <= 0) | (np.frexp(g)[0] != 0.5),
+            "global scale",
+        )
+    else:
+        _scan(q.scales, np.float32, lambda s: ~np.isfinite(s) | (s < 0), "fp32 scale")
+        _scan(q.weight, np.int8, lambda v: v == -128, "int8 value")
+
+
+def _scan(e: TensorEntry, dtype: type, bad: Callable[[np.ndarray], np.ndarray], what: str) -> None:
+    """Read tensor ``e`` in chunks; refuse the first element ``bad`` flags, naming its byte."""
+    item = np.dtype(dtype).itemsize
+    cols = e.shape[-1] if len(e.shape) > 1 else 1
+    step = CHUNK // item
+    total = e.nbytes // item
+    with open(e.file, "rb") as f:
+        for first in range(0, total, step):
+            f.seek(e.start + first * item)
+            a = np.fromfile(f, dtype=dtype, count=min(step, total - first))
+            hits = np.flatnonzero(bad(a))
+            if hits.size:
+                i = first + int(hits[0])
+                value = a[hits[0]]
+                shown = f"0x{int(value):02x}" if dtype is np.uint8 else repr(value.item())
+                raise BundleError(
+                    f"{e.file}: tensor {e.name!r} (bytes [{e.start}, {e.end})): {what} {shown} at byte "
+                    f"{e.start + i * item} (row {i // cols}, column {i % cols}) is not one the quantizer writes"
+                )
 
 
 def _check_file(path: Path, rec: F.FileRecord, name: str, parts: list[tuple[str, int, int, str]]) -> int:

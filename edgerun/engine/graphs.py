@@ -89,6 +89,7 @@ class DecodeGraphs:
             pos=self.pos,
             kv_index=torch.arange(capacity, **kw),
             fused=policy.dense == "triton",
+            inv_freq=model.rotary.inv_freq,
         )
         self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
         self.modes: dict[int, str] = {}
@@ -160,29 +161,27 @@ class DecodeGraphs:
     # ---- the operations ---------------------------------------------------------------
 
     def _embed(self) -> None:
-        self.x.copy_(self.model.model.embed_tokens(self.token)[0])
-        cos, sin = self.model.rotary(self.pos, self.dtype)
-        self.static.cos.copy_(cos)
-        self.static.sin.copy_(sin)
+        torch.index_select(self.model.model.embed_tokens.weight, 0, self.token[0], out=self.x)
+        if not self.static.fused:  # the fused attention kernel computes its rope from the position
+            cos, sin = self.model.rotary(self.pos, self.dtype)
+            self.static.cos.copy_(cos)
+            self.static.sin.copy_(sin)
 
     def _mixer(self, i: int) -> None:
         layer = self.layers[i]
-        hn = layer.mix_static(self.x, self.state.layers[i], self.static)
+        hn = layer.mix_static(self.x, self.state.layers[i], self.static, out=self.h)
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoe):
-            self.x.add_(mlp(hn))
+            mlp(hn, "residual", self.x)
             return
-        weights, ids = mlp.gate(hn)
         buf = self.moe[i]
-        buf.weights.copy_(weights)
-        buf.ids.copy_(ids)
-        self.h.copy_(hn)
-        if mlp.has_shared:
-            self.shared.copy_(mlp.shared_output(hn))
+        logits = mlp.gate.logits(hn)
+        mlp.gate.select(logits, out=(buf.weights, buf.ids), fused=self.static.fused)
+        mlp.shared_output(hn, logits, out=self.shared)
 
-    def _add_experts(self, i: int, routed: torch.Tensor) -> None:
-        mlp = self.layers[i].mlp
-        self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
+    def _into(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The expert step's result goes into the residual stream, with the shared expert's."""
+        return self.x, self.shared if self.layers[i].mlp.has_shared else None
 
     def _route(self, i: int) -> None:
         buf = self.moe[i]
@@ -192,27 +191,29 @@ class DecodeGraphs:
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
-        if buf.table is not None:
-            torch.index_select(buf.table, 0, buf.ids[0], out=buf.slots[0])
-        # routed: the refs of the lookup just before this segment (captured: checked at capture,
-        # and at replay nothing runs between the lookup and the kernel)
-        routed = run_experts(
-            self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs
-        )
-        self._add_experts(i, routed)
+        # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
+        # this segment (captured: checked at capture, and at replay nothing runs between the
+        # lookup and the kernel)
+        run_experts(
+            self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs,
+            table=buf.table, into=self._into(i),
+        )  # fmt: skip
 
     def _experts_eager(self, i: int) -> None:
         buf = self.moe[i]
         slots, refs = lookup(self.cache, i, buf.ids.tolist(), self.device)
-        routed = run_experts(self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs)
-        self._add_experts(i, routed)
+        run_experts(
+            self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs, into=self._into(i)
+        )
 
     def _experts_stacked(self, i: int) -> None:
         buf = self.moe[i]
-        self._add_experts(i, self.layers[i].mlp.experts.gathered(self.h, buf.ids, buf.weights))
+        mlp = self.layers[i].mlp
+        routed = mlp.experts.gathered(self.h, buf.ids, buf.weights)
+        self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _head(self) -> None:
-        self.logits.copy_(self.model.lm_head(self.model.model.norm.decode(self.x, self.static.fused)))
+        self.model.lm_head(self.model.model.norm.decode(self.x, self.static.fused), out=self.logits)
 
     def routes(self) -> dict[int, list[list[int]]]:
         """The expert ids each MoE layer's router chose in the last step (its static buffers)."""

@@ -14,11 +14,14 @@ Fields and what they decide:
   (``kernels/moe_triton.py``). They agree within the probe's stated tolerance (fp32 vs bf16
   accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
   request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
-- ``dense``: the decode step's norms and Gated DeltaNet step. ``torch`` runs the model's own
-  modules (~100 small kernels per DeltaNet layer); ``triton`` the fused kernels of
-  ``kernels/dense_triton.py`` (one launch for the DeltaNet step between its projections, one
-  per norm). They round at the same points and agree within the dense probe's tolerance (a
-  few bf16 ulps), not bit for bit: fixed for the engine's life, like ``experts``.
+- ``dense``: the decode step's projections, norms, router, attention and Gated DeltaNet step.
+  ``torch`` runs the model's own modules (cuBLAS, or an exact dequantization then cuBLAS for
+  int8 / int4 weights; ~100 small kernels per DeltaNet layer); ``triton`` the fused kernels
+  (``kernels/qlinear_triton.py``: one GEMV per fused projection straight from the stored
+  bytes, with its epilogue; ``kernels/decode_triton.py``: router top-k, attention;
+  ``kernels/dense_triton.py``: the DeltaNet step, norms). They round at the same points and
+  agree within the dense probe's tolerance (a few bf16 ulps), not bit for bit: fixed for the
+  engine's life, like ``experts``.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
 """
@@ -70,11 +73,12 @@ class Resolved:
 
 
 def resolve(
-    policy: KernelPolicy, device: torch.device, layouts=(), top_k: int = 8, args=None, dtype=None
+    policy: KernelPolicy, device: torch.device, layouts=(), top_k: int = 8, args=None, dtype=None, gemv=()
 ) -> Resolved:
     """``layouts``: the bundle's expert block layouts when experts come from a slot pool (none
     for stacked resident experts, which run torch's own matmuls). ``args`` and ``dtype``: the
-    model's geometry and compute dtype, for the dense kernels' probe (without them: torch)."""
+    model's geometry and compute dtype, for the dense kernels' probe (without them: torch).
+    ``gemv``: the model's projection GEMV cases (``CausalLM.gemv_cases``), probed with them."""
     import torch
 
     from edgerun.kernels.moe import MoeKernelPolicy
@@ -103,7 +107,7 @@ def resolve(
         else:
             out.moe = MoeKernelPolicy("triton", *_sizes(policy))
             out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
-    _resolve_dense(policy, device, args, dtype, out)
+    _resolve_dense(policy, device, args, dtype, out, gemv)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
     elif policy.graphs == "off":
@@ -114,7 +118,7 @@ def resolve(
     return out
 
 
-def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved) -> None:
+def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved, gemv=()) -> None:
     import torch
 
     if policy.dense == "torch":
@@ -127,7 +131,7 @@ def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out:
         return
     from edgerun.kernels.dense_probe import probe_dense
 
-    result = probe_dense(args, device, dtype or torch.bfloat16)
+    result = probe_dense(args, device, dtype or torch.bfloat16, gemv)
     if result.selected:
         out.dense = "triton"
         out.choices["dense"] = f"{result.name} ({result.reason})"

@@ -107,10 +107,19 @@ class Runner:
         result to every part that runs one."""
         layouts = list(dict.fromkeys(self.cache.bundle.layouts.values())) if self.cache else []
         dtype = self.model.model.embed_tokens.weight.dtype
-        self.kernels = resolve(request, self.device, layouts, self.args.num_experts_per_tok, self.args, dtype)
+        self.kernels = resolve(
+            request,
+            self.device,
+            layouts,
+            self.args.num_experts_per_tok,
+            self.args,
+            dtype,
+            self.model.gemv_cases(),
+        )
         for module in self.model.modules():
             if isinstance(module, StreamingExperts):
                 module.policy = self.kernels.moe
+        self.model.use_kernels(self.kernels.dense == "triton")
         self.decoder = None
 
     def fallbacks(self) -> dict[str, str]:

@@ -56,9 +56,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [V] for one position -> token id."""
         p = self.params
+        if p.greedy:  # on the logits' device: one small kernel and a read of the id, not of [V]
+            return int(torch.argmax(logits.detach()))
         logits = logits.detach().float().cpu()
-        if p.greedy:
-            return int(torch.argmax(logits))
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]

@@ -41,10 +41,13 @@ def run_experts(
     refs: Sequence[SlotRef] = (),
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    table: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
     slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
-    step run in parts, see ``moe_experts``).
+    step run in parts; ``table``: slots looked up from the layer's device slot table; ``into``:
+    added into a residual in place; see ``moe_experts``).
 
     ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
     against the slot table first, so a slot refilled since its lookup is refused
@@ -52,9 +55,11 @@ def run_experts(
     step whose slots come from the device-side table (every expert held, nothing evictable)
     has none to check."""
     cache.check(layer, refs)
-    part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     pool, layout, scales = cache.pools[layer], cache.bundle.layouts[layer], cache.slot_scales[layer]
-    return moe_experts(x, pool, slots, ids, weights, layout, scales, policy, **part)
+    return moe_experts(
+        x, pool, slots, ids, weights, layout, scales, policy,
+        acc=acc, expert_range=expert_range, table=table, into=into,
+    )  # fmt: skip
 
 
 def lookup(

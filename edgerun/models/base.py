@@ -14,11 +14,14 @@ from edgerun.models.layers import (
     Attention,
     DecodeState,
     GatedDeltaNet,
+    QLinear,
     RMSNorm,
     Rotary,
     SparseMoe,
     StaticStep,
 )
+
+PROBE_ROWS = 4096  # the dense probe runs a projection of more rows at this many (plus the tail)
 
 
 class DecoderLayer(nn.Module):
@@ -47,18 +50,23 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def mix_static(self, x: torch.Tensor, state, step: StaticStep) -> torch.Tensor:
+    def fuse(self) -> None:
+        (self.self_attn if self.kind == A.FULL_ATTENTION else self.linear_attn).fuse()
+        self.mlp.fuse()
+
+    def mix_static(
+        self, x: torch.Tensor, state, step: StaticStep, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The first half of one decode step over static buffers (``engine/graphs.py``): the token
-        mixer, its residual added into x [1, D] in place (one kernel, the rounding of x + h);
-        returns the MLP's input. The MLP half is the caller's: its routed experts may need the
-        expert cache between the router and the expert kernel."""
+        mixer, its output added into x [1, D] in place (in its output projection's epilogue);
+        returns the MLP's input (written into ``out`` when given). The MLP half is the caller's:
+        its routed experts may need the expert cache between the router and the expert kernel."""
         h = self.input_layernorm.decode(x, step.fused)
         if self.kind == A.FULL_ATTENTION:
-            h = self.self_attn.decode_static(h[None], step, state)[0]
+            self.self_attn.decode_static(h, step, state, residual=x)
         else:
-            h = self.linear_attn.decode(h, state, step.fused)
-        x.add_(h)
-        return self.post_attention_layernorm.decode(x, step.fused)
+            self.linear_attn.decode(h, state, step.fused, residual=x)
+        return self.post_attention_layernorm.decode(x, step.fused, out=out)
 
 
 class _Body(nn.Module):
@@ -80,6 +88,36 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(args.rotary_dim, args.rope_theta)
+
+    def fuse(self) -> None:
+        """After the weights are loaded: the projections that read one input become one
+        QLinear each (q/k/v; DeltaNet qkv/z/b/a; MLP gate/up; router + shared-expert gate), the
+        rest QLinears of their own. Every forward and decode path runs the fused model."""
+        for layer in self.model.layers:
+            layer.fuse()
+        self.lm_head = QLinear.of(self.lm_head)
+
+    def use_kernels(self, gemv: bool) -> None:
+        """Select (or not) the Triton GEMV for every projection's decode-sized inputs: the
+        engine's choice, made once after the dense probe ran on the device."""
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                m.gemv = gemv
+
+    def gemv_cases(self) -> list[tuple[str, int, int, int, str]]:
+        """What the dense probe runs the GEMV on for this model: every projection's (scheme,
+        rows, cols, group) with no epilogue (rows capped at PROBE_ROWS plus the remainder of a
+        64-row tile, so the largest are probed at a size the start-up can afford), and each
+        epilogue once per (scheme, cols, group)."""
+        shapes, kinds = set(), set()
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                rows = m.out_features if m.out_features <= PROBE_ROWS else PROBE_ROWS + m.out_features % 64
+                shapes.add((m.scheme, rows, m.in_features, m.group, "none"))
+                kinds.add((m.scheme, m.in_features, m.group))
+        for scheme, cols, group in kinds:
+            shapes.update((scheme, 128, cols, group, e) for e in ("silu_mul", "residual", "gated"))
+        return sorted(shapes)
 
     def new_state(self, batch: int, max_len: int, device=None, dtype=None) -> DecodeState:
         ref = self.model.embed_tokens.weight

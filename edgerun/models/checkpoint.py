@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from edgerun.errors import CheckpointError
+from edgerun.kernels.qweight import QWeight
 from edgerun.models.args import ModelArgs
-from edgerun.models.layers import Rotary
+from edgerun.models.layers import QLinear, Rotary
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.models.registry import resolve_config
 from edgerun.safetensors_io import DTYPES, MappedFiles, TensorEntry, read_header
@@ -196,6 +197,33 @@ def set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(mod, leaf, nn.Parameter(value, requires_grad=False))
 
 
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
+def _quantized_linear(name: str, shape, q, old: nn.Module, files: MappedFiles, device) -> QLinear:
+    """The QLinear of weight ``name`` [R, C] from its stored parts ``q`` (bundle.reader.DenseQuant,
+    checked against the manifest when the bundle was opened); a bias already loaded is kept."""
+    R, _ = shape
+    row_scale = None
+    if q.global_ is not None:
+        row_scale = files.tensor(q.global_).reshape(1).to(torch.float32).expand(R).contiguous()
+    w = QWeight(
+        q.scheme,
+        files.tensor(q.weight).to(device),
+        files.tensor(q.scales).reshape(R, -1).to(device),
+        None if row_scale is None else row_scale.to(device),
+        q.group,
+    )
+    try:
+        w.check(name)
+    except ValueError as exc:
+        raise CheckpointError(f"{q.weight.file}: {exc}") from exc
+    bias = getattr(old, "bias", None)
+    return QLinear(w, None if bias is None or bias.is_meta else bias)
+
+
 def load_model(
     ckpt: str | Path,
     dtype: torch.dtype | None = None,
@@ -224,7 +252,12 @@ def load_entries(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     experts: bool = True,
+    quantized: dict | None = None,
 ) -> tuple[nn.Module, LoadReport]:
+    """``quantized`` (a bundle's ``dense_quant``: canonical weight name -> its stored parts):
+    those linear weights load as they are stored, into QLinear modules, never dequantized;
+    ``entries`` then holds the other tensors."""
+    quantized = quantized or {}
     plan = classify(entries, args)
     specs = {s.name: s for s in arch.tensor_specs(args)}
     if dtype is None:
@@ -248,6 +281,14 @@ def load_entries(
         if spec.category == "experts" and not experts:
             continue
         prefix = name.rsplit(".", 1)[0]
+        if name in quantized:
+            module = _quantized_linear(
+                name, spec.shape, quantized[name], model.get_submodule(prefix), files, device
+            )
+            _set_module(model, prefix, module)
+            report.tensors += 1
+            report.bytes += sum(t.nbytes for t in module.qweight().tensors())
+            continue
         if name in plan.direct:
             e = plan.direct[name]
             _check_shape(e.name, e, spec.shape)
@@ -268,6 +309,7 @@ def load_entries(
         report.bytes += value.nbytes
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse()
     model.rotary = Rotary(args.rotary_dim, args.rope_theta).to(device)
     model.eval()
     return model, report

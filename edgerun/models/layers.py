@@ -16,7 +16,91 @@ from torch import nn
 
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm
 from edgerun.kernels.moe_reference import combine_experts
+from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.models.args import ModelArgs
+
+# at or below this many rows of input, a QLinear whose kernel was selected runs the Triton GEMV:
+# for a plain weight cuBLAS is faster from 3 rows on; for int8 / int4 the GEMV still beats an exact
+# dequantization then cuBLAS at 8 (benchmarks/bench_dense_gemv.py on an H200, docs/benchmarks.md)
+GEMV_ROWS = {"plain": 2, "int8": 8, "int4": 8}
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    if t is None or isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QLinear(nn.Module):
+    """A linear layer over a weight as the bundle stores it (``kernels/qweight.py``: plain, int8
+    or int4), optionally with an epilogue fused into the same pass (``kernels/qlinear_reference``
+    gives each one's torch semantics):
+
+    - ``none``: y = x W^T + b;
+    - ``silu_mul``: SiLU(gate) * up, the weight holding gate rows then up rows (an MLP's first half);
+    - ``residual``: ``out.add_(y)``, ``out`` being the residual stream;
+    - ``gated``: sigmoid(``gate``) * y (the shared expert's output gate).
+
+    ``gemv`` is set by the engine once the Triton GEMV passed its probe on the device
+    (``Model.use_kernels``); inputs of at most GEMV_ROWS[scheme] rows then run it, anything else (and
+    every input with ``gemv`` off) the torch reference, which dequantizes the weight exactly and
+    calls ``F.linear``. Parameters keep the stored bytes; ``row_scale`` and int8 ``scales`` stay
+    fp32 whatever the model dtype."""
+
+    def __init__(self, w: QWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w.check()
+        self.scheme, self.group = w.scheme, w.group
+        self.in_features, self.out_features = w.cols, w.rows
+        self.weight = _frozen(w.weight)
+        self.scales = _frozen(w.scales)
+        self.row_scale = _frozen(w.row_scale)
+        self.bias = _frozen(bias)
+        self.gemv = False
+
+    @classmethod
+    def of(cls, m: nn.Module) -> QLinear:
+        """``m`` as a QLinear (an ``nn.Linear`` becomes a plain one over the same parameters)."""
+        if isinstance(m, QLinear):
+            return m
+        return cls(QWeight("plain", m.weight), m.bias)
+
+    @classmethod
+    def concat(cls, mods: list[nn.Module]) -> QLinear:
+        """One QLinear whose outputs are ``mods``' outputs, concatenated: projections that read the
+        same input, run as one GEMV."""
+        parts = [cls.of(m) for m in mods]
+        bias = None
+        if any(p.bias is not None for p in parts):
+            ref = next(p.bias for p in parts if p.bias is not None)
+            bias = torch.cat([p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
+        return cls(concat_rows([p.qweight() for p in parts]), None if bias is None else bias.detach())
+
+    def qweight(self) -> QWeight:
+        return QWeight(self.scheme, self.weight, self.scales, self.row_scale, self.group)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        epilogue: str = "none",
+        out: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.gemv and x.dim() == 2 and x.shape[0] <= GEMV_ROWS[self.scheme]:
+            from edgerun.kernels import qlinear_triton
+
+            return qlinear_triton.qgemv(x, self.qweight(), self.bias, epilogue, out, gate)
+        from edgerun.kernels.qlinear_reference import qlinear_ref
+
+        if x.dim() == 2 or out is not None:
+            return qlinear_ref(x, self.qweight(), self.bias, epilogue, out, gate)
+        lead = x.shape[:-1]
+        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), self.qweight(), self.bias, epilogue, None, gate)
+        return flat.reshape(*lead, flat.shape[-1])
+
+    def extra_repr(self) -> str:
+        g = f", group {self.group}" if self.scheme != "plain" else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}"
 
 
 class RMSNorm(nn.Module):
@@ -36,13 +120,14 @@ class RMSNorm(nn.Module):
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
 
-    def decode(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """x [N, D]: the module, or the one-launch Triton kernel (``fused``, CUDA only)."""
+    def decode(self, x: torch.Tensor, fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, D]: the module, or the one-launch Triton kernel (``fused``, CUDA only); written
+        into ``out`` when given."""
         if not fused:
-            return self(x)
+            return self(x) if out is None else out.copy_(self(x))
         from edgerun.kernels import dense_triton
 
-        return dense_triton.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return dense_triton.rms_norm(x, self.weight, self.eps, self.unit_offset, out=out)
 
 
 class GatedRMSNorm(nn.Module):
@@ -134,6 +219,7 @@ class StaticStep:
     pos: torch.Tensor  # [1] int64
     kv_index: torch.Tensor  # [S_max] int64
     fused: bool = False
+    inv_freq: torch.Tensor | None = None  # Rotary's, for the fused attention kernel (rope from pos)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,18 +250,31 @@ class Attention(nn.Module):
             torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         )
 
+    def fuse(self) -> None:
+        """After load: q/k/v as one projection (one GEMV at decode), o_proj as a QLinear."""
+        self.qkv = QLinear.concat([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = QLinear.of(self.o_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor):
+        """x [B, T, D] -> q [B, T, H, Dh], gate [B, T, H·Dh] or None, k and v [B, T, Hk, Dh]."""
+        B, T, _ = x.shape
+        H, Hk, Dh = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.qkv(x).split([H * Dh * (2 if self.gated else 1), Hk * Dh, Hk * Dh], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.reshape(B, T, H, 2 * Dh).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        return q.reshape(B, T, H, Dh), gate, k.reshape(B, T, Hk, Dh), v.reshape(B, T, Hk, Dh)
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, start: int
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x)
-        gate = None
-        if self.gated:
-            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, -1)
-        q = self.q_norm(q.reshape(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, gate, k, v = self._project(x)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
@@ -188,21 +287,28 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def decode_static(self, x: torch.Tensor, step: StaticStep, cache: KVCache) -> torch.Tensor:
-        """One token of :meth:`forward` over the whole static KV buffer: the new key and value
-        are written at ``step.pos`` (a device tensor) and later positions are masked, so no
-        shape depends on the position. Query heads are grouped under their KV head instead of
-        repeating K and V. x [B, 1, D] -> [B, 1, D]."""
-        B, T, _ = x.shape
+    def decode_static(
+        self, x: torch.Tensor, step: StaticStep, cache: KVCache, residual: torch.Tensor
+    ) -> None:
+        """One token of :meth:`forward` over the whole static KV buffer, its output added into
+        ``residual`` [B, D] in place: the new key and value are written at ``step.pos`` (a
+        device tensor) and later positions are masked (the fused kernel, ``step.fused``, does
+        not read them), so no shape depends on the position. x [B, D]."""
+        B = x.shape[0]
         H, Hk, Dh = self.n_heads, self.n_kv, self.head_dim
-        q = self.q_proj(x)
-        gate = None
-        if self.gated:
-            q, gate = q.view(B, T, H, 2 * Dh).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, -1)
-        q = self.q_norm(q.reshape(B, T, H, Dh)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, Hk, Dh)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, Hk, Dh).transpose(1, 2)
+        if step.fused and B == 1:
+            from edgerun.kernels import decode_triton
+
+            out = decode_triton.attention_decode(
+                self.qkv(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
+                step.inv_freq, step.pos, cache.k, cache.v, x.new_empty(1, H * Dh), H, Hk, Dh, self.gated,
+            )  # fmt: skip
+            self.o_proj(out, "residual", out=residual)
+            return
+        q, gate, k, v = self._project(x[:, None])
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         cache.k.index_copy_(2, step.pos, k)
         cache.v.index_copy_(2, step.pos, v)
@@ -212,10 +318,10 @@ class Attention(nn.Module):
         scores = torch.matmul(q.float() * Dh**-0.5, cache.k.float().transpose(-1, -2))  # [B, Hk, H/Hk, S]
         scores = scores.masked_fill((step.kv_index > step.pos)[None, None, None, :], float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(cache.v.dtype), cache.v)
-        out = out.reshape(B, T, H * Dh)
+        out = out.reshape(B, H * Dh)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+            out = out * torch.sigmoid(gate[:, 0])
+        self.o_proj(out, "residual", out=residual)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -264,9 +370,20 @@ class GatedDeltaNet(nn.Module):
             recurrent=torch.zeros(batch, self.n_v, self.dk, self.dv, device=device, dtype=torch.float32),
         )
 
+    def fuse(self) -> None:
+        """After load: in_proj_qkv/z/b/a as one projection (one GEMV at decode)."""
+        self.in_proj = QLinear.concat([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.out_proj = QLinear.of(self.out_proj)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., D] -> the qkv (conv input), z, b and a projections."""
+        return self.in_proj(x).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
+
     def forward(self, x: torch.Tensor, state: DeltaState | None) -> torch.Tensor:
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        mixed, z, b, a = self._project(x)
+        mixed = mixed.transpose(1, 2)  # [B, C, T]
         history = state.conv if state is not None else mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
         window = torch.cat([history.to(mixed.dtype), mixed], dim=-1)
         if state is not None:
@@ -280,8 +397,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, T, self.n_k, self.dk)
         k = k.reshape(B, T, self.n_k, self.dk)
         v = v.reshape(B, T, self.n_v, self.dv)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if self.n_v != self.n_k:
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
@@ -297,23 +414,25 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.recurrent.copy_(s1)
         out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
-        z = self.in_proj_z(x).reshape(B, T, self.n_v, self.dv)
+        z = z.reshape(B, T, self.n_v, self.dv)
         out = self.norm(out, z).reshape(B, T, self.value_dim)
         return self.out_proj(out)
 
-    def decode(self, x: torch.Tensor, state: DeltaState, fused: bool = False) -> torch.Tensor:
-        """One token, x [1, D] -> [1, D]: :meth:`forward`, or (``fused``, CUDA only) the one-launch
-        Triton step between this module's own projections (``kernels/dense_triton.py``)."""
+    def decode(self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor) -> None:
+        """One token, x [1, D], its output added into ``residual`` [1, D] in place:
+        :meth:`forward`, or (``fused``, CUDA only) the one-launch Triton step
+        (``kernels/dense_triton.py``) between the fused projection and out_proj."""
         if not fused:
-            return self(x[None], state)[0]
+            residual.add_(self(x[None], state)[0])
+            return
         from edgerun.kernels import dense_triton
 
+        qkv, z, b, a = (p[0] for p in self._project(x))  # x stays [1, D]: the GEMV's input
         out = dense_triton.delta_decode(
-            self.in_proj_qkv(x)[0], self.in_proj_z(x)[0], self.in_proj_a(x)[0], self.in_proj_b(x)[0],
-            state.conv[0], self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent[0],
+            qkv, z, a, b, state.conv[0], self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent[0],
             self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv,
         )  # fmt: skip
-        return self.out_proj(out[None])
+        self.out_proj(out[None], "residual", out=residual)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,27 +446,72 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """After load: gate and up as one projection whose epilogue is SiLU(gate) * up."""
+        self.gate_up = QLinear.concat([self.gate_proj, self.up_proj])
+        self.down_proj = QLinear.of(self.down_proj)
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, epilogue: str = "none", out=None, gate=None) -> torch.Tensor:
+        """SiLU(x W_g) * (x W_u), then down_proj with ``epilogue`` (see QLinear)."""
+        return self.down_proj(self.gate_up(x, "silu_mul"), epilogue, out, gate)
 
 
 class Router(nn.Module):
-    """Softmax router in fp32; top-k; optional renormalisation of the k weights."""
+    """Softmax router in fp32; top-k; optional renormalisation of the k weights. After
+    :meth:`fuse`, ``proj`` computes the E expert logits followed by ``extra`` more columns
+    (the shared expert's gate logit) in one GEMV."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(args.num_experts, args.hidden_size))
+        self.num_experts = args.num_experts
         self.top_k = args.num_experts_per_tok
         self.normalize = args.norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64)
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    def fuse(self, extra: nn.Module | None = None) -> None:
+        self.proj = QLinear.concat(
+            [QLinear(QWeight("plain", self.weight))] + ([extra] if extra is not None else [])
+        )
+        del self.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, E + extra] in x's dtype."""
+        return self.proj(x)
+
+    def select(
+        self,
+        logits: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, E + extra] -> weights [N, A] (logits' dtype), ids [N, A] (int64), written
+        into ``out`` (weights, ids) when given; ``fused``: the one-launch Triton kernel."""
+        if fused:
+            from edgerun.kernels import decode_triton
+
+            N = logits.shape[0]
+            weights, ids = out if out is not None else (
+                logits.new_empty(N, self.top_k), torch.empty(N, self.top_k, dtype=torch.long, device=logits.device)
+            )  # fmt: skip
+            decode_triton.router_topk(logits, self.num_experts, self.top_k, self.normalize, weights, ids)
+            return weights, ids
+        probs = torch.softmax(logits[:, : self.num_experts], dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), ids
+        weights = top.to(logits.dtype)
+        if out is not None:
+            out[0].copy_(weights)
+            out[1].copy_(ids)
+            return out
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
+        (their extra columns feed the shared expert's gate)."""
+        logits = self.logits(x)
+        return (*self.select(logits), logits)
 
 
 class Experts(nn.Module):
@@ -388,18 +552,30 @@ class SparseMoe(nn.Module):
             self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
+    def fuse(self) -> None:
+        """After load: the router and the shared expert's gate as one GEMV (its last column is
+        the gate's logit); the shared expert's gate and up as one."""
+        self.gate.fuse(self.shared_expert_gate if self.has_shared else None)
+        if self.has_shared:
+            self.shared_expert.fuse()
+            del self.shared_expert_gate
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)
-        weights, ids = self.gate(flat)
-        out = self.combine(self.experts(flat, ids, weights), self.shared_output(flat))
+        weights, ids, logits = self.gate(flat)
+        out = self.combine(self.experts(flat, ids, weights), self.shared_output(flat, logits))
         return out.reshape(B, T, D)
 
-    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The gated shared expert on x [N, D] (None without one)."""
+    def shared_output(
+        self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The gated shared expert on x [N, D] (None without one): sigmoid(the gate logit, the
+        router's last column of ``logits``) times the shared MLP, in its down projection's
+        epilogue; written into ``out`` when given."""
         if not self.has_shared:
             return None
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.shared_expert(x, "gated", out, logits[:, self.gate.num_experts :])
 
     @staticmethod
     def combine(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

@@ -82,7 +82,8 @@ class LayerRouting:
 
 class RouterProbe:
     """Context manager: while open, every forward of ``model`` adds to per-layer routing stats.
-    It hooks each MoE layer's router (``layer.mlp.gate``) and recomputes its fp32 softmax."""
+    It hooks each MoE layer's router (``layer.mlp.gate``) and recomputes its fp32 softmax from
+    the router's logits."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -94,7 +95,7 @@ class RouterProbe:
             gate = getattr(layer.mlp, "gate", None)
             if gate is None:
                 continue
-            stats = LayerRouting(gate.weight.shape[0], counts=[0] * gate.weight.shape[0])
+            stats = LayerRouting(gate.num_experts, counts=[0] * gate.num_experts)
             self.layers.append(stats)
             self._handles.append(gate.register_forward_hook(self._hook(stats)))
         return self
@@ -106,9 +107,9 @@ class RouterProbe:
 
     @staticmethod
     def _hook(stats: LayerRouting):
-        def hook(gate, inputs, _out) -> None:
-            # inputs[0]: [N, D] -> probs [N, E]
-            probs = torch.softmax(F.linear(inputs[0].float(), gate.weight.float()), dim=-1)
+        def hook(gate, _inputs, out) -> None:
+            # out: (weights, ids, logits [N, E + extra]) -> probs [N, E] in fp32
+            probs = torch.softmax(out[2][:, : gate.num_experts].float(), dim=-1)
             stats.tokens += probs.shape[0]
             stats.entropy_sum -= (probs * probs.clamp_min(1e-30).log()).sum().item()
             ids = probs.topk(gate.top_k, dim=-1).indices.flatten()

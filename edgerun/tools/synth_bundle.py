@@ -13,9 +13,11 @@ The payload is drawn in its stored form. Each expert block is a fixed point of t
 holds a +-7 and e4m3's top binade holds the largest code, so the power-of-two global and each
 group's code are the ones the quantizer picks; int8: every group holds a +-127 and its fp32 scale
 has a bf16 mantissa, so absmax / 127 is exact). A block is thus exactly what ``convert`` writes for
-a checkpoint holding those weights, and the recorded quantization error is 0. Magnitudes make an
-expert's output O(1) for O(1) inputs; dense matrices are N(0, 1/fan_in), norms at their neutral
-value, so logits are finite and the router spreads tokens over the experts.
+a checkpoint holding those weights, and the recorded quantization error is 0. With ``dense``
+int8 or int4 (format v2) the resident linear weights are drawn the same way, in their stored form
+(values, scales, int4 global), never as floats to quantize. Magnitudes make an expert's output
+O(1) for O(1) inputs; dense matrices are N(0, 1/fan_in), norms at their neutral value, so logits
+are finite and the router spreads tokens over the experts.
 
 Every part (one dense chunk, one expert) has its own generator keyed by (seed, part): the bytes do
 not depend on the thread count. Memory stays bounded: each expert thread holds one block, the
@@ -44,6 +46,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from edgerun.bundle import dense_layout as DL
 from edgerun.bundle import format as F
 from edgerun.bundle.convert import (
     ConversionPlan,
@@ -186,26 +189,53 @@ def _force_extreme(q: np.ndarray, rng: np.random.Generator, nibbles: bool) -> No
     flat.put(at, (flat.take(at) & ~(np.uint8(0xF) << shift)) | seven)
 
 
-def _int4(rng: np.random.Generator, rows: int, cols: int, g: int, vary: bool):
-    """(packed uint8 [rows * cols / 2], codes uint8 [rows * cols / g], global) of one projection."""
+def _int4_weight(rng: np.random.Generator, rows: int, cols: int, g: int) -> np.ndarray:
+    """int4 values in [-7, 7], two per byte (uint8 [groups, g / 2]), a +-7 in every group."""
     packed = _NO_MINUS8[_random_bytes(rng, rows * cols // 2).view(np.uint16)].view(np.uint8)
     packed = packed.reshape(rows * cols // g, g // 2)
     _force_extreme(packed, rng, nibbles=True)
-    codes = _CODES[_random_bytes(rng, packed.shape[0])]
+    return packed
+
+
+def _int4_codes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n group scale codes (e4m3 bits), one of them in e4m3's top binade."""
+    codes = _CODES[_random_bytes(rng, n)]
     codes[rng.integers(codes.size)] = rng.integers(TOP_LOW, CODE_HIGH + 1)
+    return codes
+
+
+def _int4_global_exponent(std: float) -> int:
+    """The power of two whose global scale gives int4 weights of about ``std``."""
+    return round(math.log2(std / (Q4_RMS * CODE_RMS)))
+
+
+def _int4(rng: np.random.Generator, rows: int, cols: int, g: int, vary: bool):
+    """(packed uint8 [rows * cols / 2], codes uint8 [rows * cols / g], global) of one projection."""
+    packed = _int4_weight(rng, rows, cols, g)
+    codes = _int4_codes(rng, packed.shape[0])
     # weights ~ 1/sqrt(fan_in); the global, a power of two, varies by a binade either way when
     # ``vary`` (down only: it scales the expert's output linearly, gate_up would square it)
-    exp = round(-math.log2(math.sqrt(cols) * Q4_RMS * CODE_RMS))
+    exp = _int4_global_exponent(1 / math.sqrt(cols))
     return packed, codes, math.ldexp(1.0, exp + (int(rng.integers(-1, 2)) if vary else 0))
+
+
+def _int8_weight(rng: np.random.Generator, rows: int, cols: int, g: int) -> np.ndarray:
+    """int8 values in [-127, 127] (as uint8 [groups, g]), a +-127 in every group."""
+    q = _NO_MINUS128[_random_bytes(rng, rows * cols)].reshape(rows * cols // g, g)
+    _force_extreme(q, rng, nibbles=False)
+    return q
+
+
+def _int8_scales(rng: np.random.Generator, n: int, cols: int) -> np.ndarray:
+    """n fp32 scales for weights ~ 1/sqrt(cols), each with a bf16 mantissa (q * scale is exact)."""
+    scale = np.exp2(rng.random(n, dtype=np.float32) - 0.5) / np.float32(math.sqrt(cols) * Q8_RMS)
+    return (scale.view(np.uint32) & 0xFFFF0000).view(np.float32)
 
 
 def _int8(rng: np.random.Generator, rows: int, cols: int, g: int):
     """(q int8 as uint8 [rows * cols], scales fp32 [rows * groups]) of one projection."""
-    q = _NO_MINUS128[_random_bytes(rng, rows * cols)].reshape(rows * cols // g, g)
-    _force_extreme(q, rng, nibbles=False)
-    scale = np.exp2(rng.random(q.shape[0], dtype=np.float32) - 0.5) / np.float32(math.sqrt(cols) * Q8_RMS)
-    scale = (scale.view(np.uint32) & 0xFFFF0000).view(np.float32)  # a bf16 mantissa: q * scale is exact
-    return q, scale
+    q = _int8_weight(rng, rows, cols, g)
+    return q, _int8_scales(rng, q.shape[0], cols)
 
 
 def check_layout(layout: BlockLayout) -> None:
@@ -300,41 +330,65 @@ def _in_order(
         yield job, fut.result()
 
 
-def _dense_chunks(plan: ConversionPlan) -> list[tuple[int, str, tuple[int, ...], int, int]]:
-    """(tensor index, name, shape, first element, elements) of every dense chunk, in file order."""
+def _dense_chunks(plan: ConversionPlan) -> list[tuple[int, str, str, int, int, int]]:
+    """(tensor index, stored name, kind, first, count, total) of every dense chunk, in file order.
+    kind ``plain``: elements [first, first + count) of ``total``; a quantized weight's ``weight``
+    and ``scales``: rows [first, first + count) of ``total``; its ``global``: the one value."""
     out = []
     for i, r in enumerate(plan.resident):
-        n = math.prod(r.entry.shape)
-        out += [(i, r.name, r.entry.shape, s, min(DENSE_CHUNK, n - s)) for s in range(0, n, DENSE_CHUNK)]
+        if r.scheme == DL.PLAIN:
+            n = math.prod(r.entry.shape)
+            out += [(i, r.name, "plain", s, min(DENSE_CHUNK, n - s), n) for s in range(0, n, DENSE_CHUNK)]
+            continue
+        R, C = r.entry.shape
+        rows = max(1, DENSE_CHUNK // C)
+        for kind, name in (("weight", r.name), ("scales", r.name + DL.SCALES)):
+            out += [(i, name, kind, s, min(rows, R - s), R) for s in range(0, R, rows)]
+        if r.scheme == "int4":
+            out.append((i, r.name + DL.GLOBAL, "global", 0, 1, 1))
     return out
 
 
 def _write_dense(
     plan: ConversionPlan, dst: Path, seed: int, pool: ThreadPoolExecutor, ahead: int, between: Callable
 ) -> tuple[F.FileRecord, dict[str, str]]:
-    """dense.safetensors: chunks drawn on ``pool``, hashed (per tensor and whole file) and written
-    here in file order; ``between()`` runs after each chunk."""
+    """dense.safetensors: chunks drawn on ``pool``, hashed (per stored tensor and whole file) and
+    written here in file order; ``between()`` runs after each chunk. A quantized weight is drawn
+    in its stored form, as expert blocks are: values with a largest magnitude in every group and
+    scales that make them N(0, 1/fan_in) (no float weights, no quantizer)."""
     unit_offset = plan.args.norm_unit_offset
 
     def draw(job: tuple) -> np.ndarray:
-        i, name, shape, start, n = job
-        kind, value = _dense_init(name, shape, unit_offset)
-        rng = part_rng(seed, DENSE_PART, i, start // DENSE_CHUNK)
-        if kind == "normal":
-            return _normal_bf16(rng, n, value).view(np.uint8)
-        x = np.full(n, value) if kind == "const" else rng.random(n) * value
-        return torch.from_numpy(x).to(torch.bfloat16).view(torch.uint8).numpy()
+        i, name, kind, start, n, _ = job
+        r = plan.resident[i]
+        how, value = _dense_init(r.name, r.entry.shape, unit_offset)
+        if kind == "plain":
+            rng = part_rng(seed, DENSE_PART, i, start // DENSE_CHUNK)
+            if how == "normal":
+                return _normal_bf16(rng, n, value).view(np.uint8)
+            x = np.full(n, value) if how == "const" else rng.random(n) * value
+            return torch.from_numpy(x).to(torch.bfloat16).view(torch.uint8).numpy()
+        C = r.entry.shape[1]
+        g = r.group or C
+        rng = part_rng(seed, DENSE_PART, i, int(kind == "scales"), start)  # keyed by the first row
+        if kind == "global":  # weights of std ``value`` (a matrix's N(0, 1/fan_in))
+            return np.array([math.ldexp(1.0, _int4_global_exponent(value))], np.float32).view(np.uint8)
+        if r.scheme == "int4":
+            a = _int4_weight(rng, n, C, g) if kind == "weight" else _int4_codes(rng, n * C // g)
+        else:
+            a = _int8_weight(rng, n, C, g) if kind == "weight" else _int8_scales(rng, n * C // g, C)
+        return a.reshape(-1).view(np.uint8)
 
     w = _Writer(dst / F.DENSE)
     w.write(plan.dense_header)
     hashes: dict[str, str] = {}
     h = None
-    for (_, name, shape, start, n), data in _in_order(pool, draw, _dense_chunks(plan), ahead):
+    for (_, name, _, start, n, total), data in _in_order(pool, draw, _dense_chunks(plan), ahead):
         if start == 0:
             h = F.new_hash(F.PART_DIGEST)
         w.write(data)
         h.update(data)
-        if start + n == math.prod(shape):
+        if start + n == total:
             hashes[name] = h.hexdigest()
         between(data.nbytes)
     return w.commit(), hashes
@@ -382,11 +436,16 @@ def synth_bundle(
     threads: int | None = None,
     tokenizer_from: str | Path | None = None,
     log: TextIO | None = None,
+    dense: str = DL.PLAIN,
+    lm_head: str | None = None,
+    dense_group: int | None = None,
 ) -> Path:
     """Write a bundle of ``config`` (an HF config.json dict) with random weights into ``out_dir``;
     returns it. Experts in ``quant`` (``group_size`` None: the scheme's default; ``rotation``
-    "none" or "hadamard"), dense weights bf16. ``threads`` (default: the CPUs this process may use)
-    draw the payload; the bytes do not depend on it. The tokenizer is copied from
+    "none" or "hadamard"), dense weights bf16, their linear weights quantized as ``dense``,
+    ``lm_head`` and ``dense_group`` say (convert's ``--dense``, ``--lm-head``, ``--dense-group``).
+    ``threads`` (default: the CPUs this process may use) draw the payload; the bytes do not depend
+    on it. The tokenizer is copied from
     ``tokenizer_from``, or is a word-per-id tokenizer of the config's vocabulary.
 
     Refuses, before writing a byte, a destination that holds anything else or lacks the space (with
@@ -396,7 +455,9 @@ def synth_bundle(
     if rotation not in ROTATIONS:
         raise ConfigError(f"rotation {rotation!r} is not supported (supported: {', '.join(ROTATIONS)})")
     threads = max(1, threads or _cpu_count())
-    options = ConvertOptions(quant, group_size, rotation == "hadamard")
+    options = ConvertOptions(
+        quant, group_size, rotation == "hadamard", dense=dense, lm_head=lm_head, dense_group=dense_group
+    )
     tok = None if tokenizer_from is None else Path(tokenizer_from).resolve()
     with tempfile.TemporaryDirectory(prefix="edgerun-synth-") as tmp:
         src = Path(tmp) / "checkpoint"
@@ -471,7 +532,9 @@ def _write_payload(
     try:
         if F.DENSE not in journal.done:
             record, tensors = _write_dense(plan, dst, seed, dense, 2 * dense_threads, dense_progress)
-            journal.finish(F.DENSE, record, tensors=tensors)
+            # quantized weights are drawn in their stored form: no error against their own values
+            quant = {r.name: {"err2": 0.0, "ref2": 0.0} for r in plan.resident if r.scheme != DL.PLAIN}
+            journal.finish(F.DENSE, record, tensors=tensors, quant=quant)
         while pending:
             collect(block=True)
     finally:
@@ -494,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", choices=QUANTS, default="int4")
     p.add_argument("--group", type=int, default=None, help="group size (default: the scheme's)")
     p.add_argument("--rotate", action="store_true", help="Hadamard rotation over each group")
+    p.add_argument("--dense", choices=DL.SCHEMES, default=DL.PLAIN, help="resident linear weights (bf16)")
+    p.add_argument("--lm-head", choices=DL.SCHEMES, default=None, help="untied lm_head (default: --dense's)")
+    p.add_argument("--dense-group", type=int, default=None, help="dense group size (default: the scheme's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tokenizer-from", type=Path, default=None, help="copy tokenizer files from this dir")
@@ -505,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out = synth_bundle(
             ns.out, config, ns.quant, ns.group, "hadamard" if ns.rotate else "none", ns.seed, ns.threads,
-            ns.tokenizer_from, log=sys.stderr,
+            ns.tokenizer_from, log=sys.stderr, dense=ns.dense, lm_head=ns.lm_head, dense_group=ns.dense_group,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
         m = F.read_manifest(out)
@@ -516,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.bytes for r in m.files.values())
     print(
         f"{out}: {ns.geometry} (random weights), {m.quant.scheme} group {m.quant.group_size} rotation "
-        f"{m.quant.rotation}: bytes {total} ({total / 2**30:.2f} GiB; experts {experts}, dense "
+        f"{m.quant.rotation}, dense {m.dense_quant.scheme.label()}: bytes {total} ({total / 2**30:.2f} GiB; "
+        f"experts {experts}, dense "
         f"{m.files[m.dense_file].bytes}), {len(m.layers)} layers x {m.layers[0].num_experts} blocks, "
         f"block_bytes {m.layers[0].block_bytes}, seconds {seconds:.1f} ({total / seconds / 1e9:.2f} GB/s)"
     )

@@ -49,7 +49,7 @@ def misaligned_block_bytes(p, bundles):
 
 
 def unknown_version(p, bundles):
-    _edit_manifest(p, lambda m: m.update(version=2))
+    _edit_manifest(p, lambda m: m.update(version=3))
 
 
 def manifest_of_another_model(p, bundles):
@@ -79,7 +79,7 @@ CASES = {
         False,
         r"key 'layers\[layer 0\].block_bytes' is 4160, not a positive multiple of 4096",
     ),
-    unknown_version: (False, r"unknown bundle format version 2 \(this edgerun reads version 1\)"),
+    unknown_version: (False, r"unknown bundle format version 3 \(this edgerun reads versions 1, 2\)"),
     manifest_of_another_model: (False, r"manifest.json describes another model than .*dense.safetensors"),
     missing_tokenizer: (False, r"missing tokenizer file .*tokenizer.json"),
     flipped_expert_byte: (

@@ -30,7 +30,9 @@ def random_layer(args, dtype, seed):
                 p.add_(torch.randn_like(p) * 0.3)
             else:
                 p.copy_(torch.randn_like(p) * 0.3)
-    return layer.to(dtype)
+    layer = layer.to(dtype)
+    layer.fuse()  # as loading leaves it: one projection for qkv, z, b and a
+    return layer
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
@@ -82,12 +84,10 @@ def test_delta_decode_ref_is_the_module(dims, dtype, batch):
         for step in range(2):  # the second step starts from states both paths updated
             x = torch.randn(B, 1, args.hidden_size).to(dtype)
             layer(x, mod_state)
-            projections = [
-                p(x)[:, 0] for p in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_a, layer.in_proj_b)
-            ]
+            projections = [p[:, 0] for p in layer._project(x)]
             if batch is None:
                 projections = [p[0] for p in projections]
-            mixed, z, a, b = projections
+            mixed, z, b, a = projections
             got = delta_decode_ref(mixed, z, a, b, conv_state=conv, state=rec, **weights)
             want = captured[step][:, 0] if batch else captured[step][0, 0]
             assert got.dtype == dtype and torch.equal(got, want)

@@ -1,5 +1,7 @@
-"""Runs interpreted_moe.py (the expert kernels) and interpreted_dense.py (the dense decode
-kernels) on CPU, through Triton's interpreter, each in a child process with TRITON_INTERPRET=1
+"""Runs interpreted_moe.py (the expert kernels), interpreted_dense.py (the dense decode
+kernels), interpreted_qlinear.py (the projection GEMV), interpreted_decode.py (router top-k,
+attention) and engine/interpreted_fused_decode.py (a whole fused decode step) on CPU, through
+Triton's interpreter, each in a child process with TRITON_INTERPRET=1
 set for that process only: Triton reads it at import."""
 
 import importlib.util
@@ -12,7 +14,16 @@ import pytest
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
-@pytest.mark.parametrize("script", ["interpreted_moe.py", "interpreted_dense.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "interpreted_moe.py",
+        "interpreted_dense.py",
+        "interpreted_qlinear.py",
+        "interpreted_decode.py",
+        "../engine/interpreted_fused_decode.py",
+    ],
+)
 def test_triton_kernels_under_the_interpreter(script):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     here = Path(__file__).parent

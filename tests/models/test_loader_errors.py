@@ -130,7 +130,9 @@ def test_unsupported_rope_type_is_refused(ckpt):
 
 
 def test_loading_is_lazy_for_matching_dtype(hf_checkpoints):
-    """Same-dtype tensors are views of the file mapping, not copies."""
+    """Same-dtype tensors are views of the file mapping, not copies; projections fused into one
+    GEMV (q/k/v here) are the one copy loading makes."""
     model, _, _ = load_model(hf_checkpoints["qwen3_moe"][1])
-    w = model.model.layers[0].self_attn.q_proj.weight
-    assert not w.untyped_storage().resizable()  # storage borrowed from the mmap, not allocated by torch
+    attn = model.model.layers[0].self_attn
+    assert not attn.o_proj.weight.untyped_storage().resizable()  # borrowed from the mmap
+    assert attn.qkv.weight.untyped_storage().resizable()  # the concatenation, allocated by torch

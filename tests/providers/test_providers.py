@@ -269,7 +269,7 @@ def test_convert_verify_and_plan_a_provider_bundle(
     argv = ["verify", str(dst), "--deep"]
     assert refusal_advice(capsys, argv) == advice
     out = accepted(capsys, argv + advice)
-    assert f"{dst}: OK: edgerun bundle v1, example_moe, experts int8" in out and "files hashed" in out
+    assert f"{dst}: OK: edgerun bundle v2, example_moe, experts int8" in out and "files hashed" in out
 
     argv = ["plan", "--device", CPU_PROFILE, "--bundle", str(dst), "--context", "64"]
     assert refusal_advice(capsys, argv) == advice

@@ -1,0 +1,423 @@
+"""Triton kernels for the router and the full-attention layer of a batch-1 decode step.
+
+Shape legend: N = rows, E = experts, X = extra logit columns, A = active experts (top_k),
+H = query heads, Hk = kv heads, G = H / Hk, Dh = head dim, R = rotary dim, S = S_max (the static
+KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
+
+- ``router_topk``: softmax over E in fp32, top-k, renormalisation, the shared-expert gate's
+  sigmoid; a program per row (3.6 µs on an H200 at E 256, against 21 µs for the torch ops).
+  Experts are picked by their logit as stored: softmax is monotone, so this is the reference's
+  order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
+  logits go lowest id first.
+- ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
+  launches. ``_attend_kernel``, a program per (kv head, split): q/k RMSNorm and RoPE at ``pos``
+  (read on the device), the new key and value written at ``pos`` by the program whose split
+  holds it, then flash-decoding over its split of 0..pos for the kv head's G query heads at once
+  (one [G, Dh] x [Dh, BLOCK_S] dot per tile, so K and V are read once per kv head). The split
+  length is cdiv(pos + 1, P) rounded up to BLOCK_S, computed on the device: every active program
+  gets an equal share at any pos, programs past pos exit at once, and positions past pos are
+  never read. ``_combine_kernel``, a program per (query head, 64 channels): merges the active
+  splits' partial (max, sum, acc) rows in a fixed order, applies the output gate, rounds.
+  Measured on an H200 (bf16, both launches, CUDA-graph replay): Qwen3.6's geometry (16/2 heads
+  of 256) 9 µs at pos 100, 11 µs at 3000, 28 µs at 32767 (67 MB of K and V: 2.4 TB/s), where
+  decode_static's torch ops take 260 µs at any pos; Qwen3-30B's (32/4 of 128) 7, 8 and 27-33 µs.
+
+Math is fp32, rounded to the model dtype wherever the modules round (norm products, cos/sin,
+each rotary product and sum, the probabilities before P @ V, the attention output, the sigmoid
+gate and its product). The one rounding the kernel cannot take at the module's place: the module
+rounds the normalised probabilities, the kernel the unnormalised ones of its running softmax (a
+different 2^-9 rounding of each weight). Dots take the model dtype's operands on tensor cores
+with fp32 accumulation (an fp32 model: ieee fp32). Under Triton's CPU interpreter (CPU tensors,
+``EMULATE``) the operands are widened to fp32 first, exact, because the interpreter multiplies
+bf16 dot operands as raw integers; and the tile loop is a while, because it cannot run a for over
+device values. Same tile function, same products: the interpreter tests check the math the GPU
+runs.
+
+Tile shapes, warps and P are a fixed function of the geometry (never autotuned), nothing is
+atomic and every reduction has a fixed order, so the bits repeat. No host syncs and no
+allocation that depends on pos: both calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from edgerun.kernels.dense_triton import DTYPE_CODE, _check, _round, _warps
+
+MAX_EXPERTS = 1024  # a router row is one program's tile
+TARGET_PROGRAMS = 128  # attend programs at the longest contexts: about one per SM of an H200 (132)
+MAX_HEAD_DIM = 256
+MAX_TILE = 8192  # elements of a combine program's tile of partial outputs
+LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
+
+
+# --------------------------------------------------------------------------------------------
+# Router
+
+
+@triton.jit
+def _router_kernel(
+    logits,
+    weights,
+    ids,
+    gate,
+    row_stride,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    CODE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    row = logits + n * row_stride
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    total = tl.sum(tl.where(valid, tl.exp(x - m), 0.0), axis=0)
+
+    j = tl.arange(0, BLOCK_K)
+    top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
+    free = valid
+    for i in tl.static_range(K):  # k passes of argmax: largest logit, lowest id among equals
+        key = tl.where(free, x, float("-inf"))
+        best = tl.max(key, axis=0)
+        pick = tl.min(tl.where(free & (key == best), e, BLOCK_E), axis=0)
+        free = free & (e != pick)
+        top_x = tl.where(j == i, best, top_x)
+        top_id = tl.where(j == i, pick, top_id)
+    top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
+    if NORMALIZE:
+        top = top / tl.sum(tl.where(j < K, top, 0.0), axis=0)
+    out = n * K + j
+    tl.store(weights + out, _round(top, CODE).to(weights.dtype.element_ty), mask=j < K)
+    tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
+    if HAS_GATE:
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+@triton.jit
+def _split_len(pos, NSPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Positions per split for a step at ``pos``: cdiv(pos + 1, NSPLIT) in whole tiles."""
+    share = (pos + NSPLIT) // NSPLIT
+    return (share + BLOCK_S - 1) // BLOCK_S * BLOCK_S
+
+
+@triton.jit
+def _scale(y, wf, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr):
+    """RMSNorm's weight step on the normalised fp32 y, rounded as the module rounds."""
+    if UNIT_OFFSET:
+        return _round(y * (1.0 + wf), CODE)
+    return _round(_round(y, CODE) * wf, CODE)
+
+
+@triton.jit
+def _norm_rope(
+    row, rmask, w, c, cmask, partner, sign, rot, cos, sin, eps,
+    DH: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm then RoPE of rows [rows, 1] (pointers) over channels c [1, DP]. rotate_half needs
+    each channel's partner: it is normalised again from memory (same inputs, same bits)."""
+    m = rmask & cmask
+    x = tl.load(row + c, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)[:, None]
+    y = _scale(x * inv, tl.load(w + c, mask=cmask, other=0.0).to(tl.float32), UNIT_OFFSET, CODE)
+    xp = tl.load(row + partner, mask=m & rot, other=0.0).to(tl.float32)
+    yp = _scale(xp * inv, tl.load(w + partner, mask=cmask & rot, other=0.0).to(tl.float32), UNIT_OFFSET, CODE)
+    rotated = _round(_round(y * cos, CODE) + _round(sign * yp * sin, CODE), CODE)
+    return tl.where(rot, rotated, y)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale,
+    DH: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_S tile of positions s0.. (those < end) into the running softmax of q [GP, DP]."""
+    s = s0 + s_idx
+    smask = s < end
+    tile = base + s[:, None] * DH + c
+    kt = tl.load(k_cache + tile, mask=smask[:, None] & cmask, other=0.0)
+    vt = tl.load(v_cache + tile, mask=smask[:, None] & cmask, other=0.0)
+    if EMULATE:
+        kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+    scores = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # log2 units
+    scores = tl.where(smask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(_round(p, CODE).to(vt.dtype), vt, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_kernel(
+    qkv, q_norm_w, k_norm_w, inv_freq, pos_ptr, k_cache, v_cache, m_part, l_part, acc_part,
+    eps, qk_scale,
+    S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
+    DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
+    half: tl.constexpr = R // 2
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    c = tl.arange(0, DP)[None, :]
+    cmask = c < DH
+    start = split * _split_len(pos, NSPLIT, BLOCK_S)
+    if start <= pos:
+        end = tl.minimum(start + _split_len(pos, NSPLIT, BLOCK_S), pos + 1)
+        # rotary tables at pos (Rotary.forward: fp32 angle, cos/sin rounded to the model dtype)
+        rot = c < R
+        partner = tl.where(c < half, c + half, c - half)
+        sign = tl.where(c < half, -1.0, 1.0)
+        angle = pos.to(tl.float32) * tl.load(inv_freq + c % half, mask=rot, other=0.0)
+        cos = _round(tl.cos(angle), CODE)
+        sin = _round(tl.sin(angle), CODE)
+        r = tl.arange(0, GP)[:, None]
+        rmask = r < G
+        q_rows = qkv + (kh * G + r) * QW
+        q = _norm_rope(
+            q_rows, rmask, q_norm_w, c, cmask, partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE
+        )
+        if not EMULATE:  # values of the model dtype already: exact
+            q = q.to(k_cache.dtype.element_ty)
+        S_MAX64 = tl.full([], S_MAX, tl.int64)  # 64-bit cache offsets: Hk * S_max * Dh may pass 2^31
+        if end == pos + 1:  # this program's split holds pos: the new key and value go in first
+            k_src = qkv + G * HK * QW + kh * DH
+            k = _norm_rope(
+                k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), k_norm_w, c, cmask,
+                partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE,
+            )  # fmt: skip
+            kv_row = (kh * S_MAX64 + pos) * DH + c
+            tl.store(k_cache + kv_row, k.to(k_cache.dtype.element_ty), mask=cmask)
+            tl.store(v_cache + kv_row, tl.load(k_src + HK * DH + c, mask=cmask, other=0.0), mask=cmask)
+        tl.debug_barrier()  # the row at pos is read back below, by other threads of this program
+
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        s_idx = tl.arange(0, BLOCK_S)
+        base = kh * S_MAX64 * DH
+        if EMULATE:  # the interpreter cannot run a for over device values
+            s0 = start
+            while s0 < end:
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale, DH, CODE, EMULATE
+                )  # fmt: skip
+                s0 += BLOCK_S
+        else:  # a for, which Triton software-pipelines
+            for s0 in range(start, end, BLOCK_S):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale, DH, CODE, EMULATE
+                )  # fmt: skip
+
+        g = tl.arange(0, GP)
+        part = (kh * G + g) * NSPLIT + split
+        tl.store(m_part + part, m_i, mask=g < G)
+        tl.store(l_part + part, l_i, mask=g < G)
+        tl.store(acc_part + part[:, None] * DH + c, acc, mask=rmask & cmask)
+
+
+@triton.jit
+def _combine_kernel(
+    qkv, pos_ptr, m_part, l_part, acc_part, out,
+    NSPLIT: tl.constexpr, DH: tl.constexpr, GATED: tl.constexpr, PP: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CODE: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    active = (pos + _split_len(pos, NSPLIT, BLOCK_S)) // _split_len(pos, NSPLIT, BLOCK_S)
+    rows = h * NSPLIT
+    j = tl.arange(0, PP)
+    mj = tl.load(m_part + rows + j, mask=j < active, other=float("-inf"))
+    top = tl.max(mj, axis=0)
+    total = tl.sum(tl.load(l_part + rows + j, mask=j < active, other=0.0) * tl.exp2(mj - top), axis=0)
+
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DH
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    jb = tl.arange(0, BLOCK_P)
+    for j0 in tl.static_range(0, PP, BLOCK_P):  # fixed blocks in a fixed order
+        js = j0 + jb
+        w = tl.exp2(tl.load(m_part + rows + js, mask=js < active, other=float("-inf")) - top)
+        a = tl.load(
+            acc_part + (rows + js)[:, None] * DH + d[None, :],
+            mask=(js < active)[:, None] & dmask[None, :], other=0.0,
+        )  # fmt: skip
+        acc += tl.sum(a * w[:, None], axis=0)
+    o = _round(acc / total, CODE)
+    if GATED:
+        g = tl.load(qkv + h * 2 * DH + DH + d, mask=dmask, other=0.0).to(tl.float32)
+        o = _round(o * _round(1.0 / (1.0 + tl.exp(-g)), CODE), CODE)
+    tl.store(out + h * DH + d, o.to(out.dtype.element_ty), mask=dmask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+
+
+def unsupported_router(num_experts: int, top_k: int) -> str | None:
+    """Why ``router_topk`` cannot route over ``num_experts`` experts; None when it can."""
+    if not 1 <= top_k <= num_experts:
+        return f"top_k {top_k} is not in 1..{num_experts} (the expert count)"
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} experts are over the {MAX_EXPERTS} one program holds"
+    return None
+
+
+def unsupported_attention(n_heads: int, n_kv: int, head_dim: int, rotary_dim: int) -> str | None:
+    """Why ``attention_decode`` cannot run this geometry; None when it can."""
+    if min(n_heads, n_kv, head_dim) < 1:
+        return f"heads ({n_heads}), kv heads ({n_kv}) and head dim ({head_dim}) must be positive"
+    if n_heads % n_kv:
+        return f"query heads ({n_heads}) are not a multiple of kv heads ({n_kv})"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} is over {MAX_HEAD_DIM}"
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        return f"rotary dim {rotary_dim} is not even and in 2..{head_dim} (the head dim)"
+    return None
+
+
+def router_topk(
+    logits: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    normalize: bool,
+    weights_out: torch.Tensor,
+    ids_out: torch.Tensor,
+    gate_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``router_topk_ref`` in one launch. logits [N, E + X] (rows may be strided, columns
+    contiguous) in the model dtype; writes weights_out [N, A] (model dtype), ids_out [N, A]
+    int64 and, if given, gate_out [N, 1] = sigmoid(logits[:, E]) (needs X >= 1)."""
+    why = unsupported_router(num_experts, top_k)
+    if why:
+        raise ValueError(f"router_topk cannot run: {why}")
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [N, E + X] with contiguous rows, got {list(logits.shape)}")
+    N, width = logits.shape
+    dtype = logits.dtype
+    if dtype not in DTYPE_CODE:
+        raise ValueError(f"logits must be one of {list(DTYPE_CODE)}, got {dtype}")
+    need = num_experts + (gate_out is not None)
+    if width < need:
+        raise ValueError(f"logits has {width} columns, needs {need} ({num_experts} experts, gate: {gate_out is not None})")  # fmt: skip
+    expected = {
+        "weights_out": (weights_out, (N, top_k), (dtype,)),
+        "ids_out": (ids_out, (N, top_k), (torch.int64,)),
+    }
+    if gate_out is not None:
+        expected["gate_out"] = (gate_out, (N, 1), (dtype,))
+    _check(expected, logits.device)
+    if N:
+        block = triton.next_power_of_2(num_experts)
+        _router_kernel[(N,)](
+            logits, weights_out, ids_out, weights_out if gate_out is None else gate_out, logits.stride(0),
+            E=num_experts, K=top_k, BLOCK_E=block, BLOCK_K=triton.next_power_of_2(top_k),
+            NORMALIZE=normalize, HAS_GATE=gate_out is not None, CODE=DTYPE_CODE[dtype],
+            num_warps=_warps(block, 4),
+        )  # fmt: skip
+    return weights_out, ids_out, gate_out
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """How ``attention_decode`` tiles a geometry: positions a tile, splits, warps, stages."""
+
+    block_s: int
+    nsplit: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def attention_plan(n_kv: int, head_dim: int, s_max: int) -> AttnPlan:
+    """The plan for a geometry (never for a position): tiles of 32 positions at Dh > 128, else
+    64; at most TARGET_PROGRAMS programs over the kv heads at the longest contexts."""
+    block = 32 if head_dim > 128 else 64
+    block = max(16, min(block, triton.next_power_of_2(s_max)))
+    return AttnPlan(block, max(1, min(triton.cdiv(s_max, block), TARGET_PROGRAMS // n_kv)))
+
+
+def attention_decode(
+    qkv: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    inv_freq: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    gated: bool,
+) -> torch.Tensor:
+    """``attention_decode_ref`` in two launches (same arguments, same in-place cache writes).
+    qkv [1, Q + 2·Hk·Dh], the norm weights, the caches [1, Hk, S, Dh] and out [1, H·Dh] share
+    the model dtype (fp32, bf16 or fp16); inv_freq fp32 [R/2]; pos int64 [1], read only on the
+    device. Every tensor contiguous, on one device."""
+    H, Hk, Dh = n_heads, n_kv, head_dim
+    if inv_freq.dim() != 1:
+        raise ValueError(f"inv_freq must be [R/2], got {list(inv_freq.shape)}")
+    R = 2 * inv_freq.shape[0]
+    why = unsupported_attention(H, Hk, Dh, R)
+    if why:
+        raise ValueError(f"attention_decode cannot run this layer: {why}")
+    dtype = qkv.dtype
+    if dtype not in DTYPE_CODE:
+        raise ValueError(f"qkv must be one of {list(DTYPE_CODE)}, got {dtype}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [1, Hk, S, Dh], got {list(k_cache.shape)}")
+    S = k_cache.shape[2]
+    act = (dtype,)
+    _check(
+        {
+            "qkv": (qkv, (1, H * Dh * (2 if gated else 1) + 2 * Hk * Dh), act),
+            "q_norm_w": (q_norm_w, (Dh,), act),
+            "k_norm_w": (k_norm_w, (Dh,), act),
+            "inv_freq": (inv_freq, (R // 2,), (torch.float32,)),
+            "pos": (pos, (1,), (torch.int64,)),
+            "k_cache": (k_cache, (1, Hk, S, Dh), act),
+            "v_cache": (v_cache, (1, Hk, S, Dh), act),
+            "out": (out, (1, H * Dh), act),
+        },
+        qkv.device,
+    )
+    plan = attention_plan(Hk, Dh, S)
+    nsplit, dp = plan.nsplit, triton.next_power_of_2(Dh)
+    m_part = torch.empty(H, nsplit, dtype=torch.float32, device=qkv.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(H, nsplit, Dh, dtype=torch.float32, device=qkv.device)
+    code = DTYPE_CODE[dtype]
+    G = H // Hk
+    _attend_kernel[(Hk, nsplit)](
+        qkv, q_norm_w, k_norm_w, inv_freq, pos, k_cache, v_cache, m_part, l_part, acc_part,
+        eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R, GATED=gated,
+        GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s, UNIT_OFFSET=unit_offset,
+        CODE=code, EMULATE=qkv.device.type == "cpu", num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    pp = triton.next_power_of_2(nsplit)
+    block_d = min(dp, 64)  # a program per (head, 64 channels): its [splits, 64] partials in one tile
+    block_p = min(pp, MAX_TILE // block_d)
+    _combine_kernel[(H, triton.cdiv(Dh, block_d))](
+        qkv, pos, m_part, l_part, acc_part, out, NSPLIT=nsplit, DH=Dh, GATED=gated, PP=pp,
+        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, num_warps=_warps(block_p * block_d, 16),
+    )  # fmt: skip
+    return out

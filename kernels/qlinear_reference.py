@@ -1,0 +1,155 @@
+"""A dense linear layer over a ``QWeight`` as the model computes it, random weights, and the
+probe cases that hold ``qgemv`` (kernels/qlinear_triton.py) to it.
+
+Shape legend: N = tokens (rows of x), R = weight rows (output features), C = columns (input
+features), S = R // 2 (``silu_mul``: gate rows [0, S), up rows [S, 2S)).
+
+``qlinear_ref`` is the torch the model runs, op for op, in the model dtype (x.dtype): the weight
+dequantized exactly in fp32 and rounded to x.dtype (exact for int4 in bf16 and fp32: q * e4m3 *
+2^k has at most 7 significant bits; int8 values are rounded there), one ``F.linear`` (sums in
+fp32, bias added, rounded once), then the epilogue in torch's own ops, each rounding its result
+to x.dtype. Importing this module does not import Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from edgerun.bundle.quant import quantize_int4, quantize_int8
+from edgerun.kernels.dense_probe import TOLERANCE
+from edgerun.kernels.qweight import QWeight, dequantize
+
+EPILOGUES = ("none", "silu_mul", "residual", "gated")
+# TOLERANCE[dtype]: max |got - ref| allowed, relative to max |ref|, dense_probe's for its reasons
+# (rounding where the reference rounds, fp32 summation order otherwise; a rounded intermediate may
+# land one ulp away). In bf16 / fp16 the reference also rounds every dequantized int8 weight to
+# the model dtype (2^-9 of a weight, relative, in bf16), which the kernel does not: about 1e-3 of
+# the output's scale, inside the bf16 limit of 2e-2 (fp16: 2^-12 a weight, inside 5e-3).
+
+
+class Mismatch(Exception):
+    """A probe case did not match the reference or did not repeat; the message says which."""
+
+
+def qlinear_ref(
+    x: torch.Tensor,
+    w: QWeight,
+    bias: torch.Tensor | None = None,
+    epilogue: str = "none",
+    out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    *,
+    exact_weight: bool = False,
+) -> torch.Tensor:
+    """x [N, C] @ w.T (+ bias) in x.dtype, then the epilogue:
+
+    - ``none``: y [N, R], written into ``out`` if given;
+    - ``silu_mul``: silu(y[:, :S]) * y[:, S:] [N, S] (into ``out`` if given);
+    - ``residual``: ``out`` [N, R] (the residual) += y in place, and returned;
+    - ``gated``: sigmoid(gate) * y, gate [N, 1] logits (into ``out`` if given).
+
+    ``exact_weight``: the weight's exact fp32 values, not rounded to x.dtype (fp32 products and
+    sums, y rounded once): what ``qgemv`` computes. It differs from the default only for int8
+    weights in bf16 / fp16 (and fp32 summation order)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r} is not one of {', '.join(EPILOGUES)}")
+    if exact_weight:
+        y = F.linear(x.float(), dequantize(w), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        y = F.linear(x, w.weight if w.scheme == "plain" else dequantize(w).to(x.dtype), bias)
+    if epilogue == "residual":
+        if out is None:
+            raise ValueError("epilogue 'residual' needs out (the residual [N, R]) to add into")
+        return out.add_(y)
+    if epilogue == "silu_mul":
+        S = y.shape[1] // 2
+        y = F.silu(y[:, :S]) * y[:, S:]
+    elif epilogue == "gated":
+        if gate is None:
+            raise ValueError("epilogue 'gated' needs gate (logits [N, 1])")
+        y = torch.sigmoid(gate) * y
+    return y if out is None else out.copy_(y)
+
+
+def random_qweight(
+    scheme: str,
+    R: int,
+    C: int,
+    group: int,
+    gen: torch.Generator,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> QWeight:
+    """A random [R, C] weight (normal, std C^-1/2) stored as ``scheme`` by the bundle's own
+    quantizers: real bytes, int4 codes in the range quantize_int4 writes. ``dtype`` is a plain
+    weight's dtype; ``group`` is ignored for plain, C for int8 with one scale per row."""
+    src = torch.randn(R, C, generator=gen, device=device) * C**-0.5
+    if scheme == "plain":
+        return QWeight("plain", src.to(dtype))
+    if scheme == "int8":
+        q, scales = quantize_int8(src, group)
+        return QWeight("int8", q, scales, group=group)
+    if scheme == "int4":
+        packed, codes, gscale = quantize_int4(src, group)
+        row_scale = torch.full((R,), gscale, dtype=torch.float32, device=device)
+        return QWeight("int4", packed, codes, row_scale, group)
+    raise ValueError(f"scheme {scheme!r} is not plain, int8 or int4")
+
+
+def epilogue_inputs(
+    epilogue: str, w: QWeight, N: int, gen: torch.Generator, device, dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(out, gate) a call with this epilogue needs: a random residual for ``residual``, random
+    logits for ``gated``, else None."""
+    if epilogue == "residual":
+        return torch.randn(N, w.rows, generator=gen, device=device).to(dtype), None
+    if epilogue == "gated":
+        return None, (torch.randn(N, 1, generator=gen, device=device) * 2).to(dtype)
+    return None, None
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| over max |ref|: error relative to the output's scale."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def probe_cases(
+    shapes: list[tuple[str, int, int, int, str]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    tokens: int = 1,
+) -> float:
+    """Run ``qgemv`` against ``qlinear_ref`` on random weights for each case (scheme, R, C, group,
+    epilogue), twice: the worst error relative to the output's scale, or Mismatch if a case is
+    over TOLERANCE[dtype], not finite, or does not repeat bit for bit. On CUDA, or on CPU under
+    Triton's interpreter (the tests)."""
+    from edgerun.kernels.qlinear_triton import qgemv, unsupported
+
+    if dtype not in TOLERANCE:
+        raise Mismatch(f"no kernel for model dtype {dtype}")
+    tol = TOLERANCE[dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    worst = 0.0
+    for scheme, R, C, group, epilogue in shapes:
+        what = f"qgemv {scheme} [{R}, {C}] group {group} {epilogue}"
+        w = random_qweight(scheme, R, C, group, gen, device, dtype)
+        why = unsupported(w)
+        if why:
+            raise Mismatch(f"{what}: {why}")
+        x = torch.randn(tokens, C, generator=gen, device=device).to(dtype)
+        residual, gate = epilogue_inputs(epilogue, w, tokens, gen, device, dtype)
+        ref = qlinear_ref(x, w, None, epilogue, None if residual is None else residual.clone(), gate)
+        runs = []
+        for _ in range(2):
+            out = None if residual is None else residual.clone()
+            runs.append(qgemv(x, w, None, epilogue, out, gate))
+        if not torch.isfinite(runs[0]).all():
+            raise Mismatch(f"{what}: non-finite output")
+        err = rel_err(runs[0], ref)
+        if err > tol:
+            raise Mismatch(f"{what}: max error {err:.2e} of the output's scale is over {tol:g}")
+        if not torch.equal(runs[0], runs[1]):
+            raise Mismatch(f"{what}: two runs on the same inputs differ (not deterministic)")
+        worst = max(worst, err)
+    return worst

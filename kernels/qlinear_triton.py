@@ -1,0 +1,358 @@
+"""Triton GEMV for decode over a dense ``QWeight`` (plain, int8, int4), one launch per call.
+
+Shape legend: N = tokens (1..MAX_TOKENS), R = weight rows, C = columns, S = R // 2 (``silu_mul``),
+G = columns per scale group, K = BLOCK_K columns of a step.
+
+A program owns BLOCK_R weight rows (``silu_mul``: BLOCK_R / 2 gate rows, each next to its up
+row r + S) and streams them once, K columns a step: the step's weights are dequantized once into
+fp32 and multiplied by each of the N tokens' x in turn, so weight bytes are read once for all
+tokens. Decode is memory-bound: the steps are unrolled so every load of a row can be in flight.
+
+Sums are fp32: each group's sum(q * x) is multiplied by its scale (int8 grouped, int4), summed
+into one accumulator per (token, row, group slot of a step), and the slots summed at the end;
+an int4 row's sum is then multiplied by its row_scale (a power of two: exact), an int8 per-row
+weight's by its one scale. The result is rounded to x.dtype once, and each epilogue rounds where
+its torch ops round (kernels/qlinear_reference.py).
+
+int4 decode is bound by instruction issue, not bandwidth, so every instruction a weight value
+costs counts: weights are read as 32-bit words and decoded without int-to-float conversions (a
+slow instruction on the GPU): one AND-XOR (a single LOP3) masks a field in place, flips its sign
+bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and one exact
+subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
+
+Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
+nothing is atomic: the bits repeat (and, as seen on an H200, a token's row does not depend on
+the other tokens of the call). No host syncs, no allocation but the output's, one launch: a call
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
+from edgerun.kernels.moe_triton import _pow2_divisor
+from edgerun.kernels.qweight import SCHEMES, QWeight
+
+QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
+EPILOGUE_CODE = {"none": 0, "silu_mul": 1, "residual": 2, "gated": 3}
+PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the weight
+MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better tool
+SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile shape of ``qgemv`` (fixed: it decides the reduction order, so the bits). The default
+    is the int4 / int8 tile for weights of many rows; ``gemv_config`` says which tile a weight
+    gets and why."""
+
+    block_r: int = 16  # weight rows per program (a power of two >= 2; silu_mul: half gate, half up)
+    row_bytes: int = 256  # weight bytes of each row loaded per step
+    num_warps: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_r", "row_bytes", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+        if self.block_r < 2:
+            raise ValueError(f"GemvConfig.block_r must be >= 2 (silu_mul pairs rows), got {self.block_r}")
+
+
+# Tiles by scheme, from the sweep of benchmarks/bench_dense_gemv.py on an H200 (N = 1, C 2048 and
+# 4096). MANY: weights of many rows (lm_head, a layer's projections in one GEMV), where
+# bandwidth decides: each thread holds 4 rows of a step, so the activations it converts serve 4
+# rows (int4 runs out of instruction issue, not bandwidth, with fewer). FEW: under MIN_PROGRAMS
+# programs of MANY (R < ~8K), where latency decides: more, smaller programs.
+MANY = {"int4": GemvConfig(16, 256, 2), "int8": GemvConfig(16, 256, 2), "plain": GemvConfig(16, 512, 4)}
+FEW = {"int4": GemvConfig(2, 512, 4), "int8": GemvConfig(8, 1024, 4), "plain": GemvConfig(8, 1024, 4)}
+MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _field(word, P: tl.constexpr, BITS: tl.constexpr, zero):
+    """The two's complement field of BITS bits at bit P (P + BITS <= 23) of int32 words, as
+    fp32, exactly: (field ^ sign) | exponent is 2^(23 - P) + field + 2^(BITS - 1). ``zero`` (a
+    runtime 0) keeps the constant in a register, so the mask and xor are one instruction."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    BASE: tl.constexpr = ((1 << (BITS - 1)) << P) | ((150 - P) << 23)
+    f = ((word & MASK) ^ (zero + BASE)).to(tl.float32, bitcast=True)
+    return f - tl.full([1], BASE, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(code):
+    """float8_e4m3fn bit patterns (uint8) -> fp32, exactly, NaN codes aside (never written): the
+    sign and the 7 exponent and mantissa bits moved to fp32's sign and low exponent bits make
+    the value times 2^-120, subnormal codes included (an fp32 subnormal then)."""
+    c = code.to(tl.int32)
+    bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+
+
+@triton.jit
+def _weights(w, rows, k0, zero, C: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of weight rows ``rows`` (int64), as fp32 [BLOCK_R, BLOCK_K]:
+    the stored values (plain) or q (int8, int4), unscaled."""
+    if QUANT == 0:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w + rows[:, None] * C + cols[None, :]).to(tl.float32)
+    elif QUANT == 1:  # 4 int8 a word: column 4i + b in byte b
+        i = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        wd = tl.load(w.to(tl.pointer_type(tl.int32)) + rows[:, None] * (C // 4) + i[None, :])
+        hi = wd >> 16
+        even = tl.interleave(_field(wd, 0, 8, zero), _field(hi, 0, 8, zero))  # bytes 0, 2
+        odd = tl.interleave(_field(wd, 8, 8, zero), _field(hi, 8, 8, zero))  # bytes 1, 3
+        return tl.interleave(even, odd)
+    else:  # 8 int4 a word: column 8i + k in nibble k (bits 4k..4k+3)
+        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        wd = tl.load(w.to(tl.pointer_type(tl.int32)) + rows[:, None] * (C // 8) + i[None, :])
+        hi = wd >> 12  # nibbles 5..7 to bits 8..19, inside the mantissa
+        n0 = tl.interleave(_field(wd, 0, 4, zero), _field(wd, 16, 4, zero))  # nibbles 0, 4
+        n2 = tl.interleave(_field(wd, 8, 4, zero), _field(hi, 12, 4, zero))  # 2, 6
+        n1 = tl.interleave(_field(wd, 4, 4, zero), _field(hi, 8, 4, zero))  # 1, 5
+        n3 = tl.interleave(_field(wd, 12, 4, zero), _field(hi, 16, 4, zero))  # 3, 7
+        return tl.interleave(tl.interleave(n0, n2), tl.interleave(n1, n3))
+
+
+@triton.jit
+def _accumulate(
+    x,
+    x_row,
+    w,
+    s,
+    rows,
+    zero,
+    N: tl.constexpr,
+    NP2: tl.constexpr,
+    C: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUM: tl.constexpr,
+):
+    """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x, group scales applied
+    (not a row's own scale). Every step is unrolled, so all of a row's loads can be in flight.
+    Tokens are the accumulator's last dim: it then keeps the group sums' layout (no shuffles)."""
+    tok = tl.arange(0, NP2)[None, None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_K // SUM, NP2], dtype=tl.float32)
+    for k0 in tl.static_range(0, C, BLOCK_K):
+        q = _weights(w, rows, k0, zero, C, QUANT, BLOCK_K)
+        if GROUPED:
+            gi = k0 // G + tl.arange(0, BLOCK_K // G)
+            scale = tl.load(s + rows[:, None] * (C // G) + gi[None, :])
+            if QUANT == 2:
+                scale = _e4m3(scale)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        for n in tl.static_range(N):
+            xn = tl.load(x + n * x_row + cols).to(tl.float32)
+            part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
+            if GROUPED:
+                part = part * scale
+            acc = tl.where(tok == n, acc + part[:, :, None], acc)
+    return tl.sum(acc, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+
+
+@triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see _field), whatever Triton specializes
+def _qgemv_kernel(
+    x,
+    w,
+    s,
+    row_scale,
+    bias,
+    gate,
+    out,
+    ROWS,
+    x_row,
+    out_row,
+    gate_row,
+    zero,
+    N: tl.constexpr,
+    NP2: tl.constexpr,
+    C: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    GROUPED: tl.constexpr,
+    ROW_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    CODE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUM: tl.constexpr,
+):
+    """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
+    unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``)."""
+    i = tl.arange(0, BLOCK_R)
+    if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
+        OUT_R: tl.constexpr = BLOCK_R // 2
+        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
+        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
+    else:
+        OUT_R: tl.constexpr = BLOCK_R
+        ocol = tl.program_id(0) * BLOCK_R + i
+        wrow = tl.minimum(ocol, ROWS - 1)
+    wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
+    y = _accumulate(x, x_row, w, s, wrow, zero, N, NP2, C, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+    if ROW_SCALED:
+        y = y * tl.load(row_scale + wrow)[:, None]
+    if HAS_BIAS:
+        y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
+    y = _round(y, CODE)  # F.linear's output, in x.dtype: [BLOCK_R, NP2], tokens last
+
+    tok = tl.arange(0, NP2)[None, :]
+    dst = out + tok * out_row + ocol[:, None]
+    mask = (tok < N) & (ocol[:, None] < ROWS)
+    if EPILOGUE == 1:
+        g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, NP2]), (0, 2, 1)))
+        y = _round(_round(_silu(g), CODE) * u, CODE)
+    elif EPILOGUE == 2:
+        y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
+    elif EPILOGUE == 3:
+        logit = tl.load(gate + tok * gate_row, mask=tok < N, other=0.0).to(tl.float32)
+        y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
+    tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+
+
+def unsupported(w: QWeight) -> str | None:
+    """Why ``qgemv`` cannot compute with ``w``; None when it can."""
+    if w.scheme not in SCHEMES:
+        return f"scheme {w.scheme!r} is not one of {', '.join(SCHEMES)}"
+    if w.weight.dim() != 2 or w.rows < 1 or w.cols < 1:
+        return f"weight must be a non-empty [R, C], got {list(w.weight.shape)}"
+    if w.scheme == "plain":
+        if w.weight.dtype not in DTYPE_CODE:
+            return f"plain weight dtype {w.weight.dtype} is not one of {list(DTYPE_CODE)}"
+        return None
+    C, g = w.cols, w.group
+    per_row = w.scheme == "int8" and g == C
+    if not per_row and (g < PER_WORD[w.scheme] or g & (g - 1)):
+        return f"{w.scheme} group {g} is not a power of two >= {PER_WORD[w.scheme]}"
+    if C % PER_WORD[w.scheme]:
+        return f"{w.cols} columns are not a multiple of {PER_WORD[w.scheme]} (whole 32-bit words)"
+    return None
+
+
+def gemv_config(scheme: str, R: int, C: int) -> GemvConfig:
+    """The tile ``qgemv`` uses for a weight of this scheme and shape (C does not change it: a
+    step's columns are a fixed number of bytes). A fixed function, so the bits repeat."""
+    many = MANY[scheme]
+    return many if triton.cdiv(R, many.block_r) >= MIN_PROGRAMS else FEW[scheme]
+
+
+def _tile(w: QWeight, config: GemvConfig) -> tuple[int, int, bool]:
+    """(BLOCK_K, SUM, grouped): a power-of-two step of about config.row_bytes of each row that
+    divides C and holds whole scale groups, and the columns summed before accumulating."""
+    C = w.cols
+    grouped = w.scheme == "int4" or (w.scheme == "int8" and w.group != C)
+    bits = 4 if w.scheme == "int4" else 8 * (w.weight.element_size())
+    block_k = _pow2_divisor(C, max(1, config.row_bytes * 8 // bits))
+    if grouped:
+        block_k = max(block_k, w.group)
+    block_k = max(block_k, PER_WORD.get(w.scheme, 1))
+    return block_k, (w.group if grouped else min(SUB, block_k)), grouped
+
+
+def _where(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _check(x, w, bias, epilogue, out, gate) -> int:
+    """Errors name the tensor; only attribute checks (no device work). Returns the output width."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in DTYPE_CODE:
+        raise ValueError(f"x must be [N, C] with contiguous rows in {list(DTYPE_CODE)}, got {_where(x)}")
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"x has {x.shape[0]} rows; qgemv takes at most {MAX_TOKENS} (use a GEMM)")
+    w.check()
+    why = unsupported(w)
+    if why:
+        raise ValueError(f"qgemv cannot run this weight: {why}")
+    if x.shape[1] != w.cols:
+        raise ValueError(f"x {_where(x)} does not match the weight's {w.cols} columns")
+    for name, t in (("weight", w.weight), ("scales", w.scales), ("row_scale", w.row_scale)):
+        if t is not None and (t.device != x.device or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous on {x.device}, got {_where(t)}")
+    if w.scheme == "plain" and w.weight.dtype != x.dtype:
+        raise ValueError(f"plain weight {_where(w.weight)} must have x's dtype {x.dtype}")
+    if w.scheme != "plain" and w.weight.data_ptr() % 4:
+        raise ValueError(f"weight {_where(w.weight)} must start on a 4-byte boundary (read as words)")
+    R = w.rows
+    if bias is not None and (tuple(bias.shape) != (R,) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be {x.dtype} [{R}] on {x.device}, got {_where(bias)}")
+    if epilogue not in EPILOGUE_CODE:
+        raise ValueError(f"epilogue {epilogue!r} is not one of {', '.join(EPILOGUE_CODE)}")
+    if epilogue == "silu_mul" and R % 2:
+        raise ValueError(f"silu_mul needs gate and up rows: weight has an odd {R} rows")
+    width = R // 2 if epilogue == "silu_mul" else R
+    if epilogue == "residual" and out is None:
+        raise ValueError("epilogue 'residual' needs out (the residual [N, R]) to add into")
+    if out is not None and (
+        tuple(out.shape) != (x.shape[0], width)
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or out.stride(1) != 1
+    ):
+        raise ValueError(f"out must be {x.dtype} [{x.shape[0]}, {width}] on {x.device}, got {_where(out)}")
+    if epilogue == "gated" and (
+        gate is None
+        or tuple(gate.shape) != (x.shape[0], 1)
+        or gate.dtype != x.dtype
+        or gate.device != x.device
+    ):
+        got = None if gate is None else _where(gate)
+        raise ValueError(f"epilogue 'gated' needs gate {x.dtype} [{x.shape[0]}, 1] on {x.device}, got {got}")
+    return width
+
+
+def qgemv(
+    x: torch.Tensor,
+    w: QWeight,
+    bias: torch.Tensor | None = None,
+    epilogue: str = "none",
+    out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
+    columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
+    overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits."""
+    width = _check(x, w, bias, epilogue, out, gate)
+    N, C = x.shape
+    if out is None:
+        out = torch.empty(N, width, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    cfg = config or gemv_config(w.scheme, w.rows, C)
+    block_k, sub, grouped = _tile(w, cfg)
+    block_r = cfg.block_r
+    grid = (triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r),)
+    _qgemv_kernel[grid](
+        x, w.weight, w.scales if w.scales is not None else x,
+        w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
+        bias if bias is not None else x, gate if gate is not None else x, out,
+        width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0,
+        N=N, NP2=triton.next_power_of_2(N), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
+        GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
+        HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
+        BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,197 @@
+"""The router and attention decode kernels under Triton's CPU interpreter (tiny geometries, and
+the probe at two real ones).
+
+Not collected on its own: test_interpret.py runs this file in a child process with
+TRITON_INTERPRET=1 set before Triton is imported (Triton reads it at import). Tolerances, each of
+max |got - ref| over max |ref| (kernels/decode_reference.py says why the probe's are what they
+are):
+
+- fp32 1e-5: the kernels differ from the references only in summation order and transcendental
+  ulps, ~1e-6 relative (about 5e-7 seen).
+- bf16 / fp16: the probe's TOLERANCE. An fp32-level difference now and then flips a rounding by
+  one ulp, and the attention rounds its unnormalised probabilities where the module rounds the
+  normalised ones (that alone moves up to half the outputs of a short history by an ulp, so
+  outputs are not compared bit by bit). The key written at pos rounds exactly where the module
+  does: it is checked to be bit-equal but for rare flips (``mostly_equal``). The fp32 cases
+  check the math itself, 1e-5.
+- router weights, element by element: fp32 within 1e-5 of each weight (softmax over E <= 512
+  terms summed in another order, exp ulps); bf16 / fp16 within one ulp of each (2^-7 / 2^-10 of
+  the value at most), where an fp32-level difference carried a rounding across a boundary.
+- ids: equal to the reference's (random logits have no ties, and decisive_rows says so); the
+  tie test checks the lower-id rule directly.
+"""
+
+import os
+
+import pytest
+import torch
+from test_decode_reference import qwen3_30b_args, qwen36_args
+
+from edgerun.kernels import decode_triton as K
+from edgerun.kernels.decode_reference import (
+    TOLERANCE,
+    AttnDims,
+    check_attention,
+    check_router,
+    decisive_rows,
+    probe_cases,
+    random_attention_inputs,
+    random_router_inputs,
+    run_attention,
+    run_router,
+)
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
+TOL = {**TOLERANCE, torch.float32: 1e-5}
+WEIGHT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def mostly_equal(got: torch.Tensor, ref: torch.Tensor, share: float) -> None:
+    """In bf16 / fp16, at most ``share`` of the elements differ at all."""
+    if ref.dtype != torch.float32:
+        assert (got != ref).float().mean() <= share, (got != ref).float().mean()
+
+
+# --------------------------------------------------------------------------------------------
+# Router
+
+
+def untied_logits(n: int, width: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of distinct values in -8..8 (multiples of 1/32: exact in bf16), shuffled: no ties."""
+    grid = (torch.arange(512) - 256) / 32
+    return torch.stack([grid[torch.randperm(512, generator=gen)[:width]] for _ in range(n)]).to(dtype)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize("E, A, extra", [(8, 2, 0), (16, 2, 1), (12, 3, 2), (500, 8, 1)])
+def test_router_matches_reference(E, A, extra, dtype, normalize):
+    gen = torch.Generator().manual_seed(E)
+    inputs = random_router_inputs(6, E, A, extra, gen, dtype=dtype, normalize=normalize)
+    inputs["logits"] = untied_logits(6, E + extra, gen, dtype)
+    assert decisive_rows(inputs["logits"], E, A)[1].all()  # every id is decided
+    runs, ref = run_router(inputs, K.router_topk)
+    check_router(runs, ref, TOL[dtype])
+    got = runs[0]
+    assert torch.equal(got["ids_out"], ref["ids_out"])
+    w, w_ref = got["weights_out"].float(), ref["weights_out"].float()
+    assert ((w - w_ref).abs() <= WEIGHT_RTOL[dtype] * w_ref.abs()).all()
+    if extra:
+        g, g_ref = got["gate_out"].float(), ref["gate_out"].float()
+        assert ((g - g_ref).abs() <= WEIGHT_RTOL[dtype] * g_ref.abs()).all()
+
+
+def test_router_ties_go_to_the_lower_expert_id():
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 0.0, 2.0], [1.0] * 8]).bfloat16()
+    for k, want in [(1, [[1], [0]]), (2, [[1, 3], [0, 1]]), (3, [[1, 3, 4], [0, 1, 2]])]:
+        weights, ids = torch.empty(2, k, dtype=torch.bfloat16), torch.empty(2, k, dtype=torch.int64)
+        K.router_topk(logits, 8, k, False, weights, ids)
+        assert ids.tolist() == want
+        probs = torch.softmax(logits.float(), -1)
+        assert torch.equal(weights, probs.gather(1, ids).bfloat16())
+
+
+def test_router_reads_strided_rows_and_the_gate_column():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(5, 40, generator=g).bfloat16()
+    logits = wide[:, 4:21]  # E 16 + the gate column, rows 40 apart
+    inputs = random_router_inputs(5, 16, 2, 1, g)
+    inputs["logits"] = logits
+    runs, ref = run_router(inputs, K.router_topk)
+    check_router(runs, ref, TOL[torch.bfloat16])
+    assert torch.equal(runs[0]["gate_out"], torch.sigmoid(logits[:, 16:17]))
+
+
+def test_router_refusals_name_the_tensor():
+    inputs = random_router_inputs(3, 8, 2, 1, torch.Generator().manual_seed(2))
+    cases = [
+        ("weights_out", inputs["weights_out"].float(), "weights_out must be torch.bfloat16"),
+        ("ids_out", inputs["ids_out"][:, :1], r"ids_out must be \[3, 2\]"),
+        ("gate_out", inputs["gate_out"][:2], r"gate_out must be \[3, 1\]"),
+        ("logits", inputs["logits"].t(), "contiguous rows"),
+        ("logits", inputs["logits"][:, :8], "needs 9"),
+        ("top_k", 9, "not in 1..8"),
+    ]
+    for name, bad, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            K.router_topk(**{**inputs, name: bad})
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+@pytest.mark.parametrize("pos", [0, 5, 63])
+@pytest.mark.parametrize("dh, r", [(32, 16), (64, 64)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_reference(dtype, gated, unit_offset, dh, r, pos):
+    dims = AttnDims(4, 2, dh, r, gated)
+    gen = torch.Generator().manual_seed(pos + dh)
+    inputs = random_attention_inputs(dims, 64, pos, gen, dtype=dtype, unit_offset=unit_offset)
+    runs, ref, before = run_attention(inputs, K.attention_decode)
+    check_attention(runs, ref, before, TOL[dtype])  # also: rows past pos unread (NaN), others untouched
+    mostly_equal(runs[0]["k_cache"][:, :, pos], ref["k_cache"][:, :, pos], 0.02)
+
+
+@pytest.mark.parametrize(
+    "heads, s_max, pos",
+    [
+        ((2, 2, 48, 16), 64, 40),  # no GQA; head dim not a power of two (masked channels)
+        ((4, 1, 32, 32), 64, 33),  # one kv head for all
+        ((8, 2, 32, 8), 50, 49),  # buffer not a whole number of tiles, last position
+        ((8, 2, 32, 8), 50, 20),
+    ],
+)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+def test_attention_other_geometries(heads, s_max, pos, dtype):
+    dims = AttnDims(*heads, gated=True)
+    inputs = random_attention_inputs(dims, s_max, pos, torch.Generator().manual_seed(pos), dtype=dtype)
+    check_attention(*run_attention(inputs, K.attention_decode), TOL[dtype])
+
+
+def test_attention_splits_share_long_histories():
+    # a 256-position buffer is 4 splits of a 64-position tile: pos 70 runs on two of them
+    # (70 + 1 positions in shares of 64), pos 255 on all four, its own row in the last
+    assert K.attention_plan(2, 32, 256) == K.AttnPlan(block_s=64, nsplit=4)
+    dims = AttnDims(4, 2, 32, 32, True)
+    for pos in (70, 255):
+        inputs = random_attention_inputs(dims, 256, pos, torch.Generator().manual_seed(pos))
+        check_attention(*run_attention(inputs, K.attention_decode), TOL[torch.bfloat16])
+
+
+def test_attention_refusals_name_the_tensor():
+    dims = AttnDims(4, 2, 32, 16, True)
+    inputs = random_attention_inputs(dims, 64, 3, torch.Generator().manual_seed(3))
+    cases = [
+        ("qkv", inputs["qkv"][:, :-1], r"qkv must be \[1, 384\]"),
+        ("k_cache", inputs["k_cache"].float(), "k_cache must be torch.bfloat16"),
+        ("v_cache", inputs["v_cache"][:, :, :32], r"v_cache must be \[1, 2, 64, 32\]"),
+        ("pos", inputs["pos"].int(), "pos must be torch.int64"),
+        ("inv_freq", inputs["inv_freq"].double(), "inv_freq must be torch.float32"),
+        ("q_norm_w", inputs["q_norm_w"].float(), "q_norm_w must be torch.bfloat16"),
+        ("out", inputs["out"][:, :64], r"out must be \[1, 128\]"),
+        ("n_kv", 3, "not a multiple of kv heads"),
+        ("inv_freq", inputs["inv_freq"].repeat(3), "rotary dim 48"),
+    ]
+    for name, bad, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            K.attention_decode(**{**inputs, name: bad})
+
+
+def test_unsupported_geometries():
+    assert K.unsupported_attention(16, 2, 256, 64) is None
+    assert "over 256" in K.unsupported_attention(4, 2, 512, 64)
+    assert K.unsupported_router(256, 8) is None and "over" in K.unsupported_router(2048, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# The probe at the real geometries
+
+
+@pytest.mark.parametrize("args", [qwen36_args, qwen3_30b_args])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_probe_cases_pass_at_the_real_geometries(args, dtype):
+    assert probe_cases(args(), torch.device("cpu"), dtype) < TOL[dtype]

@@ -1,0 +1,111 @@
+"""The router and attention decode kernels on a CUDA device: the real geometries against the
+references, bit-for-bit repeats, CUDA-graph replay equal to eager at moving positions, a 32K
+context, and the probe's cases.
+
+Skipped without CUDA (CI has none); run on the GPU machine before resolving. Tolerances: the
+probe's TOLERANCE for the model dtype (kernels/decode_reference.py says why), through
+check_router / check_attention (the value row at pos and every other cache row bit for bit,
+rows past pos never read: they hold NaN).
+"""
+
+import pytest
+import torch
+from test_decode_reference import qwen3_30b_args, qwen36_args
+
+from edgerun.kernels.decode_reference import (
+    TOLERANCE,
+    AttnDims,
+    check_attention,
+    check_router,
+    clone_inputs,
+    probe_cases,
+    random_attention_inputs,
+    random_router_inputs,
+    run_attention,
+    run_router,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+DTYPES = [torch.float32, torch.bfloat16]
+QWEN36 = AttnDims(16, 2, 256, 64, True)
+QWEN3_30B = AttnDims(32, 4, 128, 128, False)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E, extra", [(256, 1), (128, 0)])
+@pytest.mark.parametrize("N", [1, 7])
+def test_router(N, E, extra, dtype, normalize):
+    from edgerun.kernels import decode_triton as K
+
+    inputs = random_router_inputs(N, E, 8, extra, gen(E + N), "cuda", dtype, normalize)
+    check_router(*run_router(inputs, K.router_topk), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("pos", [0, 3000, 4095])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "dims, unit_offset", [(QWEN36, True), (QWEN3_30B, False)], ids=["qwen3.6", "qwen3-30b"]
+)
+def test_attention(dims, unit_offset, dtype, pos):
+    from edgerun.kernels import decode_triton as K
+
+    inputs = random_attention_inputs(dims, 4096, pos, gen(pos), "cuda", dtype, unit_offset)
+    check_attention(*run_attention(inputs, K.attention_decode), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("pos", [20000, 32767])
+def test_attention_at_a_32k_context(pos):
+    from edgerun.kernels import decode_triton as K
+
+    inputs = random_attention_inputs(QWEN36, 32768, pos, gen(1), "cuda", torch.bfloat16)
+    check_attention(*run_attention(inputs, K.attention_decode), TOLERANCE[torch.bfloat16])
+
+
+def test_graph_replay_equals_eager():
+    from edgerun.kernels import decode_triton as K
+
+    attn = random_attention_inputs(QWEN36, 4096, 0, gen(0), "cuda", torch.bfloat16)
+    router = random_router_inputs(1, 256, 8, 1, gen(1), "cuda", torch.bfloat16)
+    static = {**clone_inputs(attn), **clone_inputs(router)}
+    eager_attn, eager_router = clone_inputs(attn), clone_inputs(router)
+
+    def step(a, r):
+        return K.attention_decode(**a), K.router_topk(**r)
+
+    def split(t):
+        return {k: t[k] for k in attn}, {k: t[k] for k in router}
+
+    side = torch.cuda.Stream()  # compile outside the capture, on a side stream (torch's recipe)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*split(clone_inputs(static)))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*split(static))
+    for name in ("k_cache", "v_cache"):  # capture ran nothing; start both from the same caches
+        static[name].copy_(attn[name])
+    for i, p in enumerate([5, 6, 2000, 4095]):  # the position moves on the device only
+        g = gen(10 + i)
+        qkv = torch.randn(attn["qkv"].shape, generator=g, device="cuda").bfloat16()
+        logits = torch.randn(router["logits"].shape, generator=g, device="cuda").bfloat16()
+        static["qkv"].copy_(qkv), static["logits"].copy_(logits), static["pos"].fill_(p)
+        eager_attn.update(qkv=qkv, pos=torch.tensor([p], device="cuda"))
+        eager_router.update(logits=logits)
+        graph.replay()
+        step(eager_attn, eager_router)
+        for name in ("out", "k_cache", "v_cache"):
+            assert torch.equal(static[name], eager_attn[name]), (p, name)
+        for name in ("weights_out", "ids_out", "gate_out"):
+            assert torch.equal(static[name], eager_router[name]), (p, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("args", [qwen36_args, qwen3_30b_args])
+def test_probe_cases_on_this_gpu(args, dtype):
+    assert probe_cases(args(), "cuda", dtype) < TOLERANCE[dtype]
