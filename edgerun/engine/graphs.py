@@ -92,6 +92,11 @@ class DecodeGraphs:
             inv_freq=model.rotary.inv_freq,
         )
         self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
+        # the greedy token of each step, read back through two host slots (see ``launch``)
+        cuda = self.device.type == "cuda"
+        self.token_host = torch.zeros(2, 1, dtype=torch.long, pin_memory=cuda)
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._slot = 0
         self.modes: dict[int, str] = {}
         self.moe: dict[int, _MoeBuffers] = {}
         for i, layer in enumerate(self.layers):
@@ -107,6 +112,7 @@ class DecodeGraphs:
                     refs=[],
                 )
         self.ops = self._plan()
+        self._segments: list | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.counters = counters or DecodeCounters()
         self.fallbacks: dict[str, str] = {}
@@ -144,6 +150,11 @@ class DecodeGraphs:
 
     def segments(self) -> list[list]:
         """Device ops grouped between host ops: [[device...], host, [device...], ...]."""
+        if self._segments is None:
+            self._segments = self._group()
+        return self._segments
+
+    def _group(self) -> list:
         out: list = []
         for kind, fn in self.ops:
             if kind == "host":
@@ -156,7 +167,7 @@ class DecodeGraphs:
 
     @property
     def host_ops(self) -> int:
-        return sum(1 for kind, _ in self.ops if kind == "host")
+        return sum(1 for seg in self.segments() if not isinstance(seg, list))
 
     # ---- the operations ---------------------------------------------------------------
 
@@ -214,6 +225,9 @@ class DecodeGraphs:
 
     def _head(self) -> None:
         self.model.lm_head(self.model.model.norm.decode(self.x, self.static.fused), out=self.logits)
+        # the greedy next token, where the next step's embedding reads it (``launch``); a host
+        # that samples otherwise writes its own token there first
+        torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
 
     def routes(self) -> dict[int, list[list[int]]]:
         """The expert ids each MoE layer's router chose in the last step (its static buffers)."""
@@ -233,11 +247,33 @@ class DecodeGraphs:
     def step(self, token: int) -> torch.Tensor:
         """Consume ``token`` at the state's position; the next-token logits [V] (a static buffer:
         read it before the next step)."""
+        self._run(token)
+        return self.logits[0]
+
+    def launch(self, token: int | None = None) -> int:
+        """Queue a step without waiting for it: consume ``token``, or (None) the greedy token the
+        previous step chose on the device, so the host can queue step i + 1 before it reads step
+        i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
+        self._run(token)
+        k, self._slot = self._slot, self._slot ^ 1
+        self.token_host[k].copy_(self.token[0], non_blocking=True)
+        if self.events is not None:
+            self.events[k].record()
+        return k
+
+    def result(self, handle: int) -> int:
+        """The greedy token the step behind ``handle`` chose (waits for that step only)."""
+        if self.events is not None:
+            self.events[handle].synchronize()
+        return int(self.token_host[handle, 0])
+
+    def _run(self, token: int | None) -> None:
         if self.state.pos >= self.capacity:
             raise ValueError(
                 f"decode state holds {self.capacity} positions; position {self.state.pos} is past it"
             )
-        self.token.fill_(token)
+        if token is not None:
+            self.token.fill_(token)
         self.pos.fill_(self.state.pos)
         if not self.policy.graphs:
             self._run_eager()
@@ -251,7 +287,6 @@ class DecodeGraphs:
             if mode == "table":
                 self.cache.count_hits(i, self.args.num_experts_per_tok)
         self.state.pos += 1
-        return self.logits[0]
 
     def _run_eager(self) -> None:
         for _, fn in self.ops:
@@ -295,7 +330,7 @@ class DecodeGraphs:
                 next(graphs).replay()
             else:
                 seg()
-        if self.host_ops:
+        if len(self.graphs) < len(self.segments()):  # host ops ran between the graphs
             self.counters.mixed_steps += 1
         else:
             self.counters.graph_steps += 1

@@ -264,8 +264,7 @@ class Runner:
         t0 = time.perf_counter()
         logits = self.prefill(state, prompt_ids)
         finish = "length"
-        for i in range(params.max_tokens):
-            token = sampler(logits)  # syncs with the device
+        for i, token in enumerate(self._tokens(state, logits, sampler, params.max_tokens)):
             if i == 0:
                 stats.prefill_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -278,12 +277,37 @@ class Runner:
             if stopped:
                 finish = "stop"
                 break
-            if i + 1 < params.max_tokens:
-                logits = self.decode_step(state, token)
         if stats.generated_tokens > 1:
             stats.decode_s = time.perf_counter() - t0
         stats.peak_memory_bytes = peak_memory(self.device)
         yield Event(text.flush(), None, finish, stats)
+
+    def _tokens(self, state: DecodeState, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
+        """The next ``n`` tokens after the prompt (the caller may stop early). Sampled on the
+        host from each step's logits; or, for a greedy request on the CUDA decoder, chosen on
+        the device by the step itself, each step queued before the previous step's token is
+        read, so the GPU does not wait for the host between steps. Both give the same tokens:
+        the device takes the same argmax of the same logits. A route recorder needs each step's
+        routes before the next step runs: it gets the host loop."""
+        token = sampler(logits)  # syncs with the device
+        yield token
+        pipelined = sampler.params.greedy and self.routes is None
+        if self.decoder is None or state is not self.decoder.state or not pipelined:
+            for _ in range(n - 1):
+                token = sampler(self.decode_step(state, token))
+                yield token
+            return
+        pending = self._launch(token) if n > 1 else None
+        for i in range(1, n):
+            queued = self._launch(None) if i + 1 < n else None  # consumes the token still on the device
+            yield self.decoder.result(pending)
+            pending = queued
+
+    @torch.inference_mode()
+    def _launch(self, token: int | None) -> int:
+        handle = self.decoder.launch(token)
+        self._count_step()
+        return handle
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The generated token ids (EOS excluded)."""

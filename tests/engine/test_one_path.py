@@ -147,3 +147,26 @@ def test_the_graph_module_holds_no_model_math():
         "moe_experts",
     }
     assert not called & math, called & math
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_steps_are_queued_on_the_device_and_give_the_host_loops_tokens(bundles, arch):
+    """A greedy request on the decoder takes each step's token from the step's own argmax and
+    queues the next step before reading it (runs uncaptured on the CPU here): the same tokens
+    as the host loop, which samples each step's logits."""
+    from edgerun.engine.sampler import Sampler
+
+    b, n = bundles[(arch, "int4")], 7
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    want = Runner.load(b, device="cpu", cache=CacheConfig(64)).generate_ids(PROMPT, params)
+
+    runner = Runner.load(b, device="cpu", cache=CacheConfig(64))
+    runner.decoder = DecodeGraphs(
+        runner.model, runner.args, runner.cache, runner.kernels, CPU, 64, runner.steps
+    )
+    runner.decoder.step = None  # the queued path never asks the host for a step's logits
+    state = runner.decoder.reset()
+    with torch.no_grad():
+        got = list(runner._tokens(state, runner.prefill(state, PROMPT), Sampler(params), n))
+    assert got == want
+    assert runner.steps.eager_steps == n - 1 and state.pos == len(PROMPT) + n - 1
