@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from edgerun.bundle.layout import BlockLayout
+from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
@@ -64,30 +65,12 @@ DEFAULT_GEMV = GemvConfig()
 
 
 @triton.jit
-def _e4m3(code):
-    """float8_e4m3fn bit patterns -> fp32, exact (NaN codes are never written)."""
-    c = code.to(tl.int32)
-    exp = (c >> 3) & 0xF
-    man = c & 7
-    normal = (((c & 0x80) << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    sub = man.to(tl.float32) * 0.001953125  # exponent field 0: man/8 * 2^-6
-    sub = tl.where(c >= 0x80, -sub, sub)
-    return tl.where(exp == 0, sub, normal)
-
-
-@triton.jit
-def _nibbles(p):
-    """Packed int4 bytes -> (low, high) values as fp32: column 2j is byte j's low nibble."""
-    v = p.to(tl.int32)
-    return (((v & 0xF) ^ 8) - 8).to(tl.float32), (((v >> 4) ^ 8) - 8).to(tl.float32)
-
-
-@triton.jit
 def _rows_dot(
     w,
     s,
     r0,
     x,
+    zero,
     C: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
@@ -101,7 +84,7 @@ def _rows_dot(
     for k0 in tl.static_range(0, C, BLOCK_K):  # unrolled: every load of the row can be in flight
         if QUANT == 2:
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]))
+            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]), zero)
             xe = tl.load(x + 2 * j).to(tl.float32)
             xo = tl.load(x + 2 * j + 1).to(tl.float32)
             part = lo * xe[None, :] + hi * xo[None, :]
@@ -135,7 +118,7 @@ def _slot(slots, table, ids, p, TABLE: tl.constexpr):
 # Kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see bits_triton._field)
 def _gate_up_kernel(
     x,
     wpool,
@@ -149,6 +132,7 @@ def _gate_up_kernel(
     s_block,
     w_off,
     s_off,
+    zero,
     D: tl.constexpr,
     I: tl.constexpr,
     A: tl.constexpr,
@@ -164,8 +148,8 @@ def _gate_up_kernel(
     w = wpool + slot * w_block + w_off
     s = spool + slot * s_block + s_off
     xt = x + (p // A) * D
-    gate = _rows_dot(w, s, r0, xt, D, QUANT, G, BLOCK_R, BLOCK_K)
-    up = _rows_dot(w, s, r0 + I, xt, D, QUANT, G, BLOCK_R, BLOCK_K)
+    gate = _rows_dot(w, s, r0, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
+    up = _rows_dot(w, s, r0 + I, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
     if QUANT == 2:
         g = tl.load(gscales + slot * 2)
         gate *= g
@@ -173,7 +157,7 @@ def _gate_up_kernel(
     tl.store(h + p * I + r0 + tl.arange(0, BLOCK_R), gate * tl.sigmoid(gate) * up)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])
 def _down_kernel(
     h,
     wpool,
@@ -189,6 +173,7 @@ def _down_kernel(
     s_block,
     w_off,
     s_off,
+    zero,
     D: tl.constexpr,
     I: tl.constexpr,
     A: tl.constexpr,
@@ -220,7 +205,7 @@ def _down_kernel(
         slot = _slot(slots, table, ids, p, TABLE)
         w = wpool + slot * w_block + w_off
         s = spool + slot * s_block + s_off
-        y = _rows_dot(w, s, r0, h + p * I, I, QUANT, G, BLOCK_R, BLOCK_K)
+        y = _rows_dot(w, s, r0, h + p * I, zero, I, QUANT, G, BLOCK_R, BLOCK_K)
         if QUANT == 2:
             y *= tl.load(gscales + slot * 2 + 1)
         acc += y * tl.load(rw + p).to(tl.float32)
@@ -252,7 +237,7 @@ def _rotate_kernel(
     tl.store(out + n * C + c, tl.reshape(rot, [BLOCK]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])
 def _dequant_kernel(
     wpool,
     spool,
@@ -263,6 +248,7 @@ def _dequant_kernel(
     s_block,
     w_off,
     s_off,
+    zero,
     PROJ: tl.constexpr,
     R: tl.constexpr,
     C: tl.constexpr,
@@ -282,7 +268,7 @@ def _dequant_kernel(
     for k0 in range(0, C, BLOCK_K):
         if QUANT == 2:
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]))
+            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]), zero)
             gi = k0 // G + tl.arange(0, BLOCK_K // G)
             step = _e4m3(tl.load(s + rows[:, None] * (C // G) + gi[None, :])) * tl.load(
                 gscales + slot * 2 + PROJ
@@ -428,7 +414,7 @@ def moe_gemv(
     br = _pow2_divisor(I, config.block_r)
     bk = _block_k(D, layout, config.row_bytes)
     _gate_up_kernel[(T * A, I // br)](
-        xin, wv, sv, slots, tab, ids, gs, h, *_component_args(layout, "gate_up", wv, sv),
+        xin, wv, sv, slots, tab, ids, gs, h, *_component_args(layout, "gate_up", wv, sv), 0,
         D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None,
         num_warps=config.num_warps,
     )  # fmt: skip
@@ -438,7 +424,7 @@ def moe_gemv(
     bk = _block_k(I, layout, config.row_bytes)
     _down_kernel[(T, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out,
-        *_component_args(layout, "down", wv, sv),
+        *_component_args(layout, "down", wv, sv), 0,
         D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk,
         TABLE=table is not None, SHARED=shared is not None, INTO=resid is not None,
         CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
@@ -477,7 +463,7 @@ def dequantize_slots(
         br = _pow2_divisor(R, 16)
         bk = _block_k(C, layout, 256)
         _dequant_kernel[(slots.numel(), R // br)](
-            wv, sv, slots, gs, dst, *_component_args(layout, proj, wv, sv),
+            wv, sv, slots, gs, dst, *_component_args(layout, proj, wv, sv), 0,
             PROJ=int(proj == "down"), R=R, C=C, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
         )  # fmt: skip
 

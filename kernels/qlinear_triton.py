@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
 from edgerun.kernels.moe_triton import _pow2_divisor
 from edgerun.kernels.qweight import SCHEMES, QWeight
@@ -76,27 +77,6 @@ MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 
 # --------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _field(word, P: tl.constexpr, BITS: tl.constexpr, zero):
-    """The two's complement field of BITS bits at bit P (P + BITS <= 23) of int32 words, as
-    fp32, exactly: (field ^ sign) | exponent is 2^(23 - P) + field + 2^(BITS - 1). ``zero`` (a
-    runtime 0) keeps the constant in a register, so the mask and xor are one instruction."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) << P
-    BASE: tl.constexpr = ((1 << (BITS - 1)) << P) | ((150 - P) << 23)
-    f = ((word & MASK) ^ (zero + BASE)).to(tl.float32, bitcast=True)
-    return f - tl.full([1], BASE, tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3(code):
-    """float8_e4m3fn bit patterns (uint8) -> fp32, exactly, NaN codes aside (never written): the
-    sign and the 7 exponent and mantissa bits moved to fp32's sign and low exponent bits make
-    the value times 2^-120, subnormal codes included (an fp32 subnormal then)."""
-    c = code.to(tl.int32)
-    bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
-    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
 
 
 @triton.jit

@@ -29,3 +29,21 @@ def bundles(tmp_path_factory):
             convert(src, root / f"{arch}-{quant}", ConvertOptions(quant, group, rotate))
             out[(arch, quant)] = root / f"{arch}-{quant}"
     return out
+
+
+@pytest.fixture(scope="session")
+def dense_bundles(tmp_path_factory):
+    """Tiny int4 bundles whose dense projections are int4 too (group 16: the tiny widths are
+    multiples of 32), one per architecture."""
+    from hf_fixtures import build_hf
+
+    root = tmp_path_factory.mktemp("dense-bundles")
+    out = {}
+    for arch in ARCHS:
+        src = root / arch
+        extra = {"shared_expert_intermediate_size": 32} if arch == "qwen3_5_moe" else {}
+        build_hf(arch, src, seed=5, hidden_size=64, moe_intermediate_size=32, **extra)
+        _add_tokenizer(src)
+        convert(src, root / f"{arch}-dense", ConvertOptions("int4", 16, dense="int4", dense_group=16))
+        out[arch] = root / f"{arch}-dense"
+    return out

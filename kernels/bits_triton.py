@@ -1,0 +1,40 @@
+"""Exact decoders of stored bits for the Triton kernels (experts and projections alike).
+
+Quantized values become fp32 without int-to-float conversions (a quarter-rate instruction on the
+GPU): a field is masked in place, its sign bit flipped and an exponent or-ed over it, so the
+float is 2^e + (q + 2^(bits-1)), from which one exact subtraction leaves q. An e4m3 scale code
+moves into fp32's sign and low exponent bits and one multiply by 2^120 rescales it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _field(word, P: tl.constexpr, BITS: tl.constexpr, zero):
+    """The two's complement field of BITS bits at bit P (P + BITS <= 23) of int32 words, as
+    fp32, exactly: (field ^ sign) | exponent is 2^(23 - P) + field + 2^(BITS - 1). ``zero`` (a
+    runtime 0) keeps the constant in a register, so the mask and xor are one instruction."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    BASE: tl.constexpr = ((1 << (BITS - 1)) << P) | ((150 - P) << 23)
+    f = ((word & MASK) ^ (zero + BASE)).to(tl.float32, bitcast=True)
+    return f - tl.full([1], BASE, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibbles(p, zero):
+    """Packed int4 bytes -> (low, high) values as fp32, exactly: column 2j is byte j's low nibble."""
+    v = p.to(tl.int32)
+    return _field(v, 0, 4, zero), _field(v, 4, 4, zero)
+
+
+@triton.jit
+def _e4m3(code):
+    """float8_e4m3fn bit patterns (uint8) -> fp32, exactly, NaN codes aside (never written): the
+    sign and the 7 exponent and mantissa bits moved to fp32's sign and low exponent bits make
+    the value times 2^-120, subnormal codes included (an fp32 subnormal then)."""
+    c = code.to(tl.int32)
+    bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
