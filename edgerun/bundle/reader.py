@@ -166,7 +166,7 @@ def load_bundle_model(
     )
     report.files = 1 + len(b.manifest.layers)
     report.provider = b.provider
-    report.expert_layout = f"bundle {b.manifest.quant.scheme}"
+    report.expert_layout = f"bundle {b.manifest.quant.scheme}, dense {b.manifest.dense_quant.scheme.label()}"
     if experts:
         E, I, D = b.args.num_experts, b.args.moe_intermediate_size, b.args.hidden_size
         for layer in b.args.moe_layers:
