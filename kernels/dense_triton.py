@@ -1,15 +1,16 @@
-"""Triton kernels for the dense part of a batch-1 decode step, one launch per call.
+"""Triton kernels for the dense part of a batch-1 decode step.
 
 Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv channels
 (2·Hk·Dk + Hv·Dv), K = conv taps, Hk / Hv = key / value heads, R = Hv / Hk, Dk / Dv = head dims.
 
 - ``rms_norm``: a program per row.
 - ``delta_decode``: a Gated DeltaNet layer's whole T = 1 step between the projections and
-  out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm), a program per
-  (batch, key head). A key head's q/k channels are shared by R value heads, and their conv
-  state must be read before it is shifted: one program owns them and loops over its R value
-  heads, holding one [Dk, Dv] fp32 state tile at a time. (A program per value head would need
-  a second launch for the conv, or a race on the shared conv state.)
+  out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm) in two launches. A
+  key head's q/k channels are shared by its R value heads, and their conv state must be read
+  before it is shifted, so the conv runs first, a program per block of channels (each owns its
+  channels' state), into an fp32 scratch; then a program per (batch, value head) runs the delta
+  rule on its [Dk, Dv] fp32 state tile (Hv programs: twice the key heads for Qwen3.6, where one
+  launch with a program per key head left most SMs idle).
 
 Math is fp32, rounded to the model dtype at every point the modules round (conv products, conv
 sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
@@ -30,6 +31,7 @@ from edgerun.kernels.dense_reference import DeltaDims
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile, or of an RMSNorm row
+CONV_BLOCK = 128  # conv channels per program of the step's first launch
 L2NORM_EPS = tl.constexpr(1e-6)  # edgerun.models.layers.l2norm's default, which GatedDeltaNet uses
 
 
@@ -107,13 +109,33 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _delta_decode_kernel(
+def _delta_conv_kernel(
     qkv,
+    conv_state,
+    conv_w,
+    act,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Launch 1 of the step: the causal conv + SiLU of BLOCK_C channels (values rounded as the
+    module rounds them) into ``act`` (fp32), and their conv state shifted. A channel is one
+    program's alone, so reading its history before the shift needs no other program."""
+    bi = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = c < C
+    y = _conv_silu(qkv + bi * C, conv_state + bi * (C * (K - 1)), conv_w, c, m, K, KP2, ACT)
+    tl.store(act + bi * C + c, y, mask=m)
+
+
+@triton.jit
+def _delta_decode_kernel(
+    act,
     z,
     a,
     b,
-    conv_state,
-    conv_w,
     A_log,
     dt_bias,
     state,
@@ -125,24 +147,24 @@ def _delta_decode_kernel(
     R: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
-    K: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    KP2: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
 ):
+    """Launch 2: one value head's delta rule and gated RMSNorm, a program per (batch, value
+    head); the R value heads of a key head each normalise its q and k (the same values)."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
-    j = tl.program_id(1)  # key head
-    x = qkv + bi * C
-    cs = conv_state + bi * (C * (K - 1))
+    h = tl.program_id(1)  # value head
+    j = h // R  # its key head
+    x = act + bi * C
 
     ik = tl.arange(0, BLOCK_DK)
     mk = ik < DK
-    q = _conv_silu(x, cs, conv_w, j * DK + ik, mk, K, KP2, ACT)
-    k = _conv_silu(x, cs, conv_w, NK * DK + j * DK + ik, mk, K, KP2, ACT)
+    q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
+    k = tl.load(x + NK * DK + j * DK + ik, mask=mk, other=0.0)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
 
@@ -151,31 +173,29 @@ def _delta_decode_kernel(
     tile = ik[:, None] * DV + iv[None, :]
     tmask = mk[:, None] & mv[None, :]
     nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
-    for r in tl.static_range(R):
-        h = j * R + r
-        v = _conv_silu(x, cs, conv_w, 2 * NK * DK + h * DV + iv, mv, K, KP2, ACT)
-        beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * HV + h).to(tl.float32))), ACT)
-        sp = tl.load(a + bi * HV + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-        e = tl.exp(sp)
-        u = 1.0 + e
-        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
-        g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
+    v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
+    beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * HV + h).to(tl.float32))), ACT)
+    sp = tl.load(a + bi * HV + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    e = tl.exp(sp)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
+    g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
 
-        s_ptr = state + (bi * HV + h) * (DK * DV) + tile
-        S = tl.load(s_ptr, mask=tmask, other=0.0) * tl.exp(g)
-        predicted = tl.sum(S * k[:, None], axis=0)
-        delta = (v - predicted) * beta
-        S = S + k[:, None] * delta[None, :]
-        tl.store(s_ptr, S, mask=tmask)
-        o = _round(tl.sum(S * q[:, None], axis=0), ACT)
+    s_ptr = state + (bi * HV + h) * (DK * DV) + tile
+    S = tl.load(s_ptr, mask=tmask, other=0.0) * tl.exp(g)
+    predicted = tl.sum(S * k[:, None], axis=0)
+    delta = (v - predicted) * beta
+    S = S + k[:, None] * delta[None, :]
+    tl.store(s_ptr, S, mask=tmask)
+    o = _round(tl.sum(S * q[:, None], axis=0), ACT)
 
-        # gated RMSNorm over Dv
-        y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
-        if ROUND_NORM:
-            y = _round(y, ACT)
-        zz = tl.load(z + bi * (HV * DV) + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
-        y = _round(y * _silu(zz), ACT)
-        tl.store(out + bi * (HV * DV) + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
+    # gated RMSNorm over Dv
+    y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
+    if ROUND_NORM:
+        y = _round(y, ACT)
+    zz = tl.load(z + bi * (HV * DV) + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+    y = _round(y * _silu(zz), ACT)
+    tl.store(out + bi * (HV * DV) + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +288,7 @@ def delta_decode(
     dk: int,
     dv: int,
 ) -> torch.Tensor:
-    """``delta_decode_ref`` in one launch (same arguments, same in-place updates of conv_state
+    """``delta_decode_ref`` in two launches (same arguments, same in-place updates of conv_state
     and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
     bf16 or fp16); A_log, dt_bias and norm_weight may be any of those; state is fp32. Every
     tensor contiguous, on one device."""
@@ -304,11 +324,15 @@ def delta_decode(
     out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
     batch = lead[0] if lead else 1
     if batch:
+        act = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
+        _delta_conv_kernel[(batch, triton.cdiv(C, CONV_BLOCK))](
+            mixed_qkv, conv_state, conv_weight, act, C=C, K=K, KP2=triton.next_power_of_2(K),
+            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4,
+        )  # fmt: skip
         bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-        _delta_decode_kernel[(batch, n_k)](
-            mixed_qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, out,
-            eps, dk**-0.5, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, K=K, BLOCK_DK=bdk, BLOCK_DV=bdv,
-            KP2=triton.next_power_of_2(K), ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype,
-            num_warps=_warps(bdk * bdv, 64),
+        _delta_decode_kernel[(batch, Hv)](
+            act, z, a, b, A_log, dt_bias, state, norm_weight, out,
+            eps, dk**-0.5, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
+            ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64),
         )  # fmt: skip
     return out

@@ -420,7 +420,7 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor) -> None:
         """One token, x [1, D], its output added into ``residual`` [1, D] in place:
-        :meth:`forward`, or (``fused``, CUDA only) the one-launch Triton step
+        :meth:`forward`, or (``fused``, CUDA only) the two-launch Triton step
         (``kernels/dense_triton.py``) between the fused projection and out_proj."""
         if not fused:
             residual.add_(self(x[None], state)[0])
