@@ -1,10 +1,11 @@
-"""Start-up capability probe for the dense decode kernels (kernels/dense_triton.py).
+"""Start-up capability probe for the dense decode kernels (kernels/dense_triton.py,
+qlinear_triton.py, decode_triton.py).
 
 A kernel is selected only after it ran on the device and matched its torch reference, never
 because a symbol imports. ``probe_dense`` runs the model's own geometry on random inputs in the
-model dtype, twice each: ``rms_norm`` on the hidden row and on one row per attention head
-(q/k norms), and, for a model with DeltaNet layers, ``delta_decode`` from a random history and
-recurrent state.
+model dtype, twice each: for a model with DeltaNet layers, ``delta_decode`` from a random
+history and recurrent state; then the model's projection GEMVs (every scheme and shape, each
+epilogue, the RMSNorm prologue) and the router top-k and attention kernels.
 
 - accuracy: max |got - ref| <= TOLERANCE[dtype] * max |ref| for every output and for the
   recurrent state, ref = kernels/dense_reference.py on the same inputs; the conv state, a pure
@@ -33,7 +34,6 @@ from edgerun.kernels.dense_reference import (
     clone_inputs,
     delta_decode_ref,
     random_delta_inputs,
-    rms_norm_ref,
 )
 from edgerun.kernels.probe import ProbeResult
 
@@ -54,7 +54,7 @@ def probe_dense(
     for bit. ``gemv``: the model's projection GEMV cases (scheme, rows, cols, group, epilogue),
     with the router top-k and attention kernels at ``args``' geometry (without: norms and
     DeltaNet only)."""
-    kernels = ["rms_norm"] + (["delta_decode"] if _has_delta(args) else [])
+    kernels = ["delta_decode"] if _has_delta(args) else []
     if gemv:
         kernels += ["qgemv", "router_topk"] + (["attention_decode"] if _has_attention(args) else [])
     name = f"dense_triton[{', '.join(kernels)}]"
@@ -116,16 +116,8 @@ def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
         raise Refused(f"no kernel for model dtype {dtype}")
     tol = TOLERANCE[dtype]
     gen = torch.Generator(device=device).manual_seed(0)
-    eps, unit = args.rms_norm_eps, args.norm_unit_offset
+    eps = args.rms_norm_eps
     worst = 0.0
-    for N, D in ((1, args.hidden_size), (args.num_attention_heads, args.head_dim)):
-        why = K.unsupported_rms_norm(D)
-        if why:
-            raise Refused(f"rms_norm: {why}")
-        x = (torch.randn(N, D, generator=gen, device=device) * 3).to(dtype)
-        w = (torch.randn(D, generator=gen, device=device) * 0.3 + (0.0 if unit else 1.0)).to(dtype)
-        runs = [K.rms_norm(x, w, eps, unit) for _ in range(2)]
-        worst = max(worst, _compare(f"rms_norm [{N}, {D}]", runs, rms_norm_ref(x, w, eps, unit), tol))
     if _has_delta(args):
         dims = DeltaDims.from_args(args)
         why = K.unsupported_delta(dims)

@@ -3,7 +3,6 @@
 Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv channels
 (2·Hk·Dk + Hv·Dv), K = conv taps, Hk / Hv = key / value heads, R = Hv / Hk, Dk / Dv = head dims.
 
-- ``rms_norm``: a program per row.
 - ``delta_decode``: a Gated DeltaNet layer's whole T = 1 step between the projections and
   out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm) in two launches. A
   key head's q/k channels are shared by its R value heads, and their conv state must be read
@@ -30,7 +29,7 @@ from edgerun.kernels.dense_reference import DeltaDims
 
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile, or of an RMSNorm row
+MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
 L2NORM_EPS = tl.constexpr(1e-6)  # edgerun.models.layers.l2norm's default, which GatedDeltaNet uses
 
@@ -80,32 +79,6 @@ def _conv_silu(x, cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.c
 
 # --------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _rms_norm_kernel(
-    x,
-    w,
-    out,
-    x_row,
-    eps,
-    D: tl.constexpr,
-    BLOCK: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
-    X_CODE: tl.constexpr,
-    OUT_CODE: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < D
-    xf = tl.load(x + n * x_row + cols, mask=m, other=0.0).to(tl.float32)
-    y = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    wf = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        y = y * (1.0 + wf)
-    else:
-        y = _round(y, X_CODE) * wf
-    tl.store(out + n * D + cols, _round(y, OUT_CODE).to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -207,15 +180,6 @@ def _warps(elements: int, per_thread: int) -> int:
     return max(1, min(8, elements // (32 * per_thread)))
 
 
-def unsupported_rms_norm(dim: int) -> str | None:
-    """Why ``rms_norm`` cannot normalise rows of ``dim``; None when it can."""
-    if dim < 1:
-        return f"row width {dim} is not positive"
-    if triton.next_power_of_2(dim) > MAX_TILE:
-        return f"row width {dim} is over the {MAX_TILE} elements one program holds"
-    return None
-
-
 def unsupported_delta(dims: DeltaDims) -> str | None:
     """Why ``delta_decode`` cannot run a layer of this geometry; None when it can."""
     if min(dims.n_k, dims.n_v, dims.dk, dims.dv) < 1:
@@ -241,34 +205,6 @@ def _check(expected: dict, device: torch.device) -> None:
             raise ValueError(f"{name} must be contiguous")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``rms_norm_ref`` in one launch: x [N, D] (rows may be strided, columns contiguous),
-    weight [D] -> [N, D], contiguous, in the reference's dtype (written into ``out`` when given)."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [N, D] with contiguous rows, got {list(x.shape)} strides {x.stride()}")
-    N, D = x.shape
-    why = unsupported_rms_norm(D)
-    if why:
-        raise ValueError(f"rms_norm cannot run: {why}")
-    if x.dtype not in DTYPE_CODE:
-        raise ValueError(f"x must be one of {list(DTYPE_CODE)}, got {x.dtype}")
-    _check({"weight": (weight, (D,), tuple(DTYPE_CODE))}, x.device)
-    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
-    if out is None:
-        out = torch.empty(N, D, dtype=out_dtype, device=x.device)
-    else:
-        _check({"out": (out, (N, D), (out_dtype,))}, x.device)
-    if N:
-        block = triton.next_power_of_2(D)
-        _rms_norm_kernel[(N,)](
-            x, weight, out, x.stride(0), eps, D=D, BLOCK=block, UNIT_OFFSET=unit_offset,
-            X_CODE=DTYPE_CODE[x.dtype], OUT_CODE=DTYPE_CODE[out_dtype], num_warps=_warps(block, 8),
-        )  # fmt: skip
-    return out
 
 
 def delta_decode(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from edgerun.bundle.quant import quantize_int4, quantize_int8
 from edgerun.kernels.dense_probe import TOLERANCE
+from edgerun.kernels.dense_reference import rms_norm_ref
 from edgerun.kernels.qweight import QWeight, dequantize
 
 EPILOGUES = ("none", "silu_mul", "residual", "gated")
@@ -41,8 +42,12 @@ def qlinear_ref(
     gate: torch.Tensor | None = None,
     *,
     exact_weight: bool = False,
+    norm: tuple[torch.Tensor, float, bool] | None = None,
+    norm_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [N, C] @ w.T (+ bias) in x.dtype, then the epilogue:
+    """x [N, C] @ w.T (+ bias) in x.dtype, then the epilogue. ``norm`` (weight, eps,
+    unit_offset): x is first replaced by ``rms_norm_ref`` of it, which ``norm_out`` (if given)
+    receives too. The epilogues:
 
     - ``none``: y [N, R], written into ``out`` if given;
     - ``silu_mul``: silu(y[:, :S]) * y[:, S:] [N, S] (into ``out`` if given);
@@ -52,6 +57,10 @@ def qlinear_ref(
     ``exact_weight``: the weight's exact fp32 values, not rounded to x.dtype (fp32 products and
     sums, y rounded once): what ``qgemv`` computes. It differs from the default only for int8
     weights in bf16 / fp16 (and fp32 summation order)."""
+    if norm is not None:
+        x = rms_norm_ref(x, *norm)
+        if norm_out is not None:
+            norm_out.copy_(x)
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r} is not one of {', '.join(EPILOGUES)}")
     if exact_weight:
@@ -114,15 +123,29 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
+NORMS = ("none", "unit", "plain")  # no norm prologue; RMSNorm scaling by (1 + w); by w
+
+
+def random_norm(
+    kind: str, C: int, gen: torch.Generator, device, dtype
+) -> tuple[torch.Tensor, float, bool] | None:
+    """A trained-like RMSNorm (weight, eps, unit_offset) of ``kind`` (NORMS), or None."""
+    if kind == "none":
+        return None
+    center = 0.0 if kind == "unit" else 1.0
+    return (torch.randn(C, generator=gen, device=device) * 0.3 + center).to(dtype), 1e-6, kind == "unit"
+
+
 def probe_cases(
-    shapes: list[tuple[str, int, int, int, str]],
+    shapes: list[tuple],
     device: torch.device | str,
     dtype: torch.dtype,
     tokens: int = 1,
 ) -> float:
     """Run ``qgemv`` against ``qlinear_ref`` on random weights for each case (scheme, R, C, group,
-    epilogue), twice: the worst error relative to the output's scale, or Mismatch if a case is
-    over TOLERANCE[dtype], not finite, or does not repeat bit for bit. On CUDA, or on CPU under
+    epilogue[, norm]), twice: the worst error relative to the output's scale, or Mismatch if a
+    case is over TOLERANCE[dtype], not finite, or does not repeat bit for bit. A case with a
+    norm (NORMS) also checks the normalised x the kernel writes out. On CUDA, or on CPU under
     Triton's interpreter (the tests)."""
     from edgerun.kernels.qlinear_triton import qgemv, unsupported
 
@@ -131,25 +154,44 @@ def probe_cases(
     tol = TOLERANCE[dtype]
     gen = torch.Generator(device=device).manual_seed(0)
     worst = 0.0
-    for scheme, R, C, group, epilogue in shapes:
-        what = f"qgemv {scheme} [{R}, {C}] group {group} {epilogue}"
+    for case in shapes:
+        scheme, R, C, group, epilogue = case[:5]
+        kind = case[5] if len(case) > 5 else "none"
+        what = f"qgemv {scheme} [{R}, {C}] group {group} {epilogue}" + (
+            f" norm {kind}" if kind != "none" else ""
+        )
         w = random_qweight(scheme, R, C, group, gen, device, dtype)
         why = unsupported(w)
         if why:
             raise Mismatch(f"{what}: {why}")
-        x = torch.randn(tokens, C, generator=gen, device=device).to(dtype)
+        x = (torch.randn(tokens, C, generator=gen, device=device) * 3).to(dtype)
         residual, gate = epilogue_inputs(epilogue, w, tokens, gen, device, dtype)
-        ref = qlinear_ref(x, w, None, epilogue, None if residual is None else residual.clone(), gate)
-        runs = []
+        norm = random_norm(kind, C, gen, device, dtype)
+        normed = None if norm is None else torch.empty_like(x)
+        ref = qlinear_ref(
+            x,
+            w,
+            None,
+            epilogue,
+            None if residual is None else residual.clone(),
+            gate,
+            norm=norm,
+            norm_out=normed,
+        )
+        runs, outs = [], []
         for _ in range(2):
             out = None if residual is None else residual.clone()
-            runs.append(qgemv(x, w, None, epilogue, out, gate))
-        if not torch.isfinite(runs[0]).all():
-            raise Mismatch(f"{what}: non-finite output")
-        err = rel_err(runs[0], ref)
-        if err > tol:
-            raise Mismatch(f"{what}: max error {err:.2e} of the output's scale is over {tol:g}")
-        if not torch.equal(runs[0], runs[1]):
-            raise Mismatch(f"{what}: two runs on the same inputs differ (not deterministic)")
-        worst = max(worst, err)
+            no = None if norm is None else torch.empty_like(x)
+            runs.append(qgemv(x, w, None, epilogue, out, gate, norm=norm, norm_out=no))
+            outs.append(no)
+        checks = [(what, runs, ref)] + ([(f"{what}: normalised x", outs, normed)] if norm is not None else [])
+        for name, got, want in checks:
+            if not torch.isfinite(got[0]).all():
+                raise Mismatch(f"{name}: non-finite output")
+            err = rel_err(got[0], want)
+            if err > tol:
+                raise Mismatch(f"{name}: max error {err:.2e} of the output's scale is over {tol:g}")
+            if not torch.equal(got[0], got[1]):
+                raise Mismatch(f"{name}: two runs on the same inputs differ (not deterministic)")
+            worst = max(worst, err)
     return worst

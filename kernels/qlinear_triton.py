@@ -105,6 +105,26 @@ def _weights(w, rows, k0, zero, C: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _normed(xf, inv, wf, NORM: tl.constexpr, CODE: tl.constexpr):
+    """RMSNorm of x values given the row's 1 / rms, rounded where the module rounds: NORM 1
+    scales by (1 + w) in fp32 (Qwen3.5); NORM 2 rounds, then scales by w (Qwen3)."""
+    y = xf * inv
+    if NORM == 1:
+        return _round(y * (1.0 + wf), CODE)
+    return _round(_round(y, CODE) * wf, CODE)
+
+
+@triton.jit
+def _inv_rms(x, x_row, eps, N: tl.constexpr, NP2: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[NP2] fp32: 1 / rms of each of the N rows of x (C columns), as ``rms_norm`` computes it."""
+    c = tl.arange(0, BLOCK_C)
+    tok = tl.arange(0, NP2)
+    xf = tl.load(x + tok[:, None] * x_row + c[None, :], mask=(tok[:, None] < N) & (c[None, :] < C), other=0.0)
+    xf = xf.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, axis=1) / C + eps)
+
+
+@triton.jit
 def _accumulate(
     x,
     x_row,
@@ -112,6 +132,8 @@ def _accumulate(
     s,
     rows,
     zero,
+    norm_w,
+    inv,
     N: tl.constexpr,
     NP2: tl.constexpr,
     C: tl.constexpr,
@@ -121,9 +143,11 @@ def _accumulate(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUM: tl.constexpr,
+    NORM: tl.constexpr,
+    CODE: tl.constexpr,
 ):
-    """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x, group scales applied
-    (not a row's own scale). Every step is unrolled, so all of a row's loads can be in flight.
+    """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x (RMS-normalised
+    first when NORM, see ``_normed``), group scales applied (not a row's own scale). Every step is unrolled, so all of a row's loads can be in flight.
     Tokens are the accumulator's last dim: it then keeps the group sums' layout (no shuffles)."""
     tok = tl.arange(0, NP2)[None, None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_K // SUM, NP2], dtype=tl.float32)
@@ -137,6 +161,9 @@ def _accumulate(
         cols = k0 + tl.arange(0, BLOCK_K)
         for n in tl.static_range(N):
             xn = tl.load(x + n * x_row + cols).to(tl.float32)
+            if NORM:
+                inv_n = tl.sum(tl.where(tl.arange(0, NP2) == n, inv, 0.0), axis=0)
+                xn = _normed(xn, inv_n, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
             part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
             if GROUPED:
                 part = part * scale
@@ -157,6 +184,9 @@ def _qgemv_kernel(
     bias,
     gate,
     out,
+    norm_w,
+    norm_out,
+    eps,
     ROWS,
     x_row,
     out_row,
@@ -175,9 +205,28 @@ def _qgemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUM: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_OUT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    NO_BLOCK: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
-    unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``)."""
+    unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``). NORM: x is RMS-normalised
+    with ``norm_w`` on the way in (every program computes the rows' rms itself), and with
+    NORM_OUT program p also stores columns [p * NO_BLOCK, (p + 1) * NO_BLOCK) of the normalised
+    rows into ``norm_out`` for the layer's other consumers."""
+    inv = tl.zeros([NP2], dtype=tl.float32)
+    if NORM:
+        inv = _inv_rms(x, x_row, eps, N, NP2, C, BLOCK_C)
+        if NORM_OUT:
+            c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
+            cm = c < C
+            for n in tl.static_range(N):
+                inv_n = tl.sum(tl.where(tl.arange(0, NP2) == n, inv, 0.0), axis=0)
+                xn = tl.load(x + n * x_row + c, mask=cm, other=0.0).to(tl.float32)
+                wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
+                y = _normed(xn, inv_n, wn, NORM, CODE)
+                tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm)
     i = tl.arange(0, BLOCK_R)
     if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
         OUT_R: tl.constexpr = BLOCK_R // 2
@@ -188,7 +237,27 @@ def _qgemv_kernel(
         ocol = tl.program_id(0) * BLOCK_R + i
         wrow = tl.minimum(ocol, ROWS - 1)
     wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
-    y = _accumulate(x, x_row, w, s, wrow, zero, N, NP2, C, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+    y = _accumulate(
+        x,
+        x_row,
+        w,
+        s,
+        wrow,
+        zero,
+        norm_w,
+        inv,
+        N,
+        NP2,
+        C,
+        QUANT,
+        G,
+        GROUPED,
+        BLOCK_R,
+        BLOCK_K,
+        SUM,
+        NORM,
+        CODE,
+    )
     if ROW_SCALED:
         y = y * tl.load(row_scale + wrow)[:, None]
     if HAS_BIAS:
@@ -311,12 +380,19 @@ def qgemv(
     out: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    norm: tuple[torch.Tensor, float, bool] | None = None,
+    norm_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
-    overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits."""
+    overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits.
+
+    ``norm`` (weight [C] in x's dtype, eps, unit_offset): x is RMS-normalised on the way in, as
+    ``rms_norm_ref`` would (one launch fewer than a separate norm); ``norm_out`` [N, C] then also
+    receives the normalised x."""
     width = _check(x, w, bias, epilogue, out, gate)
     N, C = x.shape
+    _check_norm(x, norm, norm_out)
     if out is None:
         out = torch.empty(N, width, dtype=x.dtype, device=x.device)
     if N == 0:
@@ -329,10 +405,33 @@ def qgemv(
         x, w.weight, w.scales if w.scales is not None else x,
         w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
         bias if bias is not None else x, gate if gate is not None else x, out,
+        norm[0] if norm is not None else x, norm_out if norm_out is not None else x,
+        norm[1] if norm is not None else 0.0,
         width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0,
         N=N, NP2=triton.next_power_of_2(N), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
         GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
         HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
-        BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub, num_warps=cfg.num_warps,
+        BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
+        NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
+        BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
+
+
+def _check_norm(x: torch.Tensor, norm, norm_out: torch.Tensor | None) -> None:
+    if norm is None:
+        if norm_out is not None:
+            raise ValueError("norm_out is the normalised x: it needs norm")
+        return
+    N, C = x.shape
+    weight = norm[0]
+    if tuple(weight.shape) != (C,) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"norm weight must be {x.dtype} [{C}] on {x.device}, got {_where(weight)}")
+    if not weight.is_contiguous():
+        raise ValueError("norm weight must be contiguous")
+    if norm_out is not None:
+        if tuple(norm_out.shape) != (N, C) or norm_out.dtype != x.dtype or not norm_out.is_contiguous():
+            raise ValueError(f"norm_out must be a contiguous {x.dtype} [{N}, {C}], got {_where(norm_out)}")
+        if norm_out.data_ptr() == x.data_ptr():
+            raise ValueError("norm_out must not be x: other programs still read x")

@@ -180,15 +180,15 @@ class DecodeGraphs:
 
     def _mixer(self, i: int) -> None:
         layer = self.layers[i]
-        hn = layer.mix_static(self.x, self.state.layers[i], self.static, out=self.h)
-        mlp = layer.mlp
+        layer.mix_static(self.x, self.state.layers[i], self.static)
+        mlp, norm = layer.mlp, layer.post_attention_layernorm
         if not isinstance(mlp, SparseMoe):
-            mlp(hn, "residual", self.x)
+            mlp(self.x, "residual", self.x, norm=norm)
             return
         buf = self.moe[i]
-        logits = mlp.gate.logits(hn)
+        logits = mlp.gate.logits(self.x, norm=norm, norm_out=self.h)  # the MLP's input lands in h
         mlp.gate.select(logits, out=(buf.weights, buf.ids), fused=self.static.fused)
-        mlp.shared_output(hn, logits, out=self.shared)
+        mlp.shared_output(self.h, logits, out=self.shared)
 
     def _into(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The expert step's result goes into the residual stream, with the shared expert's."""
@@ -224,7 +224,7 @@ class DecodeGraphs:
         self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _head(self) -> None:
-        self.model.lm_head(self.model.model.norm.decode(self.x, self.static.fused), out=self.logits)
+        self.model.lm_head(self.x, out=self.logits, norm=self.model.model.norm)
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)

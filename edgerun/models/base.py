@@ -54,19 +54,17 @@ class DecoderLayer(nn.Module):
         (self.self_attn if self.kind == A.FULL_ATTENTION else self.linear_attn).fuse()
         self.mlp.fuse()
 
-    def mix_static(
-        self, x: torch.Tensor, state, step: StaticStep, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def mix_static(self, x: torch.Tensor, state, step: StaticStep) -> None:
         """The first half of one decode step over static buffers (``engine/graphs.py``): the token
-        mixer, its output added into x [1, D] in place (in its output projection's epilogue);
-        returns the MLP's input (written into ``out`` when given). The MLP half is the caller's:
-        its routed experts may need the expert cache between the router and the expert kernel."""
-        h = self.input_layernorm.decode(x, step.fused)
+        mixer on input_layernorm(x), its output added into x [1, D] in place (in its output
+        projection's epilogue; the norm runs in its input projection's prologue). The MLP half,
+        on post_attention_layernorm(x), is the caller's: its routed experts may need the expert
+        cache between the router and the expert kernel."""
+        norm = self.input_layernorm
         if self.kind == A.FULL_ATTENTION:
-            self.self_attn.decode_static(h, step, state, residual=x)
+            self.self_attn.decode_static(x, step, state, residual=x, norm=norm)
         else:
-            self.linear_attn.decode(h, state, step.fused, residual=x)
-        return self.post_attention_layernorm.decode(x, step.fused, out=out)
+            self.linear_attn.decode(x, state, step.fused, residual=x, norm=norm)
 
 
 class _Body(nn.Module):
@@ -104,19 +102,22 @@ class CausalLM(nn.Module):
             if isinstance(m, QLinear):
                 m.gemv = gemv
 
-    def gemv_cases(self) -> list[tuple[str, int, int, int, str]]:
+    def gemv_cases(self) -> list[tuple]:
         """What the dense probe runs the GEMV on for this model: every projection's (scheme,
         rows, cols, group) with no epilogue (rows capped at PROBE_ROWS plus the remainder of a
         64-row tile, so the largest are probed at a size the start-up can afford), and each
-        epilogue once per (scheme, cols, group)."""
+        epilogue, and the RMSNorm prologue (normalised x written out too), once per (scheme, cols,
+        group)."""
         shapes, kinds = set(), set()
         for m in self.modules():
             if isinstance(m, QLinear):
                 rows = m.out_features if m.out_features <= PROBE_ROWS else PROBE_ROWS + m.out_features % 64
                 shapes.add((m.scheme, rows, m.in_features, m.group, "none"))
                 kinds.add((m.scheme, m.in_features, m.group))
+        norm = "unit" if self.args.norm_unit_offset else "plain"  # the decoder's RMSNorms, in GEMV prologues
         for scheme, cols, group in kinds:
             shapes.update((scheme, 128, cols, group, e) for e in ("silu_mul", "residual", "gated"))
+            shapes.update((scheme, 128, cols, group, e, norm) for e in ("none", "silu_mul"))
         return sorted(shapes)
 
     def new_state(self, batch: int, max_len: int, device=None, dtype=None) -> DecodeState:

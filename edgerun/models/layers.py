@@ -85,15 +85,24 @@ class QLinear(nn.Module):
         epilogue: str = "none",
         out: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
+        norm_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
+        written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
+        nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         if self.gemv and x.dim() == 2 and x.shape[0] <= GEMV_ROWS[self.scheme]:
             from edgerun.kernels import qlinear_triton
 
-            return qlinear_triton.qgemv(x, self.qweight(), self.bias, epilogue, out, gate)
+            return qlinear_triton.qgemv(
+                x, self.qweight(), self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out
+            )
         from edgerun.kernels.qlinear_reference import qlinear_ref
 
         if x.dim() == 2 or out is not None:
-            return qlinear_ref(x, self.qweight(), self.bias, epilogue, out, gate)
+            return qlinear_ref(x, self.qweight(), self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out)
+        if norm is not None:
+            raise ValueError("a projection's norm takes x [N, C]")
         lead = x.shape[:-1]
         flat = qlinear_ref(x.reshape(-1, x.shape[-1]), self.qweight(), self.bias, epilogue, None, gate)
         return flat.reshape(*lead, flat.shape[-1])
@@ -119,15 +128,6 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
-
-    def decode(self, x: torch.Tensor, fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, D]: the module, or the one-launch Triton kernel (``fused``, CUDA only); written
-        into ``out`` when given."""
-        if not fused:
-            return self(x) if out is None else out.copy_(self(x))
-        from edgerun.kernels import dense_triton
-
-        return dense_triton.rms_norm(x, self.weight, self.eps, self.unit_offset, out=out)
 
 
 class GatedRMSNorm(nn.Module):
@@ -288,24 +288,25 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def decode_static(
-        self, x: torch.Tensor, step: StaticStep, cache: KVCache, residual: torch.Tensor
+        self, x: torch.Tensor, step: StaticStep, cache: KVCache, residual: torch.Tensor, norm: RMSNorm
     ) -> None:
-        """One token of :meth:`forward` over the whole static KV buffer, its output added into
-        ``residual`` [B, D] in place: the new key and value are written at ``step.pos`` (a
-        device tensor) and later positions are masked (the fused kernel, ``step.fused``, does
-        not read them), so no shape depends on the position. x [B, D]."""
+        """One token of :meth:`forward` on ``norm(x)`` over the whole static KV buffer, its output
+        added into ``residual`` [B, D] in place: the new key and value are written at
+        ``step.pos`` (a device tensor) and later positions are masked (the fused kernel,
+        ``step.fused``, does not read them), so no shape depends on the position. x [B, D]; the
+        fused path normalises x in the q/k/v GEMV's prologue."""
         B = x.shape[0]
         H, Hk, Dh = self.n_heads, self.n_kv, self.head_dim
         if step.fused and B == 1:
             from edgerun.kernels import decode_triton
 
             out = decode_triton.attention_decode(
-                self.qkv(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
+                self.qkv(x, norm=norm), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
                 step.inv_freq, step.pos, cache.k, cache.v, x.new_empty(1, H * Dh), H, Hk, Dh, self.gated,
             )  # fmt: skip
             self.o_proj(out, "residual", out=residual)
             return
-        q, gate, k, v = self._project(x[:, None])
+        q, gate, k, v = self._project(norm(x)[:, None])
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -376,9 +377,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = QLinear.of(self.out_proj)
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [..., D] -> the qkv (conv input), z, b and a projections."""
-        return self.in_proj(x).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
+    def _project(self, x: torch.Tensor, norm: RMSNorm | None = None) -> list[torch.Tensor]:
+        """x [..., D] (with ``norm``: norm(x), x [N, D]) -> the qkv (conv input), z, b and a
+        projections."""
+        return self.in_proj(x, norm=norm).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
 
     def forward(self, x: torch.Tensor, state: DeltaState | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -418,16 +420,19 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(B, T, self.value_dim)
         return self.out_proj(out)
 
-    def decode(self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor) -> None:
-        """One token, x [1, D], its output added into ``residual`` [1, D] in place:
+    def decode(
+        self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor, norm: RMSNorm
+    ) -> None:
+        """One token on norm(x), x [1, D], its output added into ``residual`` [1, D] in place:
         :meth:`forward`, or (``fused``, CUDA only) the two-launch Triton step
-        (``kernels/dense_triton.py``) between the fused projection and out_proj."""
+        (``kernels/dense_triton.py``) between the fused projection (which normalises x in its
+        prologue) and out_proj."""
         if not fused:
-            residual.add_(self(x[None], state)[0])
+            residual.add_(self(norm(x)[None], state)[0])
             return
         from edgerun.kernels import dense_triton
 
-        qkv, z, b, a = (p[0] for p in self._project(x))  # x stays [1, D]: the GEMV's input
+        qkv, z, b, a = (p[0] for p in self._project(x, norm))  # x stays [1, D]: the GEMV's input
         out = dense_triton.delta_decode(
             qkv, z, a, b, state.conv[0], self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent[0],
             self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv,
@@ -452,9 +457,12 @@ class MLP(nn.Module):
         self.down_proj = QLinear.of(self.down_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, epilogue: str = "none", out=None, gate=None) -> torch.Tensor:
-        """SiLU(x W_g) * (x W_u), then down_proj with ``epilogue`` (see QLinear)."""
-        return self.down_proj(self.gate_up(x, "silu_mul"), epilogue, out, gate)
+    def forward(
+        self, x: torch.Tensor, epilogue: str = "none", out=None, gate=None, norm=None
+    ) -> torch.Tensor:
+        """SiLU(x W_g) * (x W_u) (of norm(x) with ``norm``), then down_proj with ``epilogue``
+        (see QLinear)."""
+        return self.down_proj(self.gate_up(x, "silu_mul", norm=norm), epilogue, out, gate)
 
 
 class Router(nn.Module):
@@ -475,9 +483,10 @@ class Router(nn.Module):
         )
         del self.weight
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> [N, E + extra] in x's dtype."""
-        return self.proj(x)
+    def logits(self, x: torch.Tensor, norm: RMSNorm | None = None, norm_out=None) -> torch.Tensor:
+        """x [N, D] -> [N, E + extra] in x's dtype (of norm(x) with ``norm``, which then also
+        lands in ``norm_out``: the layer's other consumers read it there)."""
+        return self.proj(x, norm=norm, norm_out=norm_out)
 
     def select(
         self,

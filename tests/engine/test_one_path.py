@@ -41,7 +41,7 @@ def test_static_attention_step_equals_the_forward(bundles, arch):
             cos, sin = model.rotary(pos, xs.dtype)
             step = StaticStep(cos, sin, pos, torch.arange(S))
             got = torch.zeros(1, runner.args.hidden_size)  # the residual it adds its output into
-            attn.decode_static(xs[:, t], step, cache, residual=got)
+            attn.decode_static(xs[:, t], step, cache, residual=got, norm=torch.nn.Identity())
             # fp32 both: SDPA and the masked fp32 softmax over the 32-slot buffer sum in other
             # orders (~1e-7 relative); 1e-5 on O(1) outputs catches a wrong position, mask or
             # head grouping, each of which is off by O(1e-1)

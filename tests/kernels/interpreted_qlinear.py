@@ -177,3 +177,40 @@ def test_unsupported_weights():
             4,
         )
         K.qgemv(torch.randn(1, 8), w)
+
+
+@pytest.mark.parametrize("kind", ["unit", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_prologue_matches_a_separate_norm(kind, dtype):
+    """RMSNorm in the GEMV's prologue (and the normalised x written out) against rms_norm_ref
+    then the GEMV's reference: fp32 within 1e-5 (summation order), bf16 within the probe's
+    tolerance (a rounded normalised value may land an ulp away); 3 tokens, rows of 2 programs'
+    tiles and of the normalised-x slices."""
+    from edgerun.kernels.dense_reference import rms_norm_ref
+    from edgerun.kernels.qlinear_reference import random_norm
+
+    g = torch.Generator().manual_seed(11)
+    for scheme, group, epilogue in (("int4", 32, "none"), ("int8", 16, "silu_mul"), ("plain", 0, "none")):
+        w = random_qweight(scheme, 48, 128, group, g, dtype=dtype)
+        x = (torch.randn(3, 128, generator=g) * 3).to(dtype)
+        norm = random_norm(kind, 128, g, "cpu", dtype)
+        normed = torch.empty_like(x)
+        got = K.qgemv(x, w, None, epilogue, norm=norm, norm_out=normed, config=SMALL)
+        want = qlinear_ref(rms_norm_ref(x, *norm), w, None, epilogue, exact_weight=True)
+        assert rel_err(got, want) < TOL[dtype]
+        assert rel_err(normed, rms_norm_ref(x, *norm)) < TOL[dtype]
+        assert torch.equal(got, K.qgemv(x, w, None, epilogue, norm=norm, config=SMALL))  # norm_out or not
+    cases = [("int4", 40, 256, 32, "none", kind), ("int8", 16, 256, 256, "silu_mul", kind)]
+    assert probe_cases(cases, "cpu", dtype) < TOLERANCE[dtype]
+
+
+def test_norm_prologue_refuses_mismatched_inputs():
+    g = torch.Generator().manual_seed(12)
+    w = random_qweight("int4", 16, 64, 32, g)
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="norm weight must be torch.bfloat16 \\[64\\]"):
+        K.qgemv(x, w, norm=(torch.ones(64), 1e-6, False))
+    with pytest.raises(ValueError, match="norm_out must not be x"):
+        K.qgemv(x, w, norm=(torch.ones(64).bfloat16(), 1e-6, False), norm_out=x)
+    with pytest.raises(ValueError, match="norm_out is the normalised x: it needs norm"):
+        K.qgemv(x, w, norm_out=torch.empty_like(x))

@@ -79,7 +79,8 @@ def test_attention_decode_ref_is_decode_static(arch, dtype):
             cos, sin = rotary(pos, dtype)
             x = torch.randn(1, args.hidden_size).to(dtype)
             static = StaticStep(cos, sin, pos, torch.arange(S))
-            attn.decode_static(x, static, cache, torch.zeros(1, args.hidden_size, dtype=dtype))
+            residual = torch.zeros(1, args.hidden_size, dtype=dtype)
+            attn.decode_static(x, static, cache, residual, norm=torch.nn.Identity())  # x is the mixer's input
             out = torch.empty(1, args.num_attention_heads * args.head_dim, dtype=dtype)
             got = attention_decode_ref(
                 attn.qkv(x), attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, args.norm_unit_offset,

@@ -15,7 +15,6 @@ from edgerun.kernels.dense_reference import (
     clone_inputs,
     delta_decode_ref,
     random_delta_inputs,
-    rms_norm_ref,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
@@ -24,20 +23,6 @@ STATES = ("conv_state", "state")
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(seed)
-
-
-@pytest.mark.parametrize("unit_offset", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [(1, 2048), (16, 256), (7, 1000)])
-def test_rms_norm(rows, dtype, unit_offset):
-    from edgerun.kernels import dense_triton as K
-
-    N, D = rows
-    x = (torch.randn(N, D, generator=gen(D), device="cuda") * 3).to(dtype)
-    w = (torch.randn(D, generator=gen(1), device="cuda") * 0.3 + (0.0 if unit_offset else 1.0)).to(dtype)
-    out = K.rms_norm(x, w, 1e-6, unit_offset)
-    assert rel_err(out, rms_norm_ref(x, w, 1e-6, unit_offset)) < TOLERANCE[dtype]
-    assert torch.equal(out, K.rms_norm(x, w, 1e-6, unit_offset))
 
 
 @pytest.mark.parametrize("batch", [None, 3])
@@ -62,12 +47,10 @@ def test_graph_replay_equals_eager():
     from edgerun.kernels import dense_triton as K
 
     inputs = random_delta_inputs(REAL, None, gen(0), "cuda", torch.bfloat16)
-    hidden = torch.randn(1, 2048, generator=gen(1), device="cuda").bfloat16()
-    norm_w = (torch.randn(2048, generator=gen(2), device="cuda") * 0.3).bfloat16()
     static, eager = clone_inputs(inputs), clone_inputs(inputs)
 
     def step(t):
-        return K.rms_norm(hidden, norm_w, 1e-6, True), K.delta_decode(**t)
+        return (K.delta_decode(**t),)
 
     side = torch.cuda.Stream()  # compile outside the capture, on a side stream (torch's recipe)
     side.wait_stream(torch.cuda.current_stream())
@@ -87,7 +70,7 @@ def test_graph_replay_equals_eager():
             eager[name] = new
         graph.replay()
         want = step(eager)
-        assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
+        assert torch.equal(captured[0], want[0])
         assert all(torch.equal(static[s], eager[s]) for s in STATES)
 
 
@@ -96,4 +79,4 @@ def test_probe_selects_on_this_gpu(dtype):
     r = probe_dense(real_args(), "cuda", dtype)
     print(r)
     assert r.selected, r.reason
-    assert r.name == "dense_triton[rms_norm, delta_decode]"
+    assert r.name == "dense_triton[delta_decode]"

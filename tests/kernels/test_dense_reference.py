@@ -104,8 +104,13 @@ def test_dims_from_args():
 def test_probe_refuses_without_cuda_and_says_why():
     r = probe_dense(delta_args(GEOMETRIES[1]), "cpu")
     assert not r.selected and "CUDA" in r.reason
-    assert r.name == "dense_triton[rms_norm, delta_decode]"
-    assert probe_dense(tiny_moe_args(), "cpu").name == "dense_triton[rms_norm]"  # no DeltaNet layers
+    assert r.name == "dense_triton[delta_decode]"
+    assert probe_dense(tiny_moe_args(), "cpu").name == "dense_triton[]"  # no DeltaNet layers, no GEMV cases
+    gemv = [("int4", 64, 64, 32, "none")]
+    assert (
+        probe_dense(tiny_moe_args(), "cpu", gemv=gemv).name
+        == "dense_triton[qgemv, router_topk, attention_decode]"
+    )
 
 
 def test_import_changes_no_environment_and_defers_triton():
