@@ -144,10 +144,12 @@ def random_router_inputs(
 # Attention
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``Rotary.inv_freq``: fp32 [R/2]."""
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """``Rotary.inv_freq``: fp32 [R/2], computed on torch's default device (the CPU, or meta
+    while a model is built there), then moved to ``device`` if one is given."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
-    return (1.0 / (theta**exponents)).to(device)
+    inv = 1.0 / (theta**exponents)
+    return inv if device is None else inv.to(device)
 
 
 def rotary_ref(

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm
+from edgerun.kernels.decode_reference import apply_rotary_ref as apply_rotary
+from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
+from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
 from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.models.args import ModelArgs
@@ -123,11 +125,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -155,23 +153,11 @@ class Rotary(nn.Module):
 
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, rotary_dim]
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, Dh]; cos/sin: [T, R] with R <= Dh
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+        """positions [T] -> cos, sin [T, rotary_dim] in ``dtype``."""
+        return rotary_ref(positions, self.inv_freq, dtype)
 
 
 # --------------------------------------------------------------------------------------------
