@@ -40,15 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
+from edgerun.kernels.dense_probe import TOLERANCE, within
+from edgerun.kernels.dense_probe import Refused as Mismatch  # the probes' one refusal
 from edgerun.kernels.dense_reference import clone_inputs, rms_norm_ref
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 PROBE_POS = 37  # the probe's step: a short history (over two splits at Dh 256)
 PROBE_S_MAX = 128
-
-
-class Mismatch(Exception):
-    """A probe case did not match its reference; the message names the case and the error."""
 
 
 @dataclass(frozen=True)
@@ -277,15 +274,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # Probe cases
 
 
-def _rel_err(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
-    if not torch.isfinite(got).all():
-        raise Mismatch(f"{what}: non-finite output")
-    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
-    if err > tol:
-        raise Mismatch(f"{what}: max error {err:.2e} of the output's scale is over {tol:g}")
-    return err
-
-
 def _repeats(what: str, runs: list[dict], names: tuple[str, ...]) -> None:
     for name in names:
         a, b = runs[0][name], runs[1][name]
@@ -304,9 +292,9 @@ def check_router(runs: list[dict], ref: dict, tol: float) -> float:
     sets = (got["ids_out"].sort(-1).values == ref["ids_out"].sort(-1).values).all(-1)
     if not sets[decided_set].all():
         raise Mismatch(f"router_topk (E {E}, k {A}): the selected experts differ from the reference's")
-    worst = _rel_err(f"router_topk (E {E}, k {A}) weights", got["weights_out"], ref["weights_out"], tol)
+    worst = within(f"router_topk (E {E}, k {A}) weights", got["weights_out"], ref["weights_out"], tol)
     if ref["gate_out"] is not None:
-        worst = max(worst, _rel_err("router_topk gate", got["gate_out"], ref["gate_out"], tol))
+        worst = max(worst, within("router_topk gate", got["gate_out"], ref["gate_out"], tol))
     _repeats("router_topk", runs, ("weights_out", "ids_out", "gate_out"))
     return worst
 
@@ -318,9 +306,9 @@ def check_attention(runs: list[dict], ref: dict, before: dict, tol: float) -> fl
     bit-equal. The worst error, or Mismatch saying what differs."""
     got, p = runs[0], int(ref["pos"])
     what = f"attention_decode (H {ref['n_heads']}, Hk {ref['n_kv']}, Dh {ref['head_dim']}, pos {p})"
-    worst = _rel_err(f"{what} output", got["out"], ref["out"], tol)
+    worst = within(f"{what} output", got["out"], ref["out"], tol)
     k_row, k_ref = got["k_cache"][:, :, p], ref["k_cache"][:, :, p]
-    worst = max(worst, _rel_err(f"{what} key at pos", k_row, k_ref, tol))
+    worst = max(worst, within(f"{what} key at pos", k_row, k_ref, tol))
     if not same_bits(got["v_cache"][:, :, p], ref["v_cache"][:, :, p]):
         raise Mismatch(f"{what}: the value written at pos is not the projection's")
     rows = torch.arange(got["k_cache"].shape[2], device=k_row.device) != p

@@ -67,12 +67,25 @@ def probe_dense(
     return ProbeResult(name, selected, reason)
 
 
-def _compare(what: str, runs: list[torch.Tensor], ref: torch.Tensor, tol: float) -> float:
-    if not torch.isfinite(runs[0]).all():
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| over max |ref|: the error relative to the output's scale."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def within(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    """``rel_err`` of a finite output, or Refused naming ``what`` when it is over ``tol``."""
+    if not torch.isfinite(got).all():
         raise Refused(f"{what}: non-finite output")
-    err = float((runs[0].float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+    err = rel_err(got, ref)
     if err > tol:
         raise Refused(f"{what}: max error {err:.2e} of the output's scale is over {tol:g}")
+    return err
+
+
+def compare(what: str, runs: list[torch.Tensor], ref: torch.Tensor, tol: float) -> float:
+    """Every probe's check of a kernel: its first run ``within`` tol of the reference, and a
+    second run on the same inputs bit for bit the first."""
+    err = within(what, runs[0], ref, tol)
     if not torch.equal(runs[0], runs[1]):
         raise Refused(f"{what}: two runs on the same inputs differ (not deterministic)")
     return err
@@ -107,9 +120,7 @@ def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
     """The probe's cases on ``device`` (CUDA; CPU under Triton's interpreter, for the tests):
     the worst error relative to the output's scale, or Refused saying which case failed."""
     from edgerun.kernels import dense_triton as K
-    from edgerun.kernels.decode_reference import Mismatch as DecodeMismatch
     from edgerun.kernels.decode_reference import probe_cases as decode_cases
-    from edgerun.kernels.qlinear_reference import Mismatch as GemvMismatch
     from edgerun.kernels.qlinear_reference import probe_cases as gemv_cases
 
     if dtype not in TOLERANCE:
@@ -128,13 +139,10 @@ def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
         outs = [K.delta_decode(**r) for r in runs]
         ref = clone_inputs(inputs)
         want = delta_decode_ref(**ref)
-        worst = max(worst, _compare("delta_decode output", outs, want, tol))
-        worst = max(worst, _compare("delta_decode state", [r["state"] for r in runs], ref["state"], tol))
+        worst = max(worst, compare("delta_decode output", outs, want, tol))
+        worst = max(worst, compare("delta_decode state", [r["state"] for r in runs], ref["state"], tol))
         if not all(torch.equal(r["conv_state"], ref["conv_state"]) for r in runs):
             raise Refused("delta_decode: the conv state differs from the reference's")
     if gemv:
-        try:
-            worst = max(worst, gemv_cases(list(gemv), device, dtype), decode_cases(args, device, dtype))
-        except (GemvMismatch, DecodeMismatch) as e:
-            raise Refused(str(e)) from e
+        worst = max(worst, gemv_cases(list(gemv), device, dtype), decode_cases(args, device, dtype))
     return worst

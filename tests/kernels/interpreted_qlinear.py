@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from edgerun.kernels import qlinear_triton as K
+from edgerun.kernels.dense_probe import rel_err
 from edgerun.kernels.qlinear_reference import (
     TOLERANCE,
     Mismatch,
@@ -28,7 +29,6 @@ from edgerun.kernels.qlinear_reference import (
     probe_cases,
     qlinear_ref,
     random_qweight,
-    rel_err,
 )
 from edgerun.kernels.qweight import QWeight, concat_rows
 

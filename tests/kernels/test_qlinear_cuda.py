@@ -10,13 +10,13 @@ a bf16 output must also be bit-equal but for rare one-ulp flips from the fp32 su
 import pytest
 import torch
 
+from edgerun.kernels.dense_probe import rel_err
 from edgerun.kernels.qlinear_reference import (
     TOLERANCE,
     epilogue_inputs,
     probe_cases,
     qlinear_ref,
     random_qweight,
-    rel_err,
 )
 from edgerun.kernels.qweight import QWeight, concat_rows
 
