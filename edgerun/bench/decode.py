@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from edgerun.bundle.dense_layout import PLAIN, SCHEMES, DenseScheme
+from edgerun.bundle.dense_layout import PLAIN, DenseScheme, add_dense_arguments
 from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
@@ -210,13 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
     )
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
-    ap.add_argument(
-        "--dense", choices=SCHEMES, default=PLAIN, help="resident linear weights: bf16 (plain), int8, int4"
-    )
-    ap.add_argument(
-        "--lm-head", choices=SCHEMES, default=None, help="the lm_head's scheme (default: --dense's)"
-    )
-    ap.add_argument("--dense-group", type=int, default=None, help="dense group size (default: the scheme's)")
+    add_dense_arguments(ap)
     ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -12,7 +12,7 @@ from pathlib import Path
 from edgerun.budget import inputs
 from edgerun.budget.planner import DTYPE_BYTES, PlanOptions, plan
 from edgerun.budget.report import FORMATS, render
-from edgerun.bundle.dense_layout import SCHEMES, DenseScheme
+from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
 from edgerun.config import load_device_profile
 from edgerun.errors import EdgerunError
@@ -46,18 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quant", choices=QUANTS, default=None, help="expert quantization without a bundle (int4)"
     )
     parser.add_argument("--group-size", type=int, default=None, help="quantization group (int4 default 32)")
-    parser.add_argument(
-        "--dense",
-        choices=SCHEMES,
-        default=None,
-        help="resident linear weights without a bundle: bf16 (plain, the default), int8 or int4",
-    )
-    parser.add_argument(
-        "--lm-head", choices=SCHEMES, default=None, help="an untied lm_head's scheme (default: --dense's)"
-    )
-    parser.add_argument(
-        "--dense-group", type=int, default=None, help="quantized dense group (int4 default 32, int8 per row)"
-    )
+    add_dense_arguments(parser, default=None, what=" (without a bundle; a bundle's manifest says)")
     parser.add_argument("--dense-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     parser.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     parser.add_argument(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edgerun.bundle.dense_layout import SCHEMES
+from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.bundle.layout import QUANTS
 from edgerun.errors import EdgerunError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
@@ -35,25 +35,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cast resident floating tensors to this dtype (default: keep each tensor's source dtype)",
     )
-    p.add_argument(
-        "--dense",
-        choices=SCHEMES,
-        default="bf16",
-        help="resident linear weights (attention, DeltaNet, shared expert, dense MLP): bf16 keeps them "
-        "plain at the dense dtype (default); int8 / int4 quantize them as the experts are",
-    )
-    p.add_argument(
-        "--dense-group",
-        type=int,
-        default=None,
-        help="group size of the quantized dense weights (default: int4 32, int8 0 = per row)",
-    )
-    p.add_argument(
-        "--lm-head",
-        choices=SCHEMES,
-        default=None,
-        help="an untied lm_head's scheme (default: --dense's); refused for tied embeddings",
-    )
+    add_dense_arguments(p)
     p.add_argument(
         "--dry-run",
         action="store_true",

@@ -25,6 +25,32 @@ from edgerun.models.args import TensorSpec
 
 PLAIN = "bf16"  # not quantized: stored plain at the bundle's dense dtype (the CLI's name for it)
 SCHEMES = (PLAIN, "int8", "int4")
+
+
+def add_dense_arguments(parser, default: str | None = PLAIN, what: str = "") -> None:
+    """``--dense``, ``--lm-head`` and ``--dense-group``, as every command that takes them names
+    them (convert, plan, bench decode, synth_bundle); ``what`` ends the ``--dense`` help."""
+    parser.add_argument(
+        "--dense",
+        choices=SCHEMES,
+        default=default,
+        help="resident linear weights (attention, DeltaNet, shared expert, dense MLP): bf16 keeps them "
+        f"plain at the dense dtype (the default); int8 / int4 quantize them as the experts are{what}",
+    )
+    parser.add_argument(
+        "--lm-head",
+        choices=SCHEMES,
+        default=None,
+        help="an untied lm_head's scheme (default: --dense's); refused for tied embeddings",
+    )
+    parser.add_argument(
+        "--dense-group",
+        type=int,
+        default=None,
+        help="group size of the quantized dense weights (default: int4 32, int8 0 = per row)",
+    )
+
+
 QUANTIZED = ("int8", "int4")
 LINEAR, LM_HEAD = "linear", "lm_head"
 LM_HEAD_WEIGHT = "lm_head.weight"
