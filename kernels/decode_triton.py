@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.dense_triton import DTYPE_CODE, _check, _round, _warps
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
 MAX_EXPERTS = 1024  # a router row is one program's tile
 TARGET_PROGRAMS = 128  # attend programs at the longest contexts: about one per SM of an H200 (132)
@@ -73,7 +74,9 @@ def _router_kernel(
     NORMALIZE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     CODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _grid_sync(PDL)
     n = tl.program_id(0).to(tl.int64)
     row = logits + n * row_stride
     e = tl.arange(0, BLOCK_E)
@@ -170,7 +173,9 @@ def _attend_kernel(
     S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
     DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    _grid_sync(PDL)
     QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
     half: tl.constexpr = R // 2
     kh = tl.program_id(0)
@@ -238,7 +243,9 @@ def _combine_kernel(
     qkv, pos_ptr, m_part, l_part, acc_part, out,
     NSPLIT: tl.constexpr, DH: tl.constexpr, GATED: tl.constexpr, PP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    _grid_sync(PDL)
     h = tl.program_id(0)
     pos = tl.load(pos_ptr)
     active = (pos + _split_len(pos, NSPLIT, BLOCK_S)) // _split_len(pos, NSPLIT, BLOCK_S)
@@ -330,7 +337,7 @@ def router_topk(
             logits, weights_out, ids_out, weights_out if gate_out is None else gate_out, logits.stride(0),
             E=num_experts, K=top_k, BLOCK_E=block, BLOCK_K=triton.next_power_of_2(top_k),
             NORMALIZE=normalize, HAS_GATE=gate_out is not None, CODE=DTYPE_CODE[dtype],
-            num_warps=_warps(block, 4),
+            num_warps=_warps(block, 4), **pdl_kwargs(logits.device),
         )  # fmt: skip
     return weights_out, ids_out, gate_out
 
@@ -412,6 +419,7 @@ def attention_decode(
         eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R, GATED=gated,
         GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s, UNIT_OFFSET=unit_offset,
         CODE=code, EMULATE=qkv.device.type == "cpu", num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_kwargs(qkv.device),
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)
     block_d = min(dp, 64)  # a program per (head, 64 channels): its [splits, 64] partials in one tile
@@ -419,5 +427,6 @@ def attention_decode(
     _combine_kernel[(H, triton.cdiv(Dh, block_d))](
         qkv, pos, m_part, l_part, acc_part, out, NSPLIT=nsplit, DH=Dh, GATED=gated, PP=pp,
         BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, num_warps=_warps(block_p * block_d, 16),
+        **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return out

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.dense_reference import DeltaDims
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -92,10 +93,12 @@ def _delta_conv_kernel(
     KP2: tl.constexpr,
     ACT: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launch 1 of the step: the causal conv + SiLU of BLOCK_C channels (values rounded as the
     module rounds them) into ``act`` (fp32), and their conv state shifted. A channel is one
     program's alone, so reading its history before the shift needs no other program."""
+    _grid_sync(PDL)
     bi = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = c < C
@@ -124,6 +127,7 @@ def _delta_decode_kernel(
     BLOCK_DV: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launch 2: one value head's delta rule and gated RMSNorm, a program per (batch, value
     head); the R value heads of a key head each normalise its q and k (the same values)."""
@@ -136,15 +140,19 @@ def _delta_decode_kernel(
 
     ik = tl.arange(0, BLOCK_DK)
     mk = ik < DK
+    iv = tl.arange(0, BLOCK_DV)
+    mv = iv < DV
+    tile = ik[:, None] * DV + iv[None, :]
+    tmask = mk[:, None] & mv[None, :]
+    # the state was last written by this layer's previous step, kernels ago: read before the sync
+    s_ptr = state + (bi * HV + h) * (DK * DV) + tile
+    S = tl.load(s_ptr, mask=tmask, other=0.0)
+    _grid_sync(PDL)
     q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
     k = tl.load(x + NK * DK + j * DK + ik, mask=mk, other=0.0)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
 
-    iv = tl.arange(0, BLOCK_DV)
-    mv = iv < DV
-    tile = ik[:, None] * DV + iv[None, :]
-    tmask = mk[:, None] & mv[None, :]
     nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
     v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
     beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * HV + h).to(tl.float32))), ACT)
@@ -154,8 +162,7 @@ def _delta_decode_kernel(
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
     g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
 
-    s_ptr = state + (bi * HV + h) * (DK * DV) + tile
-    S = tl.load(s_ptr, mask=tmask, other=0.0) * tl.exp(g)
+    S = S * tl.exp(g)
     predicted = tl.sum(S * k[:, None], axis=0)
     delta = (v - predicted) * beta
     S = S + k[:, None] * delta[None, :]
@@ -263,12 +270,13 @@ def delta_decode(
         act = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
         _delta_conv_kernel[(batch, triton.cdiv(C, CONV_BLOCK))](
             mixed_qkv, conv_state, conv_weight, act, C=C, K=K, KP2=triton.next_power_of_2(K),
-            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4,
+            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4, **pdl_kwargs(mixed_qkv.device),
         )  # fmt: skip
         bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
         _delta_decode_kernel[(batch, Hv)](
             act, z, a, b, A_log, dt_bias, state, norm_weight, out,
             eps, dk**-0.5, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
             ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64),
+            **pdl_kwargs(mixed_qkv.device),
         )  # fmt: skip
     return out

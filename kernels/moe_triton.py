@@ -34,6 +34,7 @@ import triton.language as tl
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
@@ -141,7 +142,9 @@ def _gate_up_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TABLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
     r0 = tl.program_id(1) * BLOCK_R
     slot = _slot(slots, table, ids, p, TABLE)
@@ -186,10 +189,12 @@ def _down_kernel(
     SHARED: tl.constexpr,
     INTO: tl.constexpr,
     CODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
     the residual and gets out + (routed [+ shared]) instead, rounded where the model's
     ``x.add_(routed + shared)`` rounds."""
+    _grid_sync(PDL)
     t = tl.program_id(0)
     r0 = tl.program_id(1) * BLOCK_R
     # each entry's rank in (expert id, position) order: the experts are summed by ascending id
@@ -220,10 +225,18 @@ def _down_kernel(
 
 @triton.jit
 def _rotate_kernel(
-    v, out, inv_sqrt_g, C: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr, BLOCK: tl.constexpr
+    v,
+    out,
+    inv_sqrt_g,
+    C: tl.constexpr,
+    G: tl.constexpr,
+    LOG_G: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[n] = v[n] with every group of G columns times H_G, the orthonormal Sylvester Hadamard
     matrix: H[i, j] = (-1)^popcount(i & j) / sqrt(G). fp32."""
+    _grid_sync(PDL)
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     vals = tl.reshape(tl.load(v + n * C + c).to(tl.float32), [BLOCK // G, G])
@@ -347,7 +360,7 @@ def rotate_activations(v: torch.Tensor, g: int) -> torch.Tensor:
         block = max(_pow2_divisor(C, 256), g)
         inv = (torch.ones(1) / math.sqrt(g)).item()  # the fp32 entry of quant.hadamard, exactly
         _rotate_kernel[(N, C // block)](
-            v.contiguous(), out, inv, C=C, G=g, LOG_G=g.bit_length() - 1, BLOCK=block
+            v.contiguous(), out, inv, C=C, G=g, LOG_G=g.bit_length() - 1, BLOCK=block, **pdl_kwargs(v.device)
         )
     return out
 
@@ -416,7 +429,7 @@ def moe_gemv(
     _gate_up_kernel[(T * A, I // br)](
         xin, wv, sv, slots, tab, ids, gs, h, *_component_args(layout, "gate_up", wv, sv), 0,
         D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
@@ -427,7 +440,7 @@ def moe_gemv(
         *_component_args(layout, "down", wv, sv), 0,
         D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk,
         TABLE=table is not None, SHARED=shared is not None, INTO=resid is not None,
-        CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
+        CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_triton import _pow2_divisor
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
@@ -80,28 +81,46 @@ MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 
 
 @triton.jit
-def _weights(w, rows, k0, zero, C: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns [k0, k0 + BLOCK_K) of weight rows ``rows`` (int64), as fp32 [BLOCK_R, BLOCK_K]:
-    the stored values (plain) or q (int8, int4), unscaled."""
+def _words(w, rows, k0, C: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The stored bits of columns [k0, k0 + BLOCK_K) of weight rows ``rows`` (int64): the values
+    (plain, [BLOCK_R, BLOCK_K]) or the 32-bit words that pack them (int8, int4)."""
     if QUANT == 0:
         cols = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w + rows[:, None] * C + cols[None, :]).to(tl.float32)
+        return tl.load(w + rows[:, None] * C + cols[None, :])
+    else:
+        PER: tl.constexpr = 4 if QUANT == 1 else 8
+        i = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        return tl.load(w.to(tl.pointer_type(tl.int32)) + rows[:, None] * (C // PER) + i[None, :])
+
+
+@triton.jit
+def _values(wd, zero, QUANT: tl.constexpr):
+    """``_words``' bits as fp32 [BLOCK_R, BLOCK_K]: the stored values (plain) or q (int8, int4),
+    unscaled."""
+    if QUANT == 0:
+        return wd.to(tl.float32)
     elif QUANT == 1:  # 4 int8 a word: column 4i + b in byte b
-        i = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-        wd = tl.load(w.to(tl.pointer_type(tl.int32)) + rows[:, None] * (C // 4) + i[None, :])
         hi = wd >> 16
         even = tl.interleave(_field(wd, 0, 8, zero), _field(hi, 0, 8, zero))  # bytes 0, 2
         odd = tl.interleave(_field(wd, 8, 8, zero), _field(hi, 8, 8, zero))  # bytes 1, 3
         return tl.interleave(even, odd)
     else:  # 8 int4 a word: column 8i + k in nibble k (bits 4k..4k+3)
-        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        wd = tl.load(w.to(tl.pointer_type(tl.int32)) + rows[:, None] * (C // 8) + i[None, :])
         hi = wd >> 12  # nibbles 5..7 to bits 8..19, inside the mantissa
         n0 = tl.interleave(_field(wd, 0, 4, zero), _field(wd, 16, 4, zero))  # nibbles 0, 4
         n2 = tl.interleave(_field(wd, 8, 4, zero), _field(hi, 12, 4, zero))  # 2, 6
         n1 = tl.interleave(_field(wd, 4, 4, zero), _field(hi, 8, 4, zero))  # 1, 5
         n3 = tl.interleave(_field(wd, 12, 4, zero), _field(hi, 16, 4, zero))  # 3, 7
         return tl.interleave(tl.interleave(n0, n2), tl.interleave(n1, n3))
+
+
+@triton.jit
+def _scales(s, rows, k0, C: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The group scales of columns [k0, k0 + BLOCK_K) of ``rows`` as fp32 [BLOCK_R, BLOCK_K // G]."""
+    gi = k0 // G + tl.arange(0, BLOCK_K // G)
+    scale = tl.load(s + rows[:, None] * (C // G) + gi[None, :])
+    if QUANT == 2:
+        scale = _e4m3(scale)
+    return scale
 
 
 @triton.jit
@@ -132,6 +151,8 @@ def _accumulate(
     s,
     rows,
     zero,
+    wd0,
+    scale0,
     norm_w,
     inv,
     N: tl.constexpr,
@@ -147,17 +168,20 @@ def _accumulate(
     CODE: tl.constexpr,
 ):
     """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x (RMS-normalised
-    first when NORM, see ``_normed``), group scales applied (not a row's own scale). Every step is unrolled, so all of a row's loads can be in flight.
+    first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
+    ``scale0``: the first step's words and scales, read already. Every step is unrolled, so all
+    of a row's loads can be in flight.
     Tokens are the accumulator's last dim: it then keeps the group sums' layout (no shuffles)."""
     tok = tl.arange(0, NP2)[None, None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_K // SUM, NP2], dtype=tl.float32)
     for k0 in tl.static_range(0, C, BLOCK_K):
-        q = _weights(w, rows, k0, zero, C, QUANT, BLOCK_K)
-        if GROUPED:
-            gi = k0 // G + tl.arange(0, BLOCK_K // G)
-            scale = tl.load(s + rows[:, None] * (C // G) + gi[None, :])
-            if QUANT == 2:
-                scale = _e4m3(scale)
+        if k0 == 0:  # read before the grid sync
+            q = _values(wd0, zero, QUANT)
+            scale = scale0
+        else:
+            q = _values(_words(w, rows, k0, C, QUANT, BLOCK_K), zero, QUANT)
+            if GROUPED:
+                scale = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         for n in tl.static_range(N):
             xn = tl.load(x + n * x_row + cols).to(tl.float32)
@@ -209,12 +233,28 @@ def _qgemv_kernel(
     NORM_OUT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NO_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
     unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``). NORM: x is RMS-normalised
     with ``norm_w`` on the way in (every program computes the rows' rms itself), and with
     NORM_OUT program p also stores columns [p * NO_BLOCK, (p + 1) * NO_BLOCK) of the normalised
-    rows into ``norm_out`` for the layer's other consumers."""
+    rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py."""
+    i = tl.arange(0, BLOCK_R)
+    if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
+        OUT_R: tl.constexpr = BLOCK_R // 2
+        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
+        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
+    else:
+        OUT_R: tl.constexpr = BLOCK_R
+        ocol = tl.program_id(0) * BLOCK_R + i
+        wrow = tl.minimum(ocol, ROWS - 1)
+    wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
+    wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
+    scale0 = wd0
+    if GROUPED:
+        scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
+    _grid_sync(PDL)
     inv = tl.zeros([NP2], dtype=tl.float32)
     if NORM:
         inv = _inv_rms(x, x_row, eps, N, NP2, C, BLOCK_C)
@@ -227,16 +267,6 @@ def _qgemv_kernel(
                 wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
                 y = _normed(xn, inv_n, wn, NORM, CODE)
                 tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm)
-    i = tl.arange(0, BLOCK_R)
-    if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
-        OUT_R: tl.constexpr = BLOCK_R // 2
-        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
-        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
-    else:
-        OUT_R: tl.constexpr = BLOCK_R
-        ocol = tl.program_id(0) * BLOCK_R + i
-        wrow = tl.minimum(ocol, ROWS - 1)
-    wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
     y = _accumulate(
         x,
         x_row,
@@ -244,6 +274,8 @@ def _qgemv_kernel(
         s,
         wrow,
         zero,
+        wd0,
+        scale0,
         norm_w,
         inv,
         N,
@@ -414,7 +446,7 @@ def qgemv(
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

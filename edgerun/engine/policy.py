@@ -24,6 +24,9 @@ Fields and what they decide:
   engine's life, like ``experts``.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
+- ``launches`` (shown, not chosen): the Triton decode kernels use programmatic dependent launch
+  on sm_90+ (``kernels/launch.py``); it overlaps a kernel's weight reads with the previous
+  kernel's tail and does not change a bit.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ def resolve(
     else:
         out.graphs = True
         out.choices["graphs"] = "on"
+    if out.dense == "triton" or out.moe.impl == "triton":
+        from edgerun.kernels.launch import describe
+
+        out.choices["launches"] = describe(device)
     return out
 
 

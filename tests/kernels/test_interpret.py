@@ -2,15 +2,25 @@
 kernels), interpreted_qlinear.py (the projection GEMV), interpreted_decode.py (router top-k,
 attention) and engine/interpreted_fused_decode.py (a whole fused decode step) on CPU, through
 Triton's interpreter, each in a child process with TRITON_INTERPRET=1
-set for that process only: Triton reads it at import."""
+set for that process only: Triton reads it at import.
 
+The interpreter runs a kernel's Python and never compiles it, so a kernel can pass here and not
+build for a GPU. Each script's launches are therefore recorded (tests/launch_recorder.py) and the
+distinct kinds (a kernel and its flag constexprs; sizes aside) compiled here for an H200
+(sm_90) with programmatic dependent launch, as the CUDA engine launches them: Triton compiles to
+PTX and a cubin on a machine without a GPU."""
+
+import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+FLAGS = {"QUANT", "EPILOGUE", "CODE", "NORM", "ACT", "G"}  # constexprs that pick code paths, not sizes
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
@@ -24,10 +34,54 @@ import pytest
         "../engine/interpreted_fused_decode.py",
     ],
 )
-def test_triton_kernels_under_the_interpreter(script):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def test_triton_kernels_under_the_interpreter(script, tmp_path):
+    record = tmp_path / "launches.json"
     here = Path(__file__).parent
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / script)]
+    path = os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")]))  # the plugin
+    env = {**os.environ, "TRITON_INTERPRET": "1", "EDGERUN_RECORD_LAUNCHES": str(record), "PYTHONPATH": path}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "launch_recorder",
+        str(here / script),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+    compiled = _compile_for_sm90(json.loads(record.read_text()))
+    assert compiled, f"{script} launched no PDL kernel"
+
+
+def _compile_for_sm90(launches: list[dict]) -> int:
+    """Compiles one launch of each kind for sm_90 with PDL; returns how many. A failure names the
+    kernel and its constexprs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    kinds = {}
+    for row in launches:
+        flags = {k: v for k, v in row["const"].items() if isinstance(v, bool) or k in FLAGS}
+        kinds.setdefault((row["module"], row["name"], json.dumps(flags, sort_keys=True)), row)
+    n = 0
+    for (module, name, flags), row in kinds.items():
+        if "PDL" not in row["const"]:
+            continue  # not a decode kernel (launched without PDL)
+        fn = getattr(importlib.import_module(module), name)
+        const = {(fn.arg_names.index(k),): (True if k == "PDL" else v) for k, v in row["const"].items()}
+        src = ASTSource(fn=fn, signature=row["sig"], constexprs=const)
+        try:
+            kernel = compile(
+                src,
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": row["num_warps"], "launch_pdl": True},
+            )
+        except Exception as e:
+            raise AssertionError(f"{name} {flags} does not compile for sm_90: {e}") from None
+        assert "griddepcontrol.wait" in kernel.asm["ptx"], f"{name} {flags} never waits for its predecessor"
+        n += 1
+    return n
