@@ -488,7 +488,8 @@ class Source:
 
 
 class _Writer:
-    """A file written under ``name.tmp``, hashed as it is written, fsynced and renamed on commit."""
+    """A file written under ``name.tmp``, hashed as it is written, fsynced and renamed on commit
+    (the directory fsynced after the rename)."""
 
     def __init__(self, final: Path) -> None:
         self.final = final
@@ -506,7 +507,7 @@ class _Writer:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, self.final)
+        F.publish(self.tmp, self.final)
         return F.FileRecord(self.size, self.hash.hexdigest())
 
 

@@ -427,13 +427,25 @@ def _check_dense_group(source: str, key: str, scheme: str, group: int) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name, fsync, then rename."""
+    """Write ``data`` to ``path`` through a temporary name, fsync, then rename (and fsync the
+    directory, which makes the rename itself durable)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    publish(tmp, path)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` (written and fsynced) to ``path`` and fsync the directory: after a crash
+    the new name holds the whole file or the old state stands, never a lost or partial rename."""
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_aligned(n: int) -> bool:
