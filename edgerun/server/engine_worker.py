@@ -45,7 +45,8 @@ class Engine(Protocol):
     def stats(self) -> dict[str, Any]:
         """A snapshot safe to take from another thread while the engine runs:
         ``experts`` (mode label), ``layers`` {layer: {hits, misses, evictions, bytes_read}},
-        ``fallbacks`` {kind: times taken}, ``resident_memory_bytes``, ``peak_memory_bytes``."""
+        ``fallbacks`` {kind: times taken}, ``resident_memory_bytes``, ``peak_memory_bytes``;
+        optionally ``read_faults`` {kind: count} and ``nonfinite_logits``."""
 
 
 class EngineFailure(EdgerunError):
@@ -157,6 +158,8 @@ class RunnerEngine:
             "layers": layers,
             "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
+            "read_faults": cache.read_faults() if cache else {},
+            "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
         }
