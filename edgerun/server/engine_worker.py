@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import EdgerunError, StorageError
 
 if TYPE_CHECKING:
     from edgerun.engine.request import Limits, Request
@@ -54,7 +54,9 @@ class EngineFailure(EdgerunError):
 
 
 def is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (EngineFailure, MemoryError)):
+    """Whether ``exc`` ends the engine: a lost device, out of memory, or a storage fault (the
+    bundle can no longer be read intact)."""
+    if isinstance(exc, (EngineFailure, MemoryError, StorageError)):
         return True
     accel = getattr(sys.modules.get("torch"), "AcceleratorError", ())  # a device error: CUDA's state is lost
     return isinstance(exc, accel) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
