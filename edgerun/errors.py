@@ -11,3 +11,13 @@ class ConfigError(EdgerunError, ValueError):
 
 class CheckpointError(EdgerunError, ValueError):
     """A checkpoint directory or tensor does not match what the architecture expects."""
+
+
+class StorageError(EdgerunError, OSError):
+    """Bytes the engine needs could not be read intact from storage: a short read, an I/O error,
+    a missing file, or a block that fails its checksum on a read and a re-read. The daemon stops
+    serving (docs/serving.md: storage faults)."""
+
+
+class ChecksumError(StorageError):
+    """A block whose bytes are not the ones its manifest checksum describes."""

@@ -488,7 +488,8 @@ class Source:
 
 
 class _Writer:
-    """A file written under ``name.tmp``, hashed as it is written, fsynced and renamed on commit."""
+    """A file written under ``name.tmp``, hashed as it is written, fsynced and renamed on commit
+    (the directory fsynced after the rename)."""
 
     def __init__(self, final: Path) -> None:
         self.final = final
@@ -506,7 +507,7 @@ class _Writer:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, self.final)
+        F.publish(self.tmp, self.final)
         return F.FileRecord(self.size, self.hash.hexdigest())
 
 
@@ -571,7 +572,13 @@ def _open_destination(plan: ConversionPlan, dst: Path, progress: Progress) -> Jo
         kept = {}
         for name, rec in done.items():
             path = dst / name
-            if path.is_file() and path.stat().st_size == rec["bytes"] and F.file_hash(path) == rec["blake2b"]:
+            if "blocks" in rec and "xxh3" not in rec:
+                progress.log(
+                    f"{name}: finished by an older edgerun, without block checksums; converting it again"
+                )
+            elif (
+                path.is_file() and path.stat().st_size == rec["bytes"] and F.file_hash(path) == rec["blake2b"]
+            ):
                 kept[name] = rec
             else:
                 progress.log(f"{name}: missing or changed since it was finished; converting it again")
@@ -780,13 +787,14 @@ def _write_layer(
     name = F.expert_file(x.layer)
     w = _Writer(dst / name)
     sidecar = torch.zeros(args.num_experts, 2, dtype=torch.float32) if lay.quant == "int4" else None
-    blocks, err2, ref2 = [], 0.0, 0.0
+    blocks, checksums, err2, ref2 = [], [], 0.0, 0.0
     for e in range(args.num_experts):
         gate_up, down = reader.expert(x, e, args)
         block, gscales = quantize_expert(lay, gate_up, down)
         data = _bytes(block)
         w.write(data)
         blocks.append(F.part_hash(data))
+        checksums.append(F.block_checksum(data))
         if sidecar is not None:
             sidecar[e] = gscales
         # The error is measured on the bytes written, through the reader's own dequantizer.
@@ -801,7 +809,7 @@ def _write_layer(
         s = _Writer(dst / F.sidecar_file(x.layer))
         s.write(_bytes(sidecar))
         journal.finish(F.sidecar_file(x.layer), s.commit())
-    journal.finish(name, w.commit(), blocks=blocks, err2=err2, ref2=ref2)
+    journal.finish(name, w.commit(), blocks=blocks, xxh3=checksums, err2=err2, ref2=ref2)
     bar.log(
         f"{name}: layer {x.layer}, {args.num_experts} blocks of {lay.block_bytes} bytes, "
         f"rel. RMS error {_rel(err2, ref2):.6f}"
@@ -840,6 +848,7 @@ def _manifest(plan: ConversionPlan, journal: Journal, files: dict[str, F.FileRec
                 sidecar=sidecar,
                 block_blake2b=tuple(rec["blocks"]),
                 rel_rmse=_rel(rec["err2"], rec["ref2"]),
+                block_xxh3=tuple(rec["xxh3"]),
             )
         )
     dense = [(name, dtype, shape) for r in plan.resident for name, dtype, shape, _ in r.parts]

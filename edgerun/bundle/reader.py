@@ -5,7 +5,9 @@ blocks, and load the whole model with its experts resident.
 block layout it records, that ``dense.safetensors`` holds exactly the resident tensors that config
 and the manifest's dense quantization imply (a quantized weight's parts with their dtypes and
 shapes), and every file's size: a broken or mismatched bundle is refused with a message naming the
-file and the offset or key. Hashes are `verify --deep`'s job (they read every byte).
+file and the offset or key. Whole-file hashes are `verify --deep`'s job (they read every byte);
+every expert block read is checked against its ``block_xxh3`` checksum before use, a sidecar
+against its file hash.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from edgerun.bundle import dense_layout as DL
 from edgerun.bundle import format as F
 from edgerun.bundle.layout import BlockLayout, expert_block_layout
 from edgerun.bundle.quant import dequantize_block
-from edgerun.errors import EdgerunError
+from edgerun.errors import ChecksumError, EdgerunError, StorageError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs
 from edgerun.models.checkpoint import LoadReport, load_entries, set_parameter
@@ -92,6 +94,17 @@ class Bundle:
         _check_file_sizes(root, m)
         return cls(root, m, arch, args, dense, layouts, resolution, dense_quant)
 
+    @property
+    def unchecked(self) -> str | None:
+        """Why some expert blocks are read without a checksum (an older bundle), or None."""
+        layers = [r.layer for r in self.manifest.layers if r.block_xxh3 is None]
+        if not layers:
+            return None
+        return (
+            f"{self.root / F.MANIFEST} has no block_xxh3 for {len(layers)} of {len(self.manifest.layers)} MoE "
+            "layers (an older bundle): their expert blocks are used unchecked; convert it again to check them"
+        )
+
     def expert_path(self, layer: int) -> Path:
         return self.root / self.manifest.layer(layer).file
 
@@ -101,32 +114,66 @@ class Bundle:
             raise IndexError(f"expert {expert} is out of range for layer {layer} ({rec.num_experts} experts)")
         return expert * rec.block_bytes
 
-    def read_block(self, layer: int, expert: int) -> torch.Tensor:
-        """One expert's block (uint8 [block_bytes]): one read at ``expert * block_bytes``."""
-        layout = self.layouts[layer]
-        offset = self.block_offset(layer, expert)
-        buf = bytearray(layout.block_bytes)
-        fd = os.open(self.expert_path(layer), os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [buf], offset)
-        finally:
-            os.close(fd)
-        if got != layout.block_bytes:
-            raise BundleError(
-                f"{self.expert_path(layer)}: short read of expert {expert} at offset {offset}: "
-                f"{got} of {layout.block_bytes} bytes"
+    def check_block(self, layer: int, expert: int, data: bytes | memoryview) -> bool:
+        """Whether ``data`` was checked (False: the manifest has no checksums for ``layer``, an
+        older bundle); a block that does not match its checksum is refused, named."""
+        want = self.manifest.layer(layer).block_xxh3
+        if want is None:
+            return False
+        got = F.block_checksum(data)
+        if got != want[expert]:
+            offset = self.block_offset(layer, expert)
+            raise ChecksumError(
+                f"{self.expert_path(layer)}: layer {layer} expert {expert}'s block (bytes [{offset}, "
+                f"{offset + len(data)})) fails its checksum: xxh3 {got}, the manifest records {want[expert]}"
             )
+        return True
+
+    def read_block(self, layer: int, expert: int) -> torch.Tensor:
+        """One expert's block (uint8 [block_bytes]): one read at ``expert * block_bytes``, checked
+        against its checksum; a mismatch is read once more from the device before it is refused."""
+        try:
+            buf = self._read_block(layer, expert)
+            self.check_block(layer, expert, buf)
+        except ChecksumError:
+            buf = self._read_block(layer, expert, again=True)
+            self.check_block(layer, expert, buf)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
+    def _read_block(self, layer: int, expert: int, again: bool = False) -> bytearray:
+        path, size = self.expert_path(layer), self.layouts[layer].block_bytes
+        offset = self.block_offset(layer, expert)
+        buf = bytearray(size)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if again:  # from the device, not the page cache
+                    os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+                got = os.preadv(fd, [buf], offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StorageError(f"{path}: reading expert {expert}'s block at offset {offset}: {exc}") from exc
+        if got != size:
+            raise StorageError(
+                f"{path}: short read of expert {expert} at offset {offset}: {got} of {size} bytes"
+            )
+        return buf
+
     def global_scales(self, layer: int) -> torch.Tensor | None:
-        """The layer's per-tensor scales, fp32 [E, 2] (gate_up, down); None without a sidecar."""
+        """The layer's per-tensor scales, fp32 [E, 2] (gate_up, down), checked against the
+        sidecar's file hash; None without a sidecar."""
         rec = self.manifest.layer(layer)
         if rec.sidecar is None:
             return None
-        raw = bytearray((self.root / rec.sidecar.file).read_bytes())
-        if len(raw) != rec.sidecar.nbytes:
-            raise BundleError(
-                f"{self.root / rec.sidecar.file}: {len(raw)} bytes, the manifest records {rec.sidecar.nbytes}"
+        path = self.root / rec.sidecar.file
+        raw = bytearray(path.read_bytes())
+        h = F.new_hash()
+        h.update(raw)
+        if h.hexdigest() != self.manifest.files[rec.sidecar.file].blake2b:
+            raise ChecksumError(
+                f"{path}: layer {layer}'s sidecar ({len(raw)} bytes) does not match its {F.HASH} in "
+                f"{F.MANIFEST} (key 'files[{rec.sidecar.file!r}]')"
             )
         return torch.frombuffer(raw, dtype=torch.float32).view(rec.sidecar.shape)
 
@@ -246,6 +293,14 @@ def _check_layer_record(mpath: Path, m: F.Manifest, rec: F.LayerRecord, args: Mo
     if len(rec.block_blake2b) != rec.num_experts:
         raise BundleError(
             f"{mpath}: key '{where}.block_blake2b' has {len(rec.block_blake2b)} hashes for {rec.num_experts} blocks"
+        )
+    sums = rec.block_xxh3
+    if sums is not None and (
+        len(sums) != rec.num_experts or not all(isinstance(h, str) and len(h) == 16 for h in sums)
+    ):
+        raise BundleError(
+            f"{mpath}: key '{where}.block_xxh3' must hold {rec.num_experts} checksums of 16 hex digits, "
+            f"one a block; it has {len(sums)}"
         )
     want_sidecar = m.quant.scheme == "int4"
     if want_sidecar != (rec.sidecar is not None):

@@ -54,14 +54,15 @@ def verify_bundle(
     hashed = 0
     if deep:
         m = b.manifest
-        parts: dict[str, list[tuple[str, int, int, str]]] = {n: [] for n in m.files}
+        parts: dict[str, list[tuple[str, int, int, str, str | None]]] = {n: [] for n in m.files}
         for rec in m.layers:
+            sums = rec.block_xxh3 or [None] * rec.num_experts
             parts[rec.file] = [
-                (f"expert {e}'s block", e * rec.block_bytes, (e + 1) * rec.block_bytes, h)
-                for e, h in enumerate(rec.block_blake2b)
+                (f"expert {e}'s block", e * rec.block_bytes, (e + 1) * rec.block_bytes, h, x)
+                for e, (h, x) in enumerate(zip(rec.block_blake2b, sums))
             ]
         parts[m.dense_file] = [
-            (f"tensor {e.name!r}", e.start, e.end, m.dense_tensors[e.name]) for e in b.dense.values()
+            (f"tensor {e.name!r}", e.start, e.end, m.dense_tensors[e.name], None) for e in b.dense.values()
         ]
         for name, rec in m.files.items():
             hashed += _check_file(b.root / name, rec, name, parts[name])
@@ -111,33 +112,40 @@ def _scan(e: TensorEntry, dtype: type, bad: Callable[[np.ndarray], np.ndarray], 
                 )
 
 
-def _check_file(path: Path, rec: F.FileRecord, name: str, parts: list[tuple[str, int, int, str]]) -> int:
-    """Hash ``path`` in one sequential pass; each part (label, start, end, blake2b-128) is checked
-    as it passes, so the first damaged part is named before the whole-file hash is compared."""
+def _check_file(
+    path: Path, rec: F.FileRecord, name: str, parts: list[tuple[str, int, int, str, str | None]]
+) -> int:
+    """Hash ``path`` in one sequential pass; each part (label, start, end, blake2b-128, and for a
+    block its xxh3 checksum or None) is checked as it passes, so the first damaged part is named
+    before the whole-file hash is compared."""
     whole = F.new_hash()
     buf = bytearray(CHUNK)
     pos = 0
     with open(path, "rb", buffering=0) as f:
 
-        def feed(end: int, part=None) -> None:
+        def feed(end: int, *parts) -> None:
             nonlocal pos
             while pos < end:
                 n = f.readinto(memoryview(buf)[: min(CHUNK, end - pos)])
                 if not n:
                     raise BundleError(f"{path}: ends at byte {pos}, expected {end}")
                 view = memoryview(buf)[:n]
-                whole.update(view)
-                if part is not None:
-                    part.update(view)
+                for h in (whole, *parts):
+                    h.update(view)
                 pos += n
 
-        for label, start, end, want in sorted(parts, key=lambda p: p[1]):
+        for label, start, end, want, checksum in sorted(parts, key=lambda p: p[1]):
             feed(start)
-            h = F.new_hash(F.PART_DIGEST)
-            feed(end, h)
+            h, x = F.new_hash(F.PART_DIGEST), F.new_block_checksum()
+            feed(end, h, x)
             if h.hexdigest() != want:
                 raise BundleError(
                     f"{path}: {label} (bytes [{start}, {end})) fails its {F.HASH} check: the file is damaged there"
+                )
+            if checksum is not None and x.hexdigest() != checksum:
+                raise BundleError(
+                    f"{path}: {label} (bytes [{start}, {end})) matches its {F.HASH} but not its xxh3 "
+                    "checksum: the manifest's block_xxh3 is wrong"
                 )
         feed(rec.bytes)
     got = whole.hexdigest()

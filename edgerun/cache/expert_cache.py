@@ -14,6 +14,11 @@ Where the slots live (``pool``):
 - ``mapped``: page-locked host memory the GPU reads directly (unified memory: Jetson, where host
   memory *is* device memory). Reads land in the slot itself, no staging copy; before a layer's
   reads start, the compute stream is drained so no queued kernel reads a slot being refilled.
+
+Every block read is checked against its manifest checksum on the host bytes, in the reader's
+thread, before it is copied to (or counted as filled in) its slot (``Bundle.check_block``); a
+block that fails on a read and a re-read is not cached: its fill is abandoned, the error counted
+and raised. An older bundle without checksums is read unchecked, as a counted fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,6 +34,7 @@ from edgerun.bundle.reader import Bundle
 from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
+from edgerun.errors import ChecksumError, StorageError
 
 
 @dataclass
@@ -103,6 +110,10 @@ class ExpertCache:
         self.bundle = bundle
         self.device = device
         self._fallbacks: dict[str, str] = {}
+        if bundle.unchecked:
+            self._fallbacks["unchecked_blocks"] = bundle.unchecked
+        self.unchecked_reads = 0
+        self.faults = {"checksum": 0, "io": 0}  # reads refused: a block failing twice; short read, I/O error
         if pool == "mapped":
             why = mapped_unsupported(device)
             if why:
@@ -243,11 +254,13 @@ class ExpertCache:
         reader = self.readers[bb]
         path = self.bundle.expert_path(layer)
         n = self.bundle.args.num_experts
+        checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
 
         def submit(f: Fill):
+            check = partial(self.bundle.check_block, layer, f.expert) if checked else None
             if dest is not None:
-                return reader.submit(path, f.expert, None, n, dest=dest[f.slot].numpy().data)
-            return reader.submit(path, f.expert, sink_for(f.slot), n)
+                return reader.submit(path, f.expert, None, n, dest=dest[f.slot].numpy().data, check=check)
+            return reader.submit(path, f.expert, sink_for(f.slot), n, check=check)
 
         t0 = time.perf_counter()
         futures = [(f, submit(f)) for f in fills]
@@ -257,10 +270,15 @@ class ExpertCache:
                 fut.result()
             except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
                 table.abandon(f)
+                if isinstance(exc, StorageError):
+                    self.faults["checksum" if isinstance(exc, ChecksumError) else "io"] += 1
                 error = error or exc
+        done = sum(1 for _, fu in futures if fu.exception() is None)
         st = self.io[layer]
         st.read_seconds += time.perf_counter() - t0
-        st.bytes_read += bb * sum(1 for _, fu in futures if fu.exception() is None)
+        st.bytes_read += bb * done
+        if not checked:
+            self.unchecked_reads += done
         if error is not None:
             raise error
 
@@ -367,11 +385,16 @@ class ExpertCache:
 
     def fallback_reads(self) -> dict[str, int]:
         """Reads served under each read fallback (buffered reads, pageable staging)."""
-        out: dict[str, int] = {}
+        out: dict[str, int] = {"unchecked_blocks": self.unchecked_reads} if self.unchecked_reads else {}
         for r in self.readers.values():
             for kind, n in r.stats.fallback_reads.items():
                 out[kind] = out.get(kind, 0) + n
         return out
+
+    def read_faults(self) -> dict[str, int]:
+        """Blocks read again after failing their checksum (``reread``), and reads refused: a block
+        that failed twice (``checksum``), a short read or I/O error (``io``)."""
+        return {"reread": sum(r.stats.rereads for r in self.readers.values()), **self.faults}
 
     def close(self) -> None:
         for r in self.readers.values():

@@ -6,6 +6,11 @@ system call, so a misaligned request says which of the three is wrong instead of
 ``mode="buffered"`` reads through the page cache for filesystems without O_DIRECT (tmpfs);
 ``mode="auto"`` tries O_DIRECT and falls back to buffered reads, recording the fallback and
 its reason (never silently).
+
+A read given a ``check`` runs it on the bytes before they are handed on (before the sink's copy,
+or before a read into caller memory counts as done). A block that fails it is read once more,
+through a fresh descriptor and past the page cache; failing again, the error propagates. Short
+reads, I/O errors and a file that cannot be opened are :class:`StorageError` s, named.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import ChecksumError, EdgerunError, StorageError
 
 ALIGN = 4096
 MODES = ("direct", "buffered", "auto")
@@ -59,7 +64,7 @@ def check_alignment(offset: int, length: int, address: int, what: str) -> None:
         raise AlignmentError(f"O_DIRECT read of {what}: " + "; ".join(problems))
 
 
-READ_FALLBACKS = ("direct_read", "pageable_staging")  # counted per read they serve
+READ_FALLBACKS = ("direct_read", "pageable_staging", "unchecked_blocks")  # counted per read they serve
 
 
 @dataclass
@@ -68,6 +73,7 @@ class ReadStats:
     bytes: int = 0
     seconds: float = 0.0  # summed per-read wall time (reads overlap: see wall_seconds)
     wall_seconds: float = 0.0  # time with at least one read in flight
+    rereads: int = 0  # blocks read again after failing their check
     fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> reason
     fallback_reads: dict[str, int] = field(default_factory=dict)  # kind -> reads it served
 
@@ -104,6 +110,7 @@ class BlockReader:
         self.depth = min(depth or staging, staging)
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="edgerun-read")
         self._fds: dict[tuple[Path, bool], int] = {}
+        self._retired: list[int] = []  # replaced by a fresh open; a read in flight may still use one
         self._lock = threading.Lock()
         self._inflight = 0
         self._busy_since = 0.0
@@ -111,17 +118,20 @@ class BlockReader:
         # a reader dropped without close() still unregisters its page-locked buffers before they
         # are unmapped (else a later mapping at the same address could not be registered) and
         # closes its files
-        self._finalizer = weakref.finalize(self, _release, self._pinned, self._fds)
+        self._finalizer = weakref.finalize(self, _release, self._pinned, self._fds, self._retired)
 
     @property
     def staging_bytes(self) -> int:
         return len(self._buffers) * self.block_bytes
 
-    def _fd(self, path: Path) -> tuple[int, bool]:
-        """(fd, direct) for path, opening it on first use."""
+    def _fd(self, path: Path, fresh: bool = False) -> tuple[int, bool]:
+        """(fd, direct) for path, opening it on first use (``fresh``: again, in case the file was
+        replaced since)."""
         with self._lock:
             direct = self.mode != "buffered" and "direct_read" not in self.stats.fallbacks
             key = (path, direct)
+            if fresh and key in self._fds:
+                self._retired.append(self._fds.pop(key))
             if key in self._fds:
                 return self._fds[key], direct
             flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
@@ -139,7 +149,7 @@ class BlockReader:
                         return self._fds[key], False
                     fd = os.open(path, os.O_RDONLY)
                 else:
-                    raise ReadError(f"cannot open expert file {path}: {exc.strerror}") from exc
+                    raise StorageError(f"cannot open expert file {path}: {exc.strerror}") from exc
             self._fds[key] = fd
             return fd, direct
 
@@ -150,14 +160,14 @@ class BlockReader:
         sink: Callable[[memoryview], None] | None,
         num_blocks: int,
         dest: memoryview | None = None,
+        check: Callable[[memoryview], object] | None = None,
     ) -> int:
         """Blocking read of block ``index`` (bounds-checked against ``num_blocks``): into an owned
         staging buffer handed to ``sink``, or, with ``dest`` (page-aligned, block_bytes long),
-        straight into the caller's memory (a unified-memory slot) with no staging copy."""
+        straight into the caller's memory (a unified-memory slot) with no staging copy. ``check``
+        (raising :class:`ChecksumError`) sees the bytes first; see the module docstring."""
         if not 0 <= index < num_blocks:
             raise ReadError(f"{path}: block {index} requested, file holds blocks 0..{num_blocks - 1}")
-        offset = index * self.block_bytes
-        fd, direct = self._fd(Path(path))
         if dest is not None and len(dest) != self.block_bytes:
             raise ReadError(
                 f"{path} block {index}: destination holds {len(dest)} bytes, a block is {self.block_bytes}"
@@ -165,20 +175,15 @@ class BlockReader:
         buf = self._free.get() if dest is None else None  # owned until returned below
         try:
             view = memoryview(buf)[: self.block_bytes] if dest is None else dest
-            if direct:
-                address = buffer_address(buf if dest is None else dest)
-                check_alignment(offset, self.block_bytes, address, f"{path} block {index}")
-            self._begin()
-            t0 = time.perf_counter()
-            try:
-                n = os.preadv(fd, [view], offset)
-            finally:
-                dt = time.perf_counter() - t0
-                self._end()
-            if n != self.block_bytes:
-                raise ReadError(
-                    f"{path}: short read of block {index} at offset {offset}: {n} of {self.block_bytes} bytes"
-                )
+            n, dt = self._pread(Path(path), index, view)
+            if check is not None:
+                try:
+                    check(view)
+                except ChecksumError:
+                    with self._lock:
+                        self.stats.rereads += 1
+                    self._pread(Path(path), index, view, again=True)
+                    check(view)  # failing twice: the block is damaged where it is stored
             if sink is not None:
                 sink(view)
             with self._lock:
@@ -194,6 +199,30 @@ class BlockReader:
             if buf is not None:
                 self._free.put(buf)
 
+    def _pread(self, path: Path, index: int, view: memoryview, again: bool = False) -> tuple[int, float]:
+        """One read of block ``index`` into ``view``: (bytes, seconds). ``again``: through a fresh
+        descriptor (the file may have been replaced), past the page cache."""
+        offset = index * self.block_bytes
+        fd, direct = self._fd(path, fresh=again)
+        if direct:
+            check_alignment(offset, self.block_bytes, buffer_address(view), f"{path} block {index}")
+        self._begin()
+        t0 = time.perf_counter()
+        try:
+            if again and not direct:
+                os.posix_fadvise(fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            n = os.preadv(fd, [view], offset)
+        except OSError as exc:
+            raise StorageError(f"{path}: reading block {index} at offset {offset}: {exc}") from exc
+        finally:
+            dt = time.perf_counter() - t0
+            self._end()
+        if n != self.block_bytes:
+            raise StorageError(
+                f"{path}: short read of block {index} at offset {offset}: {n} of {self.block_bytes} bytes"
+            )
+        return n, dt
+
     def submit(
         self,
         path: Path,
@@ -201,8 +230,9 @@ class BlockReader:
         sink: Callable[[memoryview], None] | None,
         num_blocks: int,
         dest: memoryview | None = None,
+        check: Callable[[memoryview], object] | None = None,
     ) -> Future:
-        return self._pool.submit(self.read_into, path, index, sink, num_blocks, dest)
+        return self._pool.submit(self.read_into, path, index, sink, num_blocks, dest, check)
 
     def _begin(self) -> None:
         with self._lock:
@@ -240,13 +270,14 @@ class BlockReader:
         self._buffers.clear()
 
 
-def _release(pinned: list[mmap.mmap], fds: dict) -> None:
+def _release(pinned: list[mmap.mmap], fds: dict, retired: list[int]) -> None:
     if pinned:
         import torch
 
         for b in pinned:
             torch.cuda.cudart().cudaHostUnregister(buffer_address(b))
         pinned.clear()
-    for fd in fds.values():
+    for fd in [*fds.values(), *retired]:
         os.close(fd)
     fds.clear()
+    retired.clear()

@@ -35,6 +35,7 @@ from functools import partial
 import torch
 
 from edgerun.cache.slots import SlotRef
+from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
 from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
 
@@ -92,9 +93,11 @@ class DecodeGraphs:
             inv_freq=model.rotary.inv_freq,
         )
         self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
-        # the greedy token of each step, read back through two host slots (see ``launch``)
+        self.bad = torch.zeros(1, dtype=torch.long, **kw)  # the step's non-finite logits
+        # the greedy token of each step and its count of bad logits, read back through two host
+        # slots (see ``launch``)
         cuda = self.device.type == "cuda"
-        self.token_host = torch.zeros(2, 1, dtype=torch.long, pin_memory=cuda)
+        self.token_host = torch.zeros(2, 2, dtype=torch.long, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._slot = 0
         self.modes: dict[int, str] = {}
@@ -228,6 +231,7 @@ class DecodeGraphs:
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
+        torch.sum(~torch.isfinite(self.logits), dim=-1, out=self.bad)
 
     def routes(self) -> dict[int, list[list[int]]]:
         """The expert ids each MoE layer's router chose in the last step (its static buffers)."""
@@ -256,16 +260,21 @@ class DecodeGraphs:
         i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
         self._run(token)
         k, self._slot = self._slot, self._slot ^ 1
-        self.token_host[k].copy_(self.token[0], non_blocking=True)
+        self.token_host[k, :1].copy_(self.token[0], non_blocking=True)
+        self.token_host[k, 1:].copy_(self.bad, non_blocking=True)
         if self.events is not None:
             self.events[k].record()
         return k
 
     def result(self, handle: int) -> int:
-        """The greedy token the step behind ``handle`` chose (waits for that step only)."""
+        """The greedy token the step behind ``handle`` chose (waits for that step only); refused
+        when its logits were not all finite."""
         if self.events is not None:
             self.events[handle].synchronize()
-        return int(self.token_host[handle, 0])
+        token, bad = self.token_host[handle].tolist()
+        if bad:
+            raise NonFiniteLogits(bad, self.logits.shape[-1])
+        return token
 
     def _run(self, token: int | None) -> None:
         if self.state.pos >= self.capacity:

@@ -19,7 +19,7 @@ from edgerun.config import CacheConfig
 from edgerun.engine.graphs import DecodeCounters, DecodeGraphs
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
-from edgerun.engine.sampler import Sampler, SamplingParams
+from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
@@ -97,6 +97,8 @@ class Runner:
         self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
         self.routes = None  # a RouteRecorder (engine/trace.py) that also takes the decoder's steps
         self._fallback_steps: dict[str, int] = {}  # engine steps run under each kernel/graph/pool fallback
+        self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
+        self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
 
     @property
     def limits(self) -> Limits:
@@ -124,7 +126,7 @@ class Runner:
 
     def fallbacks(self) -> dict[str, str]:
         """Every fallback in force, by kind, with its reason."""
-        out = dict(self.kernels.fallbacks)
+        out = dict(self.kernels.fallbacks) | {k: why for k, (why, _) in self.load_fallbacks.items()}
         if self.cache is not None:
             out.update(self.cache.fallbacks())
         if self.decoder is not None:
@@ -135,7 +137,8 @@ class Runner:
         """How often each fallback in force was taken: reads for the read fallbacks (buffered
         reads, pageable staging), engine steps (prefill chunks and decode steps) for the rest."""
         reads = self.cache.fallback_reads() if self.cache is not None else {}
-        counts = reads | self._fallback_steps
+        loaded = {k: n for k, (_, n) in self.load_fallbacks.items()}
+        counts = reads | loaded | self._fallback_steps
         return {kind: counts.get(kind, 0) for kind in self.fallbacks()}
 
     def _count_step(self) -> None:
@@ -173,7 +176,7 @@ class Runner:
         device = device or default_device()
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
-        expert_cache = None
+        expert_cache, unchecked = None, {}
         if (model_dir / MANIFEST).is_file():
             if cache is not None:
                 from edgerun.engine.streaming import load_streaming_model
@@ -182,11 +185,13 @@ class Runner:
                     model_dir, cache, dtype=dtype, device=device, providers=providers, log=log
                 )
             else:
-                from edgerun.bundle.reader import load_bundle_model
+                from edgerun.bundle.reader import Bundle, load_bundle_model
 
-                model, args, report = load_bundle_model(
-                    model_dir, dtype=dtype, device=device, providers=providers
-                )
+                bundle = Bundle.open(model_dir, providers=providers)
+                model, args, report = load_bundle_model(bundle, dtype=dtype, device=device)
+                if bundle.unchecked:
+                    blocks = sum(r.num_experts for r in bundle.manifest.layers if r.block_xxh3 is None)
+                    unchecked = {"unchecked_blocks": (bundle.unchecked, blocks)}
         elif cache is not None:
             raise EdgerunError(
                 f"{model_dir}: streaming (a quota) needs an edgerun bundle; run `edgerun convert` first"
@@ -204,6 +209,7 @@ class Runner:
         runner.load_summary = report.summary()
         runner.provider = report.provider
         runner.cache = expert_cache
+        runner.load_fallbacks = unchecked
         runner.set_kernels(kernels or KernelPolicy())
         return runner
 
@@ -264,7 +270,7 @@ class Runner:
         t0 = time.perf_counter()
         logits = self.prefill(state, prompt_ids)
         finish = "length"
-        for i, token in enumerate(self._tokens(state, logits, sampler, params.max_tokens)):
+        for i, token in enumerate(self._counted(self._tokens(state, logits, sampler, params.max_tokens))):
             if i == 0:
                 stats.prefill_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -281,6 +287,14 @@ class Runner:
             stats.decode_s = time.perf_counter() - t0
         stats.peak_memory_bytes = peak_memory(self.device)
         yield Event(text.flush(), None, finish, stats)
+
+    def _counted(self, tokens: Iterator[int]) -> Iterator[int]:
+        """``tokens``, counting a request stopped by non-finite logits."""
+        try:
+            yield from tokens
+        except NonFiniteLogits:
+            self.nonfinite_logits += 1
+            raise
 
     def _tokens(self, state: DecodeState, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
         """The next ``n`` tokens after the prompt (the caller may stop early). Sampled on the

@@ -17,6 +17,15 @@ class SamplingError(EdgerunError, ValueError):
     pass
 
 
+class NonFiniteLogits(EdgerunError, RuntimeError):
+    """The model produced NaN or infinite logits: no token is chosen from them."""
+
+    def __init__(self, bad: int, total: int) -> None:
+        super().__init__(
+            f"{bad} of {total} logits are NaN or infinite: the request is stopped, no token emitted"
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -54,11 +63,18 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [V] for one position -> token id."""
+        """logits: [V] for one position -> token id; refused (:class:`NonFiniteLogits`) when any
+        is NaN or infinite."""
         p = self.params
-        if p.greedy:  # on the logits' device: one small kernel and a read of the id, not of [V]
-            return int(torch.argmax(logits.detach()))
-        logits = logits.detach().float().cpu()
+        logits = logits.detach()
+        if p.greedy:  # on the logits' device: two small kernels and one read of two ints, not of [V]
+            token, bad = torch.stack([torch.argmax(logits), (~torch.isfinite(logits)).sum()]).tolist()
+            if bad:
+                raise NonFiniteLogits(bad, logits.numel())
+            return token
+        logits = logits.float().cpu()
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(int((~torch.isfinite(logits)).sum()), logits.numel())
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]

@@ -3,7 +3,9 @@
 is loaded and probed, serve until SIGTERM, ``STOPPING=1``, drain for the grace period, exit 0.
 
 If the engine cannot continue, ``/health`` answers ``failed`` for a moment and the process exits
-non-zero, so systemd restarts it. Threads: one asyncio loop (uvloop) for every connection, one
+non-zero, so systemd restarts it; after a storage fault (an expert block that cannot be read
+intact) it stays up, failed and saying why, and stops feeding the watchdog, whose timeout
+restarts it. Threads: one asyncio loop (uvloop) for every connection, one
 engine thread that owns the model (:mod:`edgerun.server.engine_worker`).
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import EdgerunError, StorageError
 from edgerun.server.api import FAILED, STOPPING, ApiOptions, App
 from edgerun.server.engine_worker import Engine, EngineWorker, WorkerHooks
 from edgerun.server.http import Connection, Limits
@@ -229,6 +231,8 @@ class Daemon:
         self.notifier.notify(f"STATUS={message}")
         self.app.abort_all(503, message)
         self.failed_code = EXIT_CONFIG if loading and isinstance(exc, EdgerunError) else EXIT_FAILED
+        if not loading and isinstance(exc, StorageError):
+            return  # up, failed, saying why in /health and /metrics until the watchdog restarts it
         self._loop.call_later(FAILED_LINGER_S, self.request_stop, message, self.failed_code)
 
     # ---- watchdog: pinged from the engine thread while the loop is alive too ------------------
@@ -240,7 +244,7 @@ class Daemon:
             await asyncio.sleep(every)
 
     def _ping(self) -> None:
-        if not self.watchdog:
+        if not self.watchdog or self.app.state == FAILED:
             return
         now = time.monotonic()
         if now - self._last_ping >= self.watchdog / 4 and now - self.loop_beat < self.watchdog / 2:

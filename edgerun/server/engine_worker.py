@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import EdgerunError, StorageError
 
 if TYPE_CHECKING:
     from edgerun.engine.request import Limits, Request
@@ -45,7 +45,8 @@ class Engine(Protocol):
     def stats(self) -> dict[str, Any]:
         """A snapshot safe to take from another thread while the engine runs:
         ``experts`` (mode label), ``layers`` {layer: {hits, misses, evictions, bytes_read}},
-        ``fallbacks`` {kind: times taken}, ``resident_memory_bytes``, ``peak_memory_bytes``."""
+        ``fallbacks`` {kind: times taken}, ``resident_memory_bytes``, ``peak_memory_bytes``;
+        optionally ``read_faults`` {kind: count} and ``nonfinite_logits``."""
 
 
 class EngineFailure(EdgerunError):
@@ -53,7 +54,9 @@ class EngineFailure(EdgerunError):
 
 
 def is_fatal(exc: BaseException) -> bool:
-    if isinstance(exc, (EngineFailure, MemoryError)):
+    """Whether ``exc`` ends the engine: a lost device, out of memory, or a storage fault (the
+    bundle can no longer be read intact)."""
+    if isinstance(exc, (EngineFailure, MemoryError, StorageError)):
         return True
     accel = getattr(sys.modules.get("torch"), "AcceleratorError", ())  # a device error: CUDA's state is lost
     return isinstance(exc, accel) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
@@ -157,6 +160,8 @@ class RunnerEngine:
             "layers": layers,
             "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
+            "read_faults": cache.read_faults() if cache else {},
+            "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
         }

@@ -122,6 +122,19 @@ def render(
         [({"kind": k}, n) for k, n in sorted(stats.get("fallbacks", {}).items())],
     )
     t.family(
+        "edgerun_expert_read_faults_total",
+        "counter",
+        "Expert blocks read again after failing their checksum (reread), and reads refused: a block "
+        "failing twice (checksum), a short read or I/O error (io). A refused read fails the engine.",
+        [({"kind": k}, n) for k, n in sorted(stats.get("read_faults", {}).items())],
+    )
+    t.one(
+        "edgerun_nonfinite_logits_total",
+        "counter",
+        "Requests stopped because a step's logits were NaN or infinite (no token emitted from them).",
+        stats.get("nonfinite_logits", 0),
+    )
+    t.family(
         "edgerun_decode_steps_total",
         "counter",
         "Decode steps by how they ran: graph (replayed, no host op), mixed (graph segments with eager "

@@ -395,17 +395,18 @@ def _write_dense(
 
 
 def _write_layer(plan: ConversionPlan, dst: Path, layer: int, seed: int) -> tuple:
-    """One layer's expert file (and int4 sidecar), expert by expert: (layer, record, block hashes,
-    sidecar record or None). The written pages are dropped from the page cache after the fsync,
+    """One layer's expert file (and int4 sidecar), expert by expert: (layer, record, the blocks'
+    hashes and checksums as the journal records them, sidecar record or None). The written pages are dropped from the page cache after the fsync,
     so a following read of the file, direct or buffered, comes from the disk."""
     lay, E = plan.layout, plan.args.num_experts
     w = _Writer(dst / F.expert_file(layer))
     sidecar = np.zeros((E, 2), np.float32) if lay.quant == "int4" else None
-    hashes = []
+    blocks = {"blocks": [], "xxh3": []}
     for e in range(E):
         block, gscales = random_block(lay, part_rng(seed, EXPERT_PART, layer, e))
         w.write(block)
-        hashes.append(F.part_hash(block))
+        blocks["blocks"].append(F.part_hash(block))
+        blocks["xxh3"].append(F.block_checksum(block))
         if sidecar is not None:
             sidecar[e] = gscales
     record = w.commit()
@@ -419,7 +420,7 @@ def _write_layer(plan: ConversionPlan, dst: Path, layer: int, seed: int) -> tupl
         s = _Writer(dst / F.sidecar_file(layer))
         s.write(sidecar.view(np.uint8).reshape(-1))
         side = s.commit()
-    return layer, record, hashes, side
+    return layer, record, blocks, side
 
 
 def _cpu_count() -> int:
@@ -518,11 +519,11 @@ def _write_payload(
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
         for f in done:
             pending.discard(f)
-            layer, record, hashes, side = f.result()
+            layer, record, blocks, side = f.result()
             if side is not None:
                 journal.finish(F.sidecar_file(layer), side)
             # the blocks are the quantizer's fixed points: no error against their own weights
-            journal.finish(F.expert_file(layer), record, blocks=hashes, err2=0.0, ref2=0.0)
+            journal.finish(F.expert_file(layer), record, **blocks, err2=0.0, ref2=0.0)
             bar.advance(block_bytes, f"layer {layer}")
 
     def dense_progress(n: int) -> None:

@@ -254,3 +254,27 @@ def test_a_second_conversion_into_the_same_directory_is_refused(sources, tmp_pat
         os.close(fd)
     convert(sources["qwen3_moe"], dst, ConvertOptions("int8"))
     assert (dst / F.MANIFEST).is_file()
+
+
+def test_every_rename_that_publishes_a_file_is_followed_by_a_directory_fsync(sources, tmp_path, monkeypatch):
+    """A rename is durable only once its directory is fsynced: after a crash, a bundle whose
+    manifest was renamed in must not come back without it (or with an expert file missing)."""
+    events = []
+    replace, fsync = os.replace, os.fsync
+
+    def logged_replace(src, dst):
+        replace(src, dst)
+        events.append(("rename", Path(dst).parent))
+
+    def logged_fsync(fd):
+        fsync(fd)
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+
+    monkeypatch.setattr(os, "replace", logged_replace)
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    dst = tmp_path / "out"
+    convert(sources["qwen3_moe"], dst, ConvertOptions("int4", 16))
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) >= 4 and events[renames[-1]][1] == dst  # the manifest, last
+    for i, nxt in zip(renames, renames[1:] + [len(events)]):
+        assert ("fsync", events[i][1]) in events[i + 1 : nxt], f"{events[i][1]}: renamed into, not fsynced"

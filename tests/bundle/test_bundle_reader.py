@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from edgerun.bundle import format as F
 from edgerun.bundle import reader as R
 from edgerun.bundle.layout import expert_block_layout
 from edgerun.bundle.quant import dequantize_block, quantize_expert
@@ -104,3 +105,27 @@ def test_a_broken_bundle_is_refused_before_any_allocation(bundle_copy, monkeypat
     monkeypatch.setattr(R, "load_entries", allocate)
     with pytest.raises(BundleError, match="truncated expert file"):
         load_bundle_model(path)
+
+
+def test_block_checksums_are_recorded_and_checked_by_shape(bundle_copy):
+    import json
+
+    path = bundle_copy("qwen3_moe", "int8")
+    b = Bundle.open(path)
+    assert b.unchecked is None
+    rec = b.manifest.layers[0]
+    block = b.expert_path(rec.layer).read_bytes()[: rec.block_bytes]
+    assert b.check_block(rec.layer, 0, block) and rec.block_xxh3[0] == F.block_checksum(block)
+    doc = json.loads((path / F.MANIFEST).read_text())
+    doc["layers"][0]["block_xxh3"] = doc["layers"][0]["block_xxh3"][:-1]
+    (path / F.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(
+        BundleError, match=rf"key 'layers\[layer {rec.layer}\].block_xxh3' must hold 6 checksums"
+    ):
+        Bundle.open(path)
+    for r in doc["layers"]:  # an older bundle: no checksums, read unchecked and said so
+        del r["block_xxh3"]
+    (path / F.MANIFEST).write_text(json.dumps(doc))
+    old = Bundle.open(path)
+    assert "has no block_xxh3 for 2 of 2 MoE layers" in old.unchecked
+    assert not old.check_block(rec.layer, 0, bytes(rec.block_bytes))

@@ -60,7 +60,7 @@ def _layout_fields(m: F.Manifest) -> dict:
     del doc["source"], doc["quant"]["rel_rmse"]
     doc["dense"]["tensors"] = list(doc["dense"]["tensors"])  # names, in file order
     for rec in doc["layers"]:
-        del rec["block_blake2b"], rec["rel_rmse"]
+        del rec["block_blake2b"], rec["block_xxh3"], rec["rel_rmse"]
     doc["files"] = {name: f["bytes"] for name, f in doc["files"].items()}
     return doc
 

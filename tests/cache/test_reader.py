@@ -14,6 +14,7 @@ from edgerun.cache.reader import (
     buffer_address,
     check_alignment,
 )
+from edgerun.errors import ChecksumError, StorageError
 
 BB = 8192
 
@@ -80,7 +81,7 @@ def test_short_file_is_a_short_read(expert_file, tmp_path):
     short = tmp_path / "short.bin"
     short.write_bytes(data[: BB * 3 + 100])
     r = BlockReader(BB, staging=1, mode="buffered")
-    with pytest.raises(ReadError, match=r"short read of block 3 at offset 24576: 100 of 8192 bytes"):
+    with pytest.raises(StorageError, match=r"short read of block 3 at offset 24576: 100 of 8192 bytes"):
         r.read_into(short, 3, lambda v: None, 16)
     r.close()
 
@@ -138,3 +139,50 @@ def test_direct_read_into_caller_memory(expert_file):
     with pytest.raises(ReadError, match="destination holds"):
         r.read_into(path, 3, None, 16, dest=memoryview(dest)[:100])
     r.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+@pytest.mark.parametrize("into", ["staging", "dest"])
+def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_path, mode, into):
+    """The check sees the bytes before the sink (or before a read into caller memory is done); a
+    failure is read again through a fresh descriptor (a file replaced since is seen), and one
+    that fails again is raised without the sink ever seeing the bytes."""
+    path, data = expert_file
+    if mode == "direct" and not _o_direct_supported(path):
+        pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
+    good = data[5 * BB : 6 * BB]
+    path.write_bytes(data[: 5 * BB] + bytes(BB) + data[6 * BB :])  # block 5 zeroed in place
+    r = BlockReader(BB, staging=1, mode=mode)
+    dest = aligned_buffer(BB)
+    sunk = []
+
+    def read(check):
+        if into == "dest":
+            r.read_into(path, 5, None, 16, dest=memoryview(dest), check=check)
+            sunk.append(bytes(dest))
+        else:
+            r.read_into(path, 5, lambda v: sunk.append(bytes(v)), 16, check=check)
+
+    def check(view):
+        if bytes(view) != good:
+            raise ChecksumError("block 5 damaged")
+
+    with pytest.raises(ChecksumError, match="block 5 damaged"):
+        read(check)
+    assert sunk == [] and r.stats.rereads == 1 and r.stats.reads == 0
+
+    def repair_then_check(view):  # the file is replaced (renamed over) after the first read
+        if not repaired:
+            repaired.append(1)
+            tmp = tmp_path / "new.bin"
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        check(view)
+
+    repaired = []
+    read(repair_then_check)
+    assert sunk == [good] and r.stats.rereads == 2 and r.stats.reads == 1
+    with pytest.raises(StorageError, match=r"cannot open expert file .*missing"):
+        r.read_into(tmp_path / "missing", 0, lambda v: None, 16)
+    r.close()
+    dest.close()
