@@ -29,6 +29,7 @@ same static state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -93,11 +94,13 @@ class DecodeGraphs:
             inv_freq=model.rotary.inv_freq,
         )
         self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
-        self.bad = torch.zeros(1, dtype=torch.long, **kw)  # the step's non-finite logits
-        # the greedy token of each step and its count of bad logits, read back through two host
-        # slots (see ``launch``)
+        self.chosen = torch.zeros(1, 1, dtype=self.dtype, **kw)  # the greedy token's logit
+        # the greedy token of each step and its logit, read back through two host slots (see
+        # ``launch``): argmax takes a NaN as the largest value, so a finite chosen logit means
+        # there is no NaN and no +inf among the step's logits, at the cost of one tiny gather
         cuda = self.device.type == "cuda"
-        self.token_host = torch.zeros(2, 2, dtype=torch.long, pin_memory=cuda)
+        self.token_host = torch.zeros(2, 1, dtype=torch.long, pin_memory=cuda)
+        self.chosen_host = torch.zeros(2, 1, dtype=self.dtype, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._slot = 0
         self.modes: dict[int, str] = {}
@@ -231,7 +234,7 @@ class DecodeGraphs:
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
-        torch.sum(~torch.isfinite(self.logits), dim=-1, out=self.bad)
+        torch.gather(self.logits, -1, self.token, out=self.chosen)
 
     def routes(self) -> dict[int, list[list[int]]]:
         """The expert ids each MoE layer's router chose in the last step (its static buffers)."""
@@ -260,8 +263,8 @@ class DecodeGraphs:
         i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
         self._run(token)
         k, self._slot = self._slot, self._slot ^ 1
-        self.token_host[k, :1].copy_(self.token[0], non_blocking=True)
-        self.token_host[k, 1:].copy_(self.bad, non_blocking=True)
+        self.token_host[k].copy_(self.token[0], non_blocking=True)
+        self.chosen_host[k].copy_(self.chosen[0], non_blocking=True)
         if self.events is not None:
             self.events[k].record()
         return k
@@ -271,10 +274,10 @@ class DecodeGraphs:
         when its logits were not all finite."""
         if self.events is not None:
             self.events[handle].synchronize()
-        token, bad = self.token_host[handle].tolist()
-        if bad:
-            raise NonFiniteLogits(bad, self.logits.shape[-1])
-        return token
+        chosen = float(self.chosen_host[handle, 0])
+        if not math.isfinite(chosen):
+            raise NonFiniteLogits(f"the greedy step's logits hold NaN or +inf (its largest is {chosen})")
+        return int(self.token_host[handle, 0])
 
     def _run(self, token: int | None) -> None:
         if self.state.pos >= self.capacity:

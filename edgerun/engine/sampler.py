@@ -20,10 +20,8 @@ class SamplingError(EdgerunError, ValueError):
 class NonFiniteLogits(EdgerunError, RuntimeError):
     """The model produced NaN or infinite logits: no token is chosen from them."""
 
-    def __init__(self, bad: int, total: int) -> None:
-        super().__init__(
-            f"{bad} of {total} logits are NaN or infinite: the request is stopped, no token emitted"
-        )
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: the request is stopped, no token emitted")
 
 
 @dataclass(frozen=True)
@@ -70,11 +68,13 @@ class Sampler:
         if p.greedy:  # on the logits' device: two small kernels and one read of two ints, not of [V]
             token, bad = torch.stack([torch.argmax(logits), (~torch.isfinite(logits)).sum()]).tolist()
             if bad:
-                raise NonFiniteLogits(bad, logits.numel())
+                raise NonFiniteLogits(f"{bad} of {logits.numel()} logits are NaN or infinite")
             return token
         logits = logits.float().cpu()
         if not bool(torch.isfinite(logits).all()):
-            raise NonFiniteLogits(int((~torch.isfinite(logits)).sum()), logits.numel())
+            raise NonFiniteLogits(
+                f"{int((~torch.isfinite(logits)).sum())} of {logits.numel()} logits are NaN or infinite"
+            )
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]

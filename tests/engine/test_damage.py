@@ -122,24 +122,28 @@ def test_sampling_refuses_nonfinite_logits():
 
 def test_the_queued_greedy_path_refuses_nonfinite_logits(bundles, monkeypatch):
     """The CUDA decoder picks greedy tokens on the device and queues the next step before the
-    host reads one (run uncaptured on the CPU here): the step's count of non-finite logits comes
-    back with its token, and a bad step is refused, not emitted."""
-    runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(quotas=64))
-    runner.decoder = DecodeGraphs(
-        runner.model, runner.args, runner.cache, runner.kernels, torch.device("cpu"), 64, runner.steps
-    )
-    head, plain = runner.model.lm_head, runner.model.lm_head.forward
+    host reads one (run uncaptured on the CPU here): the chosen logit comes back with its token
+    (argmax takes a NaN as the largest, so one NaN anywhere is chosen), and a bad step is
+    refused, not emitted. One NaN among the logits, then one +inf."""
+    for bad in (float("nan"), float("inf")):
+        runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(quotas=64))
+        runner.decoder = DecodeGraphs(
+            runner.model, runner.args, runner.cache, runner.kernels, torch.device("cpu"), 64, runner.steps
+        )
+        head, plain = runner.model.lm_head, runner.model.lm_head.forward
 
-    def nan_in_decoder_steps(x, *a, out=None, **kw):  # the decoder's head writes into ``out``
-        y = plain(x, *a, out=out, **kw)
-        if out is not None:
-            out.fill_(float("nan"))
-        return y
+        def one_bad_logit(
+            x, *a, out=None, plain=plain, bad=bad, **kw
+        ):  # the decoder's head writes into ``out``
+            y = plain(x, *a, out=out, **kw)
+            if out is not None:
+                out[..., 41] = bad
+            return y
 
-    monkeypatch.setattr(head, "forward", nan_in_decoder_steps)
-    state = runner.decoder.reset()
-    with torch.no_grad():
-        tokens = runner._tokens(state, runner.prefill(state, PROMPT), Sampler(GREEDY), 5)
-        assert next(tokens) >= 0  # the prefill's token: its logits are finite
-        with pytest.raises(NonFiniteLogits, match="97 of 97 logits"):
-            next(tokens)
+        monkeypatch.setattr(head, "forward", one_bad_logit)
+        state = runner.decoder.reset()
+        with torch.no_grad():
+            tokens = runner._tokens(state, runner.prefill(state, PROMPT), Sampler(GREEDY), 5)
+            assert next(tokens) >= 0  # the prefill's token: its logits are finite
+            with pytest.raises(NonFiniteLogits, match=r"NaN or \+inf"):
+                next(tokens)
