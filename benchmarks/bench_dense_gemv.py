@@ -32,12 +32,13 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]  # bench_moe_kern
 from bench_moe_kernel import PEAK, copy_bandwidth, timed  # noqa: E402
 
 from edgerun.kernels import qlinear_triton as K  # noqa: E402
-from edgerun.kernels.qlinear_reference import qlinear_ref, random_qweight, rel_err  # noqa: E402
+from edgerun.kernels.dense_probe import rel_err  # noqa: E402
+from edgerun.kernels.qlinear_reference import qlinear_ref, random_qweight  # noqa: E402
 from edgerun.kernels.qweight import QWeight  # noqa: E402
 
-# (R, C): qkv/z/a/b of a DeltaNet layer in one GEMV, o_proj, a 1024-row projection, router + shared
-# gate, lm_head
-SHAPES = [(12352, 2048), (2048, 4096), (1024, 2048), (257, 2048), (248320, 2048)]
+# (R, C): qkv/z/a/b of a DeltaNet layer in one GEMV, o_proj, a 1024-row projection (shared
+# gate/up), the shared expert's down, router + shared gate, lm_head
+SHAPES = [(12352, 2048), (2048, 4096), (1024, 2048), (2048, 512), (257, 2048), (248320, 2048)]
 SCHEMES = [("int4", 32), ("int8", None), ("plain", None)]  # int8 None: one scale per row (group C)
 CALLS = 20
 SWEEP = [
@@ -51,6 +52,13 @@ SWEEP = [
         (32, 512, 4),
         (32, 256, 4),
         (8, 256, 1),
+        # a whole row of C = 2048 int4 (1 KB) or C = 4096 in one step: with PDL every weight load
+        # of a program is issued before it waits for the previous kernel
+        (2, 1024, 2),
+        (4, 1024, 4),
+        (8, 1024, 8),
+        (2, 2048, 4),
+        (4, 2048, 8),
     )
 ]
 
@@ -123,6 +131,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tokens", default="1", help="comma-separated N (rows of x) to run, e.g. 1,4,8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--schemes", default=",".join(s for s, _ in SCHEMES), help="comma-separated subset")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
@@ -138,7 +147,7 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     for N in (int(n) for n in a.tokens.split(",")):
-        for scheme, group in SCHEMES:
+        for scheme, group in (sg for sg in SCHEMES if sg[0] in a.schemes.split(",")):
             for R, C in SHAPES:
                 r = bench_case(
                     scheme, group, R, C, N, a.reps, lambda _i: flush.zero_(), SWEEP if a.sweep else []
