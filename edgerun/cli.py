@@ -31,7 +31,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="compute dtype (auto: float32 on cpu, the checkpoint's dtype on cuda)",
     )
     p.add_argument("--context", type=int, default=None, help="max context length (default: the model's)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument(
+        "--prefill-chunk", type=int, default=512, help="prompt tokens a prefill step takes at once"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -76,10 +78,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text (in-process; through a running daemon with --socket)")
     p.add_argument("prompt", nargs="?", help="prompt text (omit with --token-ids)")
     _add_engine_arguments(p)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens of this mass",
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -260,7 +267,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="reproducible benchmarks (decode on a GPU, streaming, the socket)",
         description="\n".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_RawHelp,
     )
     p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its options (edgerun bench NAME --help)")
@@ -280,7 +287,7 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
     p.add_argument("--out", type=Path, required=True, help="route trace to write (JSONL)")
     p.add_argument("--frequencies", type=Path, default=None, help="also write a warm-set JSON here")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to decode per prompt")
     _add_engine_arguments(p)
     p.set_defaults(func=run_trace)
 
@@ -320,7 +327,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="replay a route trace through cache policies")
     p.add_argument("trace", type=Path)
     p.add_argument("--quota", type=int, nargs="+", required=True, help="slots per layer (one or more)")
-    p.add_argument("--policy", choices=("lru", "belady"), nargs="+", default=["lru", "belady"])
+    p.add_argument(
+        "--policy",
+        choices=("lru", "belady"),
+        nargs="+",
+        default=["lru", "belady"],
+        help="cache policies to replay",
+    )
     p.set_defaults(func=run_simulate)
 
 
@@ -344,10 +357,48 @@ def run_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states one or there is
+    none to state (None, False, a required value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default is None
+            or default is False
+            or default == []
+            or default == argparse.SUPPRESS
+            or not action.option_strings
+            or action.required
+        ):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})".strip().replace("%", "%%")
+
+
+class _RawHelp(_Help, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: its help shows defaults, and a flag it does not know is reported
+    with its own usage (``main`` parses with ``parse_known_args`` and asks the subcommand)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_parser=self)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edgerun import __version__
+
     parser = argparse.ArgumentParser(prog="edgerun", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"edgerun {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_package_commands(sub)
     _add_trace(sub)
@@ -358,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(ns, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )

@@ -58,3 +58,26 @@ def test_bench_lists_the_benchmarks_and_runs_one(capsys, tmp_path):
         assert main(["bench", "decode", "--dir", str(tmp_path)]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
         assert list(tmp_path.iterdir()) == []  # refused before writing anything
+
+
+def test_version_module_entry_and_help_defaults():
+    """``edgerun --version``, ``python -m edgerun``, and every option's default in its help."""
+    from edgerun import __version__
+
+    run = [sys.executable, "-m", "edgerun"]
+    out = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"edgerun {__version__}"
+    out = subprocess.run([*run, "generate", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "--prefill-chunk PREFILL_CHUNK prompt tokens a prefill step takes at once (default: 512)" in text
+    assert "(0: all) (default: 0)" in text  # a zero default is still shown
+    assert "(default: None)" not in text and "(default: )" not in text
+
+
+def test_an_unknown_flag_gets_the_subcommands_usage_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--bogus", "hi"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: edgerun generate") and "unrecognized arguments: --bogus" in err
