@@ -17,12 +17,13 @@ from edgerun.bundle.layout import BlockLayout
 from edgerun.errors import ConfigError
 from edgerun.kernels.moe_reference import moe_experts_ref
 
-IMPLS = ("reference", "triton")
+IMPLS = ("reference", "triton", "cpu")
 
 
 @dataclass(frozen=True)
 class MoeKernelPolicy:
-    impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py
+    impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py;
+    # cpu: torch's int4 / int8 weight-only CPU GEMMs on slots repacked once per fill (kernels/moe_cpu.py)
     gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: bf16 scratch + cuBLAS GEMM
     scratch_experts: int = (
         16  # triton GEMM path: experts dequantized at a time (scratch 2·(2I·D + D·I) B each)
@@ -52,6 +53,7 @@ def moe_experts(
     expert_range: tuple[int, int] | None = None,
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    packed: dict | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -66,7 +68,8 @@ def moe_experts(
     ``table[expert_ids]`` and ``slot_idx`` is not read (the decode kernel looks them up itself).
     ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
     rounded as ``resid.add_(routed + shared)`` rounds; ``resid`` is returned (the decode kernel
-    does it in its epilogue)."""
+    does it in its epilogue). ``packed`` (cpu): slot -> the slot's weights repacked for the CPU
+    kernels, kept by the caller across steps (the cache drops a slot's entry when it refills it)."""
     part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if part and (table is not None or into is not None):
         raise ValueError("a step run in parts takes neither a slot table nor a residual")
@@ -82,6 +85,10 @@ def moe_experts(
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
     if policy.impl == "reference":
         routed = moe_experts_ref(*args, **part)
+    elif policy.impl == "cpu":
+        from edgerun.kernels.moe_cpu import moe_cpu
+
+        routed = moe_cpu(*args[:7], {} if packed is None else packed, out_dtype, **part)
     else:
         from edgerun.kernels import moe_triton
 
@@ -94,7 +101,7 @@ def moe_experts(
 
 def accumulator(x: torch.Tensor, policy: MoeKernelPolicy) -> torch.Tensor:
     """The running sum of an expert step run in parts: x's dtype for the reference (which sums
-    in x's dtype), fp32 for the Triton path (which sums in fp32 and rounds once)."""
+    in x's dtype), fp32 for the Triton and CPU paths (which sum in fp32 and round once)."""
     return torch.zeros(
         x.shape, dtype=x.dtype if policy.impl == "reference" else torch.float32, device=x.device
     )

@@ -34,9 +34,9 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(F.silu(gate) * up, down.to(x.dtype))[:n]
 
 
-def combine_experts(x, ids, weights, expert_weights, out=None, experts=None) -> torch.Tensor:
+def combine_experts(x, ids, weights, expert_weights, out=None, experts=None, ffn=expert_ffn) -> torch.Tensor:
     """Router-weighted sum of each token's experts. x [N, D]; ids, weights [N, A];
-    ``expert_weights(e)`` gives (gate_up, down) for expert e. Experts run in ascending id order,
+    ``expert_weights(e)`` gives expert e's weights, which ``ffn(x, *weights)`` runs. Experts run in ascending id order,
     each over all its tokens, so the summation order is fixed (deterministic).
 
     ``experts`` (lo, hi): run only the experts with lo <= id <= hi, adding into ``out``. Calls over
@@ -54,8 +54,7 @@ def combine_experts(x, ids, weights, expert_weights, out=None, experts=None) -> 
         start += c
         if experts is not None and not experts[0] <= e <= experts[1]:
             continue
-        gate_up, down = expert_weights(e)
-        y = expert_ffn(x[tok], gate_up, down) * weights.flatten()[sel, None]
+        y = ffn(x[tok], *expert_weights(e)) * weights.flatten()[sel, None]
         # tokens are unique within one expert, so this accumulate is order-free (deterministic);
         # index_add_ on CPU is pathologically slow under thread contention
         out.index_put_((tok,), y.to(out.dtype), accumulate=True)

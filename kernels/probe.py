@@ -99,3 +99,62 @@ def _probe(
         f"matched the reference on {torch.cuda.get_device_name(device)} (max error {worst:.1e} of the "
         f"output's scale, limit {TOLERANCE:g}) and repeated bit for bit"
     )
+
+
+CPU = MoeKernelPolicy(impl="cpu")
+
+
+def probe_cpu(layout: BlockLayout, top_k: int = 8) -> ProbeResult:
+    """The CPU kernels (kernels/moe_cpu.py) on ``layout``: the repack must equal torch's own
+    ``_convert_weight_to_int4pack_for_cpu`` (its layout may differ on another CPU or torch), and
+    one token and a few, against the fp32 reference, as ``probe`` checks the Triton kernels."""
+    from edgerun.kernels import moe_cpu
+
+    name = moe_cpu.kernel_name(layout)
+    try:
+        selected, reason = _probe_cpu(layout, top_k)
+    except Exception as e:  # whatever broke, the reference runs and the reason says what
+        selected, reason = False, f"{type(e).__name__}: {e}".strip()
+    return ProbeResult(name, selected, reason)
+
+
+def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
+    from edgerun.bundle.quant import unpack_int4
+    from edgerun.kernels import moe_cpu
+
+    why = moe_cpu.unsupported(layout)
+    if why:
+        return False, why
+    D, _ = layout_dims(layout)
+    S = top_k + 2
+    gen = torch.Generator().manual_seed(0)
+    pool, gscales = random_pool(layout, S, generator=gen)
+    if layout.quant == "int4":
+        c = layout.component("down.weight")
+        nibbles = unpack_int4(pool[0, c.offset : c.offset + c.nbytes].view(c.shape)).int() + 8
+        if not torch.equal(
+            moe_cpu.pack_block(layout, pool[0], gscales[0])[1][0],
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1),
+        ):
+            return False, "the repacked int4 layout is not the one this torch's CPU kernel reads"
+    slot_of = torch.randperm(S, generator=gen)
+    worst = 0.0
+    for T in (1, 5):
+        x = torch.randn(T, D, generator=gen)
+        ids = torch.rand(T, S, generator=gen).argsort(dim=1)[:, :top_k]
+        weights = torch.rand(T, top_k, generator=gen).softmax(dim=-1)
+        args = (x, pool, slot_of[ids], ids, weights, layout, gscales)
+        runs = [moe_experts(*args, policy=CPU) for _ in range(2)]
+        ref = moe_experts_ref(*args)
+        if not torch.isfinite(runs[0]).all():
+            return False, f"T={T}: non-finite output"
+        err = float((runs[0] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        if err > TOLERANCE:
+            return False, f"T={T}: max error {err:.2e} of the output's scale is over {TOLERANCE:g}"
+        if not torch.equal(runs[0], runs[1]):
+            return False, f"T={T}: two runs on the same inputs differ (not deterministic)"
+        one = moe_experts(x[:1], pool, slot_of[ids[:1]], ids[:1], weights[:1], layout, gscales, policy=CPU)
+        if not torch.equal(one, runs[0][:1]):
+            return False, f"T={T}: a token's result depends on the other tokens in its batch"
+        worst = max(worst, err)
+    return True, f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g})"

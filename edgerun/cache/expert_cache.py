@@ -153,6 +153,9 @@ class ExpertCache:
         self.host_tier_bytes = 0
         if config.host_quotas:
             self._make_tier(config.host_quotas, quotas)
+        self.packed: dict[int, dict] = {
+            layer: {} for layer in quotas
+        }  # slot -> CPU-kernel layout (kernels/moe_cpu.py)
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
         self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
         for layer, q in quotas.items():
@@ -208,6 +211,8 @@ class ExpertCache:
         else read from storage; all are in flight before the first is awaited."""
         if not fills:
             return
+        for f in fills:  # the slot's CPU-kernel layout is of its old expert: repacked on next use
+            self.packed[layer].pop(f.slot, None)
         pool = self.pools[layer]
         stream = self.copy_stream
         if self.pool_kind == "mapped":

@@ -11,7 +11,8 @@ Fields and what they decide:
 
 - ``experts``: the routed-expert step over the slot pool. ``reference`` dequantizes each expert
   with torch (``kernels/moe_reference.py``); ``triton`` runs the fused dequant + GEMV kernels
-  (``kernels/moe_triton.py``). They agree within the probe's stated tolerance (fp32 vs bf16
+  (``kernels/moe_triton.py``); ``cpu`` torch's int4 / int8 weight-only CPU GEMMs on slots
+  repacked once per fill (``kernels/moe_cpu.py``). They agree within the probe's stated tolerance (fp32 vs bf16
   accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
   request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
 - ``dense``: the decode step's projections, norms, router, attention and Gated DeltaNet step.
@@ -41,14 +42,14 @@ if TYPE_CHECKING:  # importing the policy does not import torch: the daemon bind
 
     from edgerun.kernels.moe import MoeKernelPolicy
 
-EXPERT_KERNELS = ("auto", "reference", "triton")
+EXPERT_KERNELS = ("auto", "reference", "triton", "cpu")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
-    experts: str = "auto"  # auto: triton where its probe passes, else reference
+    experts: str = "auto"  # auto: triton (CUDA) or cpu (CPU) where its probe passes, else reference
     graphs: str = "auto"  # auto/on: capture on CUDA; off: the same step, eagerly
     dense: str = "auto"  # auto: fused Triton decode kernels where their probe passes, else torch
     gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, bf16 scratch + cuBLAS GEMM
@@ -95,9 +96,14 @@ def resolve(
     elif policy.experts == "reference":
         out.choices["experts"] = "reference (by request)"
     elif device.type != "cuda":
-        out.choices["experts"] = "reference (Triton kernels run on CUDA)"
         if policy.experts == "triton":
+            out.choices["experts"] = "reference (Triton kernels run on CUDA)"
             out.fallbacks["expert_kernel"] = f"triton asked for, but the device is {device}"
+        else:
+            _resolve_cpu_experts(layouts, top_k, out)
+    elif policy.experts == "cpu":
+        out.choices["experts"] = "reference (the CPU kernels run on the CPU)"
+        out.fallbacks["expert_kernel"] = f"cpu asked for, but the device is {device}"
     else:
         results = [
             probe(layout, device, top_k=top_k, policy=MoeKernelPolicy("triton", *_sizes(policy)))
@@ -123,6 +129,20 @@ def resolve(
 
         out.choices["launches"] = describe(device)
     return out
+
+
+def _resolve_cpu_experts(layouts, top_k: int, out: Resolved) -> None:
+    from edgerun.kernels.moe import MoeKernelPolicy
+    from edgerun.kernels.probe import probe_cpu
+
+    results = [probe_cpu(layout, top_k) for layout in layouts]
+    refused = [r for r in results if not r.selected]
+    if refused:
+        out.choices["experts"] = "reference"
+        out.fallbacks["expert_kernel"] = f"{refused[0].name} not selected: {refused[0].reason}"
+    else:
+        out.moe = MoeKernelPolicy("cpu")
+        out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
 
 
 def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved, gemv=()) -> None:

@@ -58,7 +58,7 @@ def run_experts(
     pool, layout, scales = cache.pools[layer], cache.bundle.layouts[layer], cache.slot_scales[layer]
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy,
-        acc=acc, expert_range=expert_range, table=table, into=into,
+        acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
     )  # fmt: skip
 
 

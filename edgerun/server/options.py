@@ -31,7 +31,9 @@ class ServeOptions:
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str = "auto"  # expert reads: direct | buffered | auto (direct, recorded fallback)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
-    expert_kernel: str = "auto"  # auto (Triton where its start-up probe passes) | reference | triton
+    expert_kernel: str = (
+        "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
+    )
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles

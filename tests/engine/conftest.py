@@ -47,3 +47,21 @@ def dense_bundles(tmp_path_factory):
         convert(src, root / f"{arch}-dense", ConvertOptions("int4", 16, dense="int4", dense_group=16))
         out[arch] = root / f"{arch}-dense"
     return out
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_bundles(tmp_path_factory):
+    """Tiny checkpoints (hidden 64, expert width 32) as the bundles the CPU expert kernels run:
+    int4 groups of 32 and int8 per row, unrotated."""
+    from hf_fixtures import build_hf
+
+    root = tmp_path_factory.mktemp("cpu-kernel-bundles")
+    out = {}
+    for arch in ARCHS:
+        src = root / arch
+        build_hf(arch, src, seed=5, hidden_size=64, moe_intermediate_size=32)
+        _add_tokenizer(src)
+        for quant, group in (("int4", 32), ("int8", None)):
+            convert(src, root / f"{arch}-{quant}", ConvertOptions(quant, group))
+            out[(arch, quant)] = root / f"{arch}-{quant}"
+    return out

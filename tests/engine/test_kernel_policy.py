@@ -17,12 +17,19 @@ from edgerun.errors import ConfigError
 from edgerun.server.options import ServeOptions
 
 
-def test_cpu_resolves_to_the_references_and_names_asked_for_triton(bundles):
-    layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
+def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for_triton(
+    bundles, cpu_kernel_bundles
+):
+    layouts = list(dict.fromkeys(Bundle.open(cpu_kernel_bundles[("qwen3_moe", "int4")]).layouts.values()))
     auto = resolve(KernelPolicy(), torch.device("cpu"), layouts)
-    assert auto.moe.impl == "reference" and not auto.graphs and auto.dense == "torch"
-    assert auto.fallbacks == {}  # auto on a CPU: the reference is the only choice, not a fallback
+    assert auto.moe.impl == "cpu" and not auto.graphs and auto.dense == "torch"
+    assert auto.fallbacks == {} and auto.describe().startswith("experts cpu_int4pack[int4 g32] (matched")
     assert "graphs off (no CUDA graphs on cpu)" in auto.describe()
+    assert resolve(KernelPolicy(experts="reference"), torch.device("cpu"), layouts).moe.impl == "reference"
+    layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
+    rotated = resolve(KernelPolicy(), torch.device("cpu"), layouts)  # int4 g16 hadamard: no CPU kernel
+    assert rotated.moe.impl == "reference" and rotated.choices["experts"] == "reference"
+    assert rotated.fallbacks["expert_kernel"].startswith("cpu_int4pack[int4 g16] not selected: ")
     asked = resolve(
         KernelPolicy(experts="triton", dense="triton"), torch.device("cpu"), layouts, args=object()
     )
@@ -36,7 +43,7 @@ def test_cpu_resolves_to_the_references_and_names_asked_for_triton(bundles):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("experts", "cutlass", "expert kernel 'cutlass' is not one of auto, reference, triton"),
+        ("experts", "cutlass", "expert kernel 'cutlass' is not one of auto, reference, triton, cpu"),
         ("graphs", "sometimes", "graphs 'sometimes' is not one of auto, on, off"),
         ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
     ],
@@ -49,7 +56,7 @@ def test_policy_refuses_unknown_values(field, value, message):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("expert_kernel", "cutlass", "'expert_kernel' must be one of auto, reference, triton"),
+        ("expert_kernel", "cutlass", "'expert_kernel' must be one of auto, reference, triton, cpu"),
         ("graphs", "yes", "'graphs' must be one of auto, on, off"),
         ("slot_pool", "vram", "'slot_pool' must be one of device, mapped"),
         ("read_depth", 0, "'read_depth' must be at least 1"),

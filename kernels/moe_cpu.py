@@ -1,0 +1,146 @@
+"""Routed experts on the CPU from their quantized bytes: torch's int4 / int8 weight-only GEMMs
+(``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``) with bf16 activations,
+instead of dequantizing every active expert to fp32 on every token.
+
+Shape legend: T = tokens, A = active experts per token, R = rows (outputs), C = columns (inputs),
+g = group size, G = C // g.
+
+int4: a slot's block is repacked once per fill (``pack_block``; the cache drops a slot's entry
+when it refills it) into the layout ``_convert_weight_to_int4pack_for_cpu`` writes: rows in
+blocks of 64, and for each column a byte per row pair (i, i + 32) of the block, low nibble
+first, each nibble the unsigned q + 8. The kernel computes ``(nibble - 8) * scale + zero``, so the
+symmetric q in [-7, 7] needs zero point 0, and the group scale e4m3(code) x global (a power of
+two) is exact in bf16: 4 significant bits times a power of two (unless the product falls below
+bf16's smallest normal, 2^-126, which no real tensor's scales do). The weights are therefore
+exactly the reference's (tests/kernels/test_moe_cpu.py checks this bit for bit); what differs is
+activations and partial results in bf16 and the kernel's summation order, within the probe's
+tolerance (kernels/probe.py). int8 (one scale per row) needs no repack: the kernel reads the
+slot's int8 bytes in place, with unit scales; the fp32 row scales multiply its output in fp32
+(as bf16 scales they would be rounded).
+
+A token's experts are summed in ascending expert id, in fp32, as the reference does
+(``combine_experts``), and no row is padded: the kernels' rows do not depend on each other
+(tested), so a row's result is the same in any batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from edgerun.bundle.layout import BlockLayout
+from edgerun.bundle.quant import PROJECTIONS, e4m3_value
+from edgerun.kernels.moe_reference import check_pool, combine_experts
+
+BLOCK_N = 64  # rows per block of torch's CPU int4 layout
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
+ACT = torch.bfloat16  # the kernels' fast path (fp32 activations run a scalar loop, ~30x slower)
+
+Packed = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def kernel_name(layout: BlockLayout) -> str:
+    fmt = layout.quant + (f" g{layout.group_size}" if layout.group_size else "")
+    return f"cpu_{'int4pack' if layout.quant == 'int4' else 'int8pack'}[{fmt}]"
+
+
+def unsupported(layout: BlockLayout) -> str | None:
+    """Why the CPU kernels cannot run ``layout``'s experts, or None."""
+    if layout.quant not in ("int4", "int8"):
+        return f"the CPU kernels take int4 or int8 blocks, this bundle's are {layout.quant}"
+    if layout.rotation != "none":
+        return f"the CPU kernels take unrotated blocks, this bundle's are {layout.rotation}-rotated"
+    if layout.quant == "int8" and layout.group_size:
+        return (
+            f"the int8 CPU kernel takes one scale per row, this bundle's are per group of {layout.group_size}"
+        )
+    if layout.quant == "int4" and layout.group_size not in INT4_GROUPS:
+        return f"the int4 CPU kernel takes groups of {INT4_GROUPS}, this bundle's are {layout.group_size}"
+    for proj in PROJECTIONS:
+        R, C = layout.component(f"{proj}.weight").shape
+        C *= 2 if layout.quant == "int4" else 1
+        if R % BLOCK_N or C % 32:
+            return (
+                f"{proj} is [{R}, {C}], the CPU kernels take rows in multiples of {BLOCK_N} and columns of 32"
+            )
+    return None
+
+
+def repack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The bundle's int4 bytes (uint8 [R, C/2]: column 2j low nibble, two's complement) -> torch's
+    CPU layout of the unsigned q + 8 (uint8 [R, C/2]), as ``_convert_weight_to_int4pack_for_cpu``
+    writes it. Byte-wise: a target byte pairs one column of rows i and i + 32."""
+    R, H = packed.shape
+    u = (packed ^ 0x88).view(R // BLOCK_N, 2, BLOCK_N // 2, H)  # two's complement -> q + 8
+    top, bottom = u[:, 0], u[:, 1]  # rows i and i + 32 of each block: [R/64, 32, C/2]
+    even, odd = (top & 0xF) | (bottom << 4), (top >> 4) | (bottom & 0xF0)  # columns 2j, 2j + 1
+    return (
+        torch.stack([even, odd], dim=-1)
+        .view(R // BLOCK_N, BLOCK_N // 2, 2 * H)
+        .transpose(1, 2)
+        .contiguous()
+        .view(R, H)
+    )
+
+
+def pack_block(layout: BlockLayout, block: torch.Tensor, gscales: torch.Tensor | None) -> Packed:
+    """A slot's bytes -> ((weight, scales) for gate_up, (weight, scales) for down) as the CPU
+    kernels take them; int8 weights are views of ``block``."""
+
+    def comp(name: str, dt: torch.dtype) -> torch.Tensor:
+        c = layout.component(name)
+        return block[c.offset : c.offset + c.nbytes].view(dt).reshape(c.shape)
+
+    out = []
+    for i, proj in enumerate(PROJECTIONS):
+        if layout.quant == "int8":
+            out.append((comp(f"{proj}.weight", torch.int8), comp(f"{proj}.scales", torch.float32)[:, 0]))
+            continue
+        w = repack_int4(comp(f"{proj}.weight", torch.uint8))
+        scale = (e4m3_value(comp(f"{proj}.scales", torch.uint8)) * gscales[i]).t()  # [G, R], exact
+        out.append((w, torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(ACT)))
+    return out[0], out[1]
+
+
+def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
+    """x bf16 [N, C] @ a packed weight^T -> fp32 [N, R]."""
+    w, s = weight
+    if group:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, s).float()
+    # int8: the fp32 row scales applied in fp32 after the kernel (bf16 would round them)
+    return torch.ops.aten._weight_int8pack_mm(x, w, torch.ones_like(s, dtype=ACT)).float() * s
+
+
+def moe_cpu(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slot_idx: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    layout: BlockLayout,
+    global_scales: torch.Tensor | None,
+    packed: dict[int, Packed],
+    out_dtype: torch.dtype | None = None,
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``moe_experts_ref``'s contract on the CPU kernels. ``packed``: slot -> its packed weights,
+    filled here for slots that have none (the caller drops a slot's entry when it refills it).
+    The sum runs in fp32 (``acc`` fp32 when given) and is cast to ``out_dtype`` once."""
+    check_pool(pool, layout, global_scales)
+    group = layout.group_size if layout.quant == "int4" else 0
+    slot_of = dict(zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()))
+
+    def expert_weights(e: int) -> Packed:
+        s = slot_of[e]
+        if s not in packed:
+            packed[s] = pack_block(layout, pool[s], None if global_scales is None else global_scales[s])
+        return packed[s]
+
+    def ffn(h: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
+        gate, up = linear(h.to(ACT), gate_up, group).chunk(2, dim=-1)
+        return linear((F.silu(gate) * up).to(ACT), down, group)
+
+    out = torch.zeros(x.shape, dtype=torch.float32) if acc is None else acc
+    out = combine_experts(x, expert_ids, weights, expert_weights, out=out, experts=expert_range, ffn=ffn)
+    return out if acc is not None else out.to(out_dtype or x.dtype)

@@ -1,0 +1,100 @@
+"""The CPU expert kernels (kernels/moe_cpu.py) against the reference: the repacked int4 weights
+are torch's own layout and exactly the reference's weights (bit for bit), the step agrees with
+``moe_experts_ref`` within the probe's tolerance, a row's result does not depend on its batch,
+parts add up to one call bit for bit, and the probe refuses what the kernels cannot run."""
+
+import pytest
+import torch
+from moe_cases import FORMATS, fmt_id, layout_for, random_step, rel_err
+
+from edgerun.bundle.quant import dequantize_block, unpack_int4
+from edgerun.kernels import moe_cpu
+from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
+from edgerun.kernels.moe_reference import moe_experts_ref, random_pool
+from edgerun.kernels.probe import TOLERANCE, probe_cpu
+
+CPU = MoeKernelPolicy(impl="cpu")
+SUPPORTED = [f for f in FORMATS if moe_cpu.unsupported(layout_for(f)) is None]
+
+
+def test_supported_formats():
+    assert [fmt_id(f) for f in SUPPORTED] == ["int8", "int4-g32"]
+    assert "hadamard-rotated" in moe_cpu.unsupported(layout_for(("int4", 16, "hadamard")))
+    assert "groups of (32, 64, 128, 256)" in moe_cpu.unsupported(layout_for(("int4", 16, "none")))
+    assert "one scale per row" in moe_cpu.unsupported(layout_for(("int8", 16, "none")))
+    assert "multiples of 64" in moe_cpu.unsupported(layout_for(("int8", None, "none"), 48, 24))
+
+
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (256, 64)])
+def test_int4_repack_is_torchs_layout_and_exactly_the_reference_weights(hidden, inter):
+    layout = layout_for(("int4", 32, "none"), hidden, inter)
+    pool, gscales = random_pool(layout, 3, generator=torch.Generator().manual_seed(1))
+    for s in range(3):
+        packed = moe_cpu.pack_block(layout, pool[s], gscales[s])
+        ref = dequantize_block(layout, pool[s], gscales[s])
+        for proj, (w, scales), want in zip(("gate_up", "down"), packed, ref):
+            c = layout.component(f"{proj}.weight")
+            nibbles = unpack_int4(pool[s, c.offset : c.offset + c.nbytes].view(c.shape)).int() + 8
+            assert torch.equal(w, torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1))
+            # the bf16 scales are exact: through fp32 activations, the identity gives W^T bit for bit
+            eye = torch.eye(want.shape[1])
+            got = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, w, 32, scales.float())
+            assert torch.equal(got, want.t())
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED, ids=fmt_id)
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_cpu_step_matches_the_reference(fmt, T):
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(T)
+    args = random_step(layout, T, 2, 8, gen)
+    packed = {}
+    got = moe_experts(*args, policy=CPU, packed=packed)
+    ref = moe_experts_ref(*args)
+    # x, gate/up, h and the output rounded to bf16 (up to 2^-9 of a value each; int8: the row
+    # scales too): about 1% of the output's scale at worst, under the probe's 2%
+    assert got.dtype == ref.dtype and rel_err(got, ref) < TOLERANCE
+    assert sorted(packed) == sorted(set(args[2].flatten().tolist()))  # each used slot packed once
+    assert torch.equal(moe_experts(*args, policy=CPU, packed=packed), got)  # from the kept packs
+    # a row is a row: each token alone gives its row of the batch
+    x, pool, slots, ids, weights, *rest = args
+    for t in range(T):
+        one = moe_experts(
+            x[t : t + 1], pool, slots[t : t + 1], ids[t : t + 1], weights[t : t + 1], *rest, policy=CPU
+        )
+        assert torch.equal(one, got[t : t + 1])
+    # in parts over ascending expert ranges: the bits of one call
+    acc = accumulator(x, CPU)
+    for part in ((0, 2), (3, 5), (6, 7)):
+        acc = moe_experts(*args, policy=CPU, acc=acc, expert_range=part)
+    assert torch.equal(acc.to(x.dtype), got)
+
+
+def test_a_refilled_slot_is_repacked_once_its_entry_is_dropped():
+    layout = layout_for(("int4", 32, "none"))
+    gen = torch.Generator().manual_seed(3)
+    pool, gscales = random_pool(layout, 4, generator=gen)
+    args = random_step(layout, 1, 2, 4, gen, pool=pool, gscales=gscales, slots=torch.arange(4))
+    packed = {}
+    before = moe_experts(*args, policy=CPU, packed=packed)
+    slot = int(args[2][0, 0])
+    pool[slot], gscales[slot] = pool[(slot + 1) % 4], gscales[(slot + 1) % 4]  # another expert's bytes
+    assert torch.equal(moe_experts(*args, policy=CPU, packed=packed), before)  # the stale pack
+    del packed[slot]  # what ExpertCache._fill does for every slot it refills
+    after = moe_experts(*args, policy=CPU, packed=packed)
+    assert rel_err(after, moe_experts_ref(*args)) < TOLERANCE and not torch.equal(after, before)
+
+
+def test_probe_selects_the_cpu_kernels_and_refuses_by_name():
+    ok = probe_cpu(layout_for(("int4", 32, "none")), top_k=2)
+    assert ok.selected and ok.name == "cpu_int4pack[int4 g32]" and "matched the reference" in ok.reason
+    assert probe_cpu(layout_for(("int8", None, "none")), top_k=2).name == "cpu_int8pack[int8]"
+    no = probe_cpu(layout_for(("int4", 16, "hadamard")), top_k=2)
+    assert not no.selected and "hadamard-rotated" in no.reason
+
+
+def test_probe_refuses_a_wrong_layout(monkeypatch):
+    layout = layout_for(("int4", 32, "none"))
+    monkeypatch.setattr(moe_cpu, "BLOCK_N", 32)  # a torch or CPU whose layout blocks rows by 32
+    result = probe_cpu(layout, top_k=2)
+    assert not result.selected and "not the one this torch's CPU kernel reads" in result.reason
