@@ -115,6 +115,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     if ns.socket is not None:
         from edgerun.server.client import generate_over_socket
 
+        _refuse_local_flags(ns)
         return generate_over_socket(ns)
     params = SamplingParams(
         max_tokens=ns.max_tokens,
@@ -173,6 +174,30 @@ def run_generate(ns: argparse.Namespace) -> int:
     if runner.cache is not None:
         print(f"[{cache_line(runner.cache, stats.prompt_tokens + stats.generated_tokens)}]", file=sys.stderr)
     return 0
+
+
+# generate's flags that load and run a model here: a daemon (--socket) has its own, so they
+# would be ignored
+_LOCAL_FLAGS = (
+    "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
+    "host_quota", "read_depth", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
+    "allow_provider", "provider", "allow_override",
+)  # fmt: skip
+
+
+def _refuse_local_flags(ns: argparse.Namespace) -> None:
+    """With --socket, a flag that only matters to a model loaded here is an error, not ignored."""
+    parser = ns._parser
+    given = [
+        a.option_strings[-1]
+        for a in parser._actions
+        if a.dest in _LOCAL_FLAGS and getattr(ns, a.dest, None) != a.default
+    ]
+    if given:
+        raise EdgerunError(
+            f"--socket sends the request to a running daemon, which has its own model and settings: "
+            f"{', '.join(given)} would be ignored; drop {'it' if len(given) == 1 else 'them'}, or drop --socket"
+        )
 
 
 def _is_bundle(model: Path | None) -> bool:

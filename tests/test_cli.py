@@ -81,3 +81,10 @@ def test_an_unknown_flag_gets_the_subcommands_usage_and_exit_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: edgerun generate") and "unrecognized arguments: --bogus" in err
+
+
+def test_generate_over_a_socket_refuses_flags_the_daemon_would_ignore(tmp_path, capsys):
+    argv = ["generate", "--socket", str(tmp_path / "s.sock"), "--model", str(tmp_path), "--quota", "4", "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--model, --quota would be ignored" in err and "drop them, or drop --socket" in err
