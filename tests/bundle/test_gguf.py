@@ -304,8 +304,9 @@ def test_unknown_tokenizers_are_refused(hf, tmp_path):
 # Refusals, dry run, plan
 
 
-def _rewrite(src: Path, dst: Path, arch: str | None = None, extra=None) -> Path:
-    """A copy of GGUF ``src`` with another architecture name and/or extra raw tensors."""
+def _rewrite(src: Path, dst: Path, arch: str | None = None, extra=None, kv=None) -> Path:
+    """A copy of GGUF ``src`` with another architecture name, extra raw tensors and/or keys
+    set (``kv``: key -> (value, GGUFValueType); value None drops the key)."""
     r = gguf.GGUFReader(src)
     old = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(dst, arch or old)
@@ -314,7 +315,11 @@ def _rewrite(src: Path, dst: Path, arch: str | None = None, extra=None) -> Path:
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name.replace(old + ".", (arch or old) + "."), f.contents(), vtype, sub_type=sub)
+        if f.name not in (kv or {}):
+            w.add_key_value(f.name.replace(old + ".", (arch or old) + "."), f.contents(), vtype, sub_type=sub)
+    for key, (value, vtype) in (kv or {}).items():
+        if value is not None:
+            w.add_key_value(key, value, vtype)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     for name, (data, qtype) in (extra or {}).items():
@@ -336,6 +341,24 @@ def test_unknown_architecture_and_quant_type_are_refused_before_writing(hf, tmp_
     with pytest.raises(CheckpointError, match="tensor 'blk.0.foo.weight' has GGML type IQ2_XXS; supported"):
         convert(bad, tmp_path / "out", ConvertOptions())
     assert not (tmp_path / "out").exists()
+    g35 = write_gguf(hf["qwen3_5_moe"], tmp_path / "q35.gguf")
+    no_conv = _rewrite(g35, tmp_path / "nc.gguf", kv={"qwen35moe.ssm.conv_kernel": (None, None)})
+    with pytest.raises(ConfigError, match="nc.gguf: GGUF key 'qwen35moe.ssm.conv_kernel' is missing"):
+        convert(no_conv, tmp_path / "out", ConvertOptions())
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtp_blocks_are_ignored(hf, tmp_path):
+    """Blocks past block_count - nextn_predict_layers are the MTP head: listed, not loaded."""
+    g = write_gguf(hf["qwen3_5_moe"], tmp_path / "m.gguf")
+    u32 = gguf.GGUFValueType.UINT32
+    kv = {"qwen35moe.block_count": (5, u32), "qwen35moe.nextn_predict_layers": (1, u32)}
+    extra = {"blk.4.nextn.eh_proj.weight": (np.zeros((64, 128), np.float32), None)}
+    plan = plan_conversion(_rewrite(g, tmp_path / "mtp.gguf", extra=extra, kv=kv), ConvertOptions())
+    assert not plan.problems
+    assert plan.args.num_hidden_layers == 4 and plan.args.mtp_num_hidden_layers == 1
+    row = next(r for r in plan.rows if r.name == "blk.4.nextn.eh_proj.weight")
+    assert (row.kind, row.detail) == ("ignored", "mtp")
 
 
 def test_dry_run_and_plan_read_headers_only(hf, tmp_path, monkeypatch, capsys):
