@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", metavar="DIR", help="an edgerun bundle (reads manifest.json)")
     src.add_argument(
-        "--checkpoint", metavar="DIR", help="an HF checkpoint directory (reads config.json only)"
+        "--checkpoint",
+        metavar="PATH",
+        help="an HF checkpoint directory (reads config.json only) or a GGUF file (reads its header only)",
     )
     src.add_argument(
         "--config", metavar="FILE", help="a bare HF config.json: plan before downloading weights"

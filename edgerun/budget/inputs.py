@@ -11,6 +11,7 @@ from typing import Any
 
 from edgerun.budget.planner import ExpertSource, expert_source_from_layout
 from edgerun.bundle import dense_layout as DL
+from edgerun.bundle import gguf_source
 from edgerun.bundle.layout import ALIGN
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
@@ -68,8 +69,12 @@ def from_checkpoint(
     group_size: int | None = None,
     providers: ProviderPolicy | None = None,
 ) -> ModelInput:
-    """An HF checkpoint directory: only its ``config.json`` is read."""
+    """An HF checkpoint directory (only its ``config.json`` is read) or a GGUF file (only its
+    header: metadata and tensor shapes)."""
     path = Path(path)
+    if gguf_source.is_gguf(path):
+        cfg = gguf_source.hf_config(path)
+        return _from_config(cfg, str(path), path.name.removesuffix(".gguf"), quant, group_size, providers)
     if not path.is_dir():
         raise ConfigError(f"{path}: not a directory (for a bare config.json use --config)")
     cfg = A.read_config(path)

@@ -17,9 +17,17 @@ from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+        "src",
+        nargs="?",
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or a "
+        "GGUF file (the first of a split set: NAME-00001-of-0000N.gguf)",
     )
-    p.add_argument("dst", help="bundle directory to create (or to resume)")
+    p.add_argument("dst", nargs="?", help="bundle directory to create (or to resume)")
+    p.add_argument(
+        "--list-gguf-support",
+        action="store_true",
+        help="print the GGUF architectures and tensor types convert reads, and exit",
+    )
     p.add_argument("--quant", choices=QUANTS, default="bf16", help="routed-expert format (default bf16)")
     p.add_argument(
         "--group",
@@ -44,7 +52,26 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     add_provider_arguments(p)
 
 
+def gguf_support() -> str:
+    from edgerun.bundle import gguf_source as G
+
+    archs = ", ".join(f"{a} (as {m})" for a, m in G.ARCHITECTURES.items())
+    return (
+        f"GGUF architectures: {archs}\n"
+        f"GGUF tensor types: {', '.join(G.QUANT_TYPES)} (lossless: {', '.join(G.LOSSLESS)}; the others "
+        "are dequantized, then stored in the bundle's --quant / --dense formats)\n"
+        f"GGUF tokenizers: byte-level BPE (tokenizer.ggml.model 'gpt2'), pre-tokenizer "
+        f"{', '.join(G.PRE_TOKENIZERS)}"
+    )
+
+
 def run_convert(ns: argparse.Namespace) -> int:
+    if ns.list_gguf_support:
+        print(gguf_support())
+        return 0
+    if ns.src is None or ns.dst is None:
+        print("convert: error: the arguments src and dst are required", file=sys.stderr)
+        return 2
     from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
 
     options = ConvertOptions(

@@ -1,6 +1,8 @@
-"""`edgerun convert`: a Hugging Face checkpoint -> a bundle (format v2), streaming and restartable.
+"""`edgerun convert`: a Hugging Face checkpoint or a GGUF file -> a bundle (format v2), streaming
+and restartable.
 
-Planning reads safetensors headers only (that is all `--dry-run` does). Conversion then reads one
+Planning reads safetensors headers (or the GGUF header, through ``gguf_source``) only: that is all
+`--dry-run` does. Conversion then reads one
 dense tensor (in chunks; a quantized one in blocks of rows) or one expert at a time with
 positional reads, not a memory map, so what was read sits in the page cache rather than in the
 process: peak RSS is about one expert's working set plus the interpreter, whatever the model's
@@ -31,6 +33,7 @@ import torch
 
 from edgerun.bundle import dense_layout as DL
 from edgerun.bundle import format as F
+from edgerun.bundle import gguf_source as G
 from edgerun.bundle.layout import BlockLayout, expert_block_layout
 from edgerun.bundle.quant import (
     dequantize_block,
@@ -145,6 +148,11 @@ class ConversionPlan:
     source: dict[str, Any]
     dense: DL.DenseScheme = DL.DenseScheme()
     problems: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)  # the checkpoint's weight files
+    generated: dict[str, bytes] = field(default_factory=dict)  # tokenizer files made, not copied (GGUF)
+
+    def tokenizer_bytes(self, name: str) -> bytes:
+        return self.generated[name] if name in self.generated else (self.src / name).read_bytes()
 
     @property
     def dense_header(self) -> bytes:
@@ -158,7 +166,7 @@ class ConversionPlan:
             if self.layout.quant == "int4":
                 sizes[F.sidecar_file(x.layer)] = self.args.num_experts * 2 * 4
         for name in self.tokenizer:
-            sizes[name] = (self.src / name).stat().st_size
+            sizes[name] = len(self.tokenizer_bytes(name))
         return sizes
 
     def manifest_estimate(self) -> int:
@@ -187,7 +195,7 @@ class ConversionPlan:
 
     def key(self) -> dict[str, Any]:
         """What a resumed conversion must share with the one that started: any change restarts."""
-        mtimes = {f.name: os.stat(self.src / f.name).st_mtime_ns for f in checkpoint_files(self.src)}
+        mtimes = {f.name: os.stat(f).st_mtime_ns for f in self.files}
         return {
             "format_version": F.FORMAT_VERSION,
             "source": self.source,
@@ -224,13 +232,15 @@ def _header_hash(path: Path) -> str:
 def plan_conversion(
     src: str | Path, options: ConvertOptions, providers: ProviderPolicy | None = None
 ) -> ConversionPlan:
-    """Classify every source tensor and size the bundle, reading only safetensors headers.
+    """Classify every source tensor and size the bundle, reading only safetensors headers (or a
+    GGUF file's header: ``src`` ending in .gguf).
     Problems (unknown or missing tensors, wrong shapes) are collected, not raised: see ``check``.
     ``providers``: which installed architecture providers may serve the checkpoint's model_type
     (default: built-in architectures only)."""
     src = Path(src)
-    config = read_config(src)
-    arch, args = load_args(src, providers)
+    gguf = G.open_gguf(src) if G.is_gguf(src) else None
+    config = gguf.config if gguf else read_config(src)
+    arch, args = load_args(config if gguf else src, providers)
     if not args.moe_layers:
         raise ConfigError(f"{src}: the model has no MoE layers; a bundle streams routed experts")
     if options.dense_dtype is not None and options.dense_dtype not in DENSE_DTYPES:
@@ -239,13 +249,13 @@ def plan_conversion(
     dense = DL.DenseScheme.resolve(
         options.dense, options.lm_head, options.dense_group, args.tie_word_embeddings
     )
-    entries, _ = read_entries(src)
+    entries = gguf.entries if gguf else read_entries(src)[0]
     cp = classify(entries, args)
     specs = {s.name: s for s in arch.tensor_specs(args)}
     targets = DL.dense_targets(specs.values(), dense)
     E, I, D = args.num_experts, args.moe_intermediate_size, args.hidden_size
     expert_layer = {n.rsplit(".", 1)[0]: s.layer for n, s in specs.items() if s.category == A.EXPERT}
-    problems: list[str] = []
+    problems: list[str] = list(gguf.problems) if gguf else []
     rows: dict[str, Row] = {}
 
     def row(e: TensorEntry, kind: str, detail: str) -> None:
@@ -296,7 +306,7 @@ def plan_conversion(
                 want_shape(e, (D, I) if part == "down_proj" else (I, D))
                 want_float(e)
     for name, e in entries.items():
-        if name not in rows:
+        if e.name not in rows:
             canon, group = canonical_name(name)
             row(e, "ignored", group or "tied lm_head")
 
@@ -330,16 +340,21 @@ def plan_conversion(
         else:
             problems.append(f"missing tensor {name!r} (expected shape {list(spec.shape)})")
 
-    tokenizer = [n for n in F.TOKENIZER_REQUIRED + F.TOKENIZER_OPTIONAL if (src / n).is_file()]
+    if gguf:
+        generated, files, headers = gguf.tokenizer, gguf.files, gguf.header_hashes
+        tokenizer, config_hash = list(generated), gguf.config_hash
+    else:
+        generated, files = {}, checkpoint_files(src)
+        tokenizer = [n for n in F.TOKENIZER_REQUIRED + F.TOKENIZER_OPTIONAL if (src / n).is_file()]
+        headers, config_hash = {f.name: _header_hash(f) for f in files}, F.file_hash(src / "config.json")
     for n in F.TOKENIZER_REQUIRED:
         if n not in tokenizer:
             problems.append(f"{src}: no {n}; a bundle carries its tokenizer")
-    files = checkpoint_files(src)
     source = {
         "path": str(src.resolve()),
-        "config_blake2b": F.file_hash(src / "config.json"),
+        "config_blake2b": config_hash,
         "files": [
-            {"name": f.name, "bytes": f.stat().st_size, "header_blake2b": _header_hash(f)} for f in files
+            {"name": f.name, "bytes": f.stat().st_size, "header_blake2b": headers[f.name]} for f in files
         ],
     }
     return ConversionPlan(
@@ -357,6 +372,8 @@ def plan_conversion(
         source=source,
         dense=dense,
         problems=problems,
+        files=files,
+        generated=generated,
     )
 
 
@@ -447,10 +464,14 @@ class Source:
 
     def __init__(self) -> None:
         self.fds: dict[Path, int] = {}
+        self.gguf = G.GGUFTensors()
 
     def read(self, e: TensorEntry, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
-        """Bytes [offset, offset + nbytes) of tensor ``e`` as a flat tensor of its dtype."""
+        """Bytes [offset, offset + nbytes) of tensor ``e`` as a flat tensor of its dtype (a GGUF
+        tensor's dequantized, in its canonical layout)."""
         n = e.nbytes - offset if nbytes is None else nbytes
+        if isinstance(e, G.GGUFEntry):
+            return self.gguf.read(e, offset, n)
         fd = self.fds.get(e.file)
         if fd is None:
             fd = self.fds[e.file] = os.open(e.file, os.O_RDONLY)
@@ -481,6 +502,7 @@ class Source:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        self.gguf.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -629,7 +651,7 @@ def finish(plan: ConversionPlan, journal: Journal, src: Path, dst: Path) -> F.Ma
     files = {n: F.FileRecord(r["bytes"], r["blake2b"]) for n, r in journal.done.items()}
     for name in plan.tokenizer:
         w = _Writer(dst / name)
-        w.write((src / name).read_bytes())
+        w.write(plan.tokenizer_bytes(name))
         files[name] = w.commit()
     manifest = _manifest(plan, journal, files)
     F.write_atomic(dst / F.MANIFEST, manifest.dumps().encode())
