@@ -342,6 +342,18 @@ def test_keep_alive_pipelining_head_and_expect_continue(daemon):
         assert parse_response(b"".join(iter(lambda: s.recv(65536), b"")))[0] == 200
 
 
+def test_half_closed_connection_gets_its_answer(daemon):
+    body = json.dumps({"prompt": [5, 6], "max_tokens": 3, "temperature": 0}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(daemon.sock))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.shutdown(socket.SHUT_WR)  # nothing more to send; still reading
+        status, headers, answer = parse_response(b"".join(iter(lambda: s.recv(65536), b"")))
+    assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 3
+    assert headers["connection"] == "close"
+
+
 def test_disconnect_mid_stream_cancels_and_frees_the_slot(daemon):
     cancelled = metric(daemon.sock, "edgerun_requests_cancelled_total")
     generated = metric(daemon.sock, "edgerun_generated_tokens_total")

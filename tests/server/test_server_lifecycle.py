@@ -1,5 +1,6 @@
 """The daemon's lifecycle: readiness over a fake NOTIFY_SOCKET, /health while loading, 429, timeouts,
-engine errors and engine death, SIGTERM draining, socket activation and stale sockets."""
+engine errors and engine death, SIGTERM draining, a long prefill, a flood of connections, socket
+activation and stale sockets."""
 
 from __future__ import annotations
 
@@ -265,6 +266,58 @@ def test_load_failure_exits_nonzero(tmp_path):
         assert "loading the model failed: RuntimeError: no such weights" in daemon.log()
     finally:
         daemon.stop()
+
+
+def test_a_flood_of_idle_and_slow_connections_leaves_health_answering(tmp_path):
+    """300 connections from one uid that never complete a request: the daemon keeps at most
+    max_connections_per_uid (64) of them, closing the longest-waiting for each newcomer, and
+    closes the rest after header_timeout; /health answers at once throughout."""
+    sock = tmp_path / "flood.sock"
+    daemon = Daemon(fake_argv(sock, "--header-timeout", "2"), sock)
+    flood = []
+    try:
+        daemon.wait_health(200)
+        for i in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ")  # a head that never ends
+            flood.append(s)
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert get(sock, "/health")[0] == 200
+            assert time.monotonic() - t0 < 1.0
+        time.sleep(0.2)
+        still_open = sum(not _closed(s) for s in flood)
+        assert still_open <= 64
+        assert metric(sock, 'edgerun_connections_closed_total{reason="evicted"}') >= 300 - 64
+        time.sleep(2.5)  # past header_timeout: the rest are closed, a started head with a 408
+        answers = [_read_all(s) for s in flood]
+        assert any(a.startswith(b"HTTP/1.1 408") for a in answers)
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)
+        for s in flood:
+            s.close()
+        deadline = time.monotonic() + 5
+        while metric(sock, "edgerun_connections_open") > 1:  # 1: the one asking
+            assert time.monotonic() < deadline, "the daemon still holds flood connections"
+            time.sleep(0.05)
+    finally:
+        for s in flood:
+            s.close()
+        daemon.stop()
+
+
+def _closed(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+
+
+def _read_all(s: socket.socket) -> bytes:
+    s.settimeout(5)
+    return b"".join(iter(lambda: s.recv(65536), b""))
 
 
 # ---- the socket: systemd's (activation), a dead daemon's (replaced), a live one's (refused) --------
