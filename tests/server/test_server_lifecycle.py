@@ -214,6 +214,30 @@ def test_engine_stats_feed_metrics(fake):
     assert "edgerun_request_failures_total 1" in text
 
 
+def test_prompts_are_measured_before_and_tokenized_off_the_event_loop(tmp_path):
+    """A prompt that takes 1.5 s to tokenize does not hold up /health; one whose bytes cannot
+    fit the context (64 tokens, a byte per token) is refused without being tokenized."""
+    sock = tmp_path / "tok.sock"
+    daemon = Daemon(fake_argv(sock, "--tokenize-s", "1.5"), sock)
+    try:
+        daemon.wait_health(200)
+        t0 = time.monotonic()
+        status, body = post(sock, "/v1/completions", {"prompt": "x" * 300, "max_tokens": 2})
+        assert status == 400 and time.monotonic() - t0 < 1.0
+        assert body["error"]["code"] == "context_length_exceeded" and "300 bytes" in body["error"]["message"]
+        slow = threading.Thread(
+            target=post, args=(sock, "/v1/completions", {"prompt": "abc", "max_tokens": 2})
+        )
+        slow.start()
+        time.sleep(0.3)  # tokenizing now
+        t0 = time.monotonic()
+        assert get(sock, "/health")[0] == 200
+        assert time.monotonic() - t0 < 0.5
+        slow.join(10)
+    finally:
+        daemon.stop()
+
+
 def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
     notify = NotifySocket(tmp_path / "notify")
     sock = tmp_path / "fatal.sock"
