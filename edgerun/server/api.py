@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from edgerun.engine.request import RequestError, check_request
 from edgerun.errors import ConfigError
 from edgerun.server.engine_worker import Engine, EngineWorker, Job, JobFailed, QueueFull
-from edgerun.server.http import Exchange, HTTPError, Request, error_body
+from edgerun.server.http import Exchange, HTTPError, Request, error_body, hide_dirs
 from edgerun.server.metrics import Metrics, render
 
 if TYPE_CHECKING:  # torch comes with the engine; by the first request it is loaded
@@ -176,7 +176,7 @@ class App:
             body = {"status": "ok", "model": self.engine.model_id, "queue_depth": self.worker.depth}
             await ex.send_json(200, body)
         else:
-            await ex.send_json(503, {"status": self.state, "message": self.message})
+            await ex.send_json(503, {"status": self.state, "message": hide_dirs(self.message)})
 
     async def metrics_text(self, req: Request, ex: Exchange) -> None:
         stats = self.engine.stats() if self.engine is not None else None
@@ -580,7 +580,8 @@ def _sampling(
     prompt and the context are :func:`check_request`'s, not checked here."""
     for name, default in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != default and not (name == "logprobs" and value is False):
+        same = value == default and type(value) is type(default)  # True == 1, but n=true is no count
+        if value is not None and not same and not (name == "logprobs" and value is False):
             raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {default!r})", param=name)
     name = "max_tokens"
     max_tokens = _field(body, name, int)

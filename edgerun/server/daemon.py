@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # 2: a user error, as the CLI exits; not restarted
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 FAILED_LINGER_S = 1.0  # how long /health reports a failed engine before the process exits
+GIL_SWITCH_S = 0.0005
 
 LoadEngine = Callable[[Callable[[str], None]], Engine]
 
@@ -61,6 +62,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run(opts: ServeOptions, load_engine: LoadEngine, env: Mapping[str, str] = os.environ) -> int:
     """Serve until stopped; returns the exit status."""
+    # The engine thread takes the GIL back after every torch op: a busy loop would keep it
+    # waiting up to the switch interval (5 ms by default) each time.
+    sys.setswitchinterval(GIL_SWITCH_S)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the loop's handlers are in place
     try:
         listener = activated_socket(env)
@@ -164,6 +168,8 @@ class Daemon:
         heartbeat.cancel()
         self.worker.stop()
         await loop.run_in_executor(None, self.worker.thread.join, 1.0)
+        if self.worker.thread.is_alive():
+            say("the engine thread did not stop within 1 s; exiting without it")
         self._unlink()
         say(f"stopped in {time.monotonic() - t_stop:.1f} s (exit status {code})")
         return code

@@ -67,8 +67,19 @@ class ClientGone(Exception):
     """The peer closed the connection in the middle of a request."""
 
 
+_DIRS = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"]+/)+(?=[^\s/'\"])")
+
+
+def hide_dirs(message: str) -> str:
+    """The message with every absolute path cut to its last part: a server error's text goes to
+    the client, the daemon's file layout stays in its log."""
+    return _DIRS.sub("", message)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape."""
+    """OpenAI's error shape; a server error (5xx) names files without their directories."""
+    if status >= 500:
+        message = hide_dirs(message)
     kind = {
         429: "rate_limit_error",
         500: "server_error",

@@ -90,7 +90,9 @@ class ServeOptions:
             if value is not None and value not in valid:
                 raise ConfigError(f"serve option {name!r} must be one of {', '.join(valid)}, got {value!r}")
         if self.quota is not None and self.bundle is None:
-            raise ConfigError("serve option 'quota' needs 'bundle': experts stream from a bundle")
+            raise ConfigError(
+                "serve option 'quota' needs 'bundle': experts stream from a bundle (pass it as --bundle)"
+            )
         if self.bundle is not None and self.model is not None:
             raise ConfigError("give 'model' (an HF checkpoint) or 'bundle', not both")
         if self.torch_device not in (None, "cpu", "cuda"):

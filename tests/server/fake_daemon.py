@@ -53,7 +53,7 @@ class FakeEngine:
     def generate(self, request):
         ids, params = request.prompt_ids, request.params
         if ids[0] == RAISE:
-            raise RuntimeError("injected engine error")
+            raise RuntimeError("injected engine error reading /srv/edgerun/private/L03.bin")
         if ids[0] == FATAL:
             raise EngineFailure("injected: the device is lost")
         if ids[0] == HANG:

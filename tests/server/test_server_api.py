@@ -115,6 +115,14 @@ def test_token_id_prompt(daemon, runner):
     assert out["choices"][0]["token_ids"] == runner.generate_ids([5, 6, 7], SamplingParams(max_tokens=6))
 
 
+def test_tiny_temperature_is_greedy(daemon, runner):
+    """A temperature in (0, 1e-5) is greedy, documented; 1e-45 used to overflow into a 500."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1e-45, "return_token_ids": True}
+    status, out = post(daemon.sock, "/v1/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["token_ids"] == runner.generate_ids([5, 6, 7], SamplingParams(max_tokens=6))
+
+
 def test_chat_matches_in_process(daemon, runner):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who created?"}]
     body = dict(
@@ -238,6 +246,8 @@ BAD_COMPLETIONS = {
     "stream a string": ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     "stream_options a list": ({"prompt": "hi", "stream_options": []}, 400, "stream_options"),
     "n = 2": ({"prompt": "hi", "n": 2}, 400, "n"),
+    "n = true": ({"prompt": "hi", "n": True}, 400, "n"),
+    "best_of = true": ({"prompt": "hi", "best_of": True}, 400, "best_of"),
     "logprobs": ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model"),
     "model a number": ({"prompt": "hi", "model": 5}, 400, "model"),
@@ -426,6 +436,20 @@ def test_metrics_families(daemon, runner):
     assert metric(daemon.sock, 'edgerun_decode_steps_total{mode="eager"}') > 0
     for line in text.splitlines():  # every sample line parses
         assert line.startswith("#") or re.fullmatch(r"[a-z_]+(\{[^}]*\})? [0-9.e+-]+", line), line
+
+
+def test_usage_and_metrics_count_eos_alike(daemon):
+    """A generation that ends on EOS: usage.completion_tokens and /metrics both count the EOS."""
+    for seed in range(40):
+        before = metric(daemon.sock, "edgerun_generated_tokens_total")
+        body = {"prompt": [5, 6], "max_tokens": 200, "temperature": 100.0, "seed": seed}
+        out = post(daemon.sock, "/v1/completions", body)[1]
+        if out["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.fail("no seed ended on EOS")
+    counted = metric(daemon.sock, "edgerun_generated_tokens_total") - before
+    assert counted == out["usage"]["completion_tokens"]
 
 
 def test_chat_command_and_generate_over_socket(daemon, runner, capsys, monkeypatch):

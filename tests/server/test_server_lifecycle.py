@@ -117,6 +117,52 @@ def test_real_daemon_notifies_and_drains_on_sigterm(served_model, tmp_path):
         daemon.stop()
 
 
+def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigterm(tmp_path):
+    """Item 9: the engine pings WATCHDOG=1 between prefill chunks (a prefill longer than
+    WatchdogSec is not killed), and a prefill stops at the next chunk when its client leaves or
+    the grace period after SIGTERM ends."""
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "prefill.sock"
+    argv = serve_argv("--socket", str(sock), "--torch-device", "cpu", "--threads", "1")
+    argv += ["--prefill-chunk", "4", "--grace-period", "0.2"]
+    daemon = Daemon(argv, sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "600000"})
+    body = {"prompt": [5 + i % 50 for i in range(1500)], "max_tokens": 1}  # seconds of prefill
+    try:
+        daemon.wait_health(200)
+        notify.wait_for("WATCHDOG=1")
+        request = threading.Thread(target=post, args=(sock, "/v1/completions", body))
+        pings = [time.monotonic()]
+        request.start()
+        while request.is_alive():
+            if notify.poll().count("WATCHDOG=1") + 1 > len(pings):
+                pings.append(time.monotonic())
+            time.sleep(0.005)
+        pings.append(time.monotonic())
+        assert pings[-1] - pings[0] > 1.5, "the prefill was too short to test"
+        assert max(b - a for a, b in zip(pings, pings[1:])) < 0.6, "WatchdogSec passed without a ping"
+
+        cancelled = metric(sock, "edgerun_requests_cancelled_total")
+        conn, resp = open_stream(sock, body)
+        time.sleep(0.5)  # prefilling
+        conn.close()
+        t0 = time.monotonic()
+        while metric(sock, "edgerun_requests_running"):
+            assert time.monotonic() - t0 < 1.0, "the prefill went on after its client left"
+            time.sleep(0.01)
+        assert metric(sock, "edgerun_requests_cancelled_total") == cancelled + 1
+
+        request = threading.Thread(target=post, args=(sock, "/v1/completions", body))
+        request.start()
+        time.sleep(0.5)
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(10) == 0
+        request.join(10)
+        stopped = float(re.search(r"stopped in ([0-9.]+) s", daemon.log()).group(1))
+        assert stopped < 1.0, daemon.log()  # the grace period, then one chunk
+    finally:
+        daemon.stop()
+
+
 # ---- a scripted engine: loading, queue full, timeouts, engine errors ------------------------------
 
 
@@ -200,7 +246,9 @@ def test_request_timeout(fake):
 def test_engine_error_fails_only_that_request(fake):
     fake.wait_health(200)
     status, body = post(fake.sock, "/v1/completions", {"prompt": [RAISE], "max_tokens": 3})
-    assert status == 500 and "injected engine error" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert status == 500 and "injected engine error reading L03.bin" in message
+    assert "/srv/edgerun" not in message  # a server error names files, not the daemon's layout
     assert get(fake.sock, "/health")[0] == 200
     status, body = post(fake.sock, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
