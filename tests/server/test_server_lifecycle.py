@@ -138,7 +138,7 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
                 pings.append(time.monotonic())
             time.sleep(0.005)
         pings.append(time.monotonic())
-        assert pings[-1] - pings[0] > 1.5, "the prefill was too short to test"
+        assert pings[-1] - pings[0] > 1.0, "the prefill was too short to test"
         assert max(b - a for a, b in zip(pings, pings[1:])) < 0.6, "WatchdogSec passed without a ping"
 
         cancelled = metric(sock, "edgerun_requests_cancelled_total")
