@@ -151,10 +151,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     else:
         if runner.tokenizer is None:
             raise EdgerunError(f"{ns.model}: no tokenizer.json; pass --token-ids")
-        text = ns.prompt
         if ns.chat:
-            text = runner.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
-        ids = runner.tokenizer.encode(text)
+            ids = runner.tokenizer.encode_chat([{"role": "user", "content": ns.prompt}])
+        else:
+            ids = runner.tokenizer.encode(ns.prompt)
     request = runner.request(
         ids, params, prompt_field="--token-ids" if ns.token_ids else "prompt", max_tokens_field="--max-tokens"
     )

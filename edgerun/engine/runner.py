@@ -1,7 +1,9 @@
 """The decode path, top to bottom: load, prefill (chunked), one decode step, generate.
 
 The runner owns the model and its device. ``generate`` yields text deltas as tokens arrive and
-leaves the request's statistics in the final :class:`Event` (``finish_reason`` set).
+leaves the request's statistics in the final :class:`Event` (``finish_reason`` set). Before the
+first token it yields an empty event after each prefill chunk, where a caller may feed a
+watchdog, or stop (closing the generator) without waiting for the rest of the prompt.
 """
 
 from __future__ import annotations
@@ -229,15 +231,20 @@ class Runner:
             )
         return self.decoder.reset()
 
-    @torch.inference_mode()
     def prefill(self, state: DecodeState, ids: list[int]) -> torch.Tensor:
         """Consume the prompt in chunks of ``prefill_chunk`` tokens; returns the last logits [V]."""
+        for chunk in self.prefill_chunks(state, ids):
+            logits = chunk
+        return logits
+
+    @torch.inference_mode()
+    def prefill_chunks(self, state: DecodeState, ids: list[int]) -> Iterator[torch.Tensor]:
+        """:meth:`prefill` one chunk at a time: yields each chunk's last logits [V]."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = None
         for start in range(0, len(ids), self.prefill_chunk):
             logits = self.model(tokens[:, start : start + self.prefill_chunk], state, last_only=True)
             self._count_step()
-        return logits[0, -1]
+            yield logits[0, -1]
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
@@ -268,7 +275,9 @@ class Runner:
         text = _TextStream(self.tokenizer, params.stop)
 
         t0 = time.perf_counter()
-        logits = self.prefill(state, prompt_ids)
+        for chunk in self.prefill_chunks(state, prompt_ids):
+            logits = chunk
+            yield Event("")  # a chunk done: the caller may ping its watchdog, or stop here
         finish = "length"
         for i, token in enumerate(self._counted(self._tokens(state, logits, sampler, params.max_tokens))):
             if i == 0:

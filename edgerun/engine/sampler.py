@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a seeded generator.
 
 Sampling runs on the CPU in fp32 from the last position's logits, so a seed gives the same
-tokens whatever device computed the logits.
+tokens whatever device computed the logits. A temperature below ``GREEDY_BELOW`` is greedy (its
+limit): dividing logits by 1e-38 overflows to inf, and sampling from NaN fails.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from edgerun.errors import EdgerunError
+
+GREEDY_BELOW = 1e-5  # as vLLM
 
 
 class SamplingError(EdgerunError, ValueError):
@@ -27,7 +30,7 @@ class NonFiniteLogits(EdgerunError, RuntimeError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None
@@ -48,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 class Sampler:

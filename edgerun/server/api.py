@@ -15,13 +15,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edgerun.engine.request import RequestError, check_request
 from edgerun.errors import ConfigError
 from edgerun.server.engine_worker import Engine, EngineWorker, Job, JobFailed, QueueFull
-from edgerun.server.http import Exchange, HTTPError, Request, error_body
+from edgerun.server.http import Exchange, HTTPError, Request, error_body, hide_dirs
 from edgerun.server.metrics import Metrics, render
 
 if TYPE_CHECKING:  # torch comes with the engine; by the first request it is loaded
@@ -33,6 +34,9 @@ MAX_STOP = 16
 # A stream writes at most this often: tokens that arrive meanwhile share one write and one chunk.
 # On a small CPU, a loop wake-up, a write and the client's parsing per token cost several percent.
 STREAM_FLUSH_S = 0.02
+# Text longer than the context x the longest token's bytes cannot fit; x4 more for normalizers
+# that shorten text (NFC composes up to three code points into one).
+BYTES_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class App:
         self.info: dict[str, Any] = {}
         self.started = int(time.time())
         self.active: set[_Active] = set()
+        # one thread: tokenizing never takes more than one core from the engine
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="edgerun-tokenize")
         self.routes: dict[str, tuple[str, Callable]] = {
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.metrics_text),
@@ -170,7 +176,7 @@ class App:
             body = {"status": "ok", "model": self.engine.model_id, "queue_depth": self.worker.depth}
             await ex.send_json(200, body)
         else:
-            await ex.send_json(503, {"status": self.state, "message": self.message})
+            await ex.send_json(503, {"status": self.state, "message": hide_dirs(self.message)})
 
     async def metrics_text(self, req: Request, ex: Exchange) -> None:
         stats = self.engine.stats() if self.engine is not None else None
@@ -205,7 +211,7 @@ class App:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = _encode(engine, prompt, "prompt")
+            ids = await self._tokenize(engine, "prompt", prompt)
         elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -224,14 +230,40 @@ class App:
         engine = self._require_ready()
         body = _json_object(req.body)
         _check_model(body, engine.model_id)
-        messages = _messages(body.get("messages"))
         if engine.tokenizer is None:
             raise HTTPError(400, "this model has no tokenizer, so no chat template", param="messages")
+        messages = _messages(body.get("messages"), engine.tokenizer.roles)
+        ids = await self._tokenize(engine, "messages", messages)
+        await self._generate(ex, body, ids, "messages", chat=True)
+
+    async def _tokenize(self, engine: Engine, param: str, text: str | list[dict[str, str]]) -> list[int]:
+        """A prompt's ids (``text``: a string, or chat messages through the template), in the
+        tokenizer thread once its size in bytes has shown it could fit the context: a long
+        prompt costs the loop nothing, one that cannot fit costs nothing at all."""
+        tok = engine.tokenizer
+        if tok is None:
+            raise HTTPError(
+                400, "this model has no tokenizer: send the prompt as a list of token ids", param=param
+            )
+        chat = not isinstance(text, str)
+        size = sum(_utf8_len(m["content"]) for m in text) if chat else _utf8_len(text)
+        context = engine.limits.max_context
+        most = context * tok.max_token_bytes * BYTES_MARGIN
+        if size > most:
+            raise HTTPError(
+                400,
+                f"'{param}' is {size} bytes of text; no text over {most} bytes fits the context of "
+                f"{context} tokens (a token stands for at most {tok.max_token_bytes} bytes)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        encode = tok.encode_chat if chat else tok.encode
         try:
-            text = engine.tokenizer.apply_chat_template(messages)
-        except ConfigError as exc:
-            raise HTTPError(400, str(exc), param="messages") from exc
-        await self._generate(ex, body, _encode(engine, text, "messages"), "messages", chat=True)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizing, encode, text)
+        except ConfigError as exc:  # the chat template refused
+            raise HTTPError(400, str(exc), param=param) from None
+        except Exception as exc:  # e.g. lone surrogates from a JSON "\ud800"
+            raise HTTPError(400, f"'{param}' could not be tokenized: {exc}", param=param) from None
 
     async def _generate(
         self, ex: Exchange, body: dict, ids: list[int], prompt_field: str, chat: bool
@@ -490,18 +522,11 @@ def _check_model(body: dict, served: str) -> None:
         raise _unknown_model(name, served)
 
 
-def _encode(engine: Engine, text: str, param: str) -> list[int]:
-    if engine.tokenizer is None:
-        raise HTTPError(
-            400, "this model has no tokenizer: send the prompt as a list of token ids", param=param
-        )
-    try:
-        return engine.tokenizer.encode(text)
-    except Exception as exc:  # e.g. lone surrogates from a JSON "\ud800"
-        raise HTTPError(400, f"'{param}' could not be tokenized: {exc}", param=param) from None
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any, roles: frozenset[str]) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise HTTPError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
@@ -512,6 +537,13 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = _field(m, "role", str, param=f"{where}.role")
         if not role:
             raise HTTPError(400, f"'{where}.role' is required", param=f"{where}.role")
+        if role not in roles:
+            raise HTTPError(
+                400,
+                f"'{where}.role' {_show(role)} is not a role of this model's chat template "
+                f"({', '.join(sorted(roles))})",
+                param=f"{where}.role",
+            )
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
@@ -548,7 +580,8 @@ def _sampling(
     prompt and the context are :func:`check_request`'s, not checked here."""
     for name, default in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != default and not (name == "logprobs" and value is False):
+        same = value == default and type(value) is type(default)  # True == 1, but n=true is no count
+        if value is not None and not same and not (name == "logprobs" and value is False):
             raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {default!r})", param=name)
     name = "max_tokens"
     max_tokens = _field(body, name, int)

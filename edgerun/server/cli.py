@@ -11,6 +11,7 @@ from pathlib import Path
 
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
+from edgerun.errors import ConfigError
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import SLOT_POOLS, ServeOptions, load_serve_config
 
@@ -114,9 +115,15 @@ def cache_plan(opts: ServeOptions):
     """How experts are held: None (resident), or the cache's settings from --quota or the
     device plan. Planned before the daemon binds (no torch), so a bundle that does not fit is
     refused up front."""
+    from edgerun.bundle.format import MANIFEST
     from edgerun.engine.setup import cache_config
 
     if opts.bundle is None:
+        if opts.device_profile is not None and opts.model is not None and (opts.model / MANIFEST).is_file():
+            raise ConfigError(
+                f"{opts.model} is an edgerun bundle: pass it as --bundle to serve it within the "
+                f"device profile's plan (as --model its experts would be held resident, unplanned)"
+            )
         return None
     return cache_config(
         opts.bundle,

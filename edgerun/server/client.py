@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -12,18 +13,33 @@ from pathlib import Path
 from typing import Any
 
 from edgerun.errors import EdgerunError
-from edgerun.server.paths import find_socket
+from edgerun.server.paths import UntrustedSocket, check_owner, check_peer, find_socket, trusted_uids
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str | Path, timeout: float | None = None) -> None:
+    """HTTP over a Unix socket that this user, root or the service account owns (and its
+    directory), served by a process running as one of them: checked before a byte is sent."""
+
+    def __init__(
+        self, path: str | Path, timeout: float | None = None, trusted: frozenset[int] | None = None
+    ) -> None:
         super().__init__("localhost", timeout=timeout)
-        self.unix_path = str(path)
+        self.unix_path = Path(path)
+        self.trusted = trusted
 
     def connect(self) -> None:
+        trusted = trusted_uids() if self.trusted is None else self.trusted
+        if os.path.lexists(self.unix_path):  # a missing one fails to connect, with its own error
+            check_owner(self.unix_path, trusted)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
+        self.sock.connect(str(self.unix_path))
+        try:
+            check_peer(self.sock, self.unix_path, trusted)
+        except UntrustedSocket:
+            self.sock.close()
+            self.sock = None
+            raise
 
 
 class ServerError(EdgerunError):

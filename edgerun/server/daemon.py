@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from edgerun.server.engine_worker import Engine, EngineWorker, WorkerHooks
 from edgerun.server.http import Connection, Limits
 from edgerun.server.metrics import Metrics
 from edgerun.server.options import ServeOptions
-from edgerun.server.paths import activated_socket, bind_unix_socket, default_socket_path
+from edgerun.server.paths import (
+    BACKLOG,
+    activated_socket,
+    bind_unix_socket,
+    default_socket_path,
+    peer_uid,
+    socket_lock,
+)
 from edgerun.server.sdnotify import Notifier, watchdog_interval
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # 2: a user error, as the CLI exits; not restarted
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 FAILED_LINGER_S = 1.0  # how long /health reports a failed engine before the process exits
+GIL_SWITCH_S = 0.0005
 
 LoadEngine = Callable[[Callable[[str], None]], Engine]
 
@@ -55,6 +64,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run(opts: ServeOptions, load_engine: LoadEngine, env: Mapping[str, str] = os.environ) -> int:
     """Serve until stopped; returns the exit status."""
+    # The engine thread takes the GIL back after every torch op: a busy loop would keep it
+    # waiting up to the switch interval (5 ms by default) each time.
+    sys.setswitchinterval(GIL_SWITCH_S)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the loop's handlers are in place
     try:
         listener = activated_socket(env)
@@ -105,6 +117,7 @@ class Daemon:
             max_body=opts.max_body_bytes,
             idle_timeout=opts.idle_timeout,
             read_timeout=opts.read_timeout,
+            header_timeout=opts.header_timeout,
         )
         self.metrics = Metrics()
         every = self.watchdog / 4 if self.watchdog else 1.0
@@ -118,7 +131,8 @@ class Daemon:
         self.worker = EngineWorker(load_engine, opts.queue_size, hooks)
         api_opts = ApiOptions(opts.default_max_tokens, opts.request_timeout, opts.retry_after)
         self.app = App(self.worker, self.metrics, api_opts)
-        self.conns: set[Connection] = set()
+        self.conns: dict[Connection, None] = {}  # in the order they were accepted
+        self.per_uid: Counter[int | None] = Counter()
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         self.failed_code = EXIT_OK
@@ -133,7 +147,9 @@ class Daemon:
         self._stop, self._hurry = loop.create_future(), asyncio.Event()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.request_stop, f"signal {signal.Signals(sig).name}", EXIT_OK)
-        server = await asyncio.start_unix_server(self._accept, sock=self.listener, limit=self.limits.max_line)
+        server = await asyncio.start_unix_server(
+            self._accept, sock=self.listener, limit=self.limits.max_line, backlog=BACKLOG
+        )
         self.worker.thread.start()  # inherits the blocked signals: they go to this thread
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         say(f"listening on {self.where}; loading the model")
@@ -154,6 +170,8 @@ class Daemon:
         heartbeat.cancel()
         self.worker.stop()
         await loop.run_in_executor(None, self.worker.thread.join, 1.0)
+        if self.worker.thread.is_alive():
+            say("the engine thread did not stop within 1 s; exiting without it")
         self._unlink()
         say(f"stopped in {time.monotonic() - t_stop:.1f} s (exit status {code})")
         return code
@@ -179,23 +197,52 @@ class Daemon:
             conn.writer.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.conns) >= self.opts.max_connections:
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if not self._make_room(uid):
+            self.metrics.connections["refused"] += 1
             writer.write(
                 b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
             )
             writer.close()
             return
         conn = Connection(
-            reader, writer, self.app.handle, self.limits, lambda: self.stopping, self.metrics.observe
+            reader, writer, self.app.handle, self.limits, lambda: self.stopping, self.metrics.observe, uid
         )
         task = asyncio.current_task()
-        self.conns.add(conn)
+        self.conns[conn] = None
+        self.per_uid[uid] += 1
         self.tasks.add(task)
+        self.metrics.open_connections = len(self.conns)
         try:
             await conn.run()
         finally:
-            self.conns.discard(conn)
+            self._forget(conn)
             self.tasks.discard(task)
+
+    def _make_room(self, uid: int | None) -> bool:
+        """Room for one more connection from ``uid``: under its own limit and the global one, or
+        made by closing the oldest connection that has no request in progress (idle, or still
+        sending its head) of that uid (over its limit) or of anyone (over the global limit).
+        False when every candidate is answering a request."""
+        if self.per_uid[uid] >= self.opts.max_connections_per_uid:
+            candidates = (c for c in self.conns if c.uid == uid)
+        elif len(self.conns) >= self.opts.max_connections:
+            candidates = iter(self.conns)
+        else:
+            return True
+        oldest = next((c for c in candidates if not c.busy), None)
+        if oldest is None:
+            return False
+        oldest.writer.close()
+        self._forget(oldest)
+        self.metrics.connections["evicted"] += 1
+        return True
+
+    def _forget(self, conn: Connection) -> None:
+        if conn in self.conns:  # not evicted already
+            del self.conns[conn]
+            self.per_uid[conn.uid] -= 1
+        self.metrics.open_connections = len(self.conns)
 
     # ---- engine thread -> loop --------------------------------------------------------------
 
@@ -256,7 +303,10 @@ class Daemon:
         if self.owned_path is None:
             return
         try:
-            if os.stat(self.owned_path).st_ino == self.owned_inode:
-                os.unlink(self.owned_path)
+            with socket_lock(self.owned_path):
+                if os.stat(self.owned_path).st_ino == self.owned_inode:
+                    os.unlink(self.owned_path)
         except FileNotFoundError:
             pass
+        except EdgerunError as exc:  # the lock: another daemon is binding the path now
+            say(f"leaving {self.owned_path} in place: {exc}")

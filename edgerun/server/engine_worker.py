@@ -3,8 +3,9 @@
 The event loop submits :class:`Job` s; each job's events (``runner.Event``, or a final
 :class:`JobFailed`) come back through the job's ``deliver`` callback, which the loop side makes
 thread-safe. torch is imported here, by the engine thread, as it loads: the socket answers
-``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout, shutdown) takes it out of the queue, or
-stops its generation at the next token. The engine sits behind the small :class:`Engine`
+``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout,
+shutdown) takes it out of the queue, or stops its generation at the next token or prefill
+chunk; the watchdog is fed at each of them too. The engine sits behind the small :class:`Engine`
 interface (:class:`RunnerEngine` serves a :class:`~edgerun.engine.runner.Runner`, resident or
 streaming; tests script their own). Requests reach it checked (``engine/request.py``).
 """
@@ -291,15 +292,19 @@ class EngineWorker:
         try:
             events = engine.generate(job.request)
             finished = False
+            tokens = 0
             for event in events:
                 if event.token_id is not None:
+                    tokens += 1
                     c.generated_tokens += 1
-                job.deliver(event)
+                if event.text or event.token_id is not None or event.finish_reason is not None:
+                    job.deliver(event)  # not a prefill chunk's empty event
                 self.hooks.ping()
                 if event.finish_reason is not None:
                     finished = True
                     if event.stats is not None:
                         s = event.stats
+                        c.generated_tokens += s.generated_tokens - tokens  # EOS, as usage counts it
                         c.prefill_s += s.prefill_s
                         c.decode_s += s.decode_s
                         c.last_prefill_tps, c.last_decode_tps = s.prefill_tps, s.decode_tps

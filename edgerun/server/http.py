@@ -6,6 +6,10 @@ too many or too large headers 431, a body over the limit 413 (unread; the connec
 a chunked request body 501, a POST without a length 411, an unknown ``Expect`` 417, HTTP other
 than 1.0/1.1 505, a request that stalls 408. A framing error closes the connection after the
 reply (lingering, so the client can read it); errors inside a well-framed body keep it open.
+
+A connection that has not yet sent a complete request gets ``header_timeout`` (short) to send
+its head; one that has been answered waits ``idle_timeout`` for the next. A client that shuts
+down its sending side after a request (a half-close) still gets the answer.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import json
 import logging
 import re
+import select
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)")
+HALF_CLOSED_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Limits:
     max_body: int = 1024 * 1024
     idle_timeout: float = 60.0  # keep-alive: how long to wait for the next request
     read_timeout: float = 30.0  # once a request has started, to receive all of it
+    header_timeout: float = 10.0  # a new connection's wait for its first request; any request's head
 
 
 class HTTPError(Exception):
@@ -60,8 +67,19 @@ class ClientGone(Exception):
     """The peer closed the connection in the middle of a request."""
 
 
+_DIRS = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"]+/)+(?=[^\s/'\"])")
+
+
+def hide_dirs(message: str) -> str:
+    """The message with every absolute path cut to its last part: a server error's text goes to
+    the client, the daemon's file layout stays in its log."""
+    return _DIRS.sub("", message)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape."""
+    """OpenAI's error shape; a server error (5xx) names files without their directories."""
+    if status >= 500:
+        message = hide_dirs(message)
     kind = {
         429: "rate_limit_error",
         500: "server_error",
@@ -226,7 +244,14 @@ async def read_request(inp: Input, writer: asyncio.StreamWriter, limits: Limits)
     """The request whose first bytes have arrived, within ``read_timeout``."""
 
     async def read() -> Request:
-        method, target, version, headers = await _read_head(inp, limits)
+        try:
+            method, target, version, headers = await asyncio.wait_for(
+                _read_head(inp, limits), limits.header_timeout
+            )
+        except asyncio.TimeoutError:
+            raise HTTPError(
+                408, f"request head not received within {limits.header_timeout:g} s", close=True
+            ) from None
         n = _body_length(method, headers, limits)
         expect = headers.get("expect", "").lower()
         if expect and expect != "100-continue":
@@ -313,7 +338,14 @@ class Exchange:
 
     def watch_disconnect(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` if the client closes the connection before the response is done."""
-        self._watcher = asyncio.ensure_future(self.conn.inp.wait_eof())
+
+        async def watch() -> None:
+            await self.conn.inp.wait_eof()
+            self.keep_alive = False  # nothing more will come
+            while not self.conn.peer_gone():  # a half-close: it still reads, so it gets its answer
+                await asyncio.sleep(HALF_CLOSED_POLL_S)
+
+        self._watcher = asyncio.ensure_future(watch())
         self._watcher.add_done_callback(lambda t: None if t.cancelled() else callback())
 
     async def finish(self) -> None:
@@ -341,6 +373,7 @@ class Connection:
         limits: Limits,
         closing: Callable[[], bool],
         observe: Observer,
+        uid: int | None = None,
     ) -> None:
         self.inp = Input(reader, limits.max_line)
         self.writer = writer
@@ -348,11 +381,23 @@ class Connection:
         self.limits = limits
         self.closing = closing
         self.observe = observe
-        self.idle = True
+        self.uid = uid
+        self.idle = True  # waiting for a request's first byte
+        self.busy = False  # a complete request is being answered
+        self.requests = 0  # complete requests received
 
     def close_if_idle(self) -> None:
         if self.idle:
             self.writer.close()
+
+    def peer_gone(self) -> bool:
+        """True once the client has closed its end entirely (POLLHUP), not just its sending side."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None or self.writer.transport.is_closing():
+            return True
+        poll = select.poll()
+        poll.register(sock.fileno(), 0)  # POLLHUP and POLLERR are always reported
+        return bool(poll.poll(0))
 
     async def run(self) -> None:
         try:
@@ -365,9 +410,10 @@ class Connection:
 
     async def _one(self) -> bool:
         """Serve one request; False when the connection should close."""
-        self.idle = True
+        self.idle, self.busy = True, False
+        wait = self.limits.idle_timeout if self.requests else self.limits.header_timeout
         try:
-            if not await asyncio.wait_for(self.inp.wait_data(), self.limits.idle_timeout):
+            if not await asyncio.wait_for(self.inp.wait_data(), wait):
                 return False
         except asyncio.TimeoutError:
             return False
@@ -380,6 +426,8 @@ class Connection:
             self.observe("", err.status)
             await self._linger()
             return False
+        self.busy = True
+        self.requests += 1
         ex = Exchange(self, req, keep_alive=req.keep_alive and not self.closing())
         try:
             await self.handler(req, ex)

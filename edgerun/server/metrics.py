@@ -23,6 +23,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.responses: Counter[tuple[str, int]] = Counter()
+        self.connections: Counter[str] = Counter()  # closed by the daemon to make room: evicted | refused
+        self.open_connections = 0
 
     def observe(self, path: str, status: int) -> None:
         if path.startswith("/v1/models/"):
@@ -73,6 +75,14 @@ def render(
         "counter",
         "HTTP answers by endpoint and status (499: the client left first).",
         [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(metrics.responses.items())],
+    )
+    t.one("edgerun_connections_open", "gauge", "Client connections open now.", metrics.open_connections)
+    t.family(
+        "edgerun_connections_closed_total",
+        "counter",
+        "Connections the daemon closed to stay within max_connections(_per_uid): evicted (the "
+        "longest-waiting one without a request in progress) or refused (every one was answering).",
+        [({"reason": r}, metrics.connections[r]) for r in ("evicted", "refused")],
     )
     t.one("edgerun_requests_total", "counter", "Generation requests the engine started.", c.requests)
     t.one("edgerun_request_failures_total", "counter", "Generation requests the engine failed.", c.failed)

@@ -47,6 +47,7 @@ class ServeOptions:
     socket_group: str | None = None
     queue_size: int = 16  # requests waiting for the engine before 429
     max_connections: int = 256
+    max_connections_per_uid: int = 64  # per client uid (SO_PEERCRED); past it, its oldest idle one closes
     request_timeout: float = 300.0  # seconds, queueing included
     grace_period: float = 30.0  # SIGTERM: seconds to let running requests finish
     default_max_tokens: int = 256
@@ -55,6 +56,7 @@ class ServeOptions:
     max_headers: int = 64
     idle_timeout: float = 60.0  # keep-alive connections
     read_timeout: float = 30.0  # to receive one whole request
+    header_timeout: float = 10.0  # a new connection's first request's head; any request's head
     retry_after: int = 1  # seconds, in 429 / 503 answers
     providers: ProviderPolicy | None = None  # which external architecture providers may load the model
 
@@ -63,10 +65,17 @@ class ServeOptions:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
-        for name in ("queue_size", "max_connections", "default_max_tokens", "max_body_bytes", "max_headers"):
+        for name in (
+            "queue_size",
+            "max_connections",
+            "max_connections_per_uid",
+            "default_max_tokens",
+            "max_body_bytes",
+            "max_headers",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"serve option {name!r} must be at least 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "grace_period", "idle_timeout", "read_timeout"):
+        for name in ("request_timeout", "grace_period", "idle_timeout", "read_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"serve option {name!r} must be positive, got {getattr(self, name)}")
         if self.read_mode not in ("auto", "direct", "buffered"):
@@ -83,7 +92,9 @@ class ServeOptions:
             if value is not None and value not in valid:
                 raise ConfigError(f"serve option {name!r} must be one of {', '.join(valid)}, got {value!r}")
         if self.quota is not None and self.bundle is None:
-            raise ConfigError("serve option 'quota' needs 'bundle': experts stream from a bundle")
+            raise ConfigError(
+                "serve option 'quota' needs 'bundle': experts stream from a bundle (pass it as --bundle)"
+            )
         if self.bundle is not None and self.model is not None:
             raise ConfigError("give 'model' (an HF checkpoint) or 'bundle', not both")
         if self.torch_device not in (None, "cpu", "cuda"):

@@ -2,18 +2,26 @@
 
 Daemon: ``$RUNTIME_DIRECTORY/edgerun.sock`` under systemd (``RuntimeDirectory=edgerun`` gives
 ``/run/edgerun``), else ``$XDG_RUNTIME_DIR/edgerun.sock``, else ``/tmp/edgerun-$UID/edgerun.sock``.
-The client looks in the same places, then at the system service's ``/run/edgerun/edgerun.sock``.
+The client looks in the private places first (``$RUNTIME_DIRECTORY``, ``$XDG_RUNTIME_DIR``), then
+at the system service's ``/run/edgerun/edgerun.sock``, and only then under ``/tmp``, where anyone
+can create a directory first. It talks only to a socket that it, root or the service account owns,
+in a directory one of them owns, served by a process running as one of them (``SO_PEERCRED``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import grp
 import logging
 import os
+import pwd
 import socket
 import stat
+import struct
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
@@ -22,7 +30,17 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "edgerun.sock"
 SYSTEM_SOCKET = Path("/run/edgerun") / SOCKET_NAME
+SERVICE_USER = "edgerun"  # systemd/edgerun.service's User=
 _SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+LOCK_WAIT_S = 5.0
+# connections the kernel queues for accept(): a flood must not fill it before the daemon can close
+# its connections (a full queue fails a client's connect at once, with EAGAIN)
+BACKLOG = socket.SOMAXCONN
+
+
+class UntrustedSocket(EdgerunError):
+    """A socket that someone other than this user, root or the service account could have put
+    there, or that such a process serves: the client sends it nothing."""
 
 
 def _user_tmp_dir() -> Path:
@@ -38,17 +56,59 @@ def default_socket_path(env: Mapping[str, str] = os.environ) -> Path:
     return _user_tmp_dir() / SOCKET_NAME
 
 
-def find_socket(env: Mapping[str, str] = os.environ) -> Path:
-    """The socket a client should talk to: the first candidate that exists."""
-    candidates = [default_socket_path(env)]
-    if env.get("XDG_RUNTIME_DIR"):
-        candidates.append(Path(env["XDG_RUNTIME_DIR"]) / SOCKET_NAME)
-    candidates += [_user_tmp_dir() / SOCKET_NAME, SYSTEM_SOCKET]
+def find_socket(env: Mapping[str, str] = os.environ, trusted: frozenset[int] | None = None) -> Path:
+    """The socket a client should talk to: the first candidate that exists, checked
+    (:func:`check_owner`): one that fails the check is an error, never skipped for the next."""
+    private = [Path(env[k].split(":")[0]) for k in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR") if env.get(k)]
+    candidates = [d / SOCKET_NAME for d in private] + [SYSTEM_SOCKET, _user_tmp_dir() / SOCKET_NAME]
     for path in candidates:
-        if path.exists():
+        if os.path.lexists(path):
+            check_owner(path, trusted_uids() if trusted is None else trusted)
             return path
     tried = ", ".join(dict.fromkeys(str(p) for p in candidates))
     raise EdgerunError(f"no edgerun socket found (tried {tried}); is the daemon running? pass --socket")
+
+
+def trusted_uids() -> frozenset[int]:
+    """Who may own the socket a client talks to, and run the daemon behind it: root, this user,
+    and the system service's account (when it exists)."""
+    uids = {0, os.getuid()}
+    with contextlib.suppress(KeyError):
+        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
+    return frozenset(uids)
+
+
+def _trusted_text(trusted: frozenset[int]) -> str:
+    return f"this client trusts uids {', '.join(map(str, sorted(trusted)))} (root, you, {SERVICE_USER!r})"
+
+
+def check_owner(path: Path, trusted: frozenset[int]) -> None:
+    """Refuse a socket, or a directory holding it, that an untrusted uid owns (symlinks resolved)."""
+    real = Path(os.path.realpath(path))
+    for p in (real.parent, real):
+        owner = os.stat(p).st_uid
+        if owner not in trusted:
+            raise UntrustedSocket(
+                f"{p} is owned by uid {owner}: {_trusted_text(trusted)}; refusing to send it "
+                "anything (remove it, or pass --socket)"
+            )
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``; None where the
+    platform has none)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]  # pid, uid, gid
+
+
+def check_peer(sock: socket.socket, path: Path, trusted: frozenset[int]) -> None:
+    uid = peer_uid(sock)
+    if uid is not None and uid not in trusted:
+        raise UntrustedSocket(
+            f"{path} is served by a process of uid {uid}: {_trusted_text(trusted)}; refusing to send it anything"
+        )
 
 
 def _private_dir(path: Path) -> None:
@@ -87,11 +147,39 @@ def resolve_group(group: str | int | None) -> int | None:
         raise EdgerunError(f"socket group {group!r} does not exist") from None
 
 
+@contextlib.contextmanager
+def socket_lock(path: Path) -> Iterator[None]:
+    """Held (``flock`` on ``PATH.lock`` beside the socket) while a daemon checks, replaces and
+    binds its socket path, or removes it: two daemons cannot both find one socket stale."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise EdgerunError(f"cannot open the socket's lock file {lock}: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EdgerunError(
+                        f"{lock} is still locked after {LOCK_WAIT_S:g} s: another process is "
+                        f"binding or removing {path}"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
 def bind_unix_socket(
-    path: Path, mode: int = 0o660, group: str | int | None = None, backlog: int = 128
+    path: Path, mode: int = 0o660, group: str | int | None = None, backlog: int = BACKLOG
 ) -> socket.socket:
-    """Bind and listen on ``path``. A socket file nobody listens on (a dead daemon's) is replaced;
-    a live one, or a file that is not a socket, is an error."""
+    """Bind and listen on ``path``, under its lock (:func:`socket_lock`). A socket file nobody
+    listens on (a dead daemon's) is replaced; a live one, or a file that is not a socket, is an
+    error."""
     path = Path(path)
     gid = resolve_group(group)
     if len(os.fsencode(path)) > _SUN_PATH_MAX:
@@ -100,6 +188,11 @@ def bind_unix_socket(
         _private_dir(path.parent)
     elif not path.parent.is_dir():
         raise EdgerunError(f"socket directory {path.parent} does not exist")
+    with socket_lock(path):
+        return _bind(path, mode, gid, backlog)
+
+
+def _bind(path: Path, mode: int, gid: int | None, backlog: int) -> socket.socket:
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise EdgerunError(f"{path} exists and is not a socket; refusing to replace it")

@@ -1,7 +1,8 @@
 """The one decode path's contracts on the CPU: the static-buffer attention step is the module's
 forward; a slot reference made stale by an eviction is refused; every decoded token is traced,
 decoder steps included; fallbacks are counted per event; a quota that holds every expert reads
-them all in at load (so CUDA decodes one graph a step); the cache only keeps books and bytes."""
+them all in at load (so CUDA decodes one graph a step); the cache only keeps books and bytes;
+generation yields between prefill chunks, and a caller may stop it there."""
 
 import pytest
 import torch
@@ -170,3 +171,23 @@ def test_greedy_steps_are_queued_on_the_device_and_give_the_host_loops_tokens(bu
         got = list(runner._tokens(state, runner.prefill(state, PROMPT), Sampler(params), n))
     assert got == want
     assert runner.steps.eager_steps == n - 1 and state.pos == len(PROMPT) + n - 1
+
+
+def test_generate_yields_between_prefill_chunks_and_stops_there():
+    """Issue 19, item 9: the daemon feeds its watchdog and checks for cancellation at each event,
+    so a long prefill must yield between its chunks."""
+    runner = Runner.load(None, device="cpu", prefill_chunk=4)
+    forwards = []
+    hook = runner.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        events = runner.generate(runner.request(list(range(3, 13)), SamplingParams(max_tokens=2)))
+        chunks = [next(events) for _ in range(3)]  # 10 prompt tokens: chunks of 4, 4 and 2
+        assert [(e.text, e.token_id, e.finish_reason) for e in chunks] == [("", None, None)] * 3
+        assert len(forwards) == 3 and next(events).token_id is not None
+        forwards.clear()
+        events = runner.generate(runner.request(list(range(3, 13)), SamplingParams(max_tokens=2)))
+        next(events)
+        events.close()  # the client left during the first chunk
+        assert len(forwards) == 1
+    finally:
+        hook.remove()

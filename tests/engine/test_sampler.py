@@ -14,6 +14,15 @@ def test_greedy_is_argmax():
     assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))(logits) == int(logits.argmax())
 
 
+def test_temperature_below_1e_5_is_greedy():
+    """Dividing real-sized logits by 1e-37 overflows to inf: such temperatures are greedy."""
+    logits = _logits() * 30
+    for t in (1e-300, 1e-38, 1e-37, 9e-6):
+        params = SamplingParams(temperature=t, seed=1)
+        assert params.greedy and Sampler(params)(logits) == int(logits.argmax()), t
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_same_seed_same_tokens_different_seed_differs():
     logits = _logits()
 

@@ -2,7 +2,8 @@
 
 The first prompt token picks the behaviour: RAISE fails the request, FATAL kills the engine,
 SLOW emits a token every 50 ms, HANG blocks the engine for 4 s inside one step (a stuck device
-call); anything else counts up quickly. Run as a script:
+call); anything else counts up quickly. With ``--tokenize-s S`` it has a tokenizer that takes S
+seconds per prompt (a long prompt). Run as a script:
 ``python tests/server/fake_daemon.py --socket PATH [--load-delay S] [--queue-size N] ...``
 """
 
@@ -52,7 +53,7 @@ class FakeEngine:
     def generate(self, request):
         ids, params = request.prompt_ids, request.params
         if ids[0] == RAISE:
-            raise RuntimeError("injected engine error")
+            raise RuntimeError("injected engine error reading /srv/edgerun/private/L03.bin")
         if ids[0] == FATAL:
             raise EngineFailure("injected: the device is lost")
         if ids[0] == HANG:
@@ -77,6 +78,20 @@ class FakeEngine:
         }
 
 
+class SlowTokenizer:
+    """Token i is the byte i % VOCAB; each prompt takes ``seconds`` (the GIL released)."""
+
+    max_token_bytes = 1
+    roles = frozenset({"user"})
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def encode(self, text: str) -> list[int]:
+        time.sleep(self.seconds)
+        return [b % VOCAB for b in text.encode()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--socket", type=Path, default=None)
@@ -85,12 +100,15 @@ def main() -> int:
     p.add_argument("--queue-size", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--grace-period", type=float, default=5.0)
+    p.add_argument("--header-timeout", type=float, default=None)
+    p.add_argument("--tokenize-s", type=float, default=None)
     ns = p.parse_args()
     opts = ServeOptions(
         socket=ns.socket,
         queue_size=ns.queue_size,
         request_timeout=ns.request_timeout,
         grace_period=ns.grace_period,
+        **({"header_timeout": ns.header_timeout} if ns.header_timeout else {}),
     )
 
     def load(status):
@@ -100,7 +118,10 @@ def main() -> int:
             raise RuntimeError(ns.load_error)
         import edgerun.engine.sampler  # noqa: F401  (torch, as a real engine imports it while loading)
 
-        return FakeEngine()
+        engine = FakeEngine()
+        if ns.tokenize_s is not None:
+            engine.tokenizer = SlowTokenizer(ns.tokenize_s)
+        return engine
 
     try:
         daemon.hard_exit(daemon.run(opts, load))

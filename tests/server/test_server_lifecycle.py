@@ -1,5 +1,6 @@
 """The daemon's lifecycle: readiness over a fake NOTIFY_SOCKET, /health while loading, 429, timeouts,
-engine errors and engine death, SIGTERM draining, socket activation and stale sockets."""
+engine errors and engine death, SIGTERM draining, a long prefill, a flood of connections, socket
+activation and stale sockets."""
 
 from __future__ import annotations
 
@@ -116,6 +117,52 @@ def test_real_daemon_notifies_and_drains_on_sigterm(served_model, tmp_path):
         daemon.stop()
 
 
+def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigterm(tmp_path):
+    """Item 9: the engine pings WATCHDOG=1 between prefill chunks (a prefill longer than
+    WatchdogSec is not killed), and a prefill stops at the next chunk when its client leaves or
+    the grace period after SIGTERM ends."""
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "prefill.sock"
+    argv = serve_argv("--socket", str(sock), "--torch-device", "cpu", "--threads", "1")
+    argv += ["--prefill-chunk", "4", "--grace-period", "0.2"]
+    daemon = Daemon(argv, sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "600000"})
+    body = {"prompt": [5 + i % 50 for i in range(1500)], "max_tokens": 1}  # seconds of prefill
+    try:
+        daemon.wait_health(200)
+        notify.wait_for("WATCHDOG=1")
+        request = threading.Thread(target=post, args=(sock, "/v1/completions", body))
+        pings = [time.monotonic()]
+        request.start()
+        while request.is_alive():
+            if notify.poll().count("WATCHDOG=1") + 1 > len(pings):
+                pings.append(time.monotonic())
+            time.sleep(0.005)
+        pings.append(time.monotonic())
+        assert pings[-1] - pings[0] > 1.0, "the prefill was too short to test"
+        assert max(b - a for a, b in zip(pings, pings[1:])) < 0.6, "WatchdogSec passed without a ping"
+
+        cancelled = metric(sock, "edgerun_requests_cancelled_total")
+        conn, resp = open_stream(sock, body)
+        time.sleep(0.5)  # prefilling
+        conn.close()
+        t0 = time.monotonic()
+        while metric(sock, "edgerun_requests_running"):
+            assert time.monotonic() - t0 < 1.0, "the prefill went on after its client left"
+            time.sleep(0.01)
+        assert metric(sock, "edgerun_requests_cancelled_total") == cancelled + 1
+
+        request = threading.Thread(target=post, args=(sock, "/v1/completions", body))
+        request.start()
+        time.sleep(0.5)
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(10) == 0
+        request.join(10)
+        stopped = float(re.search(r"stopped in ([0-9.]+) s", daemon.log()).group(1))
+        assert stopped < 1.0, daemon.log()  # the grace period, then one chunk
+    finally:
+        daemon.stop()
+
+
 # ---- a scripted engine: loading, queue full, timeouts, engine errors ------------------------------
 
 
@@ -199,7 +246,9 @@ def test_request_timeout(fake):
 def test_engine_error_fails_only_that_request(fake):
     fake.wait_health(200)
     status, body = post(fake.sock, "/v1/completions", {"prompt": [RAISE], "max_tokens": 3})
-    assert status == 500 and "injected engine error" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert status == 500 and "injected engine error reading L03.bin" in message
+    assert "/srv/edgerun" not in message  # a server error names files, not the daemon's layout
     assert get(fake.sock, "/health")[0] == 200
     status, body = post(fake.sock, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
@@ -211,6 +260,30 @@ def test_engine_stats_feed_metrics(fake):
     assert 'edgerun_fallbacks_total{kind="cpu_reference"} 2' in text
     assert 'edgerun_expert_bytes_read_total{layer="0",experts="fake"} 4096' in text
     assert "edgerun_request_failures_total 1" in text
+
+
+def test_prompts_are_measured_before_and_tokenized_off_the_event_loop(tmp_path):
+    """A prompt that takes 1.5 s to tokenize does not hold up /health; one whose bytes cannot
+    fit the context (64 tokens, a byte per token) is refused without being tokenized."""
+    sock = tmp_path / "tok.sock"
+    daemon = Daemon(fake_argv(sock, "--tokenize-s", "1.5"), sock)
+    try:
+        daemon.wait_health(200)
+        t0 = time.monotonic()
+        status, body = post(sock, "/v1/completions", {"prompt": "x" * 300, "max_tokens": 2})
+        assert status == 400 and time.monotonic() - t0 < 1.0
+        assert body["error"]["code"] == "context_length_exceeded" and "300 bytes" in body["error"]["message"]
+        slow = threading.Thread(
+            target=post, args=(sock, "/v1/completions", {"prompt": "abc", "max_tokens": 2})
+        )
+        slow.start()
+        time.sleep(0.3)  # tokenizing now
+        t0 = time.monotonic()
+        assert get(sock, "/health")[0] == 200
+        assert time.monotonic() - t0 < 0.5
+        slow.join(10)
+    finally:
+        daemon.stop()
 
 
 def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
@@ -265,6 +338,58 @@ def test_load_failure_exits_nonzero(tmp_path):
         assert "loading the model failed: RuntimeError: no such weights" in daemon.log()
     finally:
         daemon.stop()
+
+
+def test_a_flood_of_idle_and_slow_connections_leaves_health_answering(tmp_path):
+    """300 connections from one uid that never complete a request: the daemon keeps at most
+    max_connections_per_uid (64) of them, closing the longest-waiting for each newcomer, and
+    closes the rest after header_timeout; /health answers at once throughout."""
+    sock = tmp_path / "flood.sock"
+    daemon = Daemon(fake_argv(sock, "--header-timeout", "2"), sock)
+    flood = []
+    try:
+        daemon.wait_health(200)
+        for i in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ")  # a head that never ends
+            flood.append(s)
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert get(sock, "/health")[0] == 200
+            assert time.monotonic() - t0 < 1.0
+        time.sleep(0.2)
+        still_open = sum(not _closed(s) for s in flood)
+        assert still_open <= 64
+        assert metric(sock, 'edgerun_connections_closed_total{reason="evicted"}') >= 300 - 64
+        time.sleep(2.5)  # past header_timeout: the rest are closed, a started head with a 408
+        answers = [_read_all(s) for s in flood]
+        assert any(a.startswith(b"HTTP/1.1 408") for a in answers)
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)
+        for s in flood:
+            s.close()
+        deadline = time.monotonic() + 5
+        while metric(sock, "edgerun_connections_open") > 1:  # 1: the one asking
+            assert time.monotonic() < deadline, "the daemon still holds flood connections"
+            time.sleep(0.05)
+    finally:
+        for s in flood:
+            s.close()
+        daemon.stop()
+
+
+def _closed(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+
+
+def _read_all(s: socket.socket) -> bytes:
+    s.settimeout(5)
+    return b"".join(iter(lambda: s.recv(65536), b""))
 
 
 # ---- the socket: systemd's (activation), a dead daemon's (replaced), a live one's (refused) --------

@@ -71,6 +71,20 @@ def test_plan_that_does_not_fit_is_refused_before_binding(bundle, tmp_path):
     assert "does not fit on" in d.log() and not sock.exists()
 
 
+def test_a_bundle_given_as_model_with_a_device_profile_is_refused(bundle, tmp_path):
+    """As --model a bundle's experts would be held resident, outside the profile's plan: say so."""
+    from edgerun.engine.runner import DEMO_MODEL
+
+    profile = DEMO_MODEL.parents[1] / "configs" / "cpu.yaml"
+    sock = tmp_path / "m.sock"
+    d = Daemon(serve_argv("--model", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
+    try:
+        assert d.proc.wait(60) == 2
+    finally:
+        d.stop()
+    assert "is an edgerun bundle: pass it as --bundle" in d.log() and not sock.exists()
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (none on this machine)")
 def test_a_bundle_whose_every_expert_fits_decodes_one_graph_a_step(bundle, tmp_path):
     """Every expert in a slot: they are read in at load, so the decoder built by the start-up

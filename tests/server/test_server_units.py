@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from edgerun.errors import ConfigError, EdgerunError
+from edgerun.server import client, paths
+from edgerun.server.client import UnixHTTPConnection
 from edgerun.server.metrics import _escape
 from edgerun.server.options import ServeOptions, load_serve_config
 from edgerun.server.paths import bind_unix_socket, default_socket_path, find_socket
@@ -71,6 +78,110 @@ def test_bind_refuses_a_live_socket_and_a_plain_file_and_replaces_a_stale_one(tm
         bind_unix_socket(tmp_path / ("x" * 120))
     with pytest.raises(EdgerunError, match="does not exist"):
         bind_unix_socket(tmp_path / "no" / "s.sock", group="no-such-group-edgerun")
+
+
+class Listener:
+    """A Unix socket server in a thread that records what each client sends (issue 19, item 1)."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen()
+        self.received = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                self.received.append(b"".join(iter(functools.partial(conn.recv, 4096), b"")))
+
+
+def test_client_looks_in_private_and_system_places_before_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", tmp_path / "run" / "edgerun.sock")
+    monkeypatch.setattr(paths.tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"edgerun-{os.getuid()}"
+    planted.mkdir()
+    (planted / "edgerun.sock").touch()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "edgerun.sock").touch()
+    assert find_socket({}) == tmp_path / "run" / "edgerun.sock"  # the system socket before /tmp
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "edgerun.sock").touch()
+    assert find_socket({"XDG_RUNTIME_DIR": str(tmp_path / "xdg")}) == tmp_path / "xdg" / "edgerun.sock"
+
+
+def test_client_refuses_a_socket_or_directory_an_untrusted_uid_owns(tmp_path):
+    (tmp_path / "edgerun.sock").touch()
+    me = os.stat(tmp_path).st_uid
+    with pytest.raises(paths.UntrustedSocket, match=f"{tmp_path} is owned by uid {me}"):
+        find_socket({"XDG_RUNTIME_DIR": str(tmp_path)}, trusted=frozenset({me + 1}))
+    assert find_socket({"XDG_RUNTIME_DIR": str(tmp_path)}, trusted=frozenset({me}))
+
+
+def test_client_sends_nothing_to_a_server_of_an_untrusted_uid(tmp_path, monkeypatch):
+    server = Listener(tmp_path / "s.sock")
+    me = os.getuid()
+    monkeypatch.setattr(client, "check_owner", lambda path, trusted: None)  # the files pass
+    conn = UnixHTTPConnection(tmp_path / "s.sock", 5, trusted=frozenset({me + 1}))
+    with pytest.raises(paths.UntrustedSocket, match=f"served by a process of uid {me}"):
+        conn.request("POST", "/v1/completions", body=b'{"prompt": "secret"}')
+    deadline = time.monotonic() + 5
+    while not server.received:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert server.received == [b""]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting a directory owned by another uid needs root")
+@pytest.mark.skipif(paths.SYSTEM_SOCKET.exists(), reason="a system daemon's socket would be found first")
+def test_chat_refuses_a_tmp_directory_another_user_planted(tmp_path):
+    """The attack: XDG_RUNTIME_DIR unset, another user created /tmp/edgerun-$UID first."""
+    planted = tmp_path / f"edgerun-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    server = Listener(planted / "edgerun.sock")
+    os.chown(planted, 4242, 4242)
+    os.chown(planted / "edgerun.sock", 4242, 4242)
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "RUNTIME_DIRECTORY")}
+    res = subprocess.run(
+        [sys.executable, "-m", "edgerun.cli", "chat", "my secret prompt"],
+        env={**env, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0 and f"{planted} is owned by uid 4242" in res.stderr, res.stderr
+    assert server.received == []
+
+
+def test_two_daemons_racing_for_a_stale_socket_one_wins(tmp_path, monkeypatch):
+    """Item 7: the check-then-unlink window, widened: without the lock several "win"."""
+    path = tmp_path / "s.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    is_live = paths._is_live
+    monkeypatch.setattr(paths, "_is_live", lambda p: (is_live(p), time.sleep(0.2))[0])
+    won, lost = [], []
+
+    def race():
+        try:
+            won.append(bind_unix_socket(path))
+        except Exception as exc:
+            lost.append(exc)
+
+    threads = [threading.Thread(target=race) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(won) == 1, (won, lost)
+    assert all(isinstance(e, EdgerunError) and "already serving" in str(e) for e in lost), lost
+    won[0].close()
 
 
 def test_serve_config(tmp_path):
