@@ -91,6 +91,15 @@ class ExpertCache:
             raise QuotaError(
                 f"quotas given for layers {sorted(quotas)}, the model's MoE layers are {list(args.moe_layers)}"
             )
+        over = sorted({q for q in quotas.values() if q > args.num_experts})
+        # stated, not silent: the start-up line carries it (engine/provenance.experts_text)
+        self.adjustments = (
+            [
+                f"quota {'/'.join(map(str, over))} is more than a layer's {args.num_experts} experts: {args.num_experts} used"
+            ]
+            if over
+            else []
+        )
         quotas = {layer: min(q, args.num_experts) for layer, q in quotas.items()}
         staging = staging or 2 * args.num_experts_per_tok
         # construction refuses before allocating anything

@@ -34,7 +34,9 @@ def experts_text(runner) -> str:
     )
     return (
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
-        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB); "
+        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB"
+        + "".join(f"; {note}" for note in cache.adjustments)
+        + "); "
         f"{kernels}; fallbacks: {fb}"
     )
 

@@ -269,3 +269,15 @@ def test_generate_with_a_host_tier_reports_it(bundles, capsys):
     assert main(argv + ["--quota", "2", "--host-quota", "4", "--max-tokens", "6"]) == 0
     err = capsys.readouterr().err
     assert "host slots, pinned host tier 4 (" in err and "served from the host tier" in err
+
+
+def test_a_quota_above_the_experts_is_a_stated_adjustment(bundles):
+    from edgerun.engine.provenance import provenance
+
+    path = bundles[("qwen3_moe", "bf16")]
+    runner = Runner.load(path, device="cpu", cache=CacheConfig(quotas=99))
+    E = runner.args.num_experts
+    assert set(runner.cache.quotas.values()) == {E}
+    assert f"quota 99 is more than a layer's {E} experts: {E} used" in provenance(runner, path)
+    exact = Runner.load(path, device="cpu", cache=CacheConfig(quotas=E))
+    assert "more than a layer's" not in provenance(exact, path)
