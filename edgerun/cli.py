@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -433,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so a CPU decode
+    # does not collapse when other processes share the cores (benchmarks/threads_under_load.py);
+    # a value the user set wins
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -88,3 +89,42 @@ def test_generate_over_a_socket_refuses_flags_the_daemon_would_ignore(tmp_path, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--model, --quota would be ignored" in err and "drop them, or drop --socket" in err
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_cli_makes_idle_openmp_threads_sleep_unless_the_user_chose(preset):
+    """OMP_WAIT_POLICY is read when torch loads OpenMP: the CLI sets PASSIVE first (a user's value
+    wins), so a decode beside other busy processes does not spin its threads against them."""
+    code = (
+        "import os, sys\n"
+        "from edgerun.cli import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": preset} if preset else {}
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split()[-2:] == [preset or "PASSIVE", "False"], out.stdout + out.stderr
+
+
+def test_a_small_model_gets_one_cpu_thread_unless_asked(hf_checkpoints, capsys):
+    """Tiny models decode fastest on one thread, idle or loaded (benchmarks/threads_under_load.py):
+    chosen and said so in the start-up line; --threads wins."""
+    import torch
+
+    ckpt = hf_checkpoints["qwen3_moe"][1]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        argv = ["generate", "--model", str(ckpt), "--token-ids", "3", "--max-tokens", "1", "--device", "cpu"]
+        assert main(argv) == 0
+        assert (
+            "threads 1 (a small model decodes fastest on one thread; --threads sets it)"
+            in capsys.readouterr().err
+        )
+        assert main([*argv, "--threads", "2"]) == 0
+        err = capsys.readouterr().err
+        assert "threads 2 " in err and "small model" not in err
+    finally:
+        torch.set_num_threads(before)

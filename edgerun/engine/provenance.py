@@ -53,8 +53,9 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
     line = (
         f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
-        f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()} "
-        f"{experts_text(runner)}; {runner.load_summary}"
+        f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()}"
+        + (f" ({runner.threads_note}) " if runner.threads_note else " ")
+        + f"{experts_text(runner)}; {runner.load_summary}"
         + (f"; {runner.provider.describe()}" if runner.provider else "")
     )
     if profile is not None or plan is not None:

@@ -100,6 +100,7 @@ class Runner:
         self.routes = None  # a RouteRecorder (engine/trace.py) that also takes the decoder's steps
         self._fallback_steps: dict[str, int] = {}  # engine steps run under each kernel/graph/pool fallback
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
+        self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
 
     @property

@@ -16,6 +16,11 @@ from edgerun.engine.policy import KernelPolicy
 from edgerun.errors import ConfigError, EdgerunError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# CPU threads when none are asked for: a model of at most this many parameters decodes fastest
+# on one thread, idle or beside other busy processes (the demo, 8M: 149 tok/s against 135 on two
+# threads idle, 94 against 20 loaded; benchmarks/threads_under_load.py, docs/benchmarks.md); a
+# larger one gets torch's default, one per core, with OpenMP's idle threads sleeping (cli.main)
+SMALL_MODEL_PARAMS = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -23,13 +28,22 @@ class Runtime:
     device: str  # cpu | cuda
     dtype: Any  # torch.dtype, or None: float32 on cpu, the checkpoint's on cuda
     kernels: KernelPolicy
+    threads: int | None = None  # as asked; None: chosen at load (SMALL_MODEL_PARAMS)
 
     def load(self, model_dir: Path | None, **kw):
         """The :class:`~edgerun.engine.runner.Runner` of ``model_dir`` on this device, dtype and
         kernel policy (``kw``: the rest of ``Runner.load``'s options)."""
+        import torch
+
         from edgerun.engine.runner import Runner
 
-        return Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
+        runner = Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
+        if self.device == "cpu" and self.threads is None:
+            n = sum(p.numel() for p in runner.model.parameters())
+            if n <= SMALL_MODEL_PARAMS and torch.get_num_threads() > 1:
+                torch.set_num_threads(1)
+                runner.threads_note = "a small model decodes fastest on one thread; --threads sets it"
+        return runner
 
 
 def default_device() -> str:
@@ -61,7 +75,7 @@ def runtime(
             raise ConfigError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     kernels = KernelPolicy(experts=experts or "auto", dense=dense or "auto", graphs=graphs or "auto")
-    return Runtime(device, None if dtype == "auto" else getattr(torch, dtype), kernels)
+    return Runtime(device, None if dtype == "auto" else getattr(torch, dtype), kernels, threads)
 
 
 def cache_config(
