@@ -39,7 +39,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: torch's, one per core); 1 is fastest for small models on a busy machine",
+        help="CPU threads for torch (default: 1 for models up to 100M params, else one per core; idle OpenMP threads sleep)",
     )
     p.add_argument(
         "--quota",

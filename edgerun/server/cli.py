@@ -61,7 +61,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (auto: float32 on cpu)")
     p.add_argument("--context", type=int, help="max context per request (default: the model's)")
     p.add_argument("--prefill-chunk", type=int)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: 1 for models up to 100M params, else one per core)",
+    )
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="octal, default 0660")
     p.add_argument("--socket-group", help="group owning the socket")
     p.add_argument("--queue-size", type=int, help="requests that may wait for the engine (default 16)")

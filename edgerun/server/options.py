@@ -41,7 +41,9 @@ class ServeOptions:
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
     prefill_chunk: int = 512
-    threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
+    threads: int | None = (
+        None  # torch CPU threads; None: 1 up to 100M params, else one per core (engine/setup.py)
+    )
     socket: Path | None = None  # None: paths.default_socket_path()
     socket_mode: int = 0o660
     socket_group: str | None = None
