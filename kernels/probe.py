@@ -73,27 +73,9 @@ def _probe(
     why = moe_triton.unsupported(layout)
     if why:
         return False, why
-    D, _ = layout_dims(layout)
-    S = top_k + 2
-    gen = torch.Generator(device=device).manual_seed(0)
-    pool, gscales = random_pool(layout, S, generator=gen, device=device)
-    slot_of = torch.randperm(S, generator=gen, device=device)  # expert e sits in slot slot_of[e]
-    worst = 0.0
-    for T in sorted({1, policy.gemv_max_tokens + 1}):  # the GEMV path, then the GEMM path
-        x = torch.randn(T, D, generator=gen, device=device).to(torch.bfloat16)
-        ids = torch.rand(T, S, generator=gen, device=device).argsort(dim=1)[:, :top_k]
-        weights = torch.rand(T, top_k, generator=gen, device=device).softmax(dim=-1)
-        args = (x, pool, slot_of[ids], ids, weights, layout, gscales)
-        runs = [moe_experts(*args, policy=policy) for _ in range(2)]
-        ref = moe_experts_ref(x.float(), *args[1:])
-        if not torch.isfinite(runs[0]).all():
-            return False, f"T={T}: non-finite output"
-        err = float((runs[0].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        if err > TOLERANCE:
-            return False, f"T={T}: max error {err:.2e} of the output's scale is over {TOLERANCE:g}"
-        if not torch.equal(runs[0], runs[1]):
-            return False, f"T={T}: two runs on the same inputs differ (not deterministic)"
-        worst = max(worst, err)
+    ok, worst = _cases(layout, device, top_k, policy, sorted({1, policy.gemv_max_tokens + 1}), torch.bfloat16)
+    if not ok:
+        return False, worst
     torch.cuda.synchronize(device)
     return True, (
         f"matched the reference on {torch.cuda.get_device_name(device)} (max error {worst:.1e} of the "
@@ -125,11 +107,8 @@ def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
     why = moe_cpu.unsupported(layout)
     if why:
         return False, why
-    D, _ = layout_dims(layout)
-    S = top_k + 2
-    gen = torch.Generator().manual_seed(0)
-    pool, gscales = random_pool(layout, S, generator=gen)
     if layout.quant == "int4":
+        pool, gscales = random_pool(layout, 1, generator=torch.Generator().manual_seed(1))
         c = layout.component("down.weight")
         nibbles = unpack_int4(pool[0, c.offset : c.offset + c.nbytes].view(c.shape)).int() + 8
         if not torch.equal(
@@ -137,24 +116,49 @@ def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1),
         ):
             return False, "the repacked int4 layout is not the one this torch's CPU kernel reads"
-    slot_of = torch.randperm(S, generator=gen)
+    ok, worst = _cases(layout, torch.device("cpu"), top_k, CPU, (1, 5), torch.float32, rows=True)
+    if not ok:
+        return False, worst
+    return True, f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g})"
+
+
+def _cases(
+    layout: BlockLayout,
+    device: torch.device,
+    top_k: int,
+    policy: MoeKernelPolicy,
+    tokens,
+    x_dtype: torch.dtype,
+    rows: bool = False,
+) -> tuple[bool, float | str]:
+    """Random cases of each token count through ``policy``'s kernels against the fp32 reference:
+    within TOLERANCE, repeated bit for bit and (``rows``) a token's result independent of the
+    other tokens of its batch. (True, the worst error) or (False, why not)."""
+    D, _ = layout_dims(layout)
+    S = top_k + 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    pool, gscales = random_pool(layout, S, generator=gen, device=device)
+    slot_of = torch.randperm(S, generator=gen, device=device)  # expert e sits in slot slot_of[e]
     worst = 0.0
-    for T in (1, 5):
-        x = torch.randn(T, D, generator=gen)
-        ids = torch.rand(T, S, generator=gen).argsort(dim=1)[:, :top_k]
-        weights = torch.rand(T, top_k, generator=gen).softmax(dim=-1)
+    for T in tokens:
+        x = torch.randn(T, D, generator=gen, device=device).to(x_dtype)
+        ids = torch.rand(T, S, generator=gen, device=device).argsort(dim=1)[:, :top_k]
+        weights = torch.rand(T, top_k, generator=gen, device=device).softmax(dim=-1)
         args = (x, pool, slot_of[ids], ids, weights, layout, gscales)
-        runs = [moe_experts(*args, policy=CPU) for _ in range(2)]
-        ref = moe_experts_ref(*args)
+        runs = [moe_experts(*args, policy=policy) for _ in range(2)]
+        ref = moe_experts_ref(x.float(), *args[1:])
         if not torch.isfinite(runs[0]).all():
             return False, f"T={T}: non-finite output"
-        err = float((runs[0] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        err = float((runs[0].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if err > TOLERANCE:
             return False, f"T={T}: max error {err:.2e} of the output's scale is over {TOLERANCE:g}"
         if not torch.equal(runs[0], runs[1]):
             return False, f"T={T}: two runs on the same inputs differ (not deterministic)"
-        one = moe_experts(x[:1], pool, slot_of[ids[:1]], ids[:1], weights[:1], layout, gscales, policy=CPU)
-        if not torch.equal(one, runs[0][:1]):
-            return False, f"T={T}: a token's result depends on the other tokens in its batch"
+        if rows:
+            one = moe_experts(
+                x[:1], pool, slot_of[ids[:1]], ids[:1], weights[:1], layout, gscales, policy=policy
+            )
+            if not torch.equal(one, runs[0][:1]):
+                return False, f"T={T}: a token's result depends on the other tokens in its batch"
         worst = max(worst, err)
-    return True, f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g})"
+    return True, worst
