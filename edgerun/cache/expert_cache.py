@@ -91,15 +91,10 @@ class ExpertCache:
             raise QuotaError(
                 f"quotas given for layers {sorted(quotas)}, the model's MoE layers are {list(args.moe_layers)}"
             )
-        over = sorted({q for q in quotas.values() if q > args.num_experts})
+        E = args.num_experts
+        over = "/".join(str(q) for q in sorted(set(quotas.values())) if q > E)
         # stated, not silent: the start-up line carries it (engine/provenance.experts_text)
-        self.adjustments = (
-            [
-                f"quota {'/'.join(map(str, over))} is more than a layer's {args.num_experts} experts: {args.num_experts} used"
-            ]
-            if over
-            else []
-        )
+        self.adjustments = [f"quota {over} is more than a layer's {E} experts: {E} used"] if over else []
         quotas = {layer: min(q, args.num_experts) for layer, q in quotas.items()}
         staging = staging or 2 * args.num_experts_per_tok
         # construction refuses before allocating anything
@@ -162,9 +157,8 @@ class ExpertCache:
         self.host_tier_bytes = 0
         if config.host_quotas:
             self._make_tier(config.host_quotas, quotas)
-        self.packed: dict[int, dict] = {
-            layer: {} for layer in quotas
-        }  # slot -> CPU-kernel layout (kernels/moe_cpu.py)
+        # layer -> slot -> its weights in the CPU kernels' layout (kernels/moe_cpu.py)
+        self.packed: dict[int, dict] = {layer: {} for layer in quotas}
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
         self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
         for layer, q in quotas.items():
