@@ -29,16 +29,14 @@ _cache: dict[int, bool] = {}
 
 def pdl_supported(device: torch.device) -> bool:
     """True on a CUDA device of compute capability 9.0 or more, outside the Triton interpreter,
-    unless ``EDGERUN_PDL=0`` (a measurement switch: the bits do not depend on it)."""
-    if (
-        device.type != "cuda"
-        or os.environ.get("TRITON_INTERPRET") == "1"
-        or os.environ.get("EDGERUN_PDL") == "0"
-    ):
+    unless ``EDGERUN_PDL=0`` (a measurement switch: the bits do not depend on it). Decided once
+    per device: every launch of the decode step asks."""
+    if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _cache:
-        _cache[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+        off = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("EDGERUN_PDL") == "0"
+        _cache[index] = not off and torch.cuda.get_device_capability(index) >= (9, 0)
     return _cache[index]
 
 
