@@ -24,19 +24,13 @@ IMPLS = ("reference", "triton", "cpu")
 class MoeKernelPolicy:
     impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py;
     # cpu: torch's int4 / int8 weight-only CPU GEMMs on slots repacked once per fill (kernels/moe_cpu.py)
-    gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: bf16 scratch + cuBLAS GEMM
-    scratch_experts: int = (
-        16  # triton GEMM path: experts dequantized at a time (scratch 2·(2I·D + D·I) B each)
-    )
+    gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: the grouped GEMM
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ConfigError(f"expert kernel {self.impl!r} is not one of {', '.join(IMPLS)}")
-        if self.gemv_max_tokens < 0 or self.scratch_experts < 1:
-            raise ConfigError(
-                f"gemv_max_tokens must be >= 0 and scratch_experts >= 1, got {self.gemv_max_tokens} "
-                f"and {self.scratch_experts}"
-            )
+        if self.gemv_max_tokens < 0:
+            raise ConfigError(f"gemv_max_tokens must be >= 0, got {self.gemv_max_tokens}")
 
 
 def moe_experts(
@@ -92,7 +86,7 @@ def moe_experts(
     else:
         from edgerun.kernels import moe_triton
 
-        routed = moe_triton.moe_grouped(*args, scratch_experts=policy.scratch_experts, **part)
+        routed = moe_triton.moe_grouped(*args, **part)
     if into is None:
         return routed
     resid, shared = into

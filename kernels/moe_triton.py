@@ -9,9 +9,12 @@ Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequa
      (token, row tile) ranks the token's A entries by expert id itself and loops over them in
      that order. No atomics: the sum order is fixed, so the bits are too, whatever order the
      router listed the experts in.
-Prefill (many tokens per expert, ``moe_grouped``): each distinct expert dequantized once into a
-bf16 scratch (exact for int4 and bf16), then cuBLAS matmuls grouped by expert, accumulated in
-fp32 in ascending expert-id order.
+Prefill (many tokens per expert, ``moe_grouped``), a grouped GEMM, three launches and no host
+round trip: the (token, expert) pairs are sorted by expert id on the device and cut into tiles
+of one expert each (``align_pairs``); gate_up + SiLU·up per tile, then down times the router
+weight per tile, each weight tile dequantized to bf16 in the kernel (exact for int4) for bf16
+tensor-core products with fp32 sums; then each token's experts summed in fp32 by ascending
+expert id, rounded once. No atomics: a row's sums do not depend on the other rows of its tile.
 
 Rotation: a Hadamard bundle stores W_q with W = W_q·H_g on every group of g columns; H_g is
 symmetric and orthonormal, so W·v = W_q·(H_g v per group). The kernels rotate the activations
@@ -24,10 +27,10 @@ every process reduces in the same order. Pools are indexed with 64-bit slot offs
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -37,6 +40,9 @@ from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
+INTERPRETED = (
+    os.environ.get("TRITON_INTERPRET") == "1"
+)  # Triton's CPU interpreter (read at import, as Triton does)
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
@@ -250,59 +256,220 @@ def _rotate_kernel(
     tl.store(out + n * C + c, tl.reshape(rot, [BLOCK]))
 
 
-@triton.jit(do_not_specialize=["zero"])
-def _dequant_kernel(
+@triton.jit
+def _weight_tile(
+    w,
+    s,
+    rows,
+    k0,
+    rmask,
+    zero,
+    C: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows ``rows`` [BLOCK_N] by columns k0 .. k0 + BLOCK_K of an [R, C] component at w (its
+    scales at s) as bf16: q times its group scale, exact for int4 (q * e4m3 has at most 7
+    significant bits) and int8 per row (whose scale, like an int4 tensor's global, the caller
+    applies after the dot); an int8 per-group value is rounded to bf16 once. Rows outside
+    ``rmask`` and columns past C read as 0."""
+    if QUANT == 2:
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        m = rmask[:, None] & (j[None, :] < C // 2)
+        lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :], mask=m, other=0), zero)
+        gi = k0 // G + tl.arange(0, BLOCK_K // G)
+        sm = rmask[:, None] & (gi[None, :] < C // G)
+        step = _e4m3(tl.load(s + rows[:, None] * (C // G) + gi[None, :], mask=sm, other=0))
+        step = tl.reshape(step, [BLOCK_N, BLOCK_K // G, 1])
+        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, BLOCK_K // G, G // 2]) * step, [BLOCK_N, BLOCK_K // 2])
+        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, BLOCK_K // G, G // 2]) * step, [BLOCK_N, BLOCK_K // 2])
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    m = rmask[:, None] & (cols[None, :] < C)
+    vals = tl.load(w + rows[:, None] * C + cols[None, :], mask=m, other=0)
+    if QUANT == 0:
+        return vals.to(tl.bfloat16)
+    vals = vals.to(tl.float32)
+    if G > 0:
+        gi = k0 // G + tl.arange(0, BLOCK_K // G)
+        sm = rmask[:, None] & (gi[None, :] < C // G)
+        sc = tl.reshape(
+            tl.load(s + rows[:, None] * (C // G) + gi[None, :], mask=sm, other=0), [BLOCK_N, BLOCK_K // G, 1]
+        )
+        vals = _round(tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // G, G]) * sc, [BLOCK_N, BLOCK_K]), 1)
+    return vals.to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b on bf16 operands (tensor cores). Triton's CPU interpreter multiplies bf16
+    operands as raw integers, so there they go in as fp32: the operands are bf16 values, so the
+    products are the same and only the fp32 summation order may differ."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile_rows(tile_slot, rows, P, A: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile m's slot (-1: an unused tile), and its rows: the (token, expert) pair of each (P:
+    padding), whether it is one, and the token."""
+    m = tl.program_id(0)
+    slot = tl.load(tile_slot + m)
+    offs = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows + offs)
+    valid = pair < P
+    return slot, offs.to(tl.int64), pair.to(tl.int64), valid
+
+
+@triton.jit(do_not_specialize=["zero", "P"])
+def _grouped_gate_up_kernel(
+    x,
     wpool,
     spool,
-    slots,
+    tile_slot,
+    rows,
     gscales,
-    out,
+    h,
     w_block,
     s_block,
     w_off,
     s_off,
     zero,
-    PROJ: tl.constexpr,
-    R: tl.constexpr,
-    C: tl.constexpr,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    A: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """One [R, C] projection of slot slots[u] -> out[u] as bf16: the reference's exact fp32
-    values (q * scale), rounded once."""
-    u = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    slot = tl.load(slots + u).to(tl.int64)
+    """h[row] = SiLU(x W_gate^T) * (x W_up^T) for the BLOCK_M rows of one expert's tile and
+    BLOCK_N of its I columns (fp32; padding rows compute 0)."""
+    slot, offs, pair, valid = _tile_rows(tile_slot, rows, P, A, BLOCK_M)
+    if slot < 0:
+        return
+    tok = pair // A
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
     w = wpool + slot * w_block + w_off
     s = spool + slot * s_block + s_off
-    dst = out + u.to(tl.int64) * (R * C) + rows[:, None] * C
-    for k0 in range(0, C, BLOCK_K):
-        if QUANT == 2:
-            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]), zero)
-            gi = k0 // G + tl.arange(0, BLOCK_K // G)
-            step = _e4m3(tl.load(s + rows[:, None] * (C // G) + gi[None, :])) * tl.load(
-                gscales + slot * 2 + PROJ
-            )
-            step = tl.reshape(step, [BLOCK_R, BLOCK_K // G, 1])
-            lo = tl.reshape(tl.reshape(lo, [BLOCK_R, BLOCK_K // G, G // 2]) * step, [BLOCK_R, BLOCK_K // 2])
-            hi = tl.reshape(tl.reshape(hi, [BLOCK_R, BLOCK_K // G, G // 2]) * step, [BLOCK_R, BLOCK_K // 2])
-            vals = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K])
-        else:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            vals = tl.load(w + rows[:, None] * C + cols[None, :]).to(tl.float32)
-            if QUANT == 1:
-                if G == 0:
-                    vals *= tl.load(s + rows)[:, None]
-                else:
-                    gi = k0 // G + tl.arange(0, BLOCK_K // G)
-                    sc = tl.reshape(
-                        tl.load(s + rows[:, None] * (C // G) + gi[None, :]), [BLOCK_R, BLOCK_K // G, 1]
-                    )
-                    vals = tl.reshape(tl.reshape(vals, [BLOCK_R, BLOCK_K // G, G]) * sc, [BLOCK_R, BLOCK_K])
-        tl.store(dst + k0 + tl.arange(0, BLOCK_K)[None, :], vals.to(tl.bfloat16))
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x + tok[:, None] * D + k[None, :], mask=valid[:, None] & (k[None, :] < D), other=0.0)
+        xk = _round(xk.to(tl.float32), 1).to(tl.bfloat16)
+        wg = _weight_tile(w, s, n, k0, nmask, zero, D, QUANT, G, BLOCK_N, BLOCK_K)
+        acc_g = _mma(xk, tl.trans(wg), acc_g, INTERPRET)
+        wu = _weight_tile(w, s, n + I, k0, nmask, zero, D, QUANT, G, BLOCK_N, BLOCK_K)
+        acc_u = _mma(xk, tl.trans(wu), acc_u, INTERPRET)
+    if QUANT == 2:
+        g = tl.load(gscales + slot * 2)
+        acc_g *= g
+        acc_u *= g
+    if QUANT == 1 and G == 0:
+        acc_g *= tl.load(s + n, mask=nmask, other=0)[None, :]
+        acc_u *= tl.load(s + I + n, mask=nmask, other=0)[None, :]
+    hv = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h + offs[:, None] * I + n[None, :], hv, mask=nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["zero", "P"])
+def _grouped_down_kernel(
+    h,
+    wpool,
+    spool,
+    tile_slot,
+    rows,
+    rw,
+    gscales,
+    y,
+    w_block,
+    s_block,
+    w_off,
+    s_off,
+    zero,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    A: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """y[pair] = router weight * (h W_down^T) for one expert's tile and BLOCK_N of the D
+    columns, fp32, written at the pair's own row (padding rows write nothing)."""
+    slot, offs, pair, valid = _tile_rows(tile_slot, rows, P, A, BLOCK_M)
+    if slot < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < D
+    w = wpool + slot * w_block + w_off
+    s = spool + slot * s_block + s_off
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        hk = tl.load(h + offs[:, None] * I + k[None, :], mask=k[None, :] < I, other=0.0)
+        hk = _round(hk, 1).to(tl.bfloat16)
+        wd = _weight_tile(w, s, n, k0, nmask, zero, I, QUANT, G, BLOCK_N, BLOCK_K)
+        acc = _mma(hk, tl.trans(wd), acc, INTERPRET)
+    if QUANT == 2:
+        acc *= tl.load(gscales + slot * 2 + 1)
+    if QUANT == 1 and G == 0:
+        acc *= tl.load(s + n, mask=nmask, other=0)[None, :]
+    acc *= tl.load(rw + pair, mask=valid, other=0).to(tl.float32)[:, None]
+    tl.store(y + pair[:, None] * D + n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y,
+    ids,
+    acc_in,
+    out,
+    lo,
+    hi,
+    D: tl.constexpr,
+    A: tl.constexpr,
+    A_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
+    CODE: tl.constexpr,
+):
+    """out[t] = the sum of token t's experts lo..hi (their rows of y), by ascending expert id,
+    in fp32: added to ``acc_in`` in place (ACC: one part of a step run in parts, so parts in
+    ascending order add exactly as one call does), or rounded once into ``out``."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = c < D
+    ar = tl.arange(0, A_P2)
+    valid = ar < A
+    eid = tl.load(ids + t * A + ar, mask=valid, other=0)
+    before = (eid[None, :] < eid[:, None]) | ((eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None]))
+    rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
+    rank = tl.where(valid, rank, A_P2)
+    if ACC:
+        acc = tl.load(acc_in + t * D + c, mask=cmask, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(A):
+        a = tl.sum(tl.where(rank == r, ar, 0))
+        e = tl.sum(tl.where(rank == r, eid, 0))
+        if (e >= lo) & (e <= hi):
+            acc += tl.load(y + (t * A + a) * D + c, mask=cmask, other=0.0)
+    if ACC:
+        tl.store(acc_in + t * D + c, acc, mask=cmask)
+    else:
+        tl.store(out + t * D + c, _round(acc, CODE).to(out.dtype.element_ty), mask=cmask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,28 +624,66 @@ def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[i
             raise ValueError(f"{name} is {t.dtype}, resid {resid.dtype}: they must agree")
 
 
-def dequantize_slots(
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    layout: BlockLayout,
-    global_scales: torch.Tensor | None,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-) -> None:
-    """slots int64 [U] -> gate_up bf16 [U, 2I, D] and down bf16 [U, D, I], written in place:
-    the stored (unrotated) weights, bit-equal to ``dequantize_block`` of a rotation-free layout
-    rounded to bf16. Two launches."""
-    D, I = layout_dims(layout)
-    wv, sv = _views(pool, layout)
-    gs = global_scales.contiguous() if layout.quant == "int4" else gate_up  # placeholder otherwise
-    q, G = QUANT_CODE[layout.quant], layout.group_size
-    for proj, dst, R, C in (("gate_up", gate_up, 2 * I, D), ("down", down, D, I)):
-        br = _pow2_divisor(R, 16)
-        bk = _block_k(C, layout, 256)
-        _dequant_kernel[(slots.numel(), R // br)](
-            wv, sv, slots, gs, dst, *_component_args(layout, proj, wv, sv), 0,
-            PROJ=int(proj == "down"), R=R, C=C, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
-        )  # fmt: skip
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Fixed tile shape of the prefill kernels (fixed: a row's sums do not depend on which other
+    rows share its tile, so a token's result is the same whatever the chunk or the other tokens).
+    block_k is raised to the group size where a group is wider."""
+
+    block_m: int = 32  # (token, expert) pairs per tile, all of one expert
+    block_n: int = 64  # output columns per program
+    block_k: int = 64  # reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_GROUPED = GroupedConfig()
+
+
+def align_pairs(
+    expert_ids: torch.Tensor,
+    slot_idx: torch.Tensor,
+    slots: int,
+    block_m: int,
+    expert_range: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiles of a grouped step, on the device, with no host round trip: (rows int32
+    [n·block_m]: the pair t·A + a of each tile row, P where a tile is padded; tile_slot int64
+    [n]: each tile's slot, -1 for the unused tiles at the end). Pairs are sorted by expert id
+    (stable), each expert's run padded to whole tiles; ``expert_range`` (lo, hi) keeps only
+    those experts. n = ceil(P / block_m) + min(P, slots) bounds the tiles (an expert has one
+    slot, so a step has at most ``slots`` distinct experts)."""
+    flat = expert_ids.flatten()
+    P = flat.numel()
+    dev = flat.device
+    n_max = -(-P // block_m) + min(P, slots)
+    keep = None
+    if expert_range is not None:
+        keep = (flat >= expert_range[0]) & (flat <= expert_range[1])
+        flat = torch.where(keep, flat, torch.iinfo(flat.dtype).max)  # dropped pairs sort last
+    order = torch.argsort(flat, stable=True)
+    e = flat[order]
+    j = torch.arange(P, device=dev)
+    start = torch.ones(P, dtype=torch.bool, device=dev)
+    start[1:] = e[1:] != e[:-1]
+    end = torch.ones(P, dtype=torch.bool, device=dev)
+    end[:-1] = start[1:]
+    rank = j - torch.cummax(torch.where(start, j, 0), 0).values  # position in the expert's run
+    tiles = torch.where(end, rank // block_m + 1, 0)  # an expert's tile count, at its last pair
+    if keep is not None:
+        tiles = torch.where(keep[order], tiles, 0)
+    base = torch.cumsum(tiles, 0) - tiles  # tiles of the experts before
+    tile = base + rank // block_m
+    pos = base * block_m + rank
+    if keep is not None:  # dropped pairs go to one spare row and one spare tile past the end
+        kept = keep[order]
+        pos = torch.where(kept, pos, n_max * block_m)
+        tile = torch.where(kept, tile, n_max)
+    rows = torch.full((n_max * block_m + 1,), P, dtype=torch.int32, device=dev)
+    rows.scatter_(0, pos, order.to(torch.int32))
+    tile_slot = torch.full((n_max + 1,), -1, dtype=torch.int64, device=dev)
+    tile_slot.scatter_(0, tile, slot_idx.flatten()[order].to(torch.int64))  # a tile's pairs share a slot
+    return rows[:-1], tile_slot[:-1]
 
 
 def moe_grouped(
@@ -490,49 +695,51 @@ def moe_grouped(
     layout: BlockLayout,
     global_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    scratch_experts: int = 16,
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    config: GroupedConfig = DEFAULT_GROUPED,
 ) -> torch.Tensor:
-    """Prefill: each distinct expert dequantized once into bf16 scratch (at most
-    ``scratch_experts`` at a time), then one cuBLAS GEMM per projection and expert over its
-    tokens; bf16 operands and products, sums in fp32 in ascending expert-id order. One host sync
-    (the experts' token counts). ``expert_range`` (lo, hi): only those experts run, added into
-    ``acc`` (fp32 [T, D]), which is returned as is (the caller rounds it once, at the end)."""
+    """Prefill: a grouped GEMM over every expert of the step, three launches after the tiling
+    (``align_pairs``), no host round trip: gate_up + SiLU·up per expert tile (weights dequantized
+    to bf16 in the kernel, bf16 products, fp32 sums), down times the router weight per tile, then
+    each token's experts summed in fp32 by ascending expert id and rounded once. ``expert_range``
+    (lo, hi): only those experts run (the others' slots are not read), added into ``acc`` (fp32
+    [T, D]), which is returned as is (the caller rounds it once, at the end)."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device) if acc is None else acc
-    flat = expert_ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    if expert_range is not None:
-        e = flat[order]
-        order = order[(e >= expert_range[0]) & (e <= expert_range[1])]
-        if order.numel() == 0:
-            return out
-    _, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    uslots = slot_idx.flatten()[order][starts].to(torch.int64)
-    token_of = order // A
-    rw = weights.flatten()[order].float()
-    rotated, G = layout.rotation == "hadamard", layout.group_size
-    xin = (rotate_activations(x, G) if rotated else x).to(torch.bfloat16)
-    counts = counts.tolist()
-    U, chunk = len(counts), max(1, scratch_experts)
-    gu = torch.empty(min(U, chunk), 2 * I, D, dtype=torch.bfloat16, device=x.device)
-    dn = torch.empty(min(U, chunk), D, I, dtype=torch.bfloat16, device=x.device)
-    start = 0
-    for c0 in range(0, U, chunk):
-        n = min(chunk, U - c0)
-        dequantize_slots(pool, uslots[c0 : c0 + n].contiguous(), layout, global_scales, gu[:n], dn[:n])
-        for u in range(n):
-            c = counts[c0 + u]
-            tok = token_of[start : start + c]
-            gate, up = F.linear(xin[tok], gu[u]).float().chunk(2, dim=-1)
-            hid = F.silu(gate) * up
-            if rotated:
-                hid = rotate_activations(hid, G)
-            y = F.linear(hid.to(torch.bfloat16), dn[u]).float() * rw[start : start + c, None]
-            out.index_put_((tok,), y, accumulate=True)  # tokens are unique within one expert
-            start += c
-    return out if acc is not None else out.to(out_dtype or x.dtype)
+    out = acc if acc is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    if T == 0:
+        return out
+    P, bm = T * A, config.block_m
+    rows, tile_slot = align_pairs(expert_ids, slot_idx, pool.shape[0], bm, expert_range)
+    n_tiles = tile_slot.numel()
+    q, G = QUANT_CODE[layout.quant], layout.group_size
+    rotated = layout.rotation == "hadamard"
+    wv, sv = _views(pool, layout)
+    rw = weights.contiguous()
+    gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
+    xin = rotate_activations(x, G) if rotated else x.contiguous()
+    h = torch.empty(n_tiles * bm, I, dtype=torch.float32, device=x.device)
+    bk = max(config.block_k, G)
+    common = dict(
+        A=A, QUANT=q, G=G, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=bk, INTERPRET=INTERPRETED,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    _grouped_gate_up_kernel[(n_tiles, triton.cdiv(I, config.block_n))](
+        xin, wv, sv, tile_slot, rows, gs, h, *_component_args(layout, "gate_up", wv, sv), 0, P, D=D, I=I, **common
+    )  # fmt: skip
+    if rotated:
+        h = rotate_activations(h, G)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    _grouped_down_kernel[(n_tiles, triton.cdiv(D, config.block_n))](
+        h, wv, sv, tile_slot, rows, rw, gs, y, *_component_args(layout, "down", wv, sv), 0, P, D=D, I=I, **common
+    )  # fmt: skip
+    lo, hi = expert_range if expert_range is not None else (0, torch.iinfo(torch.int32).max)
+    block = min(triton.next_power_of_2(D), 512)
+    ids = expert_ids.contiguous()
+    _combine_kernel[(T, triton.cdiv(D, block))](
+        y, ids, out, out, lo, hi, D=D, A=A, A_P2=triton.next_power_of_2(A), BLOCK=block,
+        ACC=acc is not None, CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=4,
+    )  # fmt: skip
+    return out

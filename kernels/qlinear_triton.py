@@ -467,3 +467,61 @@ def _check_norm(x: torch.Tensor, norm, norm_out: torch.Tensor | None) -> None:
             raise ValueError(f"norm_out must be a contiguous {x.dtype} [{N}, {C}], got {_where(norm_out)}")
         if norm_out.data_ptr() == x.data_ptr():
             raise ValueError("norm_out must not be x: other programs still read x")
+
+
+@triton.jit(do_not_specialize=["zero", "R"])
+def _dequant_kernel(
+    w,
+    s,
+    rs,
+    out,
+    zero,
+    R,
+    C: tl.constexpr,
+    G: tl.constexpr,
+    QUANT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CODE: tl.constexpr,
+):
+    """BLOCK_R rows by BLOCK_K columns of an int8 / int4 weight's exact values (``qweight``'s
+    ``dequantize``: q * scale, q * (e4m3 * row_scale)), rounded once to the output dtype."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.minimum(r, R - 1).to(tl.int64)  # the tail program reads a valid row, stores none of it
+    k0 = tl.program_id(1) * BLOCK_K
+    q = _values(_words(w, rows, k0, C, QUANT, BLOCK_K), zero, QUANT)
+    if PER_ROW:
+        vals = q * tl.load(s + rows)[:, None]
+    else:
+        step = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
+        if QUANT == 2:
+            step = step * tl.load(rs + rows)[:, None]
+        vals = tl.reshape(tl.reshape(q, [BLOCK_R, BLOCK_K // G, G]) * step[:, :, None], [BLOCK_R, BLOCK_K])
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(
+        out + rows[:, None] * C + cols[None, :],
+        _round(vals, CODE).to(out.dtype.element_ty),
+        mask=(r < R)[:, None],
+    )
+
+
+def dequantize_weight(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 / int4 weight's exact values rounded to ``dtype`` [R, C] in one launch: the bits
+    of ``qweight.dequantize(w).to(dtype)``, for prefill's GEMMs (cuBLAS) over quantized weights."""
+    why = unsupported(w)
+    if why or w.scheme == "plain":
+        raise ValueError(f"cannot dequantize this weight with the Triton kernel: {why or 'it is plain'}")
+    R, C, G = w.rows, w.cols, w.group
+    out = torch.empty(R, C, dtype=dtype, device=w.weight.device)
+    per_row = w.scheme == "int8" and G == C
+    block_k = _pow2_divisor(C, 256)
+    if not per_row:
+        block_k = max(block_k, G)
+    block_r = 16
+    rs = w.row_scale if w.row_scale is not None else w.scales
+    _dequant_kernel[(triton.cdiv(R, block_r), C // block_k)](
+        w.weight, w.scales, rs, out, 0, R, C=C, G=G, QUANT=QUANT_CODE[w.scheme], PER_ROW=per_row,
+        BLOCK_R=block_r, BLOCK_K=block_k, CODE=DTYPE_CODE[dtype], num_warps=4,
+    )  # fmt: skip
+    return out

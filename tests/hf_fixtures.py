@@ -70,9 +70,29 @@ def tiny_moe_args(hidden: int = 32, inter: int = 16, experts: int = 2, top_k: in
     return load_args(cfg)[1]
 
 
+def _torch_only_transformers():
+    """transformers with its models' own torch code: where flash-linear-attention (fla-core, an
+    edgerun [gpu] dependency) is installed, transformers would run the oracle's DeltaNet through
+    it (TF32 products), which is not the fp32 reference the oracle tests hold edgerun to. The
+    modeling modules pick fla at import, so they are imported with fla hidden, then fla is
+    importable again for edgerun's own kernels."""
+    import sys
+
+    hidden = "fla" not in sys.modules
+    if hidden:
+        sys.modules["fla"] = None  # import fla raises ImportError
+    try:
+        import transformers as tf
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
+    finally:
+        if hidden:
+            del sys.modules["fla"]
+    return tf
+
+
 def build_hf(arch: str, out: Path, seed: int = 0, **overrides):
     """Random HF model saved to ``out``; returns the (fp32, eval) HF model."""
-    import transformers as tf
+    tf = _torch_only_transformers()
 
     torch.manual_seed(seed)
     if arch == "qwen3_moe":

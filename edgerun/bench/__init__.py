@@ -14,6 +14,11 @@ BENCHES = {
         "decode on a CUDA GPU at the Qwen3.6-35B-A3B geometry: resident and streamed under budgets, "
         "each against its bound measured in the same run",
     ),
+    "prefill": (
+        "edgerun.bench.prefill",
+        "time to first token for long prompts on a CUDA GPU at the Qwen3.6-35B-A3B geometry, resident "
+        "and streamed, against the storage bound",
+    ),
     "streaming": (
         "edgerun.bench.streaming",
         "streaming vs resident on this machine's CPU, misses/token (LRU, Belady), read bandwidth vs the disk",

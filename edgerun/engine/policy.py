@@ -23,6 +23,9 @@ Fields and what they decide:
   ``kernels/dense_triton.py``: the DeltaNet step, norms). They round at the same points and
   agree within the dense probe's tolerance (a few bf16 ulps), not bit for bit: fixed for the
   engine's life, like ``experts``.
+- ``dense`` also decides a prompt's DeltaNet delta rule: fla-core's chunked Triton kernels
+  (``kernels/delta_chunk.py``) on CUDA for bf16 / fp16 models where their probe passes, else the
+  torch reference; within that probe's tolerance of each other.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
 - ``launches`` (shown, not chosen): the Triton decode kernels use programmatic dependent launch
@@ -52,8 +55,7 @@ class KernelPolicy:
     experts: str = "auto"  # auto: triton (CUDA) or cpu (CPU) where its probe passes, else reference
     graphs: str = "auto"  # auto/on: capture on CUDA; off: the same step, eagerly
     dense: str = "auto"  # auto: fused Triton decode kernels where their probe passes, else torch
-    gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, bf16 scratch + cuBLAS GEMM
-    scratch_experts: int = 16
+    gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, the grouped GEMM
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
@@ -69,6 +71,7 @@ class Resolved:
     moe: MoeKernelPolicy
     graphs: bool
     dense: str = "torch"
+    delta_chunk: bool = False  # prompts' DeltaNet delta rule through fla-core (kernels/delta_chunk.py)
     choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
     fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
 
@@ -89,7 +92,7 @@ def resolve(
     from edgerun.kernels.probe import probe
 
     device = torch.device(device)
-    moe = MoeKernelPolicy(gemv_max_tokens=policy.gemv_max_tokens, scratch_experts=policy.scratch_experts)
+    moe = MoeKernelPolicy(gemv_max_tokens=policy.gemv_max_tokens)
     out = Resolved(moe, graphs=False)
     if not layouts:
         out.choices["experts"] = "torch (stacked resident weights)"
@@ -117,6 +120,7 @@ def resolve(
             out.moe = MoeKernelPolicy("triton", *_sizes(policy))
             out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
     _resolve_dense(policy, device, args, dtype, out, gemv)
+    _resolve_delta_chunk(policy, device, args, dtype, out)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
     elif policy.graphs == "off":
@@ -167,5 +171,34 @@ def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out:
         out.fallbacks["dense_kernel"] = f"{result.name} not selected: {result.reason}"
 
 
-def _sizes(policy: KernelPolicy) -> tuple[int, int]:
-    return policy.gemv_max_tokens, policy.scratch_experts
+def _resolve_delta_chunk(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved) -> None:
+    """The delta rule of a prompt chunk in DeltaNet layers: fla-core's chunked kernels where
+    their probe passes (CUDA, a bf16 / fp16 model), else the torch reference."""
+    import torch
+
+    if args is None or not getattr(args, "linear_num_key_heads", 0):
+        return
+    key = "deltanet prefill"
+    if policy.dense == "torch":
+        out.choices[key] = "torch (by request)"
+        return
+    if device.type != "cuda":
+        out.choices[key] = "torch"
+        return
+    if dtype == torch.float32:
+        out.choices[key] = "torch (an fp32 model keeps the reference's fp32 precision)"
+        return
+    from edgerun.kernels.delta_chunk import probe_chunk
+    from edgerun.kernels.dense_reference import DeltaDims
+
+    result = probe_chunk(DeltaDims.from_args(args), device)
+    if result.selected:
+        out.delta_chunk = True
+        out.choices[key] = f"{result.name} ({result.reason})"
+    else:
+        out.choices[key] = "torch"
+        out.fallbacks["deltanet_prefill"] = f"{result.name} not selected: {result.reason}"
+
+
+def _sizes(policy: KernelPolicy) -> tuple[int]:
+    return (policy.gemv_max_tokens,)

@@ -124,7 +124,7 @@ class Runner:
         for module in self.model.modules():
             if isinstance(module, StreamingExperts):
                 module.policy = self.kernels.moe
-        self.model.use_kernels(self.kernels.dense == "triton")
+        self.model.use_kernels(self.kernels.dense == "triton", self.kernels.delta_chunk)
         self.decoder = None
 
     def fallbacks(self) -> dict[str, str]:

@@ -83,10 +83,22 @@ class StreamingExperts(nn.Module):
         self.cache = cache
         self.quota = cache.slots[layer].quota
         self.policy = policy
+        self._table: torch.Tensor | None = None
+
+    def held(self) -> torch.Tensor | None:
+        """The device slot table once the layer holds every expert (then it never evicts, so the
+        table stays valid), else None."""
+        if self._table is None:
+            self._table = self.cache.slot_table(self.layer)
+        return self._table
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [N, D], ids/weights [N, A]
         c, i = self.cache, self.layer
+        table = self.held() if self.policy.impl == "triton" else None
+        if table is not None:  # every expert held: the kernels look the slots up on the device
+            c.count_hits(i, ids.numel())
+            return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
         if len(batches) == 1:

@@ -95,12 +95,15 @@ class CausalLM(nn.Module):
             layer.fuse()
         self.lm_head = QLinear.of(self.lm_head)
 
-    def use_kernels(self, gemv: bool) -> None:
-        """Select (or not) the Triton GEMV for every projection's decode-sized inputs: the
-        engine's choice, made once after the dense probe ran on the device."""
+    def use_kernels(self, gemv: bool, delta_chunk: bool = False) -> None:
+        """Select (or not) the Triton GEMV for every projection's decode-sized inputs, and
+        fla-core's chunked delta rule for prompts in DeltaNet layers: the engine's choices,
+        made once after their probes ran on the device."""
         for m in self.modules():
             if isinstance(m, QLinear):
                 m.gemv = gemv
+            elif isinstance(m, GatedDeltaNet):
+                m.chunk_fla = delta_chunk
 
     def gemv_cases(self) -> list[tuple]:
         """What the dense probe runs the GEMV on for this model: every projection's (scheme,

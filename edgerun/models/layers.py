@@ -46,7 +46,8 @@ class QLinear(nn.Module):
     ``gemv`` is set by the engine once the Triton GEMV passed its probe on the device
     (``Model.use_kernels``); inputs of at most GEMV_ROWS[scheme] rows then run it, anything else (and
     every input with ``gemv`` off) the torch reference, which dequantizes the weight exactly and
-    calls ``F.linear``. Parameters keep the stored bytes; ``row_scale`` and int8 ``scales`` stay
+    calls ``F.linear`` (on CUDA with ``gemv`` on, the dequantization is one Triton launch,
+    ``qlinear_triton.dequantize_weight``, with the same bits). Parameters keep the stored bytes; ``row_scale`` and int8 ``scales`` stay
     fp32 whatever the model dtype."""
 
     def __init__(self, w: QWeight, bias: torch.Tensor | None = None) -> None:
@@ -101,12 +102,19 @@ class QLinear(nn.Module):
             )
         from edgerun.kernels.qlinear_reference import qlinear_ref
 
+        w = self.qweight()
+        if self.gemv and self.scheme != "plain" and x.is_cuda:
+            # more rows than a GEMV takes (prefill): the weight's exact values in one launch (the
+            # bits the reference's torch dequantization gives), then cuBLAS
+            from edgerun.kernels import qlinear_triton
+
+            w = QWeight("plain", qlinear_triton.dequantize_weight(w, x.dtype))
         if x.dim() == 2 or out is not None:
-            return qlinear_ref(x, self.qweight(), self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out)
+            return qlinear_ref(x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out)
         if norm is not None:
             raise ValueError("a projection's norm takes x [N, C]")
         lead = x.shape[:-1]
-        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), self.qweight(), self.bias, epilogue, None, gate)
+        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), w, self.bias, epilogue, None, gate)
         return flat.reshape(*lead, flat.shape[-1])
 
     def extra_repr(self) -> str:
@@ -267,7 +275,7 @@ class Attention(nn.Module):
             cache.k[:, :, start : start + T] = k
             cache.v[:, :, start : start + T] = v
             k, v = cache.k[:, :, : start + T], cache.v[:, :, : start + T]
-        out = causal_attention(q, k, v, start)
+        out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -311,18 +319,22 @@ class Attention(nn.Module):
         self.o_proj(out, "residual", out=residual)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q: [B, H, T, Dh] at positions start..start+T-1; k, v: [B, Hk, S, Dh] at positions 0..S-1."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [B, H, T, Dh], the last T of the positions 0..S-1 of k, v: [B, Hk, S, Dh]. Through SDPA's fused kernels (flash attention on CUDA): a whole prompt is
+    causal (is_causal, grouped-query heads read in place), a later chunk causal aligned to the
+    end of the keys (lower right), one token attends to everything."""
     T, S = q.shape[2], k.shape[2]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    mask = None
-    if T > 1:
-        qpos = torch.arange(start, start + T, device=q.device)[:, None]
-        mask = torch.arange(S, device=q.device)[None, :] <= qpos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    gqa = q.shape[1] != k.shape[1]
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    if gqa:  # the lower-right mask's kernels take equal head counts
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +362,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+        self.chunk_fla = False  # the engine's choice: prompts' delta rule through fla-core
 
     def new_state(self, batch: int, device, dtype) -> DeltaState:
         return DeltaState(
@@ -397,6 +410,10 @@ class GatedDeltaNet(nn.Module):
         s0 = state.recurrent if state is not None else q.new_zeros(B, self.n_v, self.dk, self.dv)
         if T == 1:
             out, s1 = delta_rule_recurrent(q, k, v, g, beta, s0)
+        elif self.chunk_fla:
+            from edgerun.kernels.delta_chunk import delta_rule_fla
+
+            out, s1 = delta_rule_fla(q, k, v, g, beta, s0)
         else:
             out, s1 = delta_rule_chunked(q, k, v, g, beta, s0)
         if state is not None:

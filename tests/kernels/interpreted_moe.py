@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from moe_cases import FORMATS, fmt_id, layout_for, random_step, rel_err
 
 from edgerun.bundle.quant import dequantize_block, rotate_groups
@@ -42,36 +44,82 @@ def test_grouped_matches_reference(fmt):
     from edgerun.kernels.moe_reference import moe_experts_ref
 
     layout = layout_for(fmt)
-    args = random_step(layout, 6, 2, 5, torch.Generator().manual_seed(1))
-    ref = moe_experts_ref(*args)
-    out = K.moe_grouped(*args, scratch_experts=2)  # several scratch chunks
-    assert rel_err(out, ref) < TOLERANCE
-    assert torch.equal(out, K.moe_grouped(*args, scratch_experts=5))  # chunking changes nothing
+    # 40 pairs over 5 experts: runs longer than one tile (block_m 8 below) and padded tiles
+    x, pool, slots, ids, w, _, gs = random_step(layout, 20, 2, 5, torch.Generator().manual_seed(1))
+    x = x.bfloat16()
+    ref = moe_experts_ref(x.float(), pool, slots, ids, w, layout, gs)
+    small = K.GroupedConfig(block_m=16, block_n=16, block_k=16)
+    out = K.moe_grouped(x, pool, slots, ids, w, layout, gs, config=small)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOLERANCE
+    assert torch.equal(out, K.moe_grouped(x, pool, slots, ids, w, layout, gs, config=small))
+    # a token's result does not depend on the other tokens (which tiles it shares) nor on the
+    # order the router listed its experts in
+    sub = torch.tensor([3, 11, 12])
+    assert torch.equal(
+        out[sub], K.moe_grouped(x[sub], pool, slots[sub], ids[sub], w[sub], layout, gs, config=small)
+    )
+    perm = torch.tensor([1, 0])
+    flipped = K.moe_grouped(x, pool, slots[:, perm], ids[:, perm], w[:, perm], layout, gs, config=small)
+    assert torch.equal(out, flipped)
+
+
+def test_grouped_in_parts_equals_one_call():
+    from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
+
+    layout = layout_for(("int4", 16, "none"))
+    policy = MoeKernelPolicy("triton", gemv_max_tokens=0)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 12, 2, 6, torch.Generator().manual_seed(3))
+    x = x.bfloat16()
+    want = moe_experts(x, pool, slots, ids, w, layout, gs, policy)
+    acc = accumulator(x, policy)
+    for lo, hi in ((0, 1), (2, 2), (3, 5)):
+        part = torch.where((ids >= lo) & (ids <= hi), slots, 0)  # other entries: any slot, never read
+        acc = moe_experts(x, pool, part, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
+    assert torch.equal(acc.to(x.dtype), want)
+
+
+@triton.jit
+def _tile_copy(wv, sv, w_off, s_off, out, zero, C: tl.constexpr, R: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    for k0 in range(0, C, BLOCK_K):
+        t = K._weight_tile(wv + w_off, sv + s_off, rows, k0, rows < R, zero, C, QUANT, G, BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out + rows[:, None] * C + cols[None, :], t, mask=(rows < R)[:, None] & (cols < C)[None, :])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-def test_dequantize_slots_is_exact(fmt):
+def test_weight_tile_is_the_exact_dequantization(fmt):
     # Every e4m3 code but NaN (subnormals included), so the bit decoding is checked code by code.
     layout = layout_for(fmt)
     plain = layout_for((fmt[0], fmt[1], "none"))
-    pool, gs = random_pool(layout, 3, generator=torch.Generator().manual_seed(2))
+    pool, gs = random_pool(layout, 1, generator=torch.Generator().manual_seed(2))
     if layout.quant == "int4":
         for proj in ("gate_up", "down"):
             c = layout.component(f"{proj}.scales")
-            codes = torch.arange(c.nbytes) % 0x7F
-            pool[:, c.offset : c.offset + c.nbytes] = codes.to(torch.uint8)
-    D, I = plain.component("down.weight").shape[0], plain.component("gate_up.weight").shape[0] // 2
-    slots = torch.tensor([2, 0])
-    gu = torch.empty(2, 2 * I, D, dtype=torch.bfloat16)
-    dn = torch.empty(2, D, I, dtype=torch.bfloat16)
-    K.dequantize_slots(pool, slots, layout, gs, gu, dn)
-    for u, s in enumerate(slots.tolist()):
-        want = dequantize_block(plain, pool[s], None if gs is None else gs[s], dtype=torch.bfloat16)
-        if layout.quant == "int8":  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even)
-            torch.testing.assert_close(gu[u], want[0], rtol=2**-7, atol=0)
-            torch.testing.assert_close(dn[u], want[1], rtol=2**-7, atol=0)
-        else:  # int4 and bf16 values are bf16-exact
-            assert torch.equal(gu[u], want[0]) and torch.equal(dn[u], want[1])
+            pool[:, c.offset : c.offset + c.nbytes] = (torch.arange(c.nbytes) % 0x7F).to(torch.uint8)
+    want = dequantize_block(plain, pool[0], None if gs is None else gs[0], dtype=torch.bfloat16)
+    wv, sv = K._views(pool, layout)
+    for i, proj in enumerate(("gate_up", "down")):
+        R, C = want[i].shape
+        _, _, w_off, s_off = K._component_args(layout, proj, wv, sv)
+        got = torch.zeros(R, C, dtype=torch.bfloat16)
+        G = layout.group_size
+        _tile_copy[(triton.cdiv(R, 16),)](
+            wv, sv, w_off, s_off, got, 0, C=C, R=R, QUANT=K.QUANT_CODE[layout.quant], G=G, BLOCK_N=16,
+            BLOCK_K=max(16, G),
+        )  # fmt: skip
+        if layout.quant == "int4":  # the global scale is applied after the dot
+            got = (got.float() * gs[0, i]).bfloat16()
+        elif layout.quant == "int8" and G == 0:  # so is an int8 row scale
+            rs = pool[0, layout.component(f"{proj}.scales").offset :].view(torch.float32)[:R]
+            got = (got.float() * rs[:, None]).bfloat16()
+        # int4 and bf16 values are bf16-exact; int8 is rounded once where the reference rounds
+        # (per group; per row the reference rounds q * scale, here q is exact and scaled later)
+        if layout.quant == "int8" and G == 0:
+            torch.testing.assert_close(got, want[i], rtol=2**-8, atol=0)
+        else:
+            assert torch.equal(got, want[i]), proj
 
 
 @pytest.mark.parametrize("g", [16, 32])

@@ -214,3 +214,17 @@ def test_norm_prologue_refuses_mismatched_inputs():
         K.qgemv(x, w, norm=(torch.ones(64).bfloat16(), 1e-6, False), norm_out=x)
     with pytest.raises(ValueError, match="norm_out is the normalised x: it needs norm"):
         K.qgemv(x, w, norm_out=torch.empty_like(x))
+
+
+@pytest.mark.parametrize("scheme,group", [s for s in SCHEMES if s[0] != "plain"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_weight_is_the_references_bits(scheme, group, dtype):
+    from edgerun.kernels.qweight import dequantize
+
+    # 37 rows: a tail program; every e4m3 scale code but NaN for int4 (subnormals included)
+    w = random_qweight(scheme, 37, 128, group or 128, torch.Generator().manual_seed(5))
+    if scheme == "int4":
+        codes = (torch.arange(w.scales.numel()) % 0x7F).to(torch.uint8).reshape(w.scales.shape)
+        w = QWeight("int4", w.weight, codes, w.row_scale, w.group)
+    got = K.dequantize_weight(w, dtype)
+    assert got.dtype == dtype and torch.equal(got, dequantize(w).to(dtype))

@@ -95,8 +95,8 @@ def test_random_pool_holds_valid_blocks(fmt):
 def test_policy_validates():
     with pytest.raises(ConfigError, match="expert kernel"):
         MoeKernelPolicy(impl="cuda")
-    with pytest.raises(ConfigError, match="scratch_experts"):
-        MoeKernelPolicy(scratch_experts=0)
+    with pytest.raises(ConfigError, match="gemv_max_tokens"):
+        MoeKernelPolicy(gemv_max_tokens=-1)
 
 
 def test_probe_refuses_without_cuda_and_says_why():

@@ -1,0 +1,58 @@
+"""The chunked delta rule through fla-core (kernels/delta_chunk.py): its probe and its agreement
+with the torch reference. The CUDA cases skip without CUDA (CI has none) or without fla-core
+installed (it is an edgerun[gpu] dependency); TOLERANCE is the module's, for its stated reasons."""
+
+import pytest
+import torch
+
+from edgerun.kernels.delta_chunk import TOLERANCE, delta_rule_fla, fla_version, probe_chunk
+from edgerun.kernels.dense_reference import DeltaDims, delta_rule_chunked, l2norm
+
+QWEN36 = DeltaDims(16, 32, 128, 128, 4)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+fla = pytest.mark.skipif(fla_version() is None, reason="fla-core is not installed here")
+
+
+def test_probe_refuses_off_cuda_and_says_why():
+    r = probe_chunk(QWEN36, "cpu")
+    assert not r.selected and "CUDA" in r.reason
+
+
+def test_policy_keeps_the_reference_on_cpu():
+    from edgerun.engine.policy import KernelPolicy, resolve
+    from edgerun.models.registry import load_args
+    from hf_fixtures import QWEN3_5_MOE
+
+    args = load_args(dict(QWEN3_5_MOE, model_type="qwen3_5_moe_text"))[1]
+    out = resolve(KernelPolicy(), torch.device("cpu"), args=args)
+    assert out.choices["deltanet prefill"] == "torch" and not out.delta_chunk
+    assert "deltanet_prefill" not in out.fallbacks
+
+
+@cuda
+@fla
+def test_probe_selects_on_this_gpu():
+    r = probe_chunk(QWEN36, "cuda")
+    assert r.selected, r.reason
+
+
+@cuda
+@fla
+@pytest.mark.parametrize("T", [64, 300, 1024])
+def test_fla_matches_the_reference_across_chunks(T):
+    """Two calls carrying the state (a prompt in two chunks) against one reference pass."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    H, dk, dv = 8, 128, 128
+    q = l2norm(torch.randn(1, H, T, dk, generator=g, device="cuda")) * dk**-0.5
+    k = l2norm(torch.randn(1, H, T, dk, generator=g, device="cuda"))
+    v = torch.randn(1, H, T, dv, generator=g, device="cuda")
+    gate = -torch.rand(1, H, T, generator=g, device="cuda") * 2
+    beta = torch.rand(1, H, T, generator=g, device="cuda")
+    s0 = torch.randn(1, H, dk, dv, generator=g, device="cuda") * 0.1
+    want, want_s = delta_rule_chunked(q, k, v, gate, beta, s0.clone())
+    cut = T // 3
+    o1, s1 = delta_rule_fla(*(t[:, :, :cut] for t in (q, k, v, gate, beta)), s0.clone())
+    o2, s2 = delta_rule_fla(*(t[:, :, cut:] for t in (q, k, v, gate, beta)), s1)
+    got = torch.cat([o1, o2], dim=2)
+    assert float((got - want).abs().max() / want.abs().max()) < TOLERANCE
+    assert float((s2 - want_s).abs().max() / want_s.abs().max()) < TOLERANCE
