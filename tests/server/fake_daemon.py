@@ -31,9 +31,7 @@ VOCAB, CONTEXT = 97, 64
 class Stats:  # what the daemon reads of runner.GenerationStats
     prompt_tokens: int
     generated_tokens: int
-    prefill_s: float = 0.0
     decode_s: float = 0.0
-    prefill_tps: float = 0.0
     decode_tps: float = 0.0
 
 
@@ -43,6 +41,7 @@ class Event:  # runner.Event's shape, without importing torch (so this daemon st
     token_id: int | None = None
     finish_reason: str | None = None
     stats: Stats | None = None
+    prefilled: int = 0
 
 
 class FakeEngine:
