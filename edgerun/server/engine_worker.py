@@ -42,6 +42,10 @@ class Engine(Protocol):
     limits: Limits  # what check_request holds requests to, before they are queued
     generate: Callable[[Request], Iterator[Event]]
 
+    def watch(self, ping: Callable[[], None]) -> None:
+        """Call ``ping`` (from the engine thread) as a step makes progress inside, so a step
+        longer than the watchdog's period keeps it fed and a stuck one does not."""
+
     def probe(self) -> str:
         """Start-up self-check (kernel probes); raises if the engine cannot serve."""
 
@@ -84,6 +88,14 @@ class RunnerEngine:
         self.tokenizer = runner.tokenizer
         self.limits = runner.limits
         self.generate = runner.generate
+
+    def watch(self, ping: Callable[[], None]) -> None:
+        """Ping after each decoder layer of an eager forward (a prefill chunk, an eager decode
+        step): one prompt chunk may outlast WatchdogSec (a streamed prefill on a small board),
+        while a layer that never returns stops the pings. A replayed decode graph runs no hook;
+        its steps are short, and the worker pings between them."""
+        for layer in self.runner.model.model.layers:
+            layer.register_forward_hook(lambda *_: ping())
 
     def probe(self) -> str:
         import torch
@@ -351,6 +363,7 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             engine = self.load(self.hooks.status)
+            engine.watch(self.hooks.ping)
             self.hooks.status("running start-up probes")
             probe = engine.probe()
             info = engine.describe()

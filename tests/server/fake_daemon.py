@@ -63,6 +63,9 @@ class FakeEngine:
             yield Event("", (ids[-1] + i + 1) % VOCAB)
         yield Event("", None, "length", Stats(len(ids), params.max_tokens))
 
+    def watch(self, ping) -> None:
+        pass  # its steps are a sleep: no progress inside them to report
+
     def probe(self) -> str:
         return "fake probe passed"
 

@@ -78,6 +78,9 @@ class ChunkedEngine:
         for _ in range(steps):
             self.release.release()
 
+    def watch(self, ping) -> None:
+        pass  # a step here is one wait: nothing inside it to report
+
     def probe(self) -> str:
         return "ok"
 
@@ -247,3 +250,24 @@ def test_the_answer_carries_timings_beside_usage():
         "predicted_ms": 250.0,
         "predicted_per_second": 4.0,
     }
+
+
+def test_the_real_engine_pings_after_every_layer_of_a_prefill_chunk():
+    """One chunk may outlast WatchdogSec: RunnerEngine pings as each decoder layer returns, so
+    the pings follow the layers' progress (a layer that never returns stops them)."""
+    from edgerun.engine.runner import Runner
+    from edgerun.engine.sampler import SamplingParams
+    from edgerun.server.engine_worker import RunnerEngine
+
+    runner = Runner.load(None, device="cpu", prefill_chunk=64)
+    engine = RunnerEngine(runner, None, "demo", None, None)
+    pings, before_layer = [], []
+    layers = runner.model.model.layers
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: before_layer.append(len(pings)))
+    engine.watch(lambda: pings.append(1))
+    events = engine.generate(runner.request(list(range(3, 43)), SamplingParams(max_tokens=2)))
+    assert next(events).prefilled == 40  # the whole prompt in one chunk
+    assert before_layer == list(range(len(layers)))  # a ping as each layer returned, none ahead
+    assert len(pings) == len(layers)
+    events.close()
