@@ -288,9 +288,8 @@ class App:
             except RuntimeError:  # the loop is gone: nobody wants the rest
                 job.cancelled = True
 
-        job = Job(
-            request, deliver, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], ex.request.received
-        )
+        answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        job = Job(request, deliver, answer_id, arrived=ex.request.received)
         reply = _Reply(engine.model_id, chat, return_ids, job)
         try:
             self.worker.submit(job)

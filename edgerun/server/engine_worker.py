@@ -5,12 +5,12 @@ The event loop submits :class:`Job` s; each job's events (``runner.Event``, or a
 thread-safe. torch is imported here, by the engine thread, as it loads: the socket answers
 ``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout,
 shutdown) takes it out of the queue, or stops its generation at the next token or prefill
-chunk; the watchdog is fed at each of them too, so a long prompt keeps it fed while a stuck step
-starves it. Each job's timeline (arrival, start, first token) is kept on the job, for its
-response's ``timings``, the per-request log line and the /metrics histograms. The engine sits
-behind the small :class:`Engine`
-interface (:class:`RunnerEngine` serves a :class:`~edgerun.engine.runner.Runner`, resident or
-streaming; tests script their own). Requests reach it checked (``engine/request.py``).
+chunk; the watchdog is fed at each of them too (and inside a chunk, as its layers return), so a
+long prompt keeps it fed while a stuck step starves it. Each job keeps its timeline (arrival,
+start, first token) for its answer's ``timings``, the per-request log line and the /metrics
+histograms. The engine sits behind the small :class:`Engine` interface (:class:`RunnerEngine`
+serves a :class:`~edgerun.engine.runner.Runner`, resident or streaming; tests script their
+own). Requests reach it checked (``engine/request.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,18 +216,20 @@ class Job:
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrived
 
+    @property
+    def prefill_tps(self) -> float:
+        return len(self.request.prompt_ids) / self.prefill_s if self.prefill_s else 0.0
+
     def timings(self, stats: Any) -> dict[str, Any]:
         """The request's times, for its response: llama.cpp's ``timings`` fields (prompt_*: the
         prefill, predicted_*: the decode steps after the first token) plus queue and TTFT, all
         measured from the daemon's clock except the decode's, which is the engine's own."""
-        prompt_s = self.prefill_s or 0.0
-        n = len(self.request.prompt_ids)
         return {
             "queue_ms": _ms(self.queue_s),
             "ttft_ms": _ms(self.ttft_s),
-            "prompt_n": n,
-            "prompt_ms": _ms(prompt_s),
-            "prompt_per_second": round(n / prompt_s, 3) if prompt_s else 0.0,
+            "prompt_n": len(self.request.prompt_ids),
+            "prompt_ms": _ms(self.prefill_s),
+            "prompt_per_second": round(self.prefill_tps, 3),
             "predicted_n": stats.generated_tokens if stats else 0,
             "predicted_ms": _ms(stats.decode_s if stats else 0.0),
             "predicted_per_second": round(stats.decode_tps, 3) if stats else 0.0,
@@ -297,7 +299,8 @@ class Counters:
 
     requests: int = 0
     failed: int = 0
-    cancelled: Counter[str] = field(default_factory=Counter)  # by phase: queued | prefill | decode
+    # by phase; every key there from the start, so the loop's reads never see the dict grow
+    cancelled: dict[str, int] = field(default_factory=lambda: dict.fromkeys((QUEUED, PREFILL, DECODE), 0))
     prompt_tokens: int = 0  # through the model: a prefill cancelled midway counts its chunks run
     generated_tokens: int = 0
     prefill_s: float = 0.0  # engine start to first token, summed
@@ -449,10 +452,10 @@ class EngineWorker:
         job.prefilled = max(job.prefilled, upto)
 
     def _first_token(self, job: Job) -> None:
-        c, n = self.counters, len(job.request.prompt_ids)
+        c = self.counters
         job.first_token, job.phase = time.monotonic(), DECODE
-        self._prefilled(job, n)  # all of it, whether or not chunks said so
+        self._prefilled(job, len(job.request.prompt_ids))  # all of it, whether or not chunks said so
         c.ttft.observe(job.ttft_s)
         c.prefill.observe(job.prefill_s)
         c.prefill_s += job.prefill_s
-        c.last_prefill_tps = n / job.prefill_s if job.prefill_s else 0.0
+        c.last_prefill_tps = job.prefill_tps

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from edgerun.server.engine_worker import DECODE, PREFILL, QUEUED, Histogram
+from edgerun.server.engine_worker import QUEUED, Histogram
 
 if TYPE_CHECKING:
     from edgerun.server.engine_worker import EngineWorker
@@ -96,13 +96,12 @@ def render(
     )
     t.one("edgerun_requests_total", "counter", "Generation requests the engine started.", c.requests)
     t.one("edgerun_request_failures_total", "counter", "Generation requests the engine failed.", c.failed)
-    cancelled = c.cancelled + Counter({QUEUED: worker.dropped})
     t.family(
         "edgerun_requests_cancelled_total",
         "counter",
         "Requests stopped early (client gone, timeout, shutdown), by the phase they were in: queued "
         "(never started), prefill (stopped between prompt chunks), decode.",
-        [({"phase": p}, cancelled[p]) for p in (QUEUED, PREFILL, DECODE)],
+        [({"phase": p}, n + (worker.dropped if p == QUEUED else 0)) for p, n in c.cancelled.items()],
     )
     t.one(
         "edgerun_prompt_tokens_total",

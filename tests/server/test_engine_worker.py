@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from edgerun.engine.request import Limits, Request
-from edgerun.server.engine_worker import DECODE, PREFILL, EngineWorker, Histogram, Job, WorkerHooks
+from edgerun.server.engine_worker import DECODE, PREFILL, QUEUED, EngineWorker, Histogram, Job, WorkerHooks
 from edgerun.server.metrics import Metrics, render
 
 CHUNK, CHUNKS = 4, 10
@@ -138,7 +138,7 @@ def test_a_cancelled_prefill_stops_between_chunks_and_is_counted(worker):
     assert engine.chunks_run == 2 < CHUNKS  # the chunk under way finished; no other started
     assert items == []  # nothing reached the client: no token, no answer
     c = worker.counters
-    assert c.cancelled == {PREFILL: 1} and c.prompt_tokens == 2 * CHUNK
+    assert c.cancelled == {QUEUED: 0, PREFILL: 1, DECODE: 0} and c.prompt_tokens == 2 * CHUNK
     assert c.ttft.snapshot()[2] == 0  # no first token, no TTFT observed
     assert worker.lines == [
         "request cmpl-test: prompt 40 tok; cancelled in prefill after 8 of 40 prompt tokens"
@@ -162,7 +162,7 @@ def test_a_cancelled_decode_and_a_dropped_queued_job_count_in_their_phases(worke
     assert engine.closed.wait(10)
     wait_for(lambda: worker.running is None, "the job did not end")
     assert [i.token_id for i in items] == [7, 8]  # the step under way finished; no final item
-    assert job.phase == DECODE and worker.counters.cancelled == {DECODE: 1}
+    assert job.phase == DECODE and worker.counters.cancelled == {QUEUED: 0, PREFILL: 0, DECODE: 1}
     assert worker.counters.prompt_tokens == len(PROMPT) and worker.counters.ttft.snapshot()[2] == 1
     text = render(Metrics(), worker, 0, {}, "ready", {})
     assert 'edgerun_requests_cancelled_total{phase="queued"} 1' in text

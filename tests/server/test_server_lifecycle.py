@@ -163,6 +163,8 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
         request.join(10)
         stopped = float(re.search(r"stopped in ([0-9.]+) s", daemon.log()).group(1))
         assert stopped < 1.0, daemon.log()  # the grace period, then one chunk
+        stops = re.findall(r"cancelled in prefill after (\d+) of 1500 prompt tokens", daemon.log())
+        assert len(stops) == 2 and 0 < int(stops[1]) < 1500, daemon.log()  # the disconnect, then SIGTERM
     finally:
         daemon.stop()
 
