@@ -280,11 +280,11 @@ class Runner:
         text = _TextStream(self.tokenizer, params.stop)
 
         t0 = time.perf_counter()
-        done = 0
         for chunk in self.prefill_chunks(state, prompt_ids):
             logits = chunk
-            done = min(done + self.prefill_chunk, len(prompt_ids))
-            yield Event("", prefilled=done)  # a chunk done: the caller may ping its watchdog, or stop here
+            yield Event(
+                "", prefilled=state.pos
+            )  # a chunk done: the caller may ping its watchdog, or stop here
         finish = "length"
         for i, token in enumerate(self._counted(self._tokens(state, logits, sampler, params.max_tokens))):
             if i == 0:
