@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,9 @@ def test_generate_token_ids_matches_runner(hf_checkpoints, capsys):
     assert out.split() == [str(t) for t in expected]
     assert "edgerun: model" in err and "fallbacks: none" in err  # provenance line
     assert "prompt 3 tok, generated 6 tok" in err and "decode" in err and "peak memory" in err
+    # TTFT and the prefill rate, apart from the decode rate
+    line = re.search(r"TTFT (\d+) ms, prefill ([0-9.]+) tok/s, decode ([0-9.]+) tok/s", err)
+    assert line and float(line.group(2)) > 0 and float(line.group(3)) > 0, err
 
 
 def test_generate_errors_are_one_clear_line(hf_checkpoints, tmp_path, capsys):

@@ -37,7 +37,8 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"
 class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # from the request to its first token: state set-up, prefill, first sample
+    prefill_s: float = 0.0  # from the first prefill chunk to the first token
     decode_s: float = 0.0
     peak_memory_bytes: int = 0
 
@@ -54,7 +55,8 @@ class GenerationStats:
     def line(self) -> str:
         return (
             f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
-            f"prefill {self.prefill_tps:.1f} tok/s, decode {self.decode_tps:.1f} tok/s, "
+            f"TTFT {self.ttft_s * 1e3:.0f} ms, prefill {self.prefill_tps:.1f} tok/s, "
+            f"decode {self.decode_tps:.1f} tok/s, "
             f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
         )
 
@@ -65,6 +67,7 @@ class Event:
     token_id: int | None = None
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     stats: GenerationStats | None = None
+    prefilled: int = 0  # on a prefill chunk's event: the prompt tokens through the model so far
 
 
 def peak_memory(device: torch.device) -> int:
@@ -270,6 +273,7 @@ class Runner:
         prompt_ids, params = list(request.prompt_ids), request.params
         sampler = Sampler(params)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        t_request = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         state = self.new_state(len(prompt_ids) + params.max_tokens)
@@ -278,12 +282,14 @@ class Runner:
         t0 = time.perf_counter()
         for chunk in self.prefill_chunks(state, prompt_ids):
             logits = chunk
-            yield Event("")  # a chunk done: the caller may ping its watchdog, or stop here
+            yield Event(
+                "", prefilled=state.pos
+            )  # a chunk done: the caller may ping its watchdog, or stop here
         finish = "length"
         for i, token in enumerate(self._counted(self._tokens(state, logits, sampler, params.max_tokens))):
             if i == 0:
-                stats.prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
+                now = time.perf_counter()
+                stats.prefill_s, stats.ttft_s, t0 = now - t0, now - t_request, now
             stats.generated_tokens += 1
             if token in self.eos_ids and not params.ignore_eos:
                 finish = "stop"

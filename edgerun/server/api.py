@@ -288,7 +288,9 @@ class App:
             except RuntimeError:  # the loop is gone: nobody wants the rest
                 job.cancelled = True
 
-        job = Job(request, deliver)
+        answer_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        job = Job(request, deliver, answer_id, arrived=ex.request.received)
+        reply = _Reply(engine.model_id, chat, return_ids, job)
         try:
             self.worker.submit(job)
         except QueueFull as exc:
@@ -304,7 +306,6 @@ class App:
             timeout, self._abort, active, Aborted(504, f"request exceeded the timeout of {timeout:g} s")
         )
         ex.watch_disconnect(lambda: self._abort(active, Aborted(499, "client disconnected")))
-        reply = _Reply(engine.model_id, chat, return_ids, len(ids))
         try:
             if stream:
                 await self._stream(ex, active, reply, include_usage)
@@ -353,7 +354,7 @@ class App:
                 if item.token_id is not None:
                     ids.append(item.token_id)
                 if item.finish_reason is not None:
-                    tail.append(_sse(reply.chunk(finish=item.finish_reason)))
+                    tail.append(_sse({**reply.chunk(finish=item.finish_reason), "timings": reply.timings()}))
                     if include_usage:
                         tail.append(_sse(reply.usage_chunk()))
                     break
@@ -376,25 +377,28 @@ class App:
 
 
 class _Reply:
-    """Accumulates one request's tokens and shapes the OpenAI objects for it."""
+    """Accumulates one request's tokens and shapes the OpenAI objects for it. Beside ``usage``,
+    an answer (or a stream's last chunk) carries ``timings``, as llama.cpp's server does: queue,
+    TTFT, prefill (prompt_*) and decode (predicted_*) times and rates."""
 
-    def __init__(self, model: str, chat: bool, return_ids: bool, prompt_tokens: int) -> None:
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    def __init__(self, model: str, chat: bool, return_ids: bool, job: Job) -> None:
+        self.id, self.job = job.id, job  # the job's timeline gives the timings
         self.created = int(time.time())
         self.model, self.chat, self.return_ids = model, chat, return_ids
         self.object = "chat.completion" if chat else "text_completion"
         self.text: list[str] = []
         self.ids: list[int] = []
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = len(job.request.prompt_ids)
         self.completion_tokens = 0
         self.finish: str | None = None
+        self.stats: Any = None  # the engine's GenerationStats, with the final event
 
     def add(self, event: Event) -> None:
         self.text.append(event.text)
         if event.token_id is not None:
             self.ids.append(event.token_id)
         if event.finish_reason is not None:
-            self.finish = event.finish_reason
+            self.finish, self.stats = event.finish_reason, event.stats
             self.completion_tokens = event.stats.generated_tokens if event.stats else len(self.ids)
 
     def usage(self) -> dict[str, int]:
@@ -422,7 +426,10 @@ class _Reply:
             choice["text"] = text
         if self.return_ids:
             choice["token_ids"] = self.ids
-        return {**self._wrap(self.object, [choice]), "usage": self.usage()}
+        return {**self._wrap(self.object, [choice]), "usage": self.usage(), "timings": self.timings()}
+
+    def timings(self) -> dict[str, Any]:
+        return self.job.timings(self.stats)
 
     def chunk(
         self,

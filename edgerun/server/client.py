@@ -110,8 +110,11 @@ def _sampling(ns: Any) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _print_stream(events: Iterator[dict[str, Any]], show_ids: bool = False) -> dict[str, Any] | None:
-    usage = None
+def _print_stream(
+    events: Iterator[dict[str, Any]], show_ids: bool = False
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Print the text as it comes; returns the stream's ``usage`` and ``timings``."""
+    usage = timings = None
     for event in events:
         text = _delta(event)
         if show_ids:
@@ -120,9 +123,22 @@ def _print_stream(events: Iterator[dict[str, Any]], show_ids: bool = False) -> d
             sys.stdout.write(text)
             sys.stdout.flush()
         usage = event.get("usage") or usage
+        timings = event.get("timings") or timings
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return usage
+    return usage, timings
+
+
+def summary_line(usage: dict[str, Any], timings: dict[str, Any] | None) -> str:
+    """What ``edgerun generate`` prints after the text, from the daemon's usage and timings."""
+    line = f"prompt {usage['prompt_tokens']} tok, generated {usage['completion_tokens']} tok"
+    if timings:
+        line += (
+            f", TTFT {timings['ttft_ms']:.0f} ms (queue {timings['queue_ms']:.0f} ms), "
+            f"prefill {timings['prompt_per_second']:.1f} tok/s, "
+            f"decode {timings['predicted_per_second']:.1f} tok/s"
+        )
+    return line
 
 
 def generate_over_socket(ns: Any) -> int:
@@ -137,18 +153,15 @@ def generate_over_socket(ns: Any) -> int:
         except ValueError as exc:
             raise EdgerunError(f"--token-ids must be integers separated by commas: {exc}") from exc
         body.update(prompt=ids, return_token_ids=True)
-        usage = _print_stream(client.stream("/v1/completions", body), show_ids=True)
+        usage, timings = _print_stream(client.stream("/v1/completions", body), show_ids=True)
     elif getattr(ns, "chat", False):
         body["messages"] = [{"role": "user", "content": ns.prompt}]
-        usage = _print_stream(client.stream("/v1/chat/completions", body))
+        usage, timings = _print_stream(client.stream("/v1/chat/completions", body))
     else:
         body["prompt"] = ns.prompt
-        usage = _print_stream(client.stream("/v1/completions", body))
+        usage, timings = _print_stream(client.stream("/v1/completions", body))
     if usage and not getattr(ns, "quiet", False):
-        print(
-            f"[prompt {usage['prompt_tokens']} tok, generated {usage['completion_tokens']} tok]",
-            file=sys.stderr,
-        )
+        print(f"[{summary_line(usage, timings)}]", file=sys.stderr)
     return 0
 
 

@@ -127,6 +127,7 @@ class Daemon:
             fatal=lambda exc, loading: self._from_engine(self._on_fatal, exc, loading),
             ping=self._ping,
             ping_every=every,
+            log=say,
         )
         self.worker = EngineWorker(load_engine, opts.queue_size, hooks)
         api_opts = ApiOptions(opts.default_max_tokens, opts.request_timeout, opts.retry_after)

@@ -5,19 +5,24 @@ The event loop submits :class:`Job` s; each job's events (``runner.Event``, or a
 thread-safe. torch is imported here, by the engine thread, as it loads: the socket answers
 ``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout,
 shutdown) takes it out of the queue, or stops its generation at the next token or prefill
-chunk; the watchdog is fed at each of them too. The engine sits behind the small :class:`Engine`
-interface (:class:`RunnerEngine` serves a :class:`~edgerun.engine.runner.Runner`, resident or
-streaming; tests script their own). Requests reach it checked (``engine/request.py``).
+chunk; the watchdog is fed at each of them too (and inside a chunk, as its layers return), so a
+long prompt keeps it fed while a stuck step starves it. Each job keeps its timeline (arrival,
+start, first token) for its answer's ``timings``, the per-request log line and the /metrics
+histograms. The engine sits behind the small :class:`Engine` interface (:class:`RunnerEngine`
+serves a :class:`~edgerun.engine.runner.Runner`, resident or streaming; tests script their
+own). Requests reach it checked (``engine/request.py``).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +41,10 @@ class Engine(Protocol):
     tokenizer: Tokenizer | None
     limits: Limits  # what check_request holds requests to, before they are queued
     generate: Callable[[Request], Iterator[Event]]
+
+    def watch(self, ping: Callable[[], None]) -> None:
+        """Call ``ping`` (from the engine thread) as a step makes progress inside, so a step
+        longer than the watchdog's period keeps it fed and a stuck one does not."""
 
     def probe(self) -> str:
         """Start-up self-check (kernel probes); raises if the engine cannot serve."""
@@ -79,6 +88,14 @@ class RunnerEngine:
         self.tokenizer = runner.tokenizer
         self.limits = runner.limits
         self.generate = runner.generate
+
+    def watch(self, ping: Callable[[], None]) -> None:
+        """Ping after each decoder layer of an eager forward (a prefill chunk, an eager decode
+        step): one prompt chunk may outlast WatchdogSec (a streamed prefill on a small board),
+        while a layer that never returns stops the pings. A replayed decode graph runs no hook;
+        its steps are short, and the worker pings between them."""
+        for layer in self.runner.model.model.layers:
+            layer.register_forward_hook(lambda *_: ping())
 
     def probe(self) -> str:
         import torch
@@ -168,11 +185,73 @@ class RunnerEngine:
         }
 
 
+QUEUED, PREFILL, DECODE = "queued", "prefill", "decode"  # a job's phase; a cancellation names it
+
+
 @dataclass(eq=False)
 class Job:
+    """One request for the engine. The loop sets the first fields; the engine thread writes the
+    rest, which the loop reads once the job's final item has come (or its first token has)."""
+
     request: Request  # checked before it was queued
     deliver: Callable[[Any], None]  # thread-safe: hands one Event, or a JobFailed, to the handler
+    id: str = ""  # the response's id, for the log line
+    arrived: float = field(default_factory=time.monotonic)  # when the daemon had the whole request
     cancelled: bool = False
+    phase: str = QUEUED
+    prefilled: int = 0  # prompt tokens through the model so far
+    started: float | None = None  # when the engine took it
+    first_token: float | None = None  # when its first token (or its end, if none) came out
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.started is None else self.started - self.arrived
+
+    @property
+    def prefill_s(self) -> float | None:
+        """From the engine taking the request to its first token (state set-up, prefill, sample)."""
+        return None if self.first_token is None else self.first_token - self.started
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrived
+
+    @property
+    def prefill_tps(self) -> float:
+        return len(self.request.prompt_ids) / self.prefill_s if self.prefill_s else 0.0
+
+    def timings(self, stats: Any) -> dict[str, Any]:
+        """The request's times, for its response: llama.cpp's ``timings`` fields (prompt_*: the
+        prefill, predicted_*: the decode steps after the first token) plus queue and TTFT, all
+        measured from the daemon's clock except the decode's, which is the engine's own."""
+        return {
+            "queue_ms": _ms(self.queue_s),
+            "ttft_ms": _ms(self.ttft_s),
+            "prompt_n": len(self.request.prompt_ids),
+            "prompt_ms": _ms(self.prefill_s),
+            "prompt_per_second": round(self.prefill_tps, 3),
+            "predicted_n": stats.generated_tokens if stats else 0,
+            "predicted_ms": _ms(stats.decode_s if stats else 0.0),
+            "predicted_per_second": round(stats.decode_tps, 3) if stats else 0.0,
+        }
+
+    def summary(self, stats: Any, finish: str | None, tokens: int) -> str:
+        """The per-request log line (``finish`` None: cancelled, after ``tokens`` tokens)."""
+        n = len(self.request.prompt_ids)
+        head = f"request {self.id or '-'}: prompt {n} tok"
+        if finish is None:
+            done = f"{self.prefilled} of {n} prompt tokens" if self.phase == PREFILL else f"{tokens} tokens"
+            return f"{head}; cancelled in {self.phase} after {done}"
+        t = self.timings(stats)
+        return (
+            f"{head}, generated {t['predicted_n']} tok ({finish}); queue {t['queue_ms']:.0f} ms, "
+            f"TTFT {t['ttft_ms']:.0f} ms, prefill {t['prompt_per_second']:.1f} tok/s "
+            f"({t['prompt_ms']:.0f} ms), decode {t['predicted_per_second']:.1f} tok/s"
+        )
+
+
+def _ms(seconds: float | None) -> float:
+    return round(seconds * 1e3, 3) if seconds is not None else 0.0
 
 
 @dataclass
@@ -185,19 +264,51 @@ class QueueFull(Exception):
     pass
 
 
+# seconds: from a short prompt on a GPU to a long one streamed on a small board
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+
+class Histogram:
+    """A Prometheus histogram: the engine thread observes, the loop takes snapshots."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, value)] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[tuple[float, int]], float, int]:
+        """Cumulative (upper bound, count) pairs ending at +inf, the sum, and the count."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, n = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), counts):
+            n += count
+            cumulative.append((bound, n))
+        return cumulative, total, n
+
+
 @dataclass
 class Counters:
     """Written only by the engine thread; the loop reads them for /metrics."""
 
     requests: int = 0
     failed: int = 0
-    cancelled: int = 0
-    prompt_tokens: int = 0
+    # by phase; every key there from the start, so the loop's reads never see the dict grow
+    cancelled: dict[str, int] = field(default_factory=lambda: dict.fromkeys((QUEUED, PREFILL, DECODE), 0))
+    prompt_tokens: int = 0  # through the model: a prefill cancelled midway counts its chunks run
     generated_tokens: int = 0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # engine start to first token, summed
     decode_s: float = 0.0
     last_prefill_tps: float = 0.0
     last_decode_tps: float = 0.0
+    ttft: Histogram = field(default_factory=Histogram)  # arrival to first token
+    prefill: Histogram = field(default_factory=Histogram)  # engine start to first token
 
 
 @dataclass
@@ -209,6 +320,7 @@ class WorkerHooks:
     fatal: Callable[[BaseException, bool], None]  # (exception, during_load)
     ping: Callable[[], None] = lambda: None  # watchdog
     ping_every: float = 1.0
+    log: Callable[[str], None] = lambda line: None  # one line per request the engine took
 
 
 class EngineWorker:
@@ -254,6 +366,7 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             engine = self.load(self.hooks.status)
+            engine.watch(self.hooks.ping)
             self.hooks.status("running start-up probes")
             probe = engine.probe()
             info = engine.describe()
@@ -272,7 +385,7 @@ class EngineWorker:
             if job is None:
                 continue
             if job.cancelled:  # cancelled between leaving the queue and here
-                self.counters.cancelled += 1
+                self.counters.cancelled[QUEUED] += 1
                 continue
             try:
                 self._run(engine, job)
@@ -286,33 +399,37 @@ class EngineWorker:
 
         c = self.counters
         c.requests += 1
-        c.prompt_tokens += len(job.request.prompt_ids)
         self.running = job
+        job.started, job.phase = time.monotonic(), PREFILL
         events = None
+        stats, finish = None, None
         try:
             events = engine.generate(job.request)
-            finished = False
             tokens = 0
             for event in events:
-                if event.token_id is not None:
-                    tokens += 1
-                    c.generated_tokens += 1
-                if event.text or event.token_id is not None or event.finish_reason is not None:
-                    job.deliver(event)  # not a prefill chunk's empty event
+                if not (event.text or event.token_id is not None or event.finish_reason is not None):
+                    self._prefilled(job, event.prefilled)  # a prefill chunk done
+                else:
+                    if job.first_token is None:
+                        self._first_token(job)
+                    if event.token_id is not None:
+                        tokens += 1
+                        c.generated_tokens += 1
+                    job.deliver(event)
                 self.hooks.ping()
                 if event.finish_reason is not None:
-                    finished = True
-                    if event.stats is not None:
-                        s = event.stats
-                        c.generated_tokens += s.generated_tokens - tokens  # EOS, as usage counts it
-                        c.prefill_s += s.prefill_s
-                        c.decode_s += s.decode_s
-                        c.last_prefill_tps, c.last_decode_tps = s.prefill_tps, s.decode_tps
-                if job.cancelled and not finished:
-                    c.cancelled += 1
+                    stats, finish = event.stats, event.finish_reason
+                    if stats is not None:
+                        c.generated_tokens += stats.generated_tokens - tokens  # EOS, as usage counts it
+                        c.decode_s += stats.decode_s
+                        c.last_decode_tps = stats.decode_tps
                     break
-            if not finished and not job.cancelled:
+                if job.cancelled:
+                    c.cancelled[job.phase] += 1
+                    break
+            if finish is None and not job.cancelled:
                 raise RuntimeError("the engine ended a request without a finish reason")
+            self.hooks.log(job.summary(stats, finish, tokens))
         except SamplingError as exc:
             c.failed += 1
             job.deliver(JobFailed(400, str(exc)))
@@ -325,5 +442,20 @@ class EngineWorker:
         finally:
             close = getattr(events, "close", None)
             if close is not None:
-                close()  # a generator: stops its generation
+                close()  # a generator: stops its generation, and its state goes with it
             self.running = None
+
+    def _prefilled(self, job: Job, upto: int) -> None:
+        """Count the prompt tokens through the model, as they go (``upto``: so far)."""
+        upto = min(upto, len(job.request.prompt_ids))
+        self.counters.prompt_tokens += max(upto - job.prefilled, 0)
+        job.prefilled = max(job.prefilled, upto)
+
+    def _first_token(self, job: Job) -> None:
+        c = self.counters
+        job.first_token, job.phase = time.monotonic(), DECODE
+        self._prefilled(job, len(job.request.prompt_ids))  # all of it, whether or not chunks said so
+        c.ttft.observe(job.ttft_s)
+        c.prefill.observe(job.prefill_s)
+        c.prefill_s += job.prefill_s
+        c.last_prefill_tps = job.prefill_tps

@@ -20,8 +20,9 @@ import json
 import logging
 import re
 import select
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
@@ -97,6 +98,7 @@ class Request:
     version: str  # "HTTP/1.1" | "HTTP/1.0"
     headers: dict[str, str]  # lower-case names; repeated fields joined with ", "
     body: bytes = b""
+    received: float = field(default_factory=time.monotonic)  # when it had fully arrived
 
     @property
     def keep_alive(self) -> bool:

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from edgerun.server.engine_worker import QUEUED, Histogram
+
 if TYPE_CHECKING:
     from edgerun.server.engine_worker import EngineWorker
 
@@ -55,6 +57,14 @@ class _Text:
     def one(self, name: str, kind: str, help_: str, value: float) -> None:
         self.family(name, kind, help_, [({}, value)])
 
+    def histogram(self, name: str, help_: str, hist: Histogram) -> None:
+        buckets, total, count = hist.snapshot()
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        for bound, n in buckets:
+            le = "+Inf" if bound == float("inf") else _number(bound)
+            self.lines.append(f'{name}_bucket{{le="{le}"}} {n}')
+        self.lines += [f"{name}_sum {_number(total)}", f"{name}_count {count}"]
+
 
 def render(
     metrics: Metrics,
@@ -86,21 +96,42 @@ def render(
     )
     t.one("edgerun_requests_total", "counter", "Generation requests the engine started.", c.requests)
     t.one("edgerun_request_failures_total", "counter", "Generation requests the engine failed.", c.failed)
-    t.one(
+    t.family(
         "edgerun_requests_cancelled_total",
         "counter",
-        "Generations stopped early or dropped from the queue (client gone, timeout, shutdown).",
-        c.cancelled + worker.dropped,
+        "Requests stopped early (client gone, timeout, shutdown), by the phase they were in: queued "
+        "(never started), prefill (stopped between prompt chunks), decode.",
+        [({"phase": p}, n + (worker.dropped if p == QUEUED else 0)) for p, n in c.cancelled.items()],
     )
-    t.one("edgerun_prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens)
+    t.one(
+        "edgerun_prompt_tokens_total",
+        "counter",
+        "Prompt tokens through the model (a cancelled prefill counts the chunks it ran).",
+        c.prompt_tokens,
+    )
     t.one("edgerun_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
-    t.one("edgerun_prefill_seconds_total", "counter", "Time spent in prefill.", c.prefill_s)
+    t.one(
+        "edgerun_prefill_seconds_total",
+        "counter",
+        "Time from the engine taking a request to its first token, summed.",
+        c.prefill_s,
+    )
     t.one("edgerun_decode_seconds_total", "counter", "Time spent in decode steps.", c.decode_s)
     t.one(
         "edgerun_prefill_tokens_per_second",
         "gauge",
-        "Prefill rate of the last completed request.",
+        "Prefill rate of the last request to reach its first token.",
         c.last_prefill_tps,
+    )
+    t.histogram(
+        "edgerun_time_to_first_token_seconds",
+        "Time from a request's arrival (its whole body read) to its first token: queue + prefill.",
+        c.ttft,
+    )
+    t.histogram(
+        "edgerun_request_prefill_seconds",
+        "Time from the engine taking a request to its first token (the prompt's prefill).",
+        c.prefill,
     )
     t.one(
         "edgerun_decode_tokens_per_second",

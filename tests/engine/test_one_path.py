@@ -2,7 +2,9 @@
 forward; a slot reference made stale by an eviction is refused; every decoded token is traced,
 decoder steps included; fallbacks are counted per event; a quota that holds every expert reads
 them all in at load (so CUDA decodes one graph a step); the cache only keeps books and bytes;
-generation yields between prefill chunks, and a caller may stop it there."""
+generation yields between prefill chunks, and a caller may stop it there, freeing its state."""
+
+import weakref
 
 import pytest
 import torch
@@ -183,6 +185,7 @@ def test_generate_yields_between_prefill_chunks_and_stops_there():
         events = runner.generate(runner.request(list(range(3, 13)), SamplingParams(max_tokens=2)))
         chunks = [next(events) for _ in range(3)]  # 10 prompt tokens: chunks of 4, 4 and 2
         assert [(e.text, e.token_id, e.finish_reason) for e in chunks] == [("", None, None)] * 3
+        assert [e.prefilled for e in chunks] == [4, 8, 10]  # the prompt tokens through the model
         assert len(forwards) == 3 and next(events).token_id is not None
         forwards.clear()
         events = runner.generate(runner.request(list(range(3, 13)), SamplingParams(max_tokens=2)))
@@ -191,3 +194,24 @@ def test_generate_yields_between_prefill_chunks_and_stops_there():
         assert len(forwards) == 1
     finally:
         hook.remove()
+
+
+def test_a_stopped_prefill_frees_its_state_and_stats_time_the_first_token():
+    """Closing a generation between prefill chunks drops its decode state (KV, recurrent
+    state) at once; a finished one reports TTFT (from the request) and the prefill time apart."""
+    runner = Runner.load(None, device="cpu", prefill_chunk=4)
+    states = []
+    new_state = runner.new_state
+    runner.new_state = lambda n: states.append(weakref.ref(s := new_state(n))) or s
+    events = runner.generate(runner.request(list(range(3, 23)), SamplingParams(max_tokens=2)))
+    next(events)
+    assert states[0]() is not None and states[0]().pos == 4
+    events.close()
+    assert states[0]() is None, "the cancelled prefill's state is still referenced"
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    *_, last = runner.generate(runner.request(list(range(3, 23)), params))
+    s = last.stats
+    assert s.prompt_tokens == 20 and s.generated_tokens == 3
+    assert 0 < s.prefill_s <= s.ttft_s and s.decode_s > 0
+    assert f"TTFT {s.ttft_s * 1e3:.0f} ms, prefill {s.prefill_tps:.1f} tok/s" in s.line()

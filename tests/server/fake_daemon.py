@@ -31,9 +31,7 @@ VOCAB, CONTEXT = 97, 64
 class Stats:  # what the daemon reads of runner.GenerationStats
     prompt_tokens: int
     generated_tokens: int
-    prefill_s: float = 0.0
     decode_s: float = 0.0
-    prefill_tps: float = 0.0
     decode_tps: float = 0.0
 
 
@@ -43,6 +41,7 @@ class Event:  # runner.Event's shape, without importing torch (so this daemon st
     token_id: int | None = None
     finish_reason: str | None = None
     stats: Stats | None = None
+    prefilled: int = 0
 
 
 class FakeEngine:
@@ -63,6 +62,9 @@ class FakeEngine:
                 time.sleep(0.05)
             yield Event("", (ids[-1] + i + 1) % VOCAB)
         yield Event("", None, "length", Stats(len(ids), params.max_tokens))
+
+    def watch(self, ping) -> None:
+        pass  # its steps are a sleep: no progress inside them to report
 
     def probe(self) -> str:
         return "fake probe passed"

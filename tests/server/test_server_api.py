@@ -57,10 +57,11 @@ def runner(served_model):
 
 
 def metric(sock, name: str) -> float:
+    """A sample's value; for a family with labels (name without them), the sum of its samples."""
     _, text = get(sock, "/metrics")
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert values, f"{name} missing from /metrics"
+    return sum(float(v) for v in values)
 
 
 def test_health_models_and_provenance(daemon):
@@ -103,6 +104,38 @@ def test_completion_matches_in_process(daemon, runner, sampling):
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == choice["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_answers_carry_timings_and_metrics_time_the_first_token(daemon):
+    """Beside usage, an answer (and a stream's finishing chunk) carries ``timings``: queue, TTFT,
+    prefill and decode, apart; /metrics counts every first token in its TTFT and prefill
+    histograms; the daemon logs one line per request with the same numbers."""
+    ttft_before = metric(daemon.sock, "edgerun_time_to_first_token_seconds_count")
+    prefill_before = metric(daemon.sock, "edgerun_request_prefill_seconds_count")
+    body = {"prompt": list(range(5, 45)), "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    status, out = post(daemon.sock, "/v1/completions", body)
+    assert status == 200, out
+    t = out["timings"]
+    assert set(t) == {
+        "queue_ms", "ttft_ms", "prompt_n", "prompt_ms", "prompt_per_second",
+        "predicted_n", "predicted_ms", "predicted_per_second",
+    }  # fmt: skip
+    assert t["prompt_n"] == 40 and t["predicted_n"] == 5 and t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+    assert t["ttft_ms"] == pytest.approx(t["queue_ms"] + t["prompt_ms"], abs=0.01)
+    assert t["prompt_per_second"] == pytest.approx(40 / t["prompt_ms"] * 1e3, rel=1e-3)
+    assert t["predicted_per_second"] == pytest.approx(4 / t["predicted_ms"] * 1e3, rel=1e-2)
+    assert out["usage"]["prompt_tokens"] == 40  # the OpenAI fields are as they were
+
+    events = stream(daemon.sock, "/v1/completions", body)
+    finish = next(e for e in events if e != "[DONE]" and e["choices"][0]["finish_reason"])
+    assert finish["timings"]["prompt_n"] == 40 and finish["timings"]["ttft_ms"] > 0
+    assert metric(daemon.sock, "edgerun_time_to_first_token_seconds_count") == ttft_before + 2
+    assert metric(daemon.sock, "edgerun_request_prefill_seconds_count") == prefill_before + 2
+    _, text = get(daemon.sock, "/metrics")
+    assert "# TYPE edgerun_time_to_first_token_seconds histogram" in text
+    assert re.search(r'^edgerun_time_to_first_token_seconds_bucket\{le="60"\} \d+$', text, re.M)
+    line = re.search(rf"request {out['id']}: prompt 40 tok, generated 5 tok \(length\); .*", daemon.log())
+    assert line and f"TTFT {t['ttft_ms']:.0f} ms" in line.group(0), daemon.log()[-2000:]
 
 
 def test_token_id_prompt(daemon, runner):
@@ -417,6 +450,9 @@ def test_metrics_families(daemon, runner):
         "edgerun_prompt_tokens_total",
         "edgerun_prefill_tokens_per_second",
         "edgerun_decode_tokens_per_second",
+        "edgerun_time_to_first_token_seconds",
+        "edgerun_request_prefill_seconds",
+        "edgerun_requests_cancelled_total",
         "edgerun_queue_depth",
         "edgerun_expert_cache_hits_total",
         "edgerun_expert_cache_misses_total",
@@ -493,7 +529,11 @@ def test_chat_command_and_generate_over_socket(daemon, runner, capsys, monkeypat
     out, err = capsys.readouterr()
     expected = runner.generate_ids([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     assert out.split()[-4:] == [str(t) for t in expected]
-    assert "[prompt 3 tok, generated 4 tok]" in err
+    assert re.search(
+        r"\[prompt 3 tok, generated 4 tok, TTFT \d+ ms \(queue \d+ ms\), prefill [0-9.]+ tok/s, "
+        r"decode [0-9.]+ tok/s\]",
+        err,
+    ), err
     ns.socket = daemon.sock.with_name("nobody.sock")
     with pytest.raises(EdgerunError, match="cannot connect"):
         generate_over_socket(ns)

@@ -141,7 +141,8 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
         assert pings[-1] - pings[0] > 1.0, "the prefill was too short to test"
         assert max(b - a for a, b in zip(pings, pings[1:])) < 0.6, "WatchdogSec passed without a ping"
 
-        cancelled = metric(sock, "edgerun_requests_cancelled_total")
+        in_prefill = 'edgerun_requests_cancelled_total{phase="prefill"}'
+        cancelled, prompt = metric(sock, in_prefill), metric(sock, "edgerun_prompt_tokens_total")
         conn, resp = open_stream(sock, body)
         time.sleep(0.5)  # prefilling
         conn.close()
@@ -149,7 +150,10 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
         while metric(sock, "edgerun_requests_running"):
             assert time.monotonic() - t0 < 1.0, "the prefill went on after its client left"
             time.sleep(0.01)
-        assert metric(sock, "edgerun_requests_cancelled_total") == cancelled + 1
+        assert metric(sock, in_prefill) == cancelled + 1
+        ran = metric(sock, "edgerun_prompt_tokens_total") - prompt  # whole chunks of 4, not the prompt
+        assert 0 < ran < len(body["prompt"]) and ran % 4 == 0, ran
+        assert f"cancelled in prefill after {ran:.0f} of 1500 prompt tokens" in daemon.log()
 
         request = threading.Thread(target=post, args=(sock, "/v1/completions", body))
         request.start()
@@ -159,6 +163,8 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
         request.join(10)
         stopped = float(re.search(r"stopped in ([0-9.]+) s", daemon.log()).group(1))
         assert stopped < 1.0, daemon.log()  # the grace period, then one chunk
+        stops = re.findall(r"cancelled in prefill after (\d+) of 1500 prompt tokens", daemon.log())
+        assert len(stops) == 2 and 0 < int(stops[1]) < 1500, daemon.log()  # the disconnect, then SIGTERM
     finally:
         daemon.stop()
 
