@@ -18,6 +18,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -381,13 +382,20 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def dry_run_report(plan: ConversionPlan) -> str:
-    lines = [f"{len(plan.rows)} source tensors in {plan.src}:"]
-    for r in plan.rows:
-        shape = ",".join(map(str, r.shape))
-        lines.append(f"  {r.kind:<9} {r.detail:<36} {r.name} {r.dtype} [{shape}]")
+def natural_key(name: str) -> tuple:
+    """Sort key that orders numbers by value: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def dry_run_report(plan: ConversionPlan, tensors: bool = False) -> str:
+    """The summary (tensor kinds, the bundle's layout and sizes) first; then, with ``tensors``,
+    every source tensor's classification, in natural order (layer 2 before layer 10). Unknown
+    tensors are always listed: they stop the conversion."""
     kinds = Counter(r.kind for r in plan.rows)
-    lines.append("  " + ", ".join(f"{kinds[k]} {k}" for k in ("resident", "expert", "ignored", "unknown")))
+    lines = [
+        f"{len(plan.rows)} source tensors in {plan.src}: "
+        + ", ".join(f"{kinds[k]} {k}" for k in ("resident", "expert", "ignored", "unknown"))
+    ]
     lay, args = plan.layout, plan.args
     q = quant_record(lay, 0.0)
     lines.append(
@@ -414,6 +422,17 @@ def dry_run_report(plan: ConversionPlan) -> str:
         lines.append(f"  {k:<26} {v:>16,d} bytes  {_gib(v)}")
     total = sum(sizes.values())
     lines.append(f"  {'total':<26} {total:>16,d} bytes  {_gib(total)}")
+    rows = sorted(
+        plan.rows if tensors else [r for r in plan.rows if r.kind == "unknown"],
+        key=lambda r: natural_key(r.name),
+    )
+    if rows:
+        lines.append("tensors:" if tensors else "unknown tensors (-v lists every tensor):")
+    elif not tensors:
+        lines.append("(-v lists every tensor)")
+    for r in rows:
+        shape = ",".join(map(str, r.shape))
+        lines.append(f"  {r.kind:<9} {r.detail:<36} {r.name} {r.dtype} [{shape}]")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from synthetic import measure, write_checkpoint
 from edgerun.bundle import convert as C
 from edgerun.bundle import format as F
 from edgerun.bundle.cli import main
-from edgerun.bundle.convert import ConvertOptions, convert, plan_conversion
+from edgerun.bundle.convert import ConvertOptions, convert, natural_key, plan_conversion
 from edgerun.errors import CheckpointError
 from hf_fixtures import rewrite
 
@@ -38,7 +38,16 @@ def test_dry_run_classifies_every_tensor(sources, tmp_path, monkeypatch, capsys)
         main(["convert", str(src), str(tmp_path / "out"), "--quant", "int4", "--group", "16", "--dry-run"])
         == 0
     )
+    brief = capsys.readouterr().out
+    assert brief.splitlines()[0].endswith("0 unknown") and "(-v lists every tensor)" in brief
+    assert "embed_tokens" not in brief  # the per-tensor list only with -v
+    argv = ["convert", str(src), str(tmp_path / "out"), "--quant", "int4", "--group", "16", "--dry-run", "-v"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
+    assert out.startswith(brief.replace("(-v lists every tensor)\n", ""))  # the summary comes first
+    names = [ln.split()[-3] for ln in out.split("\ntensors:\n")[1].splitlines()]
+    assert names == sorted(names, key=natural_key) and len(names) > 10
+    assert natural_key("layers.2.w") < natural_key("layers.10.w")  # numbers by value, not by text
     assert not (tmp_path / "out").exists()
     lines = {ln.split()[-3]: ln.split()[0] for ln in out.splitlines() if ln.startswith("  ") and "[" in ln}
     assert lines["model.language_model.embed_tokens.weight"] == "resident"
@@ -58,7 +67,7 @@ def test_unknown_tensor_is_an_error(sources, tmp_path, capsys):
         sources["qwen3_moe"], tmp_path / "src", extra={"model.layers.0.mlp.bogus.weight": torch.zeros(2)}
     )
     (src / "tokenizer.json").write_bytes((sources["qwen3_moe"] / "tokenizer.json").read_bytes())
-    assert main(["convert", str(src), str(tmp_path / "out"), "--dry-run"]) == 1
+    assert main(["convert", str(src), str(tmp_path / "out"), "--dry-run"]) == 2
     cap = capsys.readouterr()
     row = next(ln for ln in cap.out.splitlines() if "model.layers.0.mlp.bogus.weight" in ln)
     assert row.split()[0] == "unknown" and "1 unknown" in cap.out
