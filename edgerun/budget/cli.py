@@ -78,8 +78,10 @@ def model_input(path: str | Path, quant: str | None, group: int | None, provider
     """What ``--model`` names, by what is there: a bundle, a GGUF file or a checkpoint dir, or a
     bare config.json."""
     from edgerun.bundle import gguf_source
+    from edgerun.bundle.format import check_finished
 
     path = Path(path)
+    check_finished(path)
     if (path / "manifest.json").is_file():
         if quant is not None or group is not None:
             raise EdgerunError(f"--quant / --group-size do not apply to the bundle {path}: its manifest says")

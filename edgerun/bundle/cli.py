@@ -14,6 +14,7 @@ from edgerun.bundle.layout import QUANTS
 from edgerun.errors import EdgerunError
 from edgerun.flags import EXIT_NO, EXIT_OK, EXIT_USAGE
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
+from edgerun.progress import add_progress_argument
 
 PROG = "edgerun "  # every message starts "edgerun COMMAND:"
 
@@ -56,6 +57,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v", "--verbose", dest="tensors", action="store_true", help="--dry-run: list every source tensor"
     )
+    add_progress_argument(p)
     add_provider_arguments(p)
 
 
@@ -97,7 +99,7 @@ def run_convert(ns: argparse.Namespace) -> int:
             print(dry_run_report(plan, tensors=ns.tensors))
             plan.check()
             return 0
-        convert(ns.src, ns.dst, options, log=sys.stderr, providers=providers)
+        convert(ns.src, ns.dst, options, log=sys.stderr, tty=ns.progress, providers=providers)
     except EdgerunError as exc:
         print(f"{PROG}convert: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -110,6 +112,7 @@ def run_convert(ns: argparse.Namespace) -> int:
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="bundle directory")
     p.add_argument("--deep", action="store_true", help="also hash every file and block against the manifest")
+    add_progress_argument(p)
     add_provider_arguments(p)
 
 
@@ -117,7 +120,9 @@ def run_verify(ns: argparse.Namespace) -> int:
     from edgerun.bundle.verify import verify_bundle
 
     try:
-        report = verify_bundle(ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns))
+        report = verify_bundle(
+            ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns), progress=ns.progress
+        )
     except (EdgerunError, OSError) as exc:
         print(f"{PROG}verify: FAILED: {exc}", file=sys.stderr)
         return EXIT_NO

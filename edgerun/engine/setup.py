@@ -184,8 +184,10 @@ def plan_experts(
     on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`): a bundle streams with ``quota`` and/or the ``profile`` plan (:func:`cache_config`;
     ``streaming``: its other settings); any other model is held whole, and with a profile it is
     planned whole first and refused, naming what would fit, when it does not fit."""
-    from edgerun.bundle.format import MANIFEST
+    from edgerun.bundle.format import MANIFEST, check_finished
 
+    if model is not None:
+        check_finished(model)
     bundle = model if model is not None and (Path(model) / MANIFEST).is_file() else None
     cache = cache_config(
         bundle, quota=quota, profile=profile, context=context, providers=providers, model=model, **streaming
