@@ -84,6 +84,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--default-max-tokens", type=int)
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "-v",
+        "--verbose",
+        dest="log_requests",
+        action="store_true",
+        help="log one line per request on stderr: method, path, status, seconds, client uid",
+    )
     add_provider_arguments(p)
 
 
@@ -188,6 +195,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     from edgerun.server import daemon
 
     opts = serve_options(ns)
+    if ns.log_requests:
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("edgerun serve: %(message)s"))
+        requests = logging.getLogger("edgerun.server.requests")
+        requests.setLevel(logging.INFO)
+        requests.addHandler(handler)
+        requests.propagate = False
     profile = None
     if opts.profile is not None:
         from edgerun.config import load_device_profile
