@@ -194,11 +194,12 @@ _LOCAL_FLAGS = (
 def _refuse_local_flags(ns: argparse.Namespace) -> None:
     """With --socket, a flag that only matters to a model loaded here is an error, not ignored."""
     parser = ns._parser
-    given = [
-        a.option_strings[-1]
-        for a in parser._actions
+    given = {  # one name per setting: the first of its spellings (--device, not --torch-device)
+        a.dest: a.option_strings[-1]
+        for a in reversed(parser._actions)
         if a.dest in _LOCAL_FLAGS and getattr(ns, a.dest, None) != a.default
-    ]
+    }
+    given = [given[dest] for dest in dict.fromkeys(a.dest for a in parser._actions) if dest in given]
     if given:
         raise EdgerunError(
             f"--socket sends the request to a running daemon, which has its own model and settings: "

@@ -90,6 +90,8 @@ def test_generate_over_a_socket_refuses_flags_the_daemon_would_ignore(tmp_path, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--model, --quota would be ignored" in err and "drop them, or drop --socket" in err
+    assert main([*argv, "--device", "cpu"]) == 2  # one name per setting, though it has two spellings
+    assert "--model, --device, --quota would be ignored" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("preset", [None, "ACTIVE"])

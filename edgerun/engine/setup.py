@@ -181,9 +181,10 @@ def plan_experts(
     **streaming,
 ) -> tuple[CacheConfig | None, str | None]:
     """(cache settings or None: experts resident, the plan's summary or None) for a model run
-    on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`): a bundle streams with ``quota`` and/or the ``profile`` plan (:func:`cache_config`;
-    ``streaming``: its other settings); any other model is held whole, and with a profile it is
-    planned whole first and refused, naming what would fit, when it does not fit."""
+    on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`): a bundle streams with
+    ``quota`` and/or the ``profile`` plan (:func:`cache_config`; ``streaming``: its other
+    settings); any other model is held whole, and with a profile it is planned whole first and
+    refused, naming what would fit, when it does not fit."""
     from edgerun.bundle.format import MANIFEST, check_finished
 
     if model is not None:

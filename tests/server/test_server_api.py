@@ -75,7 +75,8 @@ def test_health_models_and_provenance(daemon):
     provider = meta["architecture_provider"]
     assert provider["builtin"] and provider["provider"] == "builtin" and provider["api"] == 1
     assert get(daemon.sock, "/v1/models/tiny")[0] == 200
-    assert "edgerun: model" in daemon.log() and "probe passed" in daemon.log()  # the start-up lines
+    assert "edgerun serve: model " in daemon.log() and "probe passed" in daemon.log()  # the start-up lines
+    assert "every expert resident (fp32)" in meta["provenance"]  # a resident model is planned too
 
 
 @pytest.mark.parametrize(
