@@ -90,13 +90,13 @@ class Daemon:
             "NOTIFY_SOCKET": str(work / "notify"),
             "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6)),
         }
-        argv = [sys.executable, "-m", "edgerun.cli", "serve", "--bundle", str(bundle), "--quota", "2"]
+        argv = [sys.executable, "-m", "edgerun.cli", "serve", "--model", str(bundle), "--quota", "2"]
         argv += [
             "--read-mode",
             read_mode,
             "--socket",
             str(self.sock),
-            "--torch-device",
+            "--device",
             "cpu",
             "--threads",
             "1",

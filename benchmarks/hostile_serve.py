@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-hostile-"))
     sock = tmp / "edgerun.sock"
-    cmd = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--torch-device", "cpu"]
+    cmd = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu"]
     cmd += ["--threads", str(ns.threads)] + (["--model", str(ns.model)] if ns.model else [])
     log = open(tmp / "daemon.log", "wb")
     daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

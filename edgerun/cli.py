@@ -10,20 +10,22 @@ from pathlib import Path
 
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import EdgerunError
+from edgerun.flags import EXIT_USAGE, add_device_arguments, add_model_argument, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.cli import add_kernel_arguments
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """How the model is loaded and run: shared by generate, trace (and, as flags, by serve)."""
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="HF checkpoint or bundle dir (default: the shipped demo model)",
+    add_model_argument(
+        p,
+        "HF checkpoint dir, or bundle dir whose experts stream with --quota or --profile "
+        "(default: the shipped demo model)",
     )
-    p.add_argument(
-        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu"
+    add_device_arguments(
+        p,
+        "device profile (configs/*.yaml): the model is planned against it and refused if it does not "
+        "fit; a bundle streams with the plan's quotas",
     )
     p.add_argument(
         "--dtype",
@@ -31,7 +33,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="compute dtype (auto: float32 on cpu, the checkpoint's dtype on cuda)",
     )
-    p.add_argument("--context", type=int, default=None, help="max context length (default: the model's)")
+    p.add_argument(
+        "--context",
+        type=parse_context,
+        default=None,
+        help="max context length: 4096 or 32k (default: the model's)",
+    )
     p.add_argument(
         "--prefill-chunk", type=int, default=512, help="prompt tokens a prefill step takes at once"
     )
@@ -45,19 +52,15 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--quota",
         type=int,
         default=None,
-        help="--model is a bundle: stream routed experts through this many cache slots per layer",
-    )
-    p.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        help="device profile (configs/*.yaml): plan the bundle and stream with the plan's quotas",
+        help="--model is a bundle: stream routed experts through this many cache slots per layer "
+        "(with --profile: checked against its plan; default: the plan's)",
     )
     p.add_argument(
         "--read-mode",
         choices=("auto", "direct", "buffered"),
-        default="auto",
-        help="expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback (auto)",
+        default=None,
+        help="streamed expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback "
+        "(default: auto)",
     )
     p.add_argument(
         "--host-quota",
@@ -127,9 +130,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         stop=tuple(ns.stop),
         ignore_eos=ns.ignore_eos,
     )
-    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs)
+    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache = _cache_config(ns, providers, warm=_read_warm(ns.warm))
+    cache, plan = _cache_config(ns, rt, providers, warm=_read_warm(ns.warm))
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
@@ -141,7 +144,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     if not ns.quiet:
         print(
-            provenance(runner, ns.model, plan=cache.summary if cache else None), file=sys.stderr, flush=True
+            provenance(runner, ns.model, str(ns.profile) if ns.profile else None, plan),
+            file=sys.stderr,
+            flush=True,
         )
 
     if ns.token_ids is not None:
@@ -189,11 +194,12 @@ _LOCAL_FLAGS = (
 def _refuse_local_flags(ns: argparse.Namespace) -> None:
     """With --socket, a flag that only matters to a model loaded here is an error, not ignored."""
     parser = ns._parser
-    given = [
-        a.option_strings[-1]
-        for a in parser._actions
+    given = {  # one name per setting: the first of its spellings (--device, not --torch-device)
+        a.dest: a.option_strings[-1]
+        for a in reversed(parser._actions)
         if a.dest in _LOCAL_FLAGS and getattr(ns, a.dest, None) != a.default
-    ]
+    }
+    given = [given[dest] for dest in dict.fromkeys(a.dest for a in parser._actions) if dest in given]
     if given:
         raise EdgerunError(
             f"--socket sends the request to a running daemon, which has its own model and settings: "
@@ -201,21 +207,15 @@ def _refuse_local_flags(ns: argparse.Namespace) -> None:
         )
 
 
-def _is_bundle(model: Path | None) -> bool:
-    from edgerun.bundle.format import MANIFEST
+def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
+    """(expert cache settings or None: resident, the plan's summary or None) of ``generate`` /
+    ``trace``: from --quota and/or the --profile plan, which every model is checked against."""
+    from edgerun.engine.setup import plan_experts
 
-    return model is not None and (model / MANIFEST).is_file()
-
-
-def _cache_config(ns: argparse.Namespace, providers, warm=None):
-    """The expert cache of ``generate`` / ``trace``: from --quota or the --profile plan (None:
-    experts resident)."""
-    from edgerun.engine.setup import cache_config
-
-    if ns.profile is not None and ns.quota is not None:
-        raise EdgerunError("give --quota or --profile, not both (the profile's plan decides the quota)")
-    return cache_config(
-        ns.model if _is_bundle(ns.model) else None,
+    return plan_experts(
+        ns.model,
+        rt.device,
+        ns.dtype,
         quota=ns.quota,
         profile=ns.profile,
         context=ns.context,
@@ -327,9 +327,9 @@ def run_trace(ns: argparse.Namespace) -> int:
     from edgerun.tools.routes import read_trace
     from edgerun.tools.simulate import frequencies
 
-    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs)
+    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache = _cache_config(ns, providers)
+    cache, _ = _cache_config(ns, rt, providers)
     runner = rt.load(
         ns.model, providers=providers, cache=cache, max_context=ns.context, prefill_chunk=ns.prefill_chunk
     )
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except EdgerunError as exc:
         print(f"edgerun {ns.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -64,7 +64,7 @@ if [ -e "$ROOT/etc/edgerun/serve.yaml" ]; then
   say "kept the existing $ROOT/etc/edgerun/serve.yaml"
 else
   install -m 0644 "$SRC/systemd/serve.yaml" "$ROOT/etc/edgerun/serve.yaml"
-  say "wrote $ROOT/etc/edgerun/serve.yaml: set its bundle and device_profile"
+  say "wrote $ROOT/etc/edgerun/serve.yaml: set its model (a bundle) and profile"
 fi
 
 # 4. the units, ExecStart naming this venv, verified as installed

@@ -2,10 +2,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from edgerun.cli import main
+from edgerun.cli import build_parser, main
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 
@@ -93,6 +94,8 @@ def test_generate_over_a_socket_refuses_flags_the_daemon_would_ignore(tmp_path, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--model, --quota would be ignored" in err and "drop them, or drop --socket" in err
+    assert main([*argv, "--device", "cpu"]) == 2  # one name per setting, though it has two spellings
+    assert "--model, --device, --quota would be ignored" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("preset", [None, "ACTIVE"])
@@ -129,6 +132,103 @@ def test_a_small_model_gets_one_cpu_thread_unless_asked(hf_checkpoints, capsys):
         )
         assert main([*argv, "--threads", "2"]) == 0
         err = capsys.readouterr().err
-        assert "threads 2 " in err and "small model" not in err
+        assert "threads 2\n" in err and "small model" not in err
     finally:
         torch.set_num_threads(before)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_start_up_line_is_several_short_lines(capsys):
+    assert main(["generate", "--token-ids", "3", "--max-tokens", "1", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("edgerun: model demo (")
+    shown = [line.strip().split(" ")[0] for line in lines[1:6]]
+    assert shown == ["device", "experts", "kernels:", "fallbacks:", "loaded"], lines
+    assert all(len(line) <= 160 for line in lines[:6]), lines
+
+
+def test_a_resident_model_is_planned_against_the_profile(tmp_path, capsys):
+    """Not only bundles: the demo held whole is planned, its summary stated, and refused (naming
+    what would fit) when the profile is too small."""
+    argv = ["generate", "--token-ids", "3", "--max-tokens", "1", "--device", "cpu", "--profile"]
+    assert main([*argv, str(ROOT / "configs" / "cpu.yaml")]) == 0
+    assert "every expert resident (fp32)" in capsys.readouterr().err
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(
+        (ROOT / "configs" / "cpu.yaml").read_text().replace("memory_cap: 23GiB", "memory_cap: 3.025GiB")
+    )
+    assert main([*argv, str(tiny)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgerun generate: error: the demo model with every expert resident")
+    assert "Stream the experts from a bundle instead" in err and "(planned: quota " in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--warm", "w.json"],
+            "--warm sets up expert streaming, but the experts of the demo model are held resident",
+        ),
+        (["--read-mode", "direct"], "--read-mode sets up expert streaming"),
+        (
+            ["--quota", "4"],
+            "--quota streams routed experts from an edgerun bundle; the demo model is not one",
+        ),
+        (
+            ["--expert-kernel", "triton"],
+            "--expert-kernel triton: Triton kernels run on CUDA, and this runs on the cpu",
+        ),
+        (["--dense-kernel", "triton"], "--dense-kernel triton: Triton kernels run on CUDA"),
+        (["--graphs", "on"], "--graphs on: CUDA graphs need CUDA"),
+        (
+            ["--profile", str(ROOT / "configs" / "rtx5070.yaml")],
+            "describes a CUDA device (sm 12.0), but this runs on the cpu (--device cpu)",
+        ),
+    ],
+)
+def test_no_flag_is_silently_ignored(tmp_path, monkeypatch, capsys, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.json").write_text('{"frequencies": {"0": [1, 2]}}')
+    assert main(["generate", "--token-ids", "3", "--max-tokens", "1", "--device", "cpu", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgerun generate: error: ") and message in err, err
+
+
+def test_old_spellings_still_work_for_one_release(capsys):
+    """--torch-device is --device now (as in generate); it still works, saying so on stderr."""
+    from edgerun.server.cli import serve_options
+
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--torch-device", "cpu", "--bundle", "b", "--device", "x.yaml"])
+    opts = serve_options(ns)
+    assert (opts.device, opts.model, opts.profile) == ("cpu", Path("b"), Path("x.yaml"))
+    err = capsys.readouterr().err
+    for old, new in (
+        ("--torch-device", "--device"),
+        ("--bundle", "--model"),
+        ("--device PROFILE", "--profile"),
+    ):
+        assert f"edgerun serve: warning: {old} is deprecated and goes in the next release; use {new}" in err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--device", "cpu", "--torch-device", "cuda"])
+    assert "the device is already given" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--device", "gpu"])
+    assert "'gpu' is not cpu or cuda (a device profile is --profile FILE)" in capsys.readouterr().err
+
+
+def test_serve_yaml_old_keys_still_work(tmp_path, capsys):
+    from edgerun.errors import ConfigError
+    from edgerun.server.options import load_serve_config
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("bundle: /b\ndevice_profile: /p.yaml\ntorch_device: cpu\n")
+    assert load_serve_config(cfg) == {"model": Path("/b"), "profile": Path("/p.yaml"), "device": "cpu"}
+    err = capsys.readouterr().err
+    assert "warning: key 'device_profile' is deprecated and goes in the next release; use 'profile'" in err
+    cfg.write_text("bundle: /b\nmodel: /m\n")
+    with pytest.raises(ConfigError, match="keys 'bundle' and 'model' are one setting"):
+        load_serve_config(cfg)

@@ -78,7 +78,7 @@ def test_imports_without_torch(module):
 
 def test_plan_runs_without_torch():
     argv = [
-        "plan", "--device", "configs/orin.yaml", "--config", "configs/models/qwen3.6-35b-a3b.json",
+        "plan", "--profile", "configs/orin.yaml", "--model", "configs/models/qwen3.6-35b-a3b.json",
         "--context", "8192",
     ]  # fmt: skip
     proc = run_python(f"{BLOCK_TORCH}from edgerun.cli import main\nsys.exit(main({argv!r}))\n")

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-bench-"))
     sock = tmp / "edgerun.sock"
-    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--torch-device", "cpu"]
+    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu"]
     argv += ["--model", str(ns.model)] if ns.model else []
     argv += ["--threads", str(ns.threads)] if ns.threads else []
     log = open(tmp / "serve.log", "wb")

@@ -10,34 +10,48 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgerun.budget import inputs
-from edgerun.budget.planner import DTYPE_BYTES, PlanOptions, plan
+from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
 from edgerun.config import load_device_profile
 from edgerun.errors import EdgerunError
+from edgerun.flags import (
+    EXIT_NO,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_device_arguments,
+    add_model_argument,
+    check_device_arguments,
+    parse_context,
+)
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.tools.routes import read_trace
 
-EXIT_FITS, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo"  # what generate and serve run by default
+EXIT_FITS, EXIT_REFUSED, EXIT_ERROR = EXIT_OK, EXIT_NO, EXIT_USAGE
+DEFAULT_CONTEXT = 4096  # tokens, when --context is not given and the model allows as many
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device", required=True, metavar="PROFILE", help="device profile YAML (configs/*.yaml)"
+    add_device_arguments(
+        parser, "device profile YAML (configs/*.yaml) to plan against", device=False, required=True
     )
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--bundle", metavar="DIR", help="an edgerun bundle (reads manifest.json)")
-    src.add_argument(
+    add_model_argument(
+        parser,
+        "what to plan, read as metadata only: an edgerun bundle dir (its manifest.json), an HF "
+        "checkpoint dir (its config.json), a GGUF file (its header) or a bare config.json (plan "
+        "before downloading weights)",
+        "--bundle",
         "--checkpoint",
-        metavar="PATH",
-        help="an HF checkpoint directory (reads config.json only) or a GGUF file (reads its header only)",
-    )
-    src.add_argument(
-        "--config", metavar="FILE", help="a bare HF config.json: plan before downloading weights"
+        "--config",
     )
     parser.add_argument(
-        "--context", type=int, default=4096, help="tokens per sequence, prompt + output (4096)"
+        "--context",
+        type=parse_context,
+        default=None,
+        help="tokens per sequence, prompt + output: 4096 or 32k (default: 4096, or the model's "
+        "maximum when smaller)",
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     parser.add_argument(
@@ -60,21 +74,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_provider_arguments(parser)
 
 
+def model_input(path: str | Path, quant: str | None, group: int | None, providers) -> inputs.ModelInput:
+    """What ``--model`` names, by what is there: a bundle, a GGUF file or a checkpoint dir, or a
+    bare config.json."""
+    from edgerun.bundle import gguf_source
+    from edgerun.bundle.format import check_finished
+
+    path = Path(path)
+    check_finished(path)
+    if (path / "manifest.json").is_file():
+        if quant is not None or group is not None:
+            raise EdgerunError(f"--quant / --group-size do not apply to the bundle {path}: its manifest says")
+        return inputs.from_bundle(path, providers)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise EdgerunError(
+            f"{path}: neither an edgerun bundle (no manifest.json) nor an HF checkpoint (no config.json)"
+        )
+    if path.is_dir() or gguf_source.is_gguf(path):
+        return inputs.from_checkpoint(path, quant or "int4", group, providers)
+    return inputs.from_config_file(path, quant or "int4", group, providers)
+
+
 def run(ns: argparse.Namespace) -> int:
     try:
-        device = load_device_profile(ns.device)
+        check_device_arguments(ns)
+        if ns.model is None:
+            raise EdgerunError(
+                "--model PATH is required: a bundle, an HF checkpoint, a GGUF file or a config.json"
+            )
+        device = load_device_profile(ns.profile)
         providers = ProviderPolicy.from_namespace(ns)
-        if ns.bundle:
-            if any(v is not None for v in (ns.quant, ns.group_size, ns.dense, ns.lm_head, ns.dense_group)):
-                raise EdgerunError(
-                    "--quant / --group-size / --dense / --lm-head / --dense-group do not apply to --bundle: "
-                    "its manifest says"
-                )
-            model = inputs.from_bundle(ns.bundle, providers)
-        elif ns.checkpoint:
-            model = inputs.from_checkpoint(ns.checkpoint, ns.quant or "int4", ns.group_size, providers)
-        else:
-            model = inputs.from_config_file(ns.config, ns.quant or "int4", ns.group_size, providers)
+        model = model_input(ns.model, ns.quant, ns.group_size, providers)
+        if model.dense is not None and any(v is not None for v in (ns.dense, ns.lm_head, ns.dense_group)):
+            raise EdgerunError(
+                f"--dense / --lm-head / --dense-group do not apply to the bundle {ns.model}: its manifest says"
+            )
+        context = ns.context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings)
         dense = model.dense or DenseScheme.resolve(
             ns.dense or "bf16", ns.lm_head, ns.dense_group, model.args.tie_word_embeddings
         )
@@ -93,7 +128,7 @@ def run(ns: argparse.Namespace) -> int:
             model.specs,
             model.experts,
             device,
-            ns.context,
+            context,
             ns.batch,
             options,
             trace,
@@ -105,7 +140,8 @@ def run(ns: argparse.Namespace) -> int:
         return EXIT_ERROR
     sys.stdout.write(render(result, ns.format))
     if not result.fits:
-        print(f"edgerun plan: {result.refusal.message}", file=sys.stderr)
+        if ns.format != "table":  # the table states the refusal; JSON and YAML are for programs
+            print(f"edgerun plan: {result.refusal.message}", file=sys.stderr)
         return EXIT_REFUSED
     return EXIT_FITS
 
@@ -117,25 +153,72 @@ def plan_for_bundle(
     batch: int = 1,
     providers: ProviderPolicy | None = None,
     resident: Mapping[str, int] | None = None,
+    quota: int | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
-    model's maximum, capped at 4096). ``resident``: bytes per category that loading measured,
-    in place of the estimate from the tensor inventory."""
+    model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked).
+    ``resident``: bytes per category that loading measured, in place of the estimate from the
+    tensor inventory."""
     model = inputs.from_bundle(bundle, providers)
-    context = context or min(4096, model.args.max_position_embeddings)
     return plan(
         model.args,
         model.specs,
         model.experts,
         load_device_profile(profile),
-        context,
+        context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
-        PlanOptions(dense=model.dense or DenseScheme()),
+        PlanOptions(dense=model.dense or DenseScheme(), quota=quota),
         None,
         model_name=model.name,
         resident=resident,
         notes=model.notes,
     )
+
+
+def plan_resident(
+    model: str | Path | None,
+    profile: str | Path,
+    context: int | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    providers: ProviderPolicy | None = None,
+):
+    """(plan, streamed): the plan of an HF checkpoint (None: the shipped demo model) loaded
+    whole, every expert resident in ``dtype`` (bf16, fp16 or fp32: what torch computes in), and,
+    when that does not fit, the plan of the same model converted to an int4 bundle and streamed
+    (None when it fits)."""
+    path = Path(model) if model is not None else DEMO_MODEL
+    device_profile = load_device_profile(profile)
+    src = inputs.from_checkpoint(path, "bf16", None, providers)
+    context = context or min(DEFAULT_CONTEXT, src.args.max_position_embeddings)
+    scale = DTYPE_BYTES[dtype] / DTYPE_BYTES["bf16"]
+    experts = ExpertSource(
+        dtype, 0, tuple(int(b * scale) for b in src.experts.block_bytes), f"{path} (resident)"
+    )
+    options = PlanOptions(
+        dense_dtype=dtype,
+        quota=src.args.num_experts,
+        staging_buffers=1,  # nothing is read at run time; the planner wants one buffer per layout
+        cuda_graphs=device == "cuda",
+    )
+    args = (src.args, src.specs, experts, device_profile, context, 1, options, None)
+    whole = plan(*args, model_name=src.name, notes=src.notes)
+    if whole.fits:
+        return whole, None
+    int4 = inputs.from_checkpoint(path, "int4", None, providers)
+    streamed = plan(
+        int4.args,
+        int4.specs,
+        int4.experts,
+        device_profile,
+        context,
+        1,
+        PlanOptions(dense_dtype="bf16" if dtype == "fp32" else dtype, cuda_graphs=device == "cuda"),
+        None,
+        model_name=int4.name,
+    )
+    return whole, streamed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,11 @@ import sys
 from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.bundle.layout import QUANTS
 from edgerun.errors import EdgerunError
+from edgerun.flags import EXIT_NO, EXIT_OK, EXIT_USAGE
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
+from edgerun.progress import add_progress_argument
+
+PROG = "edgerun "  # every message starts "edgerun COMMAND:"
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,8 +51,13 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="read safetensors headers only; print every tensor's classification and the bundle's sizes",
+        help="read safetensors headers only; print the bundle's layout and sizes (with -v every "
+        "tensor's classification)",
     )
+    p.add_argument(
+        "-v", "--verbose", dest="tensors", action="store_true", help="--dry-run: list every source tensor"
+    )
+    add_progress_argument(p)
     add_provider_arguments(p)
 
 
@@ -70,8 +79,8 @@ def run_convert(ns: argparse.Namespace) -> int:
         print(gguf_support())
         return 0
     if ns.src is None or ns.dst is None:
-        print("convert: error: the arguments src and dst are required", file=sys.stderr)
-        return 2
+        print(f"{PROG}convert: error: the arguments src and dst are required", file=sys.stderr)
+        return EXIT_USAGE
     from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
 
     options = ConvertOptions(
@@ -87,19 +96,23 @@ def run_convert(ns: argparse.Namespace) -> int:
         providers = ProviderPolicy.from_namespace(ns)
         if ns.dry_run:
             plan = plan_conversion(ns.src, options, providers)
-            print(dry_run_report(plan))
+            print(dry_run_report(plan, tensors=ns.tensors))
             plan.check()
             return 0
-        convert(ns.src, ns.dst, options, log=sys.stderr, providers=providers)
-    except (EdgerunError, OSError) as exc:
-        print(f"convert: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        convert(ns.src, ns.dst, options, log=sys.stderr, tty=ns.progress, providers=providers)
+    except EdgerunError as exc:
+        print(f"{PROG}convert: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"{PROG}convert: error: {exc}", file=sys.stderr)
+        return EXIT_NO
+    return EXIT_OK
 
 
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="bundle directory")
     p.add_argument("--deep", action="store_true", help="also hash every file and block against the manifest")
+    add_progress_argument(p)
     add_provider_arguments(p)
 
 
@@ -107,12 +120,14 @@ def run_verify(ns: argparse.Namespace) -> int:
     from edgerun.bundle.verify import verify_bundle
 
     try:
-        report = verify_bundle(ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns))
+        report = verify_bundle(
+            ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns), progress=ns.progress
+        )
     except (EdgerunError, OSError) as exc:
-        print(f"verify: FAILED: {exc}", file=sys.stderr)
-        return 1
+        print(f"{PROG}verify: FAILED: {exc}", file=sys.stderr)
+        return EXIT_NO
     print(report.summary())
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,7 +60,7 @@ from edgerun.models.providers import ProviderPolicy
 from edgerun.models.registry import load_args
 from edgerun.safetensors_io import DTYPES, ITEMSIZE, TensorEntry
 
-JOURNAL = ".convert-journal.json"
+JOURNAL = F.CONVERT_JOURNAL
 CHUNK = 64 << 20  # dense tensors are copied in chunks of this many source bytes
 QCHUNK = 16 << 20  # a quantized dense weight is read in blocks of rows of about this many source bytes
 DENSE_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
@@ -381,13 +381,20 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def dry_run_report(plan: ConversionPlan) -> str:
-    lines = [f"{len(plan.rows)} source tensors in {plan.src}:"]
-    for r in plan.rows:
-        shape = ",".join(map(str, r.shape))
-        lines.append(f"  {r.kind:<9} {r.detail:<36} {r.name} {r.dtype} [{shape}]")
+def natural_key(name: str) -> tuple:
+    """Sort key that orders numbers by value: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def dry_run_report(plan: ConversionPlan, tensors: bool = False) -> str:
+    """The summary (tensor kinds, the bundle's layout and sizes) first; then, with ``tensors``,
+    every source tensor's classification, in natural order (layer 2 before layer 10). Unknown
+    tensors are always listed: they stop the conversion."""
     kinds = Counter(r.kind for r in plan.rows)
-    lines.append("  " + ", ".join(f"{kinds[k]} {k}" for k in ("resident", "expert", "ignored", "unknown")))
+    lines = [
+        f"{len(plan.rows)} source tensors in {plan.src}: "
+        + ", ".join(f"{kinds[k]} {k}" for k in ("resident", "expert", "ignored", "unknown"))
+    ]
     lay, args = plan.layout, plan.args
     q = quant_record(lay, 0.0)
     lines.append(
@@ -414,6 +421,17 @@ def dry_run_report(plan: ConversionPlan) -> str:
         lines.append(f"  {k:<26} {v:>16,d} bytes  {_gib(v)}")
     total = sum(sizes.values())
     lines.append(f"  {'total':<26} {total:>16,d} bytes  {_gib(total)}")
+    rows = sorted(
+        plan.rows if tensors else [r for r in plan.rows if r.kind == "unknown"],
+        key=lambda r: natural_key(r.name),
+    )
+    if rows:
+        lines.append("tensors:" if tensors else "unknown tensors (-v lists every tensor):")
+    elif not tensors:
+        lines.append("(-v lists every tensor)")
+    for r in rows:
+        shape = ",".join(map(str, r.shape))
+        lines.append(f"  {r.kind:<9} {r.detail:<36} {r.name} {r.dtype} [{shape}]")
     return "\n".join(lines)
 
 
@@ -422,37 +440,34 @@ def dry_run_report(plan: ConversionPlan) -> str:
 
 
 class Progress:
-    """A one-line bar on a terminal; plain log lines (one per finished file) otherwise; nothing
-    without a stream."""
+    """Convert's feedback: on a terminal (or ``tty``) a tqdm bar of bytes with the rate, the ETA
+    and the tensor or layer being written; otherwise plain log lines (one per finished file);
+    nothing without a stream."""
 
     def __init__(self, total: int, stream: TextIO | None, tty: bool | None = None) -> None:
+        from edgerun.progress import byte_bar, shown
+
         self.stream = stream
-        self.tty = bool(stream is not None and (stream.isatty() if tty is None else tty))
-        self.total, self.done = max(total, 1), 0
-        self.start, self.drawn = time.monotonic(), 0.0
+        self.tty = stream is not None and shown(stream, tty)
+        self.bar = byte_bar(total, "convert", stream, self.tty) if self.tty else None
 
     def advance(self, n: int, what: str) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.tty and (now - self.drawn > 0.1 or self.done >= self.total):
-            self.drawn = now
-            frac = min(self.done / self.total, 1.0)
-            rate = self.done / max(now - self.start, 1e-9) / 2**20
-            bar = "#" * int(30 * frac)
-            self.stream.write(f"\r[{bar:<30}] {100 * frac:5.1f}% {rate:7.1f} MiB/s {what:<28}")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.set_description_str(what, refresh=False)
+            self.bar.update(n)
 
     def log(self, msg: str) -> None:
         if self.stream is None:
             return
-        self.stream.write(("\r\x1b[K" if self.tty else "") + msg + "\n")
-        self.stream.flush()
-        self.drawn = 0.0
+        if self.bar is not None:
+            self.bar.write(msg, file=self.stream)
+        else:
+            self.stream.write(msg + "\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -698,6 +713,12 @@ def convert(
             bar.log(f"{dst}: already a complete bundle of this source and quantization; nothing to do")
             return state
         journal = state
+        if journal.done:
+            kept = ", ".join(sorted(journal.done, key=natural_key))
+            bar.log(
+                f"{dst}: resuming an unfinished conversion: {len(journal.done)} file(s) finished before "
+                f"and re-hashed intact are kept ({kept})"
+            )
         reader = Source()
         try:
             if F.DENSE not in journal.done:
@@ -738,7 +759,7 @@ def _write_dense(plan: ConversionPlan, dst: Path, journal: Journal, reader: Sour
             data = _bytes(t.to(DTYPES[r.dtype]))
             w.write(data)
             h.update(data)
-            bar.advance(t.nbytes, "dense")
+            bar.advance(t.nbytes, f"dense {r.name}")
         tensor_hashes[r.name] = h.hexdigest()
     journal.finish(F.DENSE, w.commit(), tensors=tensor_hashes, quant=errors)
     quant = f", {len(errors)} quantized ({plan.dense.label()})" if errors else ""
@@ -784,7 +805,7 @@ def _write_quantized(
         scales.append(s)
         err2 += _sum_squares(got - x)
         ref2 += _sum_squares(x)
-        bar.advance(x.shape[0] * row_bytes, "dense")
+        bar.advance(x.shape[0] * row_bytes, f"dense {e.name}")
     hashes[r.name] = h.hexdigest()
     tail = [(r.name + DL.SCALES, torch.cat(scales))]
     if r.scheme == "int4":

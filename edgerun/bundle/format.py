@@ -53,6 +53,21 @@ class BundleError(EdgerunError, ValueError):
     """A bundle is missing, damaged, or does not match what its manifest says."""
 
 
+CONVERT_JOURNAL = ".convert-journal.json"  # what `edgerun convert` keeps in DST until it finishes
+
+
+def check_finished(path: str | Path) -> None:
+    """Refuse, by name, a bundle directory a conversion has not finished (its journal is there,
+    its manifest is not yet), instead of taking it for something else."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / CONVERT_JOURNAL).is_file():
+        raise BundleError(
+            f"{path}: an unfinished bundle: a conversion into it stopped before writing {MANIFEST} "
+            f"({CONVERT_JOURNAL} is there); run the same `edgerun convert SRC {path}` again to finish "
+            "it (it resumes where it stopped)"
+        )
+
+
 def expert_file(layer: int) -> str:
     return f"{EXPERT_DIR}/L{layer:02d}.bin"
 

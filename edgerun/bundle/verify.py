@@ -15,6 +15,7 @@ from edgerun.bundle import format as F
 from edgerun.bundle.quant import E4M3_MAX_BITS, E4M3_MIN_NORMAL_BITS
 from edgerun.bundle.reader import Bundle, BundleError, DenseQuant
 from edgerun.models.providers import ProviderPolicy
+from edgerun.progress import byte_bar
 from edgerun.safetensors_io import TensorEntry
 
 CHUNK = 16 << 20
@@ -46,10 +47,15 @@ class VerifyReport:
 
 
 def verify_bundle(
-    root: str | Path, deep: bool = False, providers: ProviderPolicy | None = None
+    root: str | Path,
+    deep: bool = False,
+    providers: ProviderPolicy | None = None,
+    progress: bool | None = None,
 ) -> VerifyReport:
     """``providers``: which installed architecture providers may serve the bundle's model_type
-    (its tensor inventory is checked against the architecture)."""
+    (its tensor inventory is checked against the architecture). ``progress``: a bar of the bytes
+    ``deep`` hashes, on stderr (None: when it is a terminal)."""
+    F.check_finished(root)
     b = Bundle.open(root, providers=providers)
     hashed = 0
     if deep:
@@ -64,8 +70,10 @@ def verify_bundle(
         parts[m.dense_file] = [
             (f"tensor {e.name!r}", e.start, e.end, m.dense_tensors[e.name], None) for e in b.dense.values()
         ]
-        for name, rec in m.files.items():
-            hashed += _check_file(b.root / name, rec, name, parts[name])
+        with byte_bar(sum(r.bytes for r in m.files.values()), "verify", force=progress) as bar:
+            for name, rec in m.files.items():
+                bar.set_description_str(f"verify {name}", refresh=False)
+                hashed += _check_file(b.root / name, rec, name, parts[name], bar.update)
         for q in b.dense_quant.values():
             _check_dense_values(q)
     return VerifyReport(b.root, b.manifest, deep, hashed)
@@ -113,7 +121,11 @@ def _scan(e: TensorEntry, dtype: type, bad: Callable[[np.ndarray], np.ndarray], 
 
 
 def _check_file(
-    path: Path, rec: F.FileRecord, name: str, parts: list[tuple[str, int, int, str, str | None]]
+    path: Path,
+    rec: F.FileRecord,
+    name: str,
+    parts: list[tuple[str, int, int, str, str | None]],
+    advance: Callable[[int], object] = lambda n: None,
 ) -> int:
     """Hash ``path`` in one sequential pass; each part (label, start, end, blake2b-128, and for a
     block its xxh3 checksum or None) is checked as it passes, so the first damaged part is named
@@ -133,6 +145,7 @@ def _check_file(
                 for h in (whole, *parts):
                     h.update(view)
                 pos += n
+                advance(n)
 
         for label, start, end, want, checksum in sorted(parts, key=lambda p: p[1]):
             feed(start)

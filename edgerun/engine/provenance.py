@@ -18,11 +18,10 @@ def cache_line(cache, tokens: int) -> str:
 
 
 def experts_text(runner) -> str:
+    """How the routed experts are held (and any stated adjustment of the cache's settings)."""
     cache = runner.cache
-    fb = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
-    kernels = f"kernels: {runner.kernel_summary()}"
     if cache is None:
-        return f"experts resident; {kernels}; fallbacks: {fb}"
+        return "experts resident"
     quotas = sorted(set(cache.quotas.values()))
     modes = {r.mode for r in cache.readers.values()}
     depths = "/".join(str(r.depth) for r in cache.readers.values())
@@ -36,28 +35,33 @@ def experts_text(runner) -> str:
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB"
         + "".join(f"; {note}" for note in cache.adjustments)
-        + "); "
-        f"{kernels}; fallbacks: {fb}"
+        + ")"
     )
 
 
 def provenance(runner, model_dir: Path | None, profile: str | None = None, plan: str | None = None) -> str:
-    """One line: model and bundle, device, dtype, threads, how experts are held, the kernel
-    policy as resolved, every fallback with its reason, what loading did, the architecture's
-    provider, and (the daemon) the device profile and the plan."""
+    """What runs, as a few short lines (the first starts ``edgerun: model``, the rest are
+    indented): model and bundle, device, dtype, threads, how experts are held, the kernel policy
+    as resolved, every fallback with its reason, what loading did, the architecture's provider,
+    and the device profile and the plan when there is one."""
     import torch
 
     a = runner.args
     n_params = sum(p.numel() for p in runner.model.parameters())
     dtype = next(runner.model.parameters()).dtype
-    line = (
+    fallbacks = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
+    lines = [
         f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
-        f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params) "
-        f"device {runner.device} dtype {str(dtype).removeprefix('torch.')} threads {torch.get_num_threads()}"
-        + (f" ({runner.threads_note}) " if runner.threads_note else " ")
-        + f"{experts_text(runner)}; {runner.load_summary}"
-        + (f"; {runner.provider.describe()}" if runner.provider else "")
-    )
+        f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params)",
+        f"device {runner.device}, dtype {str(dtype).removeprefix('torch.')}, threads {torch.get_num_threads()}"
+        + (f" ({runner.threads_note})" if runner.threads_note else ""),
+        experts_text(runner),
+        f"kernels: {runner.kernel_summary()}",
+        f"fallbacks: {fallbacks}",
+        runner.load_summary,
+    ]
+    if runner.provider:
+        lines.append(runner.provider.describe())
     if profile is not None or plan is not None:
-        line += f"; device profile {profile or 'none'}" + (f"; {plan}" if plan else "")
-    return line
+        lines.append(f"device profile {profile or 'none'}" + (f"; {plan}" if plan else ""))
+    return "\n  ".join(line for line in lines if line)

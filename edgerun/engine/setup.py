@@ -59,14 +59,40 @@ def runtime(
     experts: str | None = "auto",
     dense: str | None = "auto",
     graphs: str | None = "auto",
+    profile: Path | None = None,
 ) -> Runtime:
     """Resolve the device (cuda when available), the compute dtype, torch's CPU threads (set
-    here, process-wide) and the kernel request, refusing what cannot run."""
+    here, process-wide) and the kernel request, refusing what cannot run: a CUDA-only kernel or
+    graph request on the CPU, or a device ``profile`` of another kind of device (its plan would
+    size memory this process does not have)."""
     import torch
 
+    asked = device
     device = device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda: no CUDA device is available (use cpu)")
+    why = "--device cpu" if asked else "no CUDA device is available"
+    if device == "cpu":
+        for flag, value in (("--expert-kernel", experts), ("--dense-kernel", dense)):
+            if value == "triton":
+                raise ConfigError(
+                    f"{flag} triton: Triton kernels run on CUDA, and this runs on the cpu ({why}); "
+                    f"use {flag} auto"
+                )
+        if graphs == "on":
+            raise ConfigError(f"--graphs on: CUDA graphs need CUDA, and this runs on the cpu ({why})")
+    if profile is not None:
+        from edgerun.config import load_device_profile
+
+        dp = load_device_profile(profile)
+        if dp.has_cuda != (device == "cuda"):
+            kind = f"a CUDA device (sm {dp.compute_capability})" if dp.has_cuda else "a machine without CUDA"
+            raise ConfigError(
+                f"device profile {profile} ({dp.name}) describes {kind}, but this runs on the {device}"
+                + (f" ({why})" if device == "cpu" else "")
+                + ": its plan would size memory this process does not have; give the profile of this "
+                "machine (configs/cpu.yaml is one without CUDA)"
+            )
     dtype = dtype or "auto"
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -90,29 +116,35 @@ def cache_config(
     pool: str | None = None,
     warm: Mapping[int, Any] | None = None,
     providers=None,
+    model: Path | None = None,
 ) -> CacheConfig | None:
-    """How the routed experts are held: None (resident), or the cache's settings from a fixed
-    ``quota`` or else from the plan of ``bundle`` on the device ``profile`` (whose memory kind
-    also picks where CUDA slots live unless ``pool`` says). Streaming-only settings without
-    streaming are refused by name, as is a plan that does not fit. Pure: no torch."""
-    if quota is None and profile is None:
+    """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
+    from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
+    against the plan) or else from a fixed ``quota``. The profile's memory kind also picks where
+    CUDA slots live unless ``pool`` says. Streaming-only settings without streaming are refused
+    by name (``model``: the resident model's path, for the message), as is a plan that does
+    not fit. Pure: no torch."""
+    if bundle is None or (quota is None and profile is None):
+        if quota is not None:
+            raise ConfigError(
+                f"--quota streams routed experts from an edgerun bundle; {model or 'the demo model'} is "
+                "not one: make one with `edgerun convert`, then pass it as --model"
+            )
         for flag, value in (
             ("--host-quota", host_quota),
             ("--slot-pool", pool),
+            ("--read-mode", read_mode),
             ("--read-depth", read_depth),
             ("--warm", warm),
         ):
             if value is not None:
+                where = "with --quota or --profile" if bundle is not None else "(--model BUNDLE_DIR)"
                 raise ConfigError(
-                    f"{flag} sets up expert streaming: give it with --quota or --profile (serve: --device)"
+                    f"{flag} sets up expert streaming, but the experts of {bundle or model or 'the demo model'} "
+                    f"are held resident here: it applies to a bundle's experts streamed {where}"
                 )
         return None
-    if bundle is None:
-        raise ConfigError(
-            "expert streaming (a quota or a device profile's plan) needs an edgerun bundle: pass one "
-            "(generate: --model BUNDLE_DIR; serve: --bundle DIR), made with `edgerun convert`"
-        )
-    if quota is None and host_quota is not None:
+    if profile is not None and host_quota is not None:
         raise ConfigError(
             "give --host-quota or a device profile, not both (the profile's plan sizes the host tier)"
         )
@@ -130,29 +162,105 @@ def cache_config(
         unified_memory=unified,
         warm=warm,
     )
-    if quota is not None:
+    if profile is None:
         return base
-    return _planned(dataclasses.replace(base, profile=Path(profile), context=context), bundle, providers)
+    return _planned(
+        dataclasses.replace(base, profile=Path(profile), context=context), bundle, providers, quota
+    )
 
 
-def _planned(config: CacheConfig, bundle: Path, providers, resident: Mapping[str, int] | None = None):
-    """``config`` with the quotas, budget and host tier of the plan of ``bundle`` on its profile."""
+def plan_experts(
+    model: Path | None,
+    device: str,
+    dtype: str | None = None,
+    *,
+    quota: int | None = None,
+    profile: Path | None = None,
+    context: int | None = None,
+    providers=None,
+    **streaming,
+) -> tuple[CacheConfig | None, str | None]:
+    """(cache settings or None: experts resident, the plan's summary or None) for a model run
+    on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`): a bundle streams with
+    ``quota`` and/or the ``profile`` plan (:func:`cache_config`; ``streaming``: its other
+    settings); any other model is held whole, and with a profile it is planned whole first and
+    refused, naming what would fit, when it does not fit."""
+    from edgerun.bundle.format import MANIFEST, check_finished
+
+    if model is not None:
+        check_finished(model)
+    bundle = model if model is not None and (Path(model) / MANIFEST).is_file() else None
+    cache = cache_config(
+        bundle, quota=quota, profile=profile, context=context, providers=providers, model=model, **streaming
+    )
+    if cache is not None:
+        return cache, cache.summary
+    if profile is None:
+        return None, None
+    # Runner.load's dtype: float32 on the cpu, the checkpoint's (planned as bf16) on cuda
+    auto = "fp32" if device == "cpu" else "bf16"
+    planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype or "auto", auto)
+    return None, resident_plan(model, profile, context, device, planned, providers)
+
+
+def resident_plan(
+    model: Path | None, profile: Path, context: int | None, device: str, dtype: str, providers=None
+) -> str:
+    """The start-up summary of a model held whole (every expert resident) on ``profile``, or a
+    refusal naming what would fit: a bundle streamed within the profile's plan. Pure: no torch."""
+    from edgerun.budget.cli import plan_resident
+
+    p, streamed = plan_resident(model, profile, context, device=device, dtype=dtype, providers=providers)
+    if not p.fits:
+        name = model or "the demo model"
+        text = (
+            f"{name} with every expert resident ({p.num_experts} per layer, {p.quant}) does not fit on "
+            f"{p.device}: {p.refusal.message} Stream the experts from a bundle instead: "
+            f"`edgerun convert {name} BUNDLE_DIR --quant int4`, then --model BUNDLE_DIR --profile {profile}"
+        )
+        if streamed is not None and streamed.fits:
+            text += (
+                f" (planned: quota {min(streamed.quotas)} per layer at context {streamed.context}, "
+                f"{streamed.prediction.tok_s:.1f} tok/s predicted)"
+            )
+        elif streamed is not None:
+            text += f" (an int4 bundle does not fit either: {streamed.refusal.message})"
+        raise EdgerunError(text)
+    free = sum(pool.headroom for pool in p.pools)
+    return (
+        f"plan {p.device}, context {p.context}: every expert resident ({p.quant}), "
+        f"{free / 2**30:.2f} GiB headroom"
+    )
+
+
+def _planned(
+    config: CacheConfig,
+    bundle: Path,
+    providers,
+    fixed: int | None = None,
+    resident: Mapping[str, int] | None = None,
+):
+    """``config`` with the quotas, budget and host tier of the plan of ``bundle`` on its profile
+    (``fixed``: the quota asked for, which the plan checks and which stays one number)."""
     from edgerun.budget.cli import plan_for_bundle
 
-    p = plan_for_bundle(bundle, config.profile, config.context, providers=providers, resident=resident)
+    p = plan_for_bundle(
+        bundle, config.profile, config.context, providers=providers, resident=resident, quota=fixed
+    )
     if not p.fits:
         raise EdgerunError(p.refusal.message)
     pred = p.prediction
     summary = (
-        f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer, "
-        f"predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
+        f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
+        + (" (as asked)" if fixed else "")
+        + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
     host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
     if host:
         summary += f", pinned host tier {'/'.join(map(str, sorted(set(p.host_quotas))))} per layer"
     return dataclasses.replace(
         config,
-        quotas=dict(zip(p.moe_layers, p.quotas)),
+        quotas=fixed or dict(zip(p.moe_layers, p.quotas)),
         host_quotas=host,
         budget=p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes,
         summary=summary,
@@ -185,7 +293,8 @@ def replan(
     they are. Refused, naming the numbers, if the measured model no longer fits."""
     if config.profile is None:
         return config
-    new = _planned(config, bundle, providers, resident)
+    fixed = config.quotas if isinstance(config.quotas, int) else None
+    new = _planned(config, bundle, providers, fixed, resident)
     if log is not None:
         measured = sum(resident.values())
         change = (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
-from edgerun.errors import ConfigError
+from edgerun.flags import add_device_arguments, add_model_argument, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import SLOT_POOLS, ServeOptions, load_serve_config
 
@@ -19,8 +19,7 @@ from edgerun.server.options import SLOT_POOLS, ServeOptions, load_serve_config
 _FLAGS = (
     "model",
     "served_model_name",
-    "device_profile",
-    "bundle",
+    "profile",
     "quota",
     "read_mode",
     "read_depth",
@@ -28,7 +27,7 @@ _FLAGS = (
     "graphs",
     "dense_kernel",
     "slot_pool",
-    "torch_device",
+    "device",
     "dtype",
     "context",
     "prefill_chunk",
@@ -45,21 +44,33 @@ _FLAGS = (
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: the shipped demo model)")
-    p.add_argument(
-        "--device", dest="device_profile", type=Path, metavar="PROFILE", help="device profile YAML"
+    add_model_argument(
+        p,
+        "HF checkpoint dir, or bundle dir whose experts stream with --quota or --profile "
+        "(default: the shipped demo model)",
+        "--bundle",
     )
-    p.add_argument("--bundle", type=Path, help="edgerun bundle dir (experts stream with --quota or --device)")
-    p.add_argument("--quota", type=int, help="expert slots per MoE layer (default with --device: the plan's)")
-    p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), help="expert reads (default auto)")
+    add_device_arguments(
+        p,
+        "device profile YAML: the model is planned against it before the socket is bound, and refused if it does not fit",
+    )
+    p.add_argument(
+        "--quota",
+        type=int,
+        help="expert slots per MoE layer of a bundle (with --profile: checked against its plan; default: the plan's)",
+    )
+    p.add_argument(
+        "--read-mode", choices=("auto", "direct", "buffered"), help="streamed expert reads (default auto)"
+    )
     p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
     add_kernel_arguments(p, default=None)
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model dir's name)")
-    p.add_argument("--torch-device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (auto: float32 on cpu)")
-    p.add_argument("--context", type=int, help="max context per request (default: the model's)")
+    p.add_argument(
+        "--context", type=parse_context, help="max context per request: 4096 or 32k (default: the model's)"
+    )
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument(
         "--threads",
@@ -73,6 +84,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--default-max-tokens", type=int)
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "-v",
+        "--verbose",
+        dest="log_requests",
+        action="store_true",
+        help="log one line per request on stderr: method, path, status, seconds, client uid",
+    )
     add_provider_arguments(p)
 
 
@@ -116,23 +134,22 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
 
 
 def cache_plan(opts: ServeOptions):
-    """How experts are held: None (resident), or the cache's settings from --quota or the
-    device plan. Planned before the daemon binds (no torch), so a bundle that does not fit is
-    refused up front."""
-    from edgerun.bundle.format import MANIFEST
-    from edgerun.engine.setup import cache_config
+    """(expert cache settings or None: resident, the plan's summary or None). Planned before the
+    daemon binds (no torch), so a model that does not fit the device profile is refused up front,
+    naming what would."""
+    from edgerun.engine.setup import plan_experts
 
-    if opts.bundle is None:
-        if opts.device_profile is not None and opts.model is not None and (opts.model / MANIFEST).is_file():
-            raise ConfigError(
-                f"{opts.model} is an edgerun bundle: pass it as --bundle to serve it within the "
-                f"device profile's plan (as --model its experts would be held resident, unplanned)"
-            )
-        return None
-    return cache_config(
-        opts.bundle,
+    device = opts.device
+    if device is None and opts.profile is not None:  # before torch: the profile says which kind
+        from edgerun.config import load_device_profile
+
+        device = "cuda" if load_device_profile(opts.profile).has_cuda else "cpu"
+    return plan_experts(
+        opts.model,
+        device or "cpu",
+        opts.dtype,
         quota=opts.quota,
-        profile=opts.device_profile,
+        profile=opts.profile,
         context=opts.context,
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,
@@ -141,7 +158,7 @@ def cache_plan(opts: ServeOptions):
     )
 
 
-def engine_loader(opts: ServeOptions, profile: str | None, cache=None) -> Callable:
+def engine_loader(opts: ServeOptions, profile: str | None, cache=None, plan: str | None = None) -> Callable:
     """The engine factory the daemon's engine thread calls: the model with its experts resident,
     or streamed through the expert cache ``cache`` configures."""
 
@@ -150,9 +167,15 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None) -> Callab
         from edgerun.server.engine_worker import RunnerEngine
 
         rt = runtime(
-            opts.torch_device, opts.dtype, opts.threads, opts.expert_kernel, opts.dense_kernel, opts.graphs
+            opts.device,
+            opts.dtype,
+            opts.threads,
+            opts.expert_kernel,
+            opts.dense_kernel,
+            opts.graphs,
+            opts.profile,
         )
-        source = opts.bundle or opts.model
+        source = opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")
         status(f"loading model {source or 'demo'} on {rt.device}")
         runner = rt.load(
@@ -163,7 +186,7 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None) -> Callab
             max_context=opts.context,
             prefill_chunk=opts.prefill_chunk,
         )
-        return RunnerEngine(runner, source, name, profile, cache.summary if cache is not None else None)
+        return RunnerEngine(runner, source, name, profile, plan)
 
     return load
 
@@ -172,12 +195,22 @@ def run_serve(ns: argparse.Namespace) -> int:
     from edgerun.server import daemon
 
     opts = serve_options(ns)
+    if ns.log_requests:
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("edgerun serve: %(message)s"))
+        requests = logging.getLogger("edgerun.server.requests")
+        requests.setLevel(logging.INFO)
+        requests.addHandler(handler)
+        requests.propagate = False
     profile = None
-    if opts.device_profile is not None:
+    if opts.profile is not None:
         from edgerun.config import load_device_profile
 
-        profile = load_device_profile(opts.device_profile).name
-    daemon.hard_exit(daemon.run(opts, engine_loader(opts, profile, cache_plan(opts))))
+        profile = load_device_profile(opts.profile).name
+    cache, plan = cache_plan(opts)
+    daemon.hard_exit(daemon.run(opts, engine_loader(opts, profile, cache, plan)))
     return 0  # not reached
 
 

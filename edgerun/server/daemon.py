@@ -261,7 +261,7 @@ class Daemon:
         if self.stopping:
             return
         self.app.set_ready(engine, info)
-        say(info.get("provenance", f"model {engine.model_id}"))
+        say(info.get("provenance", f"model {engine.model_id}").removeprefix("edgerun: "))
         say(probe)
         self.app.message = f"serving {engine.model_id} on {self.where}"
         self.notifier.notify("READY=1", f"STATUS={self.app.message}")

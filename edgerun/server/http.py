@@ -29,6 +29,8 @@ from typing import Any
 from urllib.parse import unquote
 
 log = logging.getLogger(__name__)
+# one line per request, at INFO: shown by `edgerun serve -v`
+request_log = logging.getLogger("edgerun.server.requests")
 
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -431,6 +433,7 @@ class Connection:
         self.busy = True
         self.requests += 1
         ex = Exchange(self, req, keep_alive=req.keep_alive and not self.closing())
+        started = time.monotonic()
         try:
             await self.handler(req, ex)
         except HTTPError as err:
@@ -448,6 +451,14 @@ class Connection:
         finally:
             await ex.finish()
             self.observe(req.path, ex.status or 499)  # 499: client closed before any answer
+            request_log.info(
+                "%s %s -> %d in %.3f s (uid %s)",
+                req.method,
+                req.path[:100],
+                ex.status or 499,
+                time.monotonic() - started,
+                self.uid,
+            )
         return ex.keep_alive and not self.closing()
 
     async def _linger(self) -> None:

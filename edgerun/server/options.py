@@ -17,6 +17,7 @@ from edgerun.config import parse_bytes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import ConfigError
+from edgerun.flags import RENAMED_KEYS, TORCH_DEVICES, deprecated
 from edgerun.models.providers import ProviderPolicy
 
 SLOT_POOLS = ("device", "mapped")
@@ -24,12 +25,13 @@ SLOT_POOLS = ("device", "mapped")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model: Path | None = None  # HF checkpoint dir; None: the shipped demo model
+    # HF checkpoint or edgerun bundle dir (a bundle's experts stream with a quota or a profile);
+    # None: the shipped demo model
+    model: Path | None = None
     served_model_name: str | None = None  # the id clients send as "model"; default: the dir's name
-    device_profile: Path | None = None  # configs/*.yaml (DeviceProfile)
-    bundle: Path | None = None  # edgerun bundle dir; experts stream when a quota or a device profile is given
+    profile: Path | None = None  # configs/*.yaml (DeviceProfile): every model is planned against it
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
-    read_mode: str = "auto"  # expert reads: direct | buffered | auto (direct, recorded fallback)
+    read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
     expert_kernel: str = (
         "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
@@ -37,7 +39,7 @@ class ServeOptions:
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
-    torch_device: str | None = None  # "cpu" | "cuda"; None: cuda if available
+    device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
     prefill_chunk: int = 512
@@ -80,7 +82,7 @@ class ServeOptions:
         for name in ("request_timeout", "grace_period", "idle_timeout", "read_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"serve option {name!r} must be positive, got {getattr(self, name)}")
-        if self.read_mode not in ("auto", "direct", "buffered"):
+        if self.read_mode not in (None, "auto", "direct", "buffered"):
             raise ConfigError(
                 f"serve option 'read_mode' must be auto, direct or buffered, got {self.read_mode!r}"
             )
@@ -93,14 +95,8 @@ class ServeOptions:
             value = getattr(self, name)
             if value is not None and value not in valid:
                 raise ConfigError(f"serve option {name!r} must be one of {', '.join(valid)}, got {value!r}")
-        if self.quota is not None and self.bundle is None:
-            raise ConfigError(
-                "serve option 'quota' needs 'bundle': experts stream from a bundle (pass it as --bundle)"
-            )
-        if self.bundle is not None and self.model is not None:
-            raise ConfigError("give 'model' (an HF checkpoint) or 'bundle', not both")
-        if self.torch_device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"serve option 'torch_device' must be cpu or cuda, got {self.torch_device!r}")
+        if self.device not in (None, *TORCH_DEVICES):
+            raise ConfigError(f"serve option 'device' must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"serve option 'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.socket_mode <= 0o777:
@@ -113,7 +109,7 @@ class ServeOptions:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-_PATHS = ("model", "device_profile", "bundle", "socket")
+_PATHS = ("model", "profile", "socket")
 _SIZES = ("max_body_bytes", "max_header_bytes")
 
 
@@ -155,6 +151,14 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
     valid = [f.name for f in fields(ServeOptions)]
     out = {}
     for key, value in raw.items():
+        if key in RENAMED_KEYS:
+            new = RENAMED_KEYS[key]
+            if new in raw:
+                raise ConfigError(
+                    f"{path}: keys {key!r} and {new!r} are one setting ({key!r} is its old name)"
+                )
+            deprecated(f"edgerun serve: {path}", f"key {key!r}", f"{new!r}")
+            key = new
         if key not in valid:
             near = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
             hint = f" (did you mean {near[0]!r}?)" if near else f" (valid keys: {', '.join(valid)})"

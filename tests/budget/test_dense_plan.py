@@ -66,15 +66,15 @@ def test_bytes_a_token_reads_drop_by_what_the_resident_weights_lose(model_inputs
 
 
 def test_orin_nano_fits_with_int4_dense_and_its_bf16_refusal_says_so(capsys):
-    assert main(["--device", NANO, "--config", Q36, "--dense", "int4"]) == 0
+    assert main(["--profile", NANO, "--model", Q36, "--dense", "int4"]) == 0
     out = capsys.readouterr().out
     assert "resident linear weights int4 g32; every other resident tensor bf16" in out
     assert "expert quota: 47 per layer x 40 layers" in out and "decode tok/s: 6.9 bound" in out
-    assert main(["--device", NANO, "--config", Q36]) == 1
-    err = capsys.readouterr().err
+    assert main(["--profile", NANO, "--model", Q36]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps the refusal
     assert (
         "With int4 resident linear weights (--dense int4: 2.62 GiB less resident) it fits: quota 47/layer"
-        in err
+        in out
     )
 
 
@@ -87,14 +87,14 @@ def test_orin_nano_fits_with_int4_dense_and_its_bf16_refusal_says_so(capsys):
     ],
 )
 def test_bad_dense_options_exit_2(capsys, extra, message):
-    assert main(["--device", ORIN, "--config", Q36, *extra]) == 2
+    assert main(["--profile", ORIN, "--model", Q36, *extra]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_lm_head_of_a_tied_model_is_refused(tmp_path, capsys):
     cfg = tmp_path / "tied.json"
     cfg.write_text(json.dumps({**QWEN3_MOE, "model_type": "qwen3_moe", "tie_word_embeddings": True}))
-    args = ["--device", ORIN, "--config", str(cfg), "--context", "64", "--quant", "int8"]
+    args = ["--profile", ORIN, "--model", str(cfg), "--context", "64", "--quant", "int8"]
     assert main([*args, "--lm-head", "int8"]) == 2
     assert "ties its lm_head to the embedding table" in capsys.readouterr().err
     assert main([*args, "--dense", "int8"]) == 0
@@ -121,15 +121,15 @@ def test_a_bundles_dense_quant_is_planned(tmp_path, capsys):
         tmp_path,
         {"linear": "int4", "lm_head": "int8", "group_size": 16, "tensors": {"lm_head.weight": rec}},
     )
-    assert main(["--device", ORIN, "--bundle", bundle, "--context", "64", "--format", "json"]) == 0
+    assert main(["--profile", ORIN, "--model", bundle, "--context", "64", "--format", "json"]) == 0
     p = report.from_json(capsys.readouterr().out)
     assert p.dense_quant == "int4 g16, lm_head int8 per row"
     assert p.item("lm_head").nbytes == 97 * 64 + 4 * 97
     assert plan_for_bundle(bundle, ORIN, 64).item("lm_head").nbytes == 97 * 64 + 4 * 97
-    assert main(["--device", ORIN, "--bundle", bundle, "--dense", "int4"]) == 2
-    assert "do not apply to --bundle" in capsys.readouterr().err
+    assert main(["--profile", ORIN, "--model", bundle, "--dense", "int4"]) == 2
+    assert "do not apply to the bundle" in capsys.readouterr().err
     bad = _manifest(tmp_path, {"linear": "int3", "lm_head": "bf16", "group_size": 0, "tensors": {}})
-    assert main(["--device", ORIN, "--bundle", bad]) == 2
+    assert main(["--profile", ORIN, "--model", bad]) == 2
     assert "manifest key 'dense.quant' is not usable: linear 'int3'" in capsys.readouterr().err
 
 

@@ -18,32 +18,64 @@ Q3 = str(ROOT / "configs" / "models" / "qwen3-30b-a3b.json")
 
 
 def test_plan_from_a_bare_config(capsys):
-    assert main(["--device", ORIN, "--config", Q36]) == 0
+    assert main(["--profile", ORIN, "--model", Q36]) == 0
     out = capsys.readouterr().out
     assert "edgerun plan: qwen3.6-35b-a3b (qwen3_5_moe) on Jetson AGX Orin (64 GB)" in out
     assert "expert quota: 256 per layer" in out
 
 
 def test_json_output_loads_back(capsys):
-    assert main(["--device", RTX, "--config", Q3, "--context", "32768", "--format", "json"]) == 0
+    assert main(["--profile", RTX, "--model", Q3, "--context", "32768", "--format", "json"]) == 0
     p = report.from_json(capsys.readouterr().out)
     assert p.fits and p.context == 32768 and p.memory_kind == "discrete" and p.host_quotas
 
 
 def test_refusal_exits_1_and_says_what_fits(capsys):
-    assert main(["--device", RTX, "--config", Q3, "--context", "32768", "--batch", "4"]) == 1
+    assert main(["--profile", RTX, "--model", Q3, "--context", "32768", "--batch", "4"]) == 1
     out, err = capsys.readouterr()
-    assert "REFUSED" in out and "Largest context that fits at batch 4" in err
+    assert "REFUSED" in out and "Largest context that fits at batch 4" in " ".join(out.split())
+    assert "does not fit" not in err  # the refusal is printed once, in the table
+    assert (
+        main(["--profile", RTX, "--model", Q3, "--context", "32k", "--batch", "4", "--format", "json"]) == 1
+    )
+    out, err = capsys.readouterr()
+    assert report.from_json(out).context == 32768 and "Largest context that fits at batch 4" in err
+
+
+def test_default_context_fits_the_model_and_context_takes_k(tmp_path, capsys):
+    """Without --context: 4096, or the model's maximum when that is smaller; 32k is 32768."""
+    cfg = tmp_path / "short.json"
+    cfg.write_text(json.dumps({**QWEN3_MOE, "model_type": "qwen3_moe", "max_position_embeddings": 1024}))
+    assert main(["--profile", ORIN, "--model", str(cfg), "--quant", "int8", "--format", "json"]) == 0
+    assert report.from_json(capsys.readouterr().out).context == 1024
+    assert main(["--profile", ORIN, "--model", Q3, "--format", "json"]) == 0
+    assert report.from_json(capsys.readouterr().out).context == 4096
+    with pytest.raises(SystemExit) as exc:
+        main(["--profile", ORIN, "--model", Q3, "--context", "32q"])
+    assert exc.value.code == 2 and "a context length like 4096 or 32k, got '32q'" in capsys.readouterr().err
+
+
+def test_old_spellings_work_and_say_they_are_deprecated(capsys):
+    """One release of grace: --device PROFILE, --config / --checkpoint / --bundle still plan."""
+    assert main(["--device", ORIN, "--config", Q36]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --device PROFILE is deprecated" in err and "use --profile PROFILE" in err
+    assert "warning: --config is deprecated and goes in the next release; use --model" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["--profile", ORIN, "--model", Q36, "--config", Q36])
+    assert exc.value.code == 2 and "the model is already given" in capsys.readouterr().err
+    assert main(["--model", Q36]) == 2
+    assert "--profile PROFILE is required" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--device", str(ROOT / "configs" / "nope.yaml"), "--config", Q36], "device profile not found"),
-        (["--device", ORIN, "--config", "/nonexistent/config.json"], "no config.json found"),
-        (["--device", ORIN, "--config", Q36, "--context", "300000"], "context 300000 must be in 1..262144"),
-        (["--device", ORIN, "--config", Q36, "--quota", "4"], "quota 4 must be in 8..256"),
-        (["--device", ORIN, "--config", Q36, "--quant", "int4", "--group-size", "24"], "int4 group size"),
+        (["--profile", str(ROOT / "configs" / "nope.yaml"), "--model", Q36], "device profile not found"),
+        (["--profile", ORIN, "--model", "/nonexistent/config.json"], "no config.json found"),
+        (["--profile", ORIN, "--model", Q36, "--context", "300000"], "context 300000 must be in 1..262144"),
+        (["--profile", ORIN, "--model", Q36, "--quota", "4"], "quota 4 must be in 8..256"),
+        (["--profile", ORIN, "--model", Q36, "--quant", "int4", "--group-size", "24"], "int4 group size"),
     ],
 )
 def test_errors_exit_2(capsys, extra, message):
@@ -55,7 +87,7 @@ def test_checkpoint_reads_only_config_json(tmp_path, capsys):
     ckpt = tmp_path / "tiny-moe"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({**QWEN3_MOE, "model_type": "qwen3_moe"}))
-    assert main(["--device", ORIN, "--checkpoint", str(ckpt), "--context", "64", "--quant", "int8"]) == 0
+    assert main(["--profile", ORIN, "--model", str(ckpt), "--context", "64", "--quant", "int8"]) == 0
     out = capsys.readouterr().out
     assert "tiny-moe (qwen3_moe)" in out and "experts int8, 4.00 KiB per block" in out
 
@@ -75,13 +107,13 @@ def test_bundle_manifest(tmp_path, capsys):
         "layers": [{"layer": 0, "block_bytes": 8192}, {"layer": 2, "block_bytes": 4096}],
     }
     bundle = _bundle(tmp_path, manifest)
-    assert main(["--device", ORIN, "--bundle", bundle, "--context", "64", "--format", "json"]) == 0
+    assert main(["--profile", ORIN, "--model", bundle, "--context", "64", "--format", "json"]) == 0
     p = report.from_json(capsys.readouterr().out)
     assert p.block_bytes == (8192, 4096) and p.quant == "int8" and p.expert_origin.endswith("manifest.json")
     assert p.item("expert_slots").nbytes == 6 * 8192 + 6 * 4096
     assert any("differ from the v1 layout" in n for n in p.notes)
-    assert main(["--device", ORIN, "--bundle", bundle, "--quant", "int4"]) == 2
-    assert "do not apply to --bundle" in capsys.readouterr().err
+    assert main(["--profile", ORIN, "--model", bundle, "--quant", "int4"]) == 2
+    assert "do not apply to the bundle" in capsys.readouterr().err
 
 
 def test_plan_for_bundle_uses_measured_resident_bytes(tmp_path):
@@ -103,7 +135,7 @@ def test_plan_for_bundle_uses_measured_resident_bytes(tmp_path):
 @pytest.mark.parametrize(
     "manifest, message",
     [
-        (None, "no manifest.json, so this is not an edgerun bundle"),
+        (None, "neither an edgerun bundle (no manifest.json) nor an HF checkpoint"),
         ("{not json", "manifest is not valid JSON"),
         ({"quant": "int8"}, "manifest key 'model_config' (the HF config) is missing"),
         (
@@ -122,7 +154,7 @@ def test_bad_bundles_say_why(tmp_path, capsys, manifest, message):
         bundle = str(tmp_path / "bundle")
     else:
         bundle = _bundle(tmp_path, manifest)
-    assert main(["--device", ORIN, "--bundle", bundle]) == 2
+    assert main(["--profile", ORIN, "--model", bundle]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -135,14 +167,14 @@ def test_trace_flag(tmp_path, capsys):
         json.dumps({"experts": [[t % 6, (t + 1) % 6], [0, 1]]}) for t in range(12)
     ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    args = ["--device", ORIN, "--config", str(cfg), "--context", "64", "--quant", "int8"]
+    args = ["--profile", ORIN, "--model", str(cfg), "--context", "64", "--quant", "int8"]
     assert main([*args, "--trace", str(tmp_path / "t.jsonl")]) == 0
     assert "prediction (trace model)" in capsys.readouterr().out
 
 
 def test_module_entry_point():
     r = subprocess.run(
-        [sys.executable, "-m", "edgerun.budget.cli", "--device", ORIN, "--config", Q3, "--format", "yaml"],
+        [sys.executable, "-m", "edgerun.budget.cli", "--profile", ORIN, "--model", Q3, "--format", "yaml"],
         capture_output=True,
         text=True,
         cwd=ROOT,

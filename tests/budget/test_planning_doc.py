@@ -37,7 +37,7 @@ def test_closing_table_is_current():
     )
     assert len(rows) == 12
     for model, device, k, quota, reads, copies, tok_s in rows:
-        args = ["--device", f"configs/{device}.yaml", "--config", f"configs/models/{model}.json"]
+        args = ["--profile", f"configs/{device}.yaml", "--model", f"configs/models/{model}.json"]
         rc, text = _run([*args, "--context", str(int(k) * 1024), "--format", "json"])
         p = report.from_json(text)
         assert rc == 0 and quota.startswith(str(p.quotas[0])) and len(set(p.quotas)) == 1

@@ -15,7 +15,7 @@ from synthetic import measure, write_checkpoint
 from edgerun.bundle import convert as C
 from edgerun.bundle import format as F
 from edgerun.bundle.cli import main
-from edgerun.bundle.convert import ConvertOptions, convert, plan_conversion
+from edgerun.bundle.convert import ConvertOptions, convert, natural_key, plan_conversion
 from edgerun.errors import CheckpointError
 from hf_fixtures import rewrite
 
@@ -38,7 +38,16 @@ def test_dry_run_classifies_every_tensor(sources, tmp_path, monkeypatch, capsys)
         main(["convert", str(src), str(tmp_path / "out"), "--quant", "int4", "--group", "16", "--dry-run"])
         == 0
     )
+    brief = capsys.readouterr().out
+    assert brief.splitlines()[0].endswith("0 unknown") and "(-v lists every tensor)" in brief
+    assert "embed_tokens" not in brief  # the per-tensor list only with -v
+    argv = ["convert", str(src), str(tmp_path / "out"), "--quant", "int4", "--group", "16", "--dry-run", "-v"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
+    assert out.startswith(brief.replace("(-v lists every tensor)\n", ""))  # the summary comes first
+    names = [ln.split()[-3] for ln in out.split("\ntensors:\n")[1].splitlines()]
+    assert names == sorted(names, key=natural_key) and len(names) > 10
+    assert natural_key("layers.2.w") < natural_key("layers.10.w")  # numbers by value, not by text
     assert not (tmp_path / "out").exists()
     lines = {ln.split()[-3]: ln.split()[0] for ln in out.splitlines() if ln.startswith("  ") and "[" in ln}
     assert lines["model.language_model.embed_tokens.weight"] == "resident"
@@ -58,7 +67,7 @@ def test_unknown_tensor_is_an_error(sources, tmp_path, capsys):
         sources["qwen3_moe"], tmp_path / "src", extra={"model.layers.0.mlp.bogus.weight": torch.zeros(2)}
     )
     (src / "tokenizer.json").write_bytes((sources["qwen3_moe"] / "tokenizer.json").read_bytes())
-    assert main(["convert", str(src), str(tmp_path / "out"), "--dry-run"]) == 1
+    assert main(["convert", str(src), str(tmp_path / "out"), "--dry-run"]) == 2
     cap = capsys.readouterr()
     row = next(ln for ln in cap.out.splitlines() if "model.layers.0.mlp.bogus.weight" in ln)
     assert row.split()[0] == "unknown" and "1 unknown" in cap.out
@@ -95,7 +104,7 @@ convert(sys.argv[1], sys.argv[2], ConvertOptions("int4", 16), on_block=kill)
 """
 
 
-def test_killed_conversion_resumes_to_the_same_bundle(sources, tmp_path):
+def test_killed_conversion_resumes_to_the_same_bundle(sources, tmp_path, capsys):
     src = sources["qwen3_moe"]
     plan = plan_conversion(src, ConvertOptions("int4", 16))
     first, second = (x.layer for x in plan.experts)  # MoE layers 0 and 2
@@ -110,11 +119,27 @@ def test_killed_conversion_resumes_to_the_same_bundle(sources, tmp_path):
     done = dst / F.expert_file(first)
     assert done.is_file() and (dst / (F.expert_file(second) + ".tmp")).is_file()
     before = done.stat()
+    # an unfinished bundle is named as such, by verify, plan and generate alike
+    from edgerun.cli import main as edgerun
+
+    for argv in (
+        ["verify", str(dst)],
+        ["plan", "--profile", str(REPO / "configs" / "cpu.yaml"), "--model", str(dst)],
+    ):
+        assert edgerun(argv) in (1, 2)
+    assert edgerun(["generate", "--model", str(dst), "--token-ids", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"{dst}: an unfinished bundle: a conversion into it stopped before writing") == 3
+    assert "run the same `edgerun convert SRC" in err
 
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
         convert(src, dst, ConvertOptions("int4", 16), log=f)
     assert "converting it again" not in log.read_text()
+    assert (
+        "resuming an unfinished conversion: 3 file(s) finished before and re-hashed intact are kept"
+        in log.read_text()
+    )
     after = done.stat()
     assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)  # skipped, not rewritten
     assert (dst / F.MANIFEST).read_bytes() == (whole / F.MANIFEST).read_bytes()
@@ -278,3 +303,16 @@ def test_every_rename_that_publishes_a_file_is_followed_by_a_directory_fsync(sou
     assert len(renames) >= 4 and events[renames[-1]][1] == dst  # the manifest, last
     for i, nxt in zip(renames, renames[1:] + [len(events)]):
         assert ("fsync", events[i][1]) in events[i + 1 : nxt], f"{events[i][1]}: renamed into, not fsynced"
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(sources, tmp_path):
+    """A tqdm bar (bytes, rate, the tensor or layer at hand) only where asked or on a terminal;
+    a file or pipe gets one line per finished file and no carriage returns."""
+    import io
+
+    tty, plain = io.StringIO(), io.StringIO()
+    convert(sources["qwen3_moe"], tmp_path / "a", ConvertOptions("int8"), log=tty, tty=True)
+    convert(sources["qwen3_moe"], tmp_path / "b", ConvertOptions("int8"), log=plain)
+    assert "\r" in tty.getvalue() and "B/s" in tty.getvalue() and "layer 2 expert" in tty.getvalue()
+    assert "\r" not in plain.getvalue() and "B/s" not in plain.getvalue()
+    assert "bundle complete" in plain.getvalue() and "bundle complete" in tty.getvalue()

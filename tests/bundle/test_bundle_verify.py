@@ -101,6 +101,6 @@ def test_damage_is_refused_with_its_own_message(damage, bundle_copy, bundles, ca
         verify_bundle(path, deep=True)
     assert main(["verify", str(path), "--deep"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("verify: FAILED: ")
+    assert err.startswith("edgerun verify: FAILED: ")
     others = [m for d, (_, m) in CASES.items() if d is not damage]
     assert not any(re.search(m, err) for m in others)  # its own message, no other case's

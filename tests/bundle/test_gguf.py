@@ -371,15 +371,15 @@ def test_dry_run_and_plan_read_headers_only(hf, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(G.GGUFTensors, "_raw", refuse)
     monkeypatch.setattr(C.Source, "read", refuse)
-    assert main(["convert", str(g), str(tmp_path / "out"), "--quant", "int4", "--dry-run"]) == 0
+    assert main(["convert", str(g), str(tmp_path / "out"), "--quant", "int4", "--dry-run", "-v"]) == 0
     out = capsys.readouterr().out
     assert "blk.0.ffn_gate_exps.weight+blk.0.ffn_up_exps.weight" in out and "0 unknown" in out
     assert not (tmp_path / "out").exists()
     plan = [
         "plan",
-        "--device",
+        "--profile",
         str(REPO / "configs" / "cpu.yaml"),
-        "--checkpoint",
+        "--model",
         str(g),
         "--context",
         "256",

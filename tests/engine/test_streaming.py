@@ -189,6 +189,11 @@ def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):
     assert "re-planned with the measured resident weights" in err  # sized after loading, by measurement
     assert main(argv + [str(tiny)]) == 2
     assert "does not fit on" in capsys.readouterr().err
+    # --quota with --profile, as in serve and plan: that quota, checked against the plan
+    assert main(argv + [str(ok), "--quota", "2"]) == 0
+    assert "quota 2 per layer (as asked)" in capsys.readouterr().err
+    assert main(argv + [str(ok), "--quota", "1"]) == 2
+    assert "quota 1 must be in 2..6" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -241,7 +246,7 @@ def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--host-quota", "4"], "--host-quota sets up expert streaming: give it with --quota or --profile"),
+        (["--host-quota", "4"], "--host-quota sets up expert streaming"),
         (["--slot-pool", "device"], "--slot-pool sets up expert streaming"),
         (["--read-depth", "2"], "--read-depth sets up expert streaming"),
     ],

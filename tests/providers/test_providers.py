@@ -235,13 +235,13 @@ def accepted(capsys, argv: list[str]) -> str:
     return out
 
 
-@pytest.mark.parametrize("source", ["--checkpoint", "--config"])
+@pytest.mark.parametrize("source", ["checkpoint", "config.json"])
 def test_plan_takes_the_provider_options(
     example_site, example_ckpt, monkeypatch, capsys, forget_provider_modules, source
 ):
     monkeypatch.syspath_prepend(str(example_site))
-    path = example_ckpt if source == "--checkpoint" else example_ckpt / "config.json"
-    argv = ["plan", "--device", CPU_PROFILE, source, str(path), "--context", "64", "--quant", "int8"]
+    path = example_ckpt if source == "checkpoint" else example_ckpt / "config.json"
+    argv = ["plan", "--profile", CPU_PROFILE, "--model", str(path), "--context", "64", "--quant", "int8"]
     advice = refusal_advice(capsys, argv)
     assert advice == ["--allow-provider", EXAMPLE]
     assert "edgerun plan: ckpt (example_moe) on " in accepted(capsys, argv + advice)
@@ -271,7 +271,7 @@ def test_convert_verify_and_plan_a_provider_bundle(
     out = accepted(capsys, argv + advice)
     assert f"{dst}: OK: edgerun bundle v2, example_moe, experts int8" in out and "files hashed" in out
 
-    argv = ["plan", "--device", CPU_PROFILE, "--bundle", str(dst), "--context", "64"]
+    argv = ["plan", "--profile", CPU_PROFILE, "--model", str(dst), "--context", "64"]
     assert refusal_advice(capsys, argv) == advice
     out = accepted(capsys, argv + advice)
     assert "edgerun plan: bundle (example_moe) on " in out and "experts int8" in out

@@ -37,11 +37,11 @@ def daemon(served_model, tmp_path_factory):
             str(config),
             "--model",
             str(served_model),
-            "--torch-device",
+            "--device",
             "cpu",
             "--context",
             str(CONTEXT),
-            "--device",
+            "--profile",
             str(PROFILE),
         ),
         sock,
@@ -76,7 +76,8 @@ def test_health_models_and_provenance(daemon):
     provider = meta["architecture_provider"]
     assert provider["builtin"] and provider["provider"] == "builtin" and provider["api"] == 1
     assert get(daemon.sock, "/v1/models/tiny")[0] == 200
-    assert "edgerun: model" in daemon.log() and "probe passed" in daemon.log()  # the start-up lines
+    assert "edgerun serve: model " in daemon.log() and "probe passed" in daemon.log()  # the start-up lines
+    assert "every expert resident (fp32)" in meta["provenance"]  # a resident model is planned too
 
 
 @pytest.mark.parametrize(

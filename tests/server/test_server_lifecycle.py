@@ -73,7 +73,7 @@ def test_real_daemon_notifies_and_drains_on_sigterm(served_model, tmp_path):
     model = [] if (DEMO_MODEL / "config.json").is_file() else ["--model", str(served_model)]
     env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "800000"}
     daemon = Daemon(
-        serve_argv(*model, "--socket", str(sock), "--torch-device", "cpu", "--grace-period", str(grace)),
+        serve_argv(*model, "--socket", str(sock), "--device", "cpu", "--grace-period", str(grace), "-v"),
         sock,
         env,
     )
@@ -113,6 +113,14 @@ def test_real_daemon_notifies_and_drains_on_sigterm(served_model, tmp_path):
         notify.wait_for("STOPPING=1")
         assert events and b"data: [DONE]" in events  # finished in time, or told why it stopped
         assert not sock.exists()
+        log = daemon.log()
+        assert re.search(r"edgerun serve: GET /health -> 200 in \d+\.\d{3} s \(uid \d+\)", log), log  # -v
+        assert "edgerun serve: POST /v1/completions -> 200 in " in log
+        # the start-up line, readable: a few short lines
+        start = log[log.index("edgerun serve: model ") :].splitlines()
+        assert start[1].startswith("  device cpu, dtype float32, threads ") and start[4].startswith(
+            "  fallbacks:"
+        )
     finally:
         daemon.stop()
 
@@ -123,7 +131,7 @@ def test_a_long_prefill_feeds_the_watchdog_and_stops_for_a_disconnect_and_sigter
     the grace period after SIGTERM ends."""
     notify = NotifySocket(tmp_path / "notify")
     sock = tmp_path / "prefill.sock"
-    argv = serve_argv("--socket", str(sock), "--torch-device", "cpu", "--threads", "1")
+    argv = serve_argv("--socket", str(sock), "--device", "cpu", "--threads", "1")
     argv += ["--prefill-chunk", "4", "--grace-period", "0.2"]
     daemon = Daemon(argv, sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "600000"})
     body = {"prompt": [5 + i % 50 for i in range(1500)], "max_tokens": 1}  # seconds of prefill

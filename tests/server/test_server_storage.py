@@ -26,7 +26,7 @@ def bundle(served_model, tmp_path_factory):
 
 
 def _serve(path, sock, notify=None) -> Daemon:
-    argv = serve_argv("--bundle", str(path), "--quota", "2", "--socket", str(sock), "--torch-device", "cpu")
+    argv = serve_argv("--model", str(path), "--quota", "2", "--socket", str(sock), "--device", "cpu")
     env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"} if notify else None
     return Daemon(argv, sock, env)
 

@@ -29,7 +29,7 @@ def _metric_sum(text: str, name: str) -> float:
 def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
     sock = tmp_path / "s.sock"
     d = Daemon(
-        serve_argv("--bundle", str(bundle), "--quota", "2", "--socket", str(sock), "--torch-device", "cpu"),
+        serve_argv("--model", str(bundle), "--quota", "2", "--socket", str(sock), "--device", "cpu"),
         sock,
     )
     try:
@@ -66,23 +66,30 @@ def test_plan_that_does_not_fit_is_refused_before_binding(bundle, tmp_path):
     cpu = (DEMO_MODEL.parents[1] / "configs" / "cpu.yaml").read_text()
     profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.0001GiB"))
     sock = tmp_path / "t.sock"
-    d = Daemon(serve_argv("--bundle", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
+    d = Daemon(serve_argv("--model", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
     assert d.proc.wait(60) == 2
     assert "does not fit on" in d.log() and not sock.exists()
 
 
-def test_a_bundle_given_as_model_with_a_device_profile_is_refused(bundle, tmp_path):
-    """As --model a bundle's experts would be held resident, outside the profile's plan: say so."""
+def test_a_resident_model_that_does_not_fit_the_profile_is_refused_before_binding(tmp_path):
+    """Not only bundles are planned: the demo model held whole is checked against the profile,
+    and the refusal names what would fit (a bundle streamed within the plan)."""
     from edgerun.engine.runner import DEMO_MODEL
 
-    profile = DEMO_MODEL.parents[1] / "configs" / "cpu.yaml"
+    profile = tmp_path / "tiny.yaml"
+    cpu = (DEMO_MODEL.parents[1] / "configs" / "cpu.yaml").read_text()
+    # the demo held whole does not fit; converted to int4 and streamed, it would
+    profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.025GiB"))
     sock = tmp_path / "m.sock"
-    d = Daemon(serve_argv("--model", str(bundle), "--device", str(profile), "--socket", str(sock)), sock)
+    d = Daemon(serve_argv("--profile", str(profile), "--device", "cpu", "--socket", str(sock)), sock)
     try:
         assert d.proc.wait(60) == 2
     finally:
         d.stop()
-    assert "is an edgerun bundle: pass it as --bundle" in d.log() and not sock.exists()
+    log = d.log()
+    assert "the demo model with every expert resident (16 per layer, fp32) does not fit on" in log
+    assert "Stream the experts from a bundle instead: `edgerun convert" in log and not sock.exists()
+    assert "(planned: quota " in log  # what would fit, planned
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (none on this machine)")
@@ -90,9 +97,7 @@ def test_a_bundle_whose_every_expert_fits_decodes_one_graph_a_step(bundle, tmp_p
     """Every expert in a slot: they are read in at load, so the decoder built by the start-up
     probe already finds the slot table on the device and a decode step is one CUDA graph."""
     sock = tmp_path / "g.sock"
-    argv = serve_argv(
-        "--bundle", str(bundle), "--quota", "6", "--socket", str(sock), "--torch-device", "cuda"
-    )
+    argv = serve_argv("--model", str(bundle), "--quota", "6", "--socket", str(sock), "--device", "cuda")
     d = Daemon(argv, sock)
     try:
         d.wait_health(timeout=300)

@@ -54,7 +54,7 @@ def test_install_script_installs_units_that_verify_as_installed(tmp_path):
     )
     assert "CacheDirectory=edgerun" in service and "TRITON_CACHE_DIR=%C/edgerun/triton" in service
     options = load_serve_config(root / "etc/edgerun/serve.yaml")
-    assert options["bundle"] and options["device_profile"] == Path("/etc/edgerun/devices/orin.yaml")
+    assert options["model"] and options["profile"] == Path("/etc/edgerun/devices/orin.yaml")
     assert (root / "etc/edgerun/devices/orin.yaml").is_file()
     score = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", "--no-pager", "edgerun.service"],
