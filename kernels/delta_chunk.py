@@ -39,23 +39,21 @@ def fla_version() -> str | None:
 
 
 def delta_rule_fla(q, k, v, g, beta, state):
-    """``delta_rule_chunked``'s contract (q already L2-normalised and scaled, k normalised;
-    [B, H, T, *] fp32, state [B, H, Dk, Dv] fp32) through fla-core: (out, final state)."""
+    """The delta rule of one chunk through fla-core, in its layout: q, k [B, T, Hk, Dk] fp32 (q
+    L2-normalised and scaled, k normalised), v [B, T, Hv, Dv], g and beta [B, T, Hv], state
+    [B, Hv, Dk, Dv] fp32; value head h reads key head h // (Hv / Hk) (grouped heads, as
+    ``repeat_interleave`` pairs them). -> (out [B, T, Hv, Dv], final state); ``state`` is not
+    written."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    def tb(t):  # [B, H, T, *] -> [B, T, H, *], as fla-core takes them
-        return t.transpose(1, 2).contiguous()
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=state, output_final_state=True)
 
-    out, final = chunk_gated_delta_rule(
-        tb(q),
-        tb(k),
-        tb(v),
-        tb(g),
-        tb(beta),
-        scale=1.0,
-        initial_state=state.contiguous(),
-        output_final_state=True,
-    )
+
+def reference_bthk(q, k, v, g, beta, state):
+    """``delta_rule_fla``'s contract through the torch reference (``delta_rule_chunked``)."""
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    out, final = delta_rule_chunked(*(t.transpose(1, 2).contiguous() for t in (q, k, v, g, beta)), state)
     return out.transpose(1, 2), final
 
 
@@ -72,18 +70,18 @@ def probe_chunk(dims, device: torch.device | str, tokens: int = 200) -> ProbeRes
         if version is None:
             raise RuntimeError("fla-core is not installed (pip install 'edgerun[gpu]')")
         gen = torch.Generator(device=device).manual_seed(0)
-        H, T = dims.n_v, tokens
+        T = tokens
 
         def rand(*shape):
             return torch.randn(*shape, generator=gen, device=device)
 
-        q = l2norm(rand(1, H, T, dims.dk)) * dims.dk**-0.5
-        k = l2norm(rand(1, H, T, dims.dk))
-        v = rand(1, H, T, dims.dv)
-        g = -torch.rand(1, H, T, generator=gen, device=device) * 2  # log decays in (-2, 0]
-        beta = torch.rand(1, H, T, generator=gen, device=device)
-        s0 = rand(1, H, dims.dk, dims.dv) * 0.1
-        want, want_s = delta_rule_chunked(q, k, v, g, beta, s0.clone())
+        q = l2norm(rand(1, T, dims.n_k, dims.dk)) * dims.dk**-0.5
+        k = l2norm(rand(1, T, dims.n_k, dims.dk))
+        v = rand(1, T, dims.n_v, dims.dv)
+        g = -torch.rand(1, T, dims.n_v, generator=gen, device=device) * 2  # log decays in (-2, 0]
+        beta = torch.rand(1, T, dims.n_v, generator=gen, device=device)
+        s0 = rand(1, dims.n_v, dims.dk, dims.dv) * 0.1
+        want, want_s = reference_bthk(q, k, v, g, beta, s0.clone())
         runs = [delta_rule_fla(q, k, v, g, beta, s0.clone()) for _ in range(2)]
         torch.cuda.synchronize(device)
         worst = 0.0

@@ -472,6 +472,52 @@ def _combine_kernel(
         tl.store(out + t * D + c, _round(acc, CODE).to(out.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def _align_kernel(
+    ids,
+    slots,
+    rows,
+    tile_slot,
+    P,
+    lo,
+    hi,
+    BLOCK_M: tl.constexpr,
+    S_P2: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """``align_pairs`` in one program: a stable counting sort of the pairs by slot (one expert a
+    slot), each slot's run padded to whole tiles of BLOCK_M rows. ``rows`` and ``tile_slot``
+    come filled with their padding (P, -1); pairs whose expert is outside lo..hi are left out."""
+    s_ar = tl.arange(0, S_P2)
+    b_ar = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([S_P2], dtype=tl.int32)
+    p0 = 0
+    while p0 < P:  # a while: Triton's interpreter cannot run a for over a runtime bound
+        p = p0 + b_ar
+        e = tl.load(ids + p, mask=p < P, other=-1)
+        keep = (p < P) & (e >= lo) & (e <= hi)
+        s = tl.load(slots + p, mask=keep, other=-1)
+        counts += tl.sum(((s[:, None] == s_ar[None, :]) & keep[:, None]).to(tl.int32), axis=0)
+        p0 += BLOCK_P
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    base = tl.cumsum(tiles, axis=0) - tiles  # tiles of the slots before
+    seen = tl.zeros([S_P2], dtype=tl.int32)  # pairs of each slot in the blocks before
+    p0 = 0
+    while p0 < P:
+        p = p0 + b_ar
+        e = tl.load(ids + p, mask=p < P, other=-1)
+        keep = (p < P) & (e >= lo) & (e <= hi)
+        s = tl.load(slots + p, mask=keep, other=-1)
+        hit = (s[:, None] == s_ar[None, :]) & keep[:, None]  # [BLOCK_P, S_P2]
+        earlier = (s[:, None] == s[None, :]) & (b_ar[None, :] < b_ar[:, None]) & keep[None, :]
+        rank = tl.sum(tl.where(hit, seen[None, :], 0), axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tile = tl.sum(tl.where(hit, base[None, :], 0), axis=1) + rank // BLOCK_M
+        tl.store(rows + tile * BLOCK_M + rank % BLOCK_M, p, mask=keep)
+        tl.store(tile_slot + tile, s.to(tl.int64), mask=keep)
+        seen += tl.sum(hit.to(tl.int32), axis=0)
+        p0 += BLOCK_P
+
+
 # --------------------------------------------------------------------------------------------
 # Host side
 
@@ -640,6 +686,9 @@ class GroupedConfig:
 DEFAULT_GROUPED = GroupedConfig()
 
 
+ALIGN_MAX_SLOTS = 1024  # pools up to this many slots are tiled by one _align_kernel program
+
+
 def align_pairs(
     expert_ids: torch.Tensor,
     slot_idx: torch.Tensor,
@@ -649,30 +698,57 @@ def align_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiles of a grouped step, on the device, with no host round trip: (rows int32
     [n·block_m]: the pair t·A + a of each tile row, P where a tile is padded; tile_slot int64
-    [n]: each tile's slot, -1 for the unused tiles at the end). Pairs are sorted by expert id
-    (stable), each expert's run padded to whole tiles; ``expert_range`` (lo, hi) keeps only
-    those experts. n = ceil(P / block_m) + min(P, slots) bounds the tiles (an expert has one
-    slot, so a step has at most ``slots`` distinct experts)."""
-    flat = expert_ids.flatten()
-    P = flat.numel()
-    dev = flat.device
+    [n]: each tile's slot, -1 for the unused tiles at the end). Pairs are sorted by slot (one
+    expert a slot; stable), each slot's run padded to whole tiles; ``expert_range`` (lo, hi)
+    keeps only those experts. n = ceil(P / block_m) + min(P, slots) bounds the tiles. One
+    launch (``_align_kernel``) for pools of up to ALIGN_MAX_SLOTS slots, torch sorts above
+    (``align_pairs_torch``, the same tiles)."""
+    P = expert_ids.numel()
+    n_max = -(-P // block_m) + min(P, slots)
+    if slots > ALIGN_MAX_SLOTS:
+        return align_pairs_torch(expert_ids, slot_idx, slots, block_m, expert_range)
+    dev = expert_ids.device
+    rows = torch.full((n_max * block_m,), P, dtype=torch.int32, device=dev)
+    tile_slot = torch.full((n_max,), -1, dtype=torch.int64, device=dev)
+    lo, hi = expert_range if expert_range is not None else (0, torch.iinfo(torch.int32).max)
+    if P:
+        _align_kernel[(1,)](
+            expert_ids.contiguous(), slot_idx.contiguous(), rows, tile_slot, P, lo, hi, BLOCK_M=block_m,
+            S_P2=triton.next_power_of_2(slots), BLOCK_P=64, num_warps=8,
+        )  # fmt: skip
+    return rows, tile_slot
+
+
+def align_pairs_torch(
+    expert_ids: torch.Tensor,
+    slot_idx: torch.Tensor,
+    slots: int,
+    block_m: int,
+    expert_range: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_pairs`` in torch ops (about 25 launches): for pools of more slots than one
+    program tiles, and the reference the kernel is tested against."""
+    key = slot_idx.flatten()
+    P = key.numel()
+    dev = key.device
     n_max = -(-P // block_m) + min(P, slots)
     keep = None
     if expert_range is not None:
+        flat = expert_ids.flatten()
         keep = (flat >= expert_range[0]) & (flat <= expert_range[1])
-        flat = torch.where(keep, flat, torch.iinfo(flat.dtype).max)  # dropped pairs sort last
-    order = torch.argsort(flat, stable=True)
-    e = flat[order]
+        key = torch.where(keep, key, torch.iinfo(key.dtype).max)  # dropped pairs sort last
+    order = torch.argsort(key, stable=True)
+    e = key[order]
     j = torch.arange(P, device=dev)
     start = torch.ones(P, dtype=torch.bool, device=dev)
     start[1:] = e[1:] != e[:-1]
     end = torch.ones(P, dtype=torch.bool, device=dev)
     end[:-1] = start[1:]
-    rank = j - torch.cummax(torch.where(start, j, 0), 0).values  # position in the expert's run
-    tiles = torch.where(end, rank // block_m + 1, 0)  # an expert's tile count, at its last pair
+    rank = j - torch.cummax(torch.where(start, j, 0), 0).values  # position in the slot's run
+    tiles = torch.where(end, rank // block_m + 1, 0)  # a slot's tile count, at its last pair
     if keep is not None:
         tiles = torch.where(keep[order], tiles, 0)
-    base = torch.cumsum(tiles, 0) - tiles  # tiles of the experts before
+    base = torch.cumsum(tiles, 0) - tiles  # tiles of the slots before
     tile = base + rank // block_m
     pos = base * block_m + rank
     if keep is not None:  # dropped pairs go to one spare row and one spare tile past the end
@@ -682,7 +758,7 @@ def align_pairs(
     rows = torch.full((n_max * block_m + 1,), P, dtype=torch.int32, device=dev)
     rows.scatter_(0, pos, order.to(torch.int32))
     tile_slot = torch.full((n_max + 1,), -1, dtype=torch.int64, device=dev)
-    tile_slot.scatter_(0, tile, slot_idx.flatten()[order].to(torch.int64))  # a tile's pairs share a slot
+    tile_slot.scatter_(0, tile, e.to(torch.int64))  # a tile's pairs share a slot
     return rows[:-1], tile_slot[:-1]
 
 

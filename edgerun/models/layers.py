@@ -400,25 +400,31 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, self.n_v, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if self.n_v != self.n_k:
-            q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
-            k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
-        # fp32, [B, H, T, *]
-        q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))
-        q = l2norm(q) * self.dk**-0.5
-        k = l2norm(k)
-        s0 = state.recurrent if state is not None else q.new_zeros(B, self.n_v, self.dk, self.dv)
-        if T == 1:
-            out, s1 = delta_rule_recurrent(q, k, v, g, beta, s0)
-        elif self.chunk_fla:
+        if state is not None:
+            s0 = state.recurrent
+        else:
+            s0 = torch.zeros(B, self.n_v, self.dk, self.dv, dtype=torch.float32, device=x.device)
+        if T > 1 and self.chunk_fla:
             from edgerun.kernels.delta_chunk import delta_rule_fla
 
-            out, s1 = delta_rule_fla(q, k, v, g, beta, s0)
+            # fla-core takes [B, T, H, *] and the key heads as they are (value head h reads key
+            # head h // (Hv / Hk), as repeat_interleave pairs them): no copies
+            q = l2norm(q.float()) * self.dk**-0.5
+            out, s1 = delta_rule_fla(q, l2norm(k.float()), v.float(), g, beta.float(), s0)
         else:
-            out, s1 = delta_rule_chunked(q, k, v, g, beta, s0)
+            if self.n_v != self.n_k:
+                q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
+                k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
+            # fp32, [B, H, T, *]
+            q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))
+            q = l2norm(q) * self.dk**-0.5
+            k = l2norm(k)
+            rule = delta_rule_recurrent if T == 1 else delta_rule_chunked
+            out, s1 = rule(q, k, v, g, beta, s0)
+            out = out.transpose(1, 2)
         if state is not None:
             state.recurrent.copy_(s1)
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
+        out = out.to(x.dtype)  # [B, T, Hv, Dv]
         z = z.reshape(B, T, self.n_v, self.dv)
         out = self.norm(out, z).reshape(B, T, self.value_dim)
         return self.out_proj(out)
@@ -521,9 +527,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
-        (their extra columns feed the shared expert's gate)."""
+        (their extra columns feed the shared expert's gate). Where the engine selected the
+        Triton kernels (the projection's ``gemv``), the top-k is the decode step's one launch."""
         logits = self.logits(x)
-        return (*self.select(logits), logits)
+        return (*self.select(logits, fused=self.proj.gemv and logits.is_cuda), logits)
 
 
 class Experts(nn.Module):

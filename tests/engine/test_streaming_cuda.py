@@ -39,3 +39,30 @@ def test_cuda_streaming_equals_resident(bundles, arch, quant):
         if quota == args.num_experts_per_tok:
             assert cache.totals().evictions > 0
         cache.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_equals_one_pass(bundles, arch):
+    """Every expert held (the grouped kernel looks slots up on the device), bf16, the kernels the
+    engine picks: a prompt in chunks of 7 gives the one-pass last logits within the dense
+    probe's bf16 tolerance (chunks change cuBLAS's and attention's summation order, not the
+    math), and the same greedy continuation."""
+    from edgerun.bundle.reader import Bundle
+    from edgerun.engine.setup import cache_config
+    from edgerun.kernels.dense_probe import TOLERANCE
+
+    b = bundles[(arch, "int4")]
+    every = Bundle.open(b).args.num_experts
+    prompt = list(range(3, 90))
+    logits, tokens = [], []
+    for chunk in (len(prompt), 7):
+        runner = Runner.load(
+            b, device="cuda", dtype=torch.bfloat16, cache=cache_config(b, quota=every), prefill_chunk=chunk
+        )
+        state = runner.new_state(len(prompt) + 1)
+        logits.append(runner.prefill(state, prompt).float())
+        tokens.append(runner.generate_ids(prompt, PARAMS))
+        runner.cache.close()
+    err = float((logits[1] - logits[0]).abs().max() / logits[0].abs().max())
+    assert err < TOLERANCE[torch.bfloat16], err
+    assert tokens[0] == tokens[1]

@@ -63,6 +63,21 @@ def test_grouped_matches_reference(fmt):
     assert torch.equal(out, flipped)
 
 
+@pytest.mark.parametrize("part", [None, (2, 5)])
+def test_align_kernel_is_the_torch_tiling(part):
+    g = torch.Generator().manual_seed(4)
+    S, A = 11, 3
+    ids = torch.rand(70, S, generator=g).argsort(dim=1)[:, :A]  # 210 pairs: several blocks of 64
+    slot_of = torch.randperm(S, generator=g)
+    for block_m in (4, 16):
+        got = K.align_pairs(ids, slot_of[ids], S, block_m, part)
+        want = K.align_pairs_torch(ids, slot_of[ids], S, block_m, part)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rows, tile_slot = got
+    kept = [p for p in range(ids.numel()) if part is None or part[0] <= ids.flatten()[p] <= part[1]]
+    assert sorted(r for r in rows.tolist() if r < ids.numel()) == kept  # every kept pair once
+
+
 def test_grouped_in_parts_equals_one_call():
     from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
 

@@ -5,7 +5,7 @@ installed (it is an edgerun[gpu] dependency); TOLERANCE is the module's, for its
 import pytest
 import torch
 
-from edgerun.kernels.delta_chunk import TOLERANCE, delta_rule_fla, fla_version, probe_chunk
+from edgerun.kernels.delta_chunk import TOLERANCE, delta_rule_fla, fla_version, probe_chunk, reference_bthk
 from edgerun.kernels.dense_reference import DeltaDims, delta_rule_chunked, l2norm
 
 QWEN36 = DeltaDims(16, 32, 128, 128, 4)
@@ -40,19 +40,37 @@ def test_probe_selects_on_this_gpu():
 @fla
 @pytest.mark.parametrize("T", [64, 300, 1024])
 def test_fla_matches_the_reference_across_chunks(T):
-    """Two calls carrying the state (a prompt in two chunks) against one reference pass."""
+    """Grouped heads (16 key, 32 value heads), a prompt in two chunks carrying the state, against
+    one reference pass."""
     g = torch.Generator(device="cuda").manual_seed(T)
-    H, dk, dv = 8, 128, 128
-    q = l2norm(torch.randn(1, H, T, dk, generator=g, device="cuda")) * dk**-0.5
-    k = l2norm(torch.randn(1, H, T, dk, generator=g, device="cuda"))
-    v = torch.randn(1, H, T, dv, generator=g, device="cuda")
-    gate = -torch.rand(1, H, T, generator=g, device="cuda") * 2
-    beta = torch.rand(1, H, T, generator=g, device="cuda")
-    s0 = torch.randn(1, H, dk, dv, generator=g, device="cuda") * 0.1
-    want, want_s = delta_rule_chunked(q, k, v, gate, beta, s0.clone())
+    Hk, Hv, dk, dv = 16, 32, 128, 128
+    q = l2norm(torch.randn(1, T, Hk, dk, generator=g, device="cuda")) * dk**-0.5
+    k = l2norm(torch.randn(1, T, Hk, dk, generator=g, device="cuda"))
+    v = torch.randn(1, T, Hv, dv, generator=g, device="cuda")
+    gate = -torch.rand(1, T, Hv, generator=g, device="cuda") * 2
+    beta = torch.rand(1, T, Hv, generator=g, device="cuda")
+    s0 = torch.randn(1, Hv, dk, dv, generator=g, device="cuda") * 0.1
+    want, want_s = reference_bthk(q, k, v, gate, beta, s0.clone())
     cut = T // 3
-    o1, s1 = delta_rule_fla(*(t[:, :, :cut] for t in (q, k, v, gate, beta)), s0.clone())
-    o2, s2 = delta_rule_fla(*(t[:, :, cut:] for t in (q, k, v, gate, beta)), s1)
-    got = torch.cat([o1, o2], dim=2)
+    o1, s1 = delta_rule_fla(*(t[:, :cut] for t in (q, k, v, gate, beta)), s0.clone())
+    o2, s2 = delta_rule_fla(*(t[:, cut:] for t in (q, k, v, gate, beta)), s1)
+    got = torch.cat([o1, o2], dim=1)
     assert float((got - want).abs().max() / want.abs().max()) < TOLERANCE
     assert float((s2 - want_s).abs().max() / want_s.abs().max()) < TOLERANCE
+
+
+def test_reference_layout_is_the_models():
+    """reference_bthk (the probe's reference) is the model's own computation: repeat the key
+    heads, then delta_rule_chunked in [B, H, T, *]."""
+    g = torch.Generator().manual_seed(1)
+    T, Hk, Hv, d = 70, 2, 4, 8
+    q, k = (l2norm(torch.randn(1, T, Hk, d, generator=g)) for _ in range(2))
+    v = torch.randn(1, T, Hv, d, generator=g)
+    gate, beta = -torch.rand(1, T, Hv, generator=g), torch.rand(1, T, Hv, generator=g)
+    s0 = torch.randn(1, Hv, d, d, generator=g)
+    got, got_s = reference_bthk(q, k, v, gate, beta, s0)
+    qq, kk = (t.repeat_interleave(2, dim=2).transpose(1, 2) for t in (q, k))
+    want, want_s = delta_rule_chunked(
+        qq, kk, v.transpose(1, 2), gate.transpose(1, 2), beta.transpose(1, 2), s0
+    )
+    assert torch.equal(got, want.transpose(1, 2)) and torch.equal(got_s, want_s)
