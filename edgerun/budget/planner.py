@@ -273,12 +273,45 @@ def token_workspace_bytes(args: ModelArgs, dense_dtype: str = "bf16") -> int:
         delta += 4 * (2 * nv * dk + nv * dv) + 4 * 3 * nv * DELTANET_CHUNK
         mixer = max(mixer, delta)
     ffn = 0
-    if args.moe_layers:
+    if args.moe_layers:  # the expert kernels keep fp32 SiLU(gate)·up and outputs per (token, expert)
         k, I = args.num_experts_per_tok, args.moe_intermediate_size
-        ffn = 4 * args.num_experts + a * (k * 2 * I + k * D + 2 * args.shared_expert_intermediate_size)
+        ffn = 4 * args.num_experts + 4 * k * (I + D) + a * 2 * args.shared_expert_intermediate_size
     if len(args.moe_layers) < args.num_hidden_layers:
         ffn = max(ffn, a * 2 * args.intermediate_size)
     return a * 4 * D + mixer + ffn
+
+
+PREFILL_TILE_ROWS = 32  # kernels/moe_triton.py GroupedConfig.block_m (not imported: no torch here)
+
+
+def prefill_chunk_extra(
+    args: ModelArgs, specs, dense: DenseScheme, dense_dtype: str, cuda: bool
+) -> tuple[int, str]:
+    """What a prefill forward holds beyond its tokens' workspace: on CUDA the grouped expert step
+    pads each expert's run to whole tiles (at most PREFILL_TILE_ROWS rows an expert, fp32 of the expert
+    width), and a quantized dense weight is dequantized for its GEMM (the largest one but the
+    lm_head, which a prompt runs on one row; the projections a module fuses, q/k/v or DeltaNet's
+    in_proj, as one: in the compute dtype on CUDA, plus torch's fp32 copy on the CPU).
+    (bytes, how)."""
+    total, parts = 0, []
+    if args.moe_layers and cuda:  # the grouped kernels are CUDA's
+        pad = PREFILL_TILE_ROWS * args.num_experts * args.moe_intermediate_size * 4
+        total += pad
+        parts.append(
+            f"expert tile padding {PREFILL_TILE_ROWS} x {args.num_experts} x {args.moe_intermediate_size} x 4 B"
+        )
+    quant = dense_targets(specs, dense) if dense.quantized else {}
+    fused: Counter = Counter()  # projections of one module that read one input run as one weight
+    for sp in specs:
+        if sp.name in quant and sp.category != A.LM_HEAD:
+            fused[(sp.name.rsplit(".", 2)[0], sp.shape[1])] += sp.shape[0]
+    shapes = [(rows, cols) for (_, cols), rows in fused.items()]
+    if shapes:
+        width = _dtype_bytes(dense_dtype, "dense_dtype") + (0 if cuda else 4)
+        biggest = max(shapes, key=math.prod)
+        total += math.prod(biggest) * width
+        parts.append(f"a dequantized weight {biggest[0]}x{biggest[1]} x {width} B")
+    return total, " + ".join(parts)
 
 
 def _dtype_bytes(name: str, key: str) -> int:
@@ -303,6 +336,7 @@ class _Sizer:
     resident: Mapping[str, int]
     staging_buffers: int
     details: Mapping[str, str]  # per resident category, how its weights are held
+    chunk_extra: tuple[int, str] = (0, "")  # prefill_chunk_extra
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -358,12 +392,14 @@ class _Sizer:
         per_token = token_workspace_bytes(args, opt.dense_dtype)
         logits = batch * args.vocab_size * 4
         tokens = max(batch, min(opt.prefill_chunk, context))
+        extra, how = self.chunk_extra
         items.append(
             Item(
                 "activation_workspace",
                 main,
-                tokens * per_token + logits,
-                f"{tokens} tok x {per_token} B + fp32 logits {batch} x {args.vocab_size}",
+                tokens * per_token + logits + extra,
+                f"{tokens} tok x {per_token} B + fp32 logits {batch} x {args.vocab_size}"
+                + (f" + {how}" if how else ""),
             )
         )
         if opt.cuda_graphs and dev.has_cuda:
@@ -601,7 +637,8 @@ def plan(
     staging = options.staging_buffers if options.staging_buffers is not None else 2 * k
     if L and staging < 1:
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
-    sizer = _Sizer(args, experts, device, options, res, staging, details)
+    extra = prefill_chunk_extra(args, specs, options.dense, options.dense_dtype, device.has_cuda)
+    sizer = _Sizer(args, experts, device, options, res, staging, details, extra)
     floor = sizer.min_quota(batch)
     if options.quota is not None and not floor <= options.quota <= E:
         raise ConfigError(

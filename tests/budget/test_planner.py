@@ -68,26 +68,27 @@ TINY35_ITEMS = {
     # 2 linear layers x batch 2 x (conv 80 x 3 x 2 B + recurrent 4 x 8 x 12 x 4 B)
     "deltanet_state": 2 * 2 * (80 * 3 * 2 + 4 * 8 * 12 * 4),  # 8064
     # per token: stream 4x48x2 = 384; DeltaNet (wider than attention's 512): (2x80 + 2x48 + 2x4) x 2
-    # + fp32 (2x4x8 + 4x12) x 4 + chunk 3x4x64x4 = 4048; MoE: router 6x4 + (2x48 + 2x48 + 80) x 2 = 568
-    # -> 5000 B; prefill chunk 16 tokens + fp32 logits 2 x 97 x 4
-    "activation_workspace": 16 * 5000 + 2 * 97 * 4,  # 80776
-    "cuda_graph_pool": 2 * 5000 + 2 * 97 * 4,  # 10776
+    # + fp32 (2x4x8 + 4x12) x 4 + chunk 3x4x64x4 = 4048; MoE: router 6x4 + fp32 2 x (24 + 48) x 4 +
+    # shared 2x40x2 = 760 -> 5192 B; prefill chunk 16 tokens + fp32 logits 2 x 97 x 4 + the grouped
+    # step's tile padding 32 rows x 6 experts x 24 x 4 B
+    "activation_workspace": 16 * 5192 + 2 * 97 * 4 + 32 * 6 * 24 * 4,  # 102280
+    "cuda_graph_pool": 2 * 5192 + 2 * 97 * 4,  # 11160
     "pinned_staging": 4 * 4096,  # 2 x top_k buffers x int8 block (2304 + 192 + 1152 + 192 -> 4096)
 }
-TINY35_FIXED = sum(TINY35_ITEMS.values())  # 305992
+TINY35_FIXED = sum(TINY35_ITEMS.values())  # 327880
 
 
 def test_tiny_qwen3_5_every_category_byte_exact():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     assert experts.block_bytes == (4096,) * 4
-    p = plan(args, specs, experts, profile(400_000), 64, 2, PlanOptions(prefill_chunk=16))
-    assert TINY35_FIXED == 305_992
-    # slots: (400000 - 305992) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
+    p = plan(args, specs, experts, profile(420_000), 64, 2, PlanOptions(prefill_chunk=16))
+    assert TINY35_FIXED == 327_880
+    # slots: (420000 - 327880) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
     assert p.fits and p.min_quota == 4 and p.quotas == (5, 5, 5, 5)
     assert {it.name: it.nbytes for it in p.items} == {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096}
     (pool,) = p.pools
-    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 400_000, 387_912, 12_088)
+    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 420_000, 409_800, 10_200)
 
 
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
@@ -104,8 +105,9 @@ def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
         "routers": 2 * 6 * 48 * 2,  # 1152
         "dense_mlp": 3 * 48 * 80 * 2,  # 23040
         "kv_cache": 3 * 2 * 2 * 32 * 16 * 2,  # 12288
-        # per token: stream 384 + attention (64 + 64 + 64) x 2 + MoE 6 x 4 + (2x48 + 2x48) x 2 = 1176
-        "activation_workspace": 32 * 1176 + 97 * 4,  # 38020
+        # per token: stream 384 + attention (64 + 64 + 64) x 2 + MoE 6 x 4 + fp32 2 x (24 + 48) x 4
+        # = 1368; no tile padding (the grouped kernels run on CUDA)
+        "activation_workspace": 32 * 1368 + 97 * 4,  # 44164
         "pinned_staging": 4 * 4096,
         "expert_slots": 6 * 2 * 4096,  # all 6 experts: more would hold nothing
     }
@@ -125,18 +127,18 @@ def test_refusal_names_the_smallest_over_budget_item_and_what_fits():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     opts = PlanOptions(prefill_chunk=16)
-    p = plan(args, specs, experts, profile(360_000), 64, 2, opts)
-    # needs 305992 + 4 slots x 4 layers x 4096 = 371528: over by 11528; the smallest item at least
-    # that large is the staging (16384). KV is 512 B per token at batch 2: 23 fewer tokens fit.
+    p = plan(args, specs, experts, profile(380_000), 64, 2, opts)
+    # needs 327880 + 4 slots x 4 layers x 4096 = 393416: over by 13416; the smallest item at least
+    # that large is the staging (16384). KV is 512 B per token at batch 2: 27 fewer tokens fit.
     r = p.refusal
     assert not p.fits and p.prediction is None
-    assert (r.pool, r.overflow, r.item, r.item_bytes) == ("unified", 11_528, "pinned_staging", 16_384)
-    assert (r.max_context, r.max_batch, r.max_quota) == (41, 1, None)
-    assert "Largest context that fits at batch 2 with 4 slots per layer: 41 tokens" in r.message
+    assert (r.pool, r.overflow, r.item, r.item_bytes) == ("unified", 13_416, "pinned_staging", 16_384)
+    assert (r.max_context, r.max_batch, r.max_quota) == (37, 1, None)
+    assert "Largest context that fits at batch 2 with 4 slots per layer: 37 tokens" in r.message
     assert "Largest batch that fits at context 64: 1" in r.message
-    assert p.pools[0].headroom == -11_528 and p.quotas == (4, 4, 4, 4)
-    assert plan(args, specs, experts, profile(360_000), 41, 2, opts).fits
-    assert not plan(args, specs, experts, profile(360_000), 42, 2, opts).fits
+    assert p.pools[0].headroom == -13_416 and p.quotas == (4, 4, 4, 4)
+    assert plan(args, specs, experts, profile(380_000), 37, 2, opts).fits
+    assert not plan(args, specs, experts, profile(380_000), 38, 2, opts).fits
 
 
 def test_staging_over_the_pinned_limit_is_refused():
@@ -163,7 +165,7 @@ def test_requested_quota():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     opts = PlanOptions(prefill_chunk=16, quota=6)
-    p = plan(args, specs, experts, profile(400_000), 64, 2, opts)
+    p = plan(args, specs, experts, profile(420_000), 64, 2, opts)
     assert not p.fits and p.refusal.max_quota == 5
     assert "Largest quota that fits at context 64, batch 2: 5 per layer" in p.refusal.message
     p = plan(args, specs, experts, profile(500_000), 64, 2, opts)
@@ -329,7 +331,8 @@ QWEN36 = dict(  # Qwen3.6-35B-A3B, int4 g32 experts, bf16 dense
     block=1024 * 1024 + 1024 * 64 + 2048 * 256 + 2048 * 16,  # gate_up, fp8 scales, down, scales
     kv_per_token=10 * 2 * 2 * 256 * 2,
     state_per_seq=30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4),
-    ws_per_token=191_616,  # see token_workspace_bytes: 16384 + DeltaNet 123008 + MoE 52224
+    ws_per_token=224_384,  # see token_workspace_bytes: 16384 + DeltaNet 123008 + MoE 84992
+    chunk_extra=32 * 256 * 512 * 4,  # prefill_chunk_extra: the grouped step's tile padding (dense bf16)
     vocab=248320,
     layers=40,
     experts=256,
@@ -342,7 +345,8 @@ QWEN3 = dict(  # Qwen3-30B-A3B, int4 g32 experts, bf16 dense
     block=1536 * 1024 + 1536 * 64 + 2048 * 384 + 2048 * 24,
     kv_per_token=48 * 2 * 4 * 128 * 2,
     state_per_seq=0,
-    ws_per_token=92_672,  # 16384 + attention 18432 + MoE 57856
+    ws_per_token=125_440,  # 16384 + attention 18432 + MoE 90624
+    chunk_extra=32 * 128 * 768 * 4,
     vocab=151936,
     layers=48,
     experts=128,
@@ -355,6 +359,7 @@ def expected(m, dev, context, batch):
     dense = m["dense"] * a
     fixed = dev.os_reserve + dev.cuda_context + dense + batch * context * m["kv_per_token"]
     fixed += batch * m["state_per_seq"] + min(512, context) * m["ws_per_token"] + batch * m["vocab"] * 4
+    fixed += m["chunk_extra"]
     if dev.has_cuda:
         fixed += batch * m["ws_per_token"] + batch * m["vocab"] * 4  # graph pool
     staging = 16 * m["block"]
