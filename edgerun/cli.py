@@ -17,6 +17,9 @@ from edgerun.server.cli import add_kernel_arguments
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """How the model is loaded and run: shared by generate, trace (and, as flags, by serve)."""
+    from edgerun.progress import add_progress_argument
+
+    add_progress_argument(p)
     add_model_argument(
         p,
         "HF checkpoint dir, or bundle dir whose experts stream with --quota or --profile "
@@ -136,6 +139,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
+        progress=ns.progress,
         providers=providers,
         cache=cache,
         log=log,
@@ -331,7 +335,12 @@ def run_trace(ns: argparse.Namespace) -> int:
     providers = ProviderPolicy.from_namespace(ns)
     cache, _ = _cache_config(ns, rt, providers)
     runner = rt.load(
-        ns.model, providers=providers, cache=cache, max_context=ns.context, prefill_chunk=ns.prefill_chunk
+        ns.model,
+        progress=ns.progress,
+        providers=providers,
+        cache=cache,
+        max_context=ns.context,
+        prefill_chunk=ns.prefill_chunk,
     )
     if runner.tokenizer is None:
         raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")

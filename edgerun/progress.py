@@ -7,9 +7,17 @@ dependency-free, well-kept package. Imports no torch."""
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TextIO, TypeVar
 
 from tqdm import tqdm
+
+T = TypeVar("T")
+# whether loading (Runner.load and what it calls) draws bars: None = only on a terminal; set by
+# the command for the work it runs (``showing``), so the loaders need no flag of their own
+_LOADING: ContextVar[bool | None] = ContextVar("edgerun_loading_progress", default=None)
 
 
 def shown(stream: TextIO | None = None, force: bool | None = None) -> bool:
@@ -32,6 +40,31 @@ def byte_bar(total: int, desc: str, stream: TextIO | None = None, force: bool | 
         unit_divisor=1024,
         file=stream,
         disable=not shown(stream, force),
+        dynamic_ncols=True,
+        leave=False,
+        mininterval=0.2,
+    )
+
+
+@contextmanager
+def showing(force: bool | None) -> Iterator[None]:
+    """Within the block, loading bars follow ``force`` (a command's ``--progress``)."""
+    token = _LOADING.set(force)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def iterate(items: Iterable[T], total: int, desc: str, unit: str) -> Iterable[T]:
+    """``items`` with a counting bar on stderr while loading (see :func:`showing`)."""
+    return tqdm(
+        items,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=not shown(sys.stderr, _LOADING.get()),
         dynamic_ncols=True,
         leave=False,
         mininterval=0.2,

@@ -232,3 +232,15 @@ def test_serve_yaml_old_keys_still_work(tmp_path, capsys):
     cfg.write_text("bundle: /b\nmodel: /m\n")
     with pytest.raises(ConfigError, match="keys 'bundle' and 'model' are one setting"):
         load_serve_config(cfg)
+
+
+def test_loading_draws_bars_only_when_asked_or_on_a_terminal():
+    """generate --progress: a tqdm bar of the weights loaded on stderr; without it (stderr a pipe,
+    not a terminal) none; the text on stdout is the same either way."""
+    run = [sys.executable, "-m", "edgerun.cli", "generate", "--max-tokens", "3", "--ignore-eos", "-q", "In"]
+    shown = subprocess.run([*run, "--progress"], capture_output=True, text=True, timeout=120)
+    plain = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and plain.returncode == 0, shown.stderr + plain.stderr
+    assert "load weights" in shown.stderr and "tensor" in shown.stderr
+    assert "load weights" not in plain.stderr and "\r" not in plain.stderr
+    assert shown.stdout == plain.stdout

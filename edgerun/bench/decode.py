@@ -71,7 +71,9 @@ def build_bundle(
     if (path / "manifest.json").is_file():
         return path, 0.0
     t0 = time.perf_counter()
-    synth_bundle(path, cfg, quant="int4", seed=0, dense=dense, lm_head=lm_head, dense_group=dense_group)
+    synth_bundle(  # a bar of the bytes written on a terminal (the synthesis is the bench's longest step)
+        path, cfg, quant="int4", seed=0, dense=dense, lm_head=lm_head, dense_group=dense_group, log=sys.stderr
+    )
     return path, time.perf_counter() - t0
 
 

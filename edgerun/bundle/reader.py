@@ -215,8 +215,10 @@ def load_bundle_model(
     report.provider = b.provider
     report.expert_layout = f"bundle {b.manifest.quant.scheme}, dense {b.manifest.dense_quant.scheme.label()}"
     if experts:
+        from edgerun.progress import iterate
+
         E, I, D = b.args.num_experts, b.args.moe_intermediate_size, b.args.hidden_size
-        for layer in b.args.moe_layers:
+        for layer in iterate(b.args.moe_layers, len(b.args.moe_layers), "dequantize experts", "layer"):
             gate_up = torch.empty(E, 2 * I, D, dtype=dtype)
             down = torch.empty(E, D, I, dtype=dtype)
             scales = b.global_scales(layer)

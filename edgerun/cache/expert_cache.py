@@ -341,14 +341,18 @@ class ExpertCache:
     def hold_complete_layers(self) -> None:
         """Read in every expert of each layer whose quota holds them all: such a layer never
         misses or evicts, so its slot table is valid from the start (one graph per decode step)."""
+        from edgerun.progress import iterate
+
         E = self.bundle.args.num_experts
-        for layer, table in self.slots.items():
-            if table.quota >= E and len(table.slot_of) < E:
-                self._preload(layer, list(range(E)))
+        full = [layer for layer, table in self.slots.items() if table.quota >= E and len(table.slot_of) < E]
+        for layer in iterate(full, len(full), "read experts", "layer"):
+            self._preload(layer, list(range(E)))
 
     def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
         """Preload each layer's most used experts (up to its quota); they stay evictable."""
-        for layer, freq in frequencies.items():
+        from edgerun.progress import iterate
+
+        for layer, freq in iterate(frequencies.items(), len(frequencies), "warm experts", "layer"):
             if layer not in self.slots:
                 raise QuotaError(f"warm set names layer {layer}, which is not a MoE layer of this model")
             counts = dict(enumerate(freq)) if isinstance(freq, list) else {int(k): v for k, v in freq.items()}

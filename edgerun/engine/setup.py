@@ -30,14 +30,17 @@ class Runtime:
     kernels: KernelPolicy
     threads: int | None = None  # as asked; None: chosen at load (SMALL_MODEL_PARAMS)
 
-    def load(self, model_dir: Path | None, **kw):
+    def load(self, model_dir: Path | None, progress: bool | None = None, **kw):
         """The :class:`~edgerun.engine.runner.Runner` of ``model_dir`` on this device, dtype and
-        kernel policy (``kw``: the rest of ``Runner.load``'s options)."""
+        kernel policy (``kw``: the rest of ``Runner.load``'s options). Loading draws bars on stderr
+        (weights, experts read in) on a terminal, or as ``progress`` says."""
         import torch
 
         from edgerun.engine.runner import Runner
+        from edgerun.progress import showing
 
-        runner = Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
+        with showing(progress):
+            runner = Runner.load(model_dir, device=self.device, dtype=self.dtype, kernels=self.kernels, **kw)
         if self.device == "cpu" and self.threads is None:
             n = sum(p.numel() for p in runner.model.parameters())
             if n <= SMALL_MODEL_PARAMS and torch.get_num_threads() > 1:

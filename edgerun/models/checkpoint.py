@@ -277,7 +277,9 @@ def load_entries(
     with torch.device("meta"):
         model = arch.Model(args)
     report = plan.report
-    for name, spec in specs.items():
+    from edgerun.progress import iterate
+
+    for name, spec in iterate(specs.items(), len(specs), "load weights", "tensor"):
         if spec.category == "experts" and not experts:
             continue
         prefix = name.rsplit(".", 1)[0]
