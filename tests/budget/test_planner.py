@@ -430,3 +430,13 @@ def test_refusal_on_rtx5070_names_the_kv_cache(model_inputs, profiles):
     p = plan(mi.args, mi.specs, mi.experts, profiles["rtx5070"], 32768, 4)
     assert not p.fits and p.refusal.item == "kv_cache" and p.refusal.max_batch == 1
     assert "Largest context that fits at batch 4 with 32 slots per layer" in p.refusal.message
+
+
+def test_the_planned_tile_padding_is_the_kernels():
+    """The planner sizes the grouped expert step's padding with the kernels' tile rows (it cannot
+    import them: planning imports no torch)."""
+    pytest.importorskip("triton")
+    from edgerun.budget.planner import PREFILL_TILE_ROWS
+    from edgerun.kernels.moe_triton import DEFAULT_GROUPED
+
+    assert PREFILL_TILE_ROWS == DEFAULT_GROUPED.block_m
