@@ -11,7 +11,7 @@ Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequa
      router listed the experts in.
 Prefill (many tokens per expert, ``moe_grouped``), a grouped GEMM, three launches and no host
 round trip: the (token, expert) pairs are sorted by expert id on the device and cut into tiles
-of one expert each (``align_pairs``); gate_up + SiLU·up per tile, then down times the router
+of one expert each (``align_pairs``: a counting sort by slot, one program); gate_up + SiLU·up per tile, then down times the router
 weight per tile, each weight tile dequantized to bf16 in the kernel (exact for int4) for bf16
 tensor-core products with fp32 sums; then each token's experts summed in fp32 by ascending
 expert id, rounded once. No atomics: a row's sums do not depend on the other rows of its tile.
@@ -700,9 +700,9 @@ def align_pairs(
     [n·block_m]: the pair t·A + a of each tile row, P where a tile is padded; tile_slot int64
     [n]: each tile's slot, -1 for the unused tiles at the end). Pairs are sorted by slot (one
     expert a slot; stable), each slot's run padded to whole tiles; ``expert_range`` (lo, hi)
-    keeps only those experts. n = ceil(P / block_m) + min(P, slots) bounds the tiles. One
-    launch (``_align_kernel``) for pools of up to ALIGN_MAX_SLOTS slots, torch sorts above
-    (``align_pairs_torch``, the same tiles)."""
+    keeps only those experts. n = ceil(P / block_m) + min(P, slots) bounds the tiles. Two fills
+    and one launch (``_align_kernel``) for pools of up to ALIGN_MAX_SLOTS slots; torch sorts
+    above (``align_pairs_torch``, the same tiles)."""
     P = expert_ids.numel()
     n_max = -(-P // block_m) + min(P, slots)
     if slots > ALIGN_MAX_SLOTS:
