@@ -9,12 +9,13 @@ Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequa
      (token, row tile) ranks the token's A entries by expert id itself and loops over them in
      that order. No atomics: the sum order is fixed, so the bits are too, whatever order the
      router listed the experts in.
-Prefill (many tokens per expert, ``moe_grouped``), a grouped GEMM, three launches and no host
-round trip: the (token, expert) pairs are sorted by expert id on the device and cut into tiles
-of one expert each (``align_pairs``: a counting sort by slot, one program); gate_up + SiLU·up per tile, then down times the router
-weight per tile, each weight tile dequantized to bf16 in the kernel (exact for int4) for bf16
-tensor-core products with fp32 sums; then each token's experts summed in fp32 by ascending
-expert id, rounded once. No atomics: a row's sums do not depend on the other rows of its tile.
+Prefill (many tokens per expert, ``moe_grouped``), a grouped GEMM with no host round trip: the
+(token, expert) pairs are sorted by slot on the device (one expert a slot) and cut into tiles of
+one expert each (``align_pairs``: a counting sort in one program); gate_up + SiLU·up per tile,
+then down times the router weight per tile, each weight tile dequantized to bf16 in the kernel
+(exact for int4) for bf16 tensor-core products with fp32 sums; then each token's experts summed
+in fp32 by ascending expert id, rounded once. Four launches and two fills a layer. No atomics: a
+row's sums do not depend on the other rows of its tile.
 
 Rotation: a Hadamard bundle stores W_q with W = W_q·H_g on every group of g columns; H_g is
 symmetric and orthonormal, so W·v = W_q·(H_g v per group). The kernels rotate the activations
