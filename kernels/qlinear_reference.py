@@ -41,6 +41,7 @@ def qlinear_ref(
     exact_weight: bool = False,
     norm: tuple[torch.Tensor, float, bool] | None = None,
     norm_out: torch.Tensor | None = None,
+    matmul=None,
 ) -> torch.Tensor:
     """x [N, C] @ w.T (+ bias) in x.dtype, then the epilogue. ``norm`` (weight, eps,
     unit_offset): x is first replaced by ``rms_norm_ref`` of it, which ``norm_out`` (if given)
@@ -51,7 +52,8 @@ def qlinear_ref(
     - ``residual``: ``out`` [N, R] (the residual) += y in place, and returned;
     - ``gated``: sigmoid(gate) * y, gate [N, 1] logits (into ``out`` if given).
 
-    ``exact_weight``: the weight's exact fp32 values, not rounded to x.dtype (fp32 products and
+    ``matmul``: computes x @ w.T in its stead (a kernel over the stored bytes), the epilogue as
+    here. ``exact_weight``: the weight's exact fp32 values, not rounded to x.dtype (fp32 products and
     sums, y rounded once): what ``qgemv`` computes. It differs from the default only for int8
     weights in bf16 / fp16 (and fp32 summation order)."""
     if norm is not None:
@@ -60,7 +62,9 @@ def qlinear_ref(
             norm_out.copy_(x)
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r} is not one of {', '.join(EPILOGUES)}")
-    if exact_weight:
+    if matmul is not None:  # another kernel's x @ w.T (kernels/qlinear_cpu.py), then the same epilogue
+        y = matmul(x) if bias is None else matmul(x) + bias
+    elif exact_weight:
         y = F.linear(x.float(), dequantize(w), None if bias is None else bias.float()).to(x.dtype)
     else:
         y = F.linear(x, w.weight if w.scheme == "plain" else dequantize(w).to(x.dtype), bias)

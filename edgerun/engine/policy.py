@@ -23,6 +23,9 @@ Fields and what they decide:
   ``kernels/dense_triton.py``: the DeltaNet step, norms). They round at the same points and
   agree within the dense probe's tolerance (a few bf16 ulps), not bit for bit: fixed for the
   engine's life, like ``experts``.
+- ``dense`` on the CPU: the int4 / int8 projections through torch's weight-only CPU kernels
+  (``kernels/qlinear_cpu.py``, bf16 activations) where their probe passes, within the bf16
+  tolerance of the reference.
 - ``dense`` also decides a prompt's DeltaNet delta rule: fla-core's chunked Triton kernels
   (``kernels/delta_chunk.py``) on CUDA for bf16 / fp16 models where their probe passes, else the
   torch reference; within that probe's tolerance of each other.
@@ -72,6 +75,9 @@ class Resolved:
     graphs: bool
     dense: str = "torch"
     delta_chunk: bool = False  # prompts' DeltaNet delta rule through fla-core (kernels/delta_chunk.py)
+    cpu_dense: bool = (
+        False  # int4 / int8 projections through the CPU weight-only kernels (kernels/qlinear_cpu.py)
+    )
     choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
     fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
 
@@ -159,6 +165,17 @@ def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out:
         out.choices["dense"] = "torch" + (" (Triton kernels run on CUDA)" if device.type != "cuda" else "")
         if policy.dense == "triton":
             out.fallbacks["dense_kernel"] = f"triton asked for, but the device is {device}"
+        elif device.type == "cpu" and any(c[0] != "plain" for c in gemv):
+            from edgerun.kernels.qlinear_cpu import probe
+
+            result = probe(gemv)
+            if result.selected:
+                out.cpu_dense = True
+                out.choices["dense"] = (
+                    f"{result.name} for the int4 / int8 projections ({result.reason}), torch for the rest"
+                )
+            else:
+                out.fallbacks["dense_kernel"] = f"{result.name} not selected: {result.reason}"
         return
     from edgerun.kernels.dense_probe import probe_dense
 

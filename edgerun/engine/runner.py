@@ -127,7 +127,9 @@ class Runner:
         for module in self.model.modules():
             if isinstance(module, StreamingExperts):
                 module.policy = self.kernels.moe
-        self.model.use_kernels(self.kernels.dense == "triton", self.kernels.delta_chunk)
+        self.model.use_kernels(
+            self.kernels.dense == "triton", self.kernels.delta_chunk, self.kernels.cpu_dense
+        )
         self.decoder = None
 
     def fallbacks(self) -> dict[str, str]:

@@ -95,15 +95,23 @@ class CausalLM(nn.Module):
             layer.fuse()
         self.lm_head = QLinear.of(self.lm_head)
 
-    def use_kernels(self, gemv: bool, delta_chunk: bool = False) -> None:
-        """Select (or not) the Triton GEMV for every projection's decode-sized inputs, and
-        fla-core's chunked delta rule for prompts in DeltaNet layers: the engine's choices,
-        made once after their probes ran on the device."""
+    def use_kernels(self, gemv: bool, delta_chunk: bool = False, cpu_dense: bool = False) -> int:
+        """Select (or not) the Triton GEMV for every projection's decode-sized inputs, fla-core's
+        chunked delta rule for prompts in DeltaNet layers, and the CPU weight-only kernels for
+        the int4 / int8 projections they take: the engine's choices, made once after their probes
+        ran on the device. Returns how many projections the CPU kernels took."""
+        from edgerun.kernels import qlinear_cpu
+
+        packed = 0
         for m in self.modules():
             if isinstance(m, QLinear):
                 m.gemv = gemv
+                take = cpu_dense and m.scheme != "plain" and qlinear_cpu.unsupported(m.qweight()) is None
+                m.cpu = qlinear_cpu.pack(m.qweight()) if take else None
+                packed += take
             elif isinstance(m, GatedDeltaNet):
                 m.chunk_fla = delta_chunk
+        return packed
 
     def gemv_cases(self) -> list[tuple]:
         """What the dense probe runs the GEMV on for this model: every projection's (scheme,

@@ -9,6 +9,7 @@ fp32 router softmax, fp32 delta rule), so greedy tokens match it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,7 @@ class QLinear(nn.Module):
         self.row_scale = _frozen(w.row_scale)
         self.bias = _frozen(bias)
         self.gemv = False
+        self.cpu = None  # the stored bytes packed for the CPU kernels (kernels/qlinear_cpu.py), when chosen
 
     @classmethod
     def of(cls, m: nn.Module) -> QLinear:
@@ -102,19 +104,25 @@ class QLinear(nn.Module):
             )
         from edgerun.kernels.qlinear_reference import qlinear_ref
 
-        w = self.qweight()
-        if self.gemv and self.scheme != "plain" and x.is_cuda:
+        w, matmul = self.qweight(), None
+        if self.cpu is not None and not x.is_cuda:
+            from edgerun.kernels import qlinear_cpu
+
+            matmul = partial(qlinear_cpu.linear, packed=self.cpu)
+        elif self.gemv and self.scheme != "plain" and x.is_cuda:
             # more rows than a GEMV takes (prefill): the weight's exact values in one launch (the
             # bits the reference's torch dequantization gives), then cuBLAS
             from edgerun.kernels import qlinear_triton
 
             w = QWeight("plain", qlinear_triton.dequantize_weight(w, x.dtype))
         if x.dim() == 2 or out is not None:
-            return qlinear_ref(x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out)
+            return qlinear_ref(
+                x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out, matmul=matmul
+            )
         if norm is not None:
             raise ValueError("a projection's norm takes x [N, C]")
         lead = x.shape[:-1]
-        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), w, self.bias, epilogue, None, gate)
+        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), w, self.bias, epilogue, None, gate, matmul=matmul)
         return flat.reshape(*lead, flat.shape[-1])
 
     def extra_repr(self) -> str:
