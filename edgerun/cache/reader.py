@@ -217,11 +217,12 @@ class BlockReader:
 
     def _stage(self, path: Path, index: int, check) -> Staged:
         buf = self._free.get()
+        view = memoryview(buf)[: self.block_bytes]
         try:
-            view = memoryview(buf)[: self.block_bytes]
             n, dt = self._read_checked(path, index, view, check)
             self._account(n, dt, staged=True)
         except BaseException:
+            view.release()  # the error's traceback keeps the frame: no export may outlive the read
             self._free.put(buf)
             self._unstage()
             raise
