@@ -150,9 +150,9 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
 
     for quota in quotas:
         trace_path = workdir / f"{name}-q{quota}.jsonl"
-        for prefetch in (False, True):
-            rates, bws, waits, counted, pf = [], [], [], None, None
-            for r in range(repeats):
+        runs: dict[bool, list] = {False: [], True: []}
+        for r in range(repeats):  # off and on alternate, so a change in the machine's load hits both
+            for prefetch in (False, True):
                 runner = Runner.load(
                     bundle_dir,
                     device="cpu",
@@ -160,28 +160,32 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
                 )
                 first = r == 0 and not prefetch
                 rec = RouteRecorder(runner.model, args, trace_path, name) if first else None
-                rates.append(decode_rate(runner, ids, tokens))
+                rate = decode_rate(runner, ids, tokens)
                 if rec:
                     rec.close()
-                t = runner.cache.totals()
-                if counted is not None and t.misses != counted:
-                    raise RuntimeError(f"quota {quota}: {t.misses} misses, run 1 counted {counted}")
-                counted, pf = t.misses, t
-                bws.append(t.read_bandwidth / 1e9)
-                waits.append(t.read_seconds * 1e3 / (len(ids) + tokens))
+                runs[prefetch].append((rate, runner.cache.totals()))
                 runner.cache.close()
-            trace = read_trace(trace_path)
-            lru, opt = simulate(trace, quota, "lru"), simulate(trace, quota, "belady")
-            n = len(trace.tokens)
+        trace = read_trace(trace_path)
+        lru, opt = simulate(trace, quota, "lru"), simulate(trace, quota, "belady")
+        n = len(trace.tokens)
+        for prefetch, done in runs.items():
+            counted = {t.misses for _, t in done}
+            if len(counted) != 1:
+                raise RuntimeError(f"quota {quota}: runs counted different misses {sorted(counted)}")
+            t = done[-1][1]
+            rates = [rate for rate, _ in done]
+            bws = [t.read_bandwidth / 1e9 for _, t in done]
+            waits = [t.read_seconds * 1e3 / (len(ids) + tokens) for _, t in done]
             print(
-                f"quota {quota}, prefetch {'on' if prefetch else 'off'}: misses/token counted {counted / n:.2f} "
-                f"({counted} misses over {n} tokens), simulated LRU {lru.misses_per_token:.2f} "
-                f"({lru.total_misses}), Belady {opt.misses_per_token:.2f} ({opt.total_misses}); decode "
-                f"{med(rates)} tok/s; read wait {med(waits)} ms/token; bytes / wait {med(bws)} GB/s "
-                f"(= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} of calibration)"
+                f"quota {quota}, prefetch {'on' if prefetch else 'off'}: misses/token counted "
+                f"{t.misses / n:.2f} ({t.misses} misses over {n} tokens), simulated LRU "
+                f"{lru.misses_per_token:.2f} ({lru.total_misses}), Belady {opt.misses_per_token:.2f} "
+                f"({opt.total_misses}); decode {med(rates)} tok/s; read wait {med(waits)} ms/token; "
+                f"bytes / wait {med(bws)} GB/s (= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} "
+                "of calibration)"
                 + (
-                    f"; prefetch {pf.prefetch_issued} issued, {pf.prefetch_useful} useful "
-                    f"({pf.prefetch_useful / max(pf.misses, 1):.0%} of misses), {pf.prefetch_wasted} wasted"
+                    f"; prefetch {t.prefetch_issued} issued, {t.prefetch_useful} useful "
+                    f"({t.prefetch_useful / max(t.misses, 1):.0%} of misses), {t.prefetch_wasted} wasted"
                     if prefetch
                     else ""
                 )

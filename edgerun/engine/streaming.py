@@ -73,15 +73,6 @@ def predicted_rows(model, layer: int, residual: torch.Tensor) -> list[list[int]]
     return gate.select(logits)[1].tolist()
 
 
-def prefetch_next(cache: ExpertCache, model, layer: int, residual: torch.Tensor) -> int:
-    """Prefetch for ``layer`` the first lookup it would make were its routing the one
-    predicted from ``residual`` (:func:`predicted_rows`); returns the reads issued."""
-    if not cache.prefetch_depth:
-        return 0
-    rows = predicted_rows(model, layer, residual)
-    return cache.prefetch(layer, fetches(rows, cache.slots[layer].quota)[0])
-
-
 class Prefetcher:
     """Decode reads that do not wait for the router: once a streamed MoE layer has its own
     experts, the next streamed MoE layer's are predicted from the residual stream the first
@@ -112,9 +103,9 @@ class Prefetcher:
         residual = self._residual.pop(layer, None)
         if residual is None or layer not in self.next:
             return 0
-        return prefetch_next(
-            self.cache, self.model, self.next[layer], residual.reshape(-1, residual.shape[-1])
-        )
+        nxt = self.next[layer]
+        rows = predicted_rows(self.model, nxt, residual.reshape(-1, residual.shape[-1]))
+        return self.cache.prefetch(nxt, fetches(rows, self.cache.slots[nxt].quota)[0])  # its first lookup
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -160,6 +151,7 @@ class StreamingExperts(nn.Module):
         table = self.held() if self.policy.impl == "triton" else None
         if table is not None:  # every expert held: the kernels look the slots up on the device
             c.count_hits(i, ids.numel())
+            self._prefetch_next()
             return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
