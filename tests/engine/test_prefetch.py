@@ -31,7 +31,9 @@ def test_prefetch_keeps_tokens_and_books_and_counts_its_reads(bundles, quant):
     b = bundles[("qwen3_5_moe", quant)]
     out = {}
     for prefetch in (False, True):
-        model, args, cache, _ = load_streaming_model(b, CacheConfig(2, prefetch=prefetch), dtype=torch.float32)
+        model, args, cache, _ = load_streaming_model(
+            b, CacheConfig(2, prefetch=prefetch), dtype=torch.float32
+        )
         runner = Runner(model, args, None, prefill_chunk=8)
         tokens = runner.generate_ids(list(range(5, 30)), GREEDY)
         tokens += runner.generate_ids(list(range(40, 44)), GREEDY)
