@@ -12,7 +12,7 @@ from edgerun.engine.setup import DTYPES
 from edgerun.errors import EdgerunError
 from edgerun.flags import EXIT_USAGE, add_device_arguments, add_model_argument, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.cli import add_kernel_arguments
+from edgerun.server.cli import add_kernel_arguments, add_prefetch_argument
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +77,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
     )
+    add_prefetch_argument(p)
     add_kernel_arguments(p)
     add_provider_arguments(p)
 
@@ -190,7 +191,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
+    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
     "allow_provider", "provider", "allow_override",
 )  # fmt: skip
 
@@ -226,6 +227,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
         host_quota=ns.host_quota,
         read_mode=ns.read_mode,
         read_depth=ns.read_depth,
+        prefetch=ns.prefetch,
         pool=ns.slot_pool,
         warm=warm,
         providers=providers,

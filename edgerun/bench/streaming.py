@@ -4,7 +4,9 @@ For the demo model (trained) and a larger synthetic model (random weights, int4 
   1. calibration: raw O_DIRECT read bandwidth over the expert files (several reads in flight);
   2. a route trace of a fixed greedy generation; misses/token at two quotas for LRU (counted by
      the cache, and simulated) and Belady (simulated);
-  3. decode tok/s resident vs streaming (O_DIRECT), the achieved read GB/s against (1);
+  3. decode tok/s resident vs streaming (O_DIRECT), prefetch off and on: the time lookups waited
+     for reads per token (prompt and generated), bytes over that wait against (1) (over 100%
+     when prefetched reads finished before they were asked for), prefetch issued/useful/wasted;
   4. page-cache growth (the expert files' resident pages, by mincore) for one streaming run with
      direct vs buffered reads.
 Every rate is the median of --repeats runs, with the range.
@@ -148,30 +150,46 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
 
     for quota in quotas:
         trace_path = workdir / f"{name}-q{quota}.jsonl"
-        rates, bws, counted = [], [], None
-        for r in range(repeats):
-            runner = Runner.load(
-                bundle_dir,
-                device="cpu",
-                cache=cache_config(Path(bundle_dir), quota=quota, read_mode="direct"),
-            )
-            rec = RouteRecorder(runner.model, args, trace_path, name) if r == 0 else None
-            rates.append(decode_rate(runner, ids, tokens))
-            if rec:
-                rec.close()
-            t = runner.cache.totals()
-            counted = counted if counted is not None else t.misses
-            bws.append(t.read_bandwidth / 1e9)
-            runner.cache.close()
+        runs: dict[bool, list] = {False: [], True: []}
+        for r in range(repeats):  # off and on alternate, so a change in the machine's load hits both
+            for prefetch in (False, True):
+                runner = Runner.load(
+                    bundle_dir,
+                    device="cpu",
+                    cache=cache_config(Path(bundle_dir), quota=quota, read_mode="direct", prefetch=prefetch),
+                )
+                first = r == 0 and not prefetch
+                rec = RouteRecorder(runner.model, args, trace_path, name) if first else None
+                rate = decode_rate(runner, ids, tokens)
+                if rec:
+                    rec.close()
+                runs[prefetch].append((rate, runner.cache.totals()))
+                runner.cache.close()
         trace = read_trace(trace_path)
         lru, opt = simulate(trace, quota, "lru"), simulate(trace, quota, "belady")
         n = len(trace.tokens)
-        print(
-            f"quota {quota}: misses/token counted {counted / n:.2f} ({counted} misses over {n} tokens), "
-            f"simulated LRU {lru.misses_per_token:.2f} ({lru.total_misses}), Belady {opt.misses_per_token:.2f} "
-            f"({opt.total_misses}); decode {med(rates)} tok/s; read {med(bws)} GB/s "
-            f"(= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} of calibration)"
-        )
+        for prefetch, done in runs.items():
+            counted = {t.misses for _, t in done}
+            if len(counted) != 1:
+                raise RuntimeError(f"quota {quota}: runs counted different misses {sorted(counted)}")
+            t = done[-1][1]
+            rates = [rate for rate, _ in done]
+            bws = [t.read_bandwidth / 1e9 for _, t in done]
+            waits = [t.read_seconds * 1e3 / (len(ids) + tokens) for _, t in done]
+            print(
+                f"quota {quota}, prefetch {'on' if prefetch else 'off'}: misses/token counted "
+                f"{t.misses / n:.2f} ({t.misses} misses over {n} tokens), simulated LRU "
+                f"{lru.misses_per_token:.2f} ({lru.total_misses}), Belady {opt.misses_per_token:.2f} "
+                f"({opt.total_misses}); decode {med(rates)} tok/s; read wait {med(waits)} ms/token; "
+                f"bytes / wait {med(bws)} GB/s (= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} "
+                "of calibration)"
+                + (
+                    f"; prefetch {t.prefetch_issued} issued, {t.prefetch_useful} useful "
+                    f"({t.prefetch_useful / max(t.misses, 1):.0%} of misses), {t.prefetch_wasted} wasted"
+                    if prefetch
+                    else ""
+                )
+            )
 
     for mode in ("direct", "buffered"):
         evict(files)

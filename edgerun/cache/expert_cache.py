@@ -19,19 +19,26 @@ Every block read is checked against its manifest checksum on the host bytes, in 
 thread, before it is copied to (or counted as filled in) its slot (``Bundle.check_block``); a
 block that fails on a read and a re-read is not cached: its fill is abandoned, the error counted
 and raised. An older bundle without checksums is read unchecked, as a counted fallback.
+
+Prefetch (``prefetch``): reads started before a layer's lookup asks for them land in staging
+buffers the reader keeps owned (``BlockReader.stage``), not in slots; the layer's next fill
+places the ones it needs and drops the rest, counted as useful and wasted. The slot books never
+see a prefetch, so no referenced slot is refilled early and hits and misses are the same with
+prefetch on or off (the simulator's numbers); only the time a lookup waits changes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, fields, replace
 from functools import partial
 
 import torch
 
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer
+from edgerun.cache.reader import ALIGN, BlockReader, Staged, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
 from edgerun.errors import ChecksumError, StorageError
@@ -46,6 +53,10 @@ class LayerStats:
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time this layer waited for its misses
     tier_copies: int = 0  # misses served from the pinned host tier (a copy, no storage read)
+    prefetch_issued: int = 0  # reads started before the layer's lookup asked (``ExpertCache.prefetch``)
+    prefetch_useful: int = 0  # of them, misses they served (still counted as misses)
+    prefetch_wasted: int = 0  # of them, read (or cancelled) and not asked for
+    prefetch_bytes: int = 0  # bytes the issued prefetches read, useful and wasted
 
     @property
     def read_bandwidth(self) -> float:
@@ -131,6 +142,13 @@ class ExpertCache:
         self.readers = {
             bb: BlockReader(bb, staging, config.read_mode, config.read_depth) for bb in block_sizes
         }
+        # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads
+        self.prefetch_depth = max(staging - args.num_experts_per_tok, 0) if config.prefetch else 0
+        if config.prefetch and not self.prefetch_depth:
+            self.adjustments.append(
+                f"prefetch off: {staging} staging buffers leave none beyond top_k {args.num_experts_per_tok}"
+            )
+        self._staged: dict[int, dict[int, Future]] = {}  # layer -> expert -> staged read (prefetch)
         self.copy_stream = None
         if pool == "device":
             # each read's staging buffer (page-locked) is copied to its slot on a side stream; the
@@ -211,7 +229,9 @@ class ExpertCache:
 
     def _fill(self, layer: int, fills: list[Fill]) -> None:
         """Bring every miss of one layer into its slot: from the host tier when there is one,
-        else read from storage; all are in flight before the first is awaited."""
+        else read from storage; all are in flight before the first is awaited. Prefetched reads of
+        the layer are claimed or dropped here, on every lookup."""
+        staged = self._claim(layer, fills)
         if not fills:
             return
         for f in fills:  # the slot's CPU-kernel layout is of its old expert: repacked on next use
@@ -234,61 +254,119 @@ class ExpertCache:
         if layer in self.tier:
             self._copy_from_tier(layer, fills)
             return
+        host = self.host_slots.get(layer)
 
-        def sink_for(slot: int):
-            def sink(view: memoryview) -> None:
-                src = torch.frombuffer(view, dtype=torch.uint8)
-                if stream is None:
-                    pool[slot].copy_(src)
-                    return
-                with torch.cuda.stream(stream):
-                    pool[slot].copy_(src, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                done.synchronize()  # the staging buffer goes back to the queue only after this
+        def place(slot: int, view: memoryview) -> None:  # a staging buffer's block into its slot
+            src = torch.frombuffer(view, dtype=torch.uint8)
+            if stream is None:  # host and mapped slots: host memory
+                host[slot].copy_(src)
+                return
+            with torch.cuda.stream(stream):
+                pool[slot].copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()  # the staging buffer goes back to the queue only after this
 
-            return sink
+        dest = host if self.pool_kind == "mapped" else None
+        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged)
 
-        if self.pool_kind == "mapped":
-            self._read(layer, self.slots[layer], fills, dest=self.host_slots[layer])
-        else:
-            self._read(layer, self.slots[layer], fills, sink_for=sink_for)
-
-    def _read(self, layer: int, table: LayerSlots, fills: list[Fill], dest=None, sink_for=None) -> None:
+    def _read(
+        self,
+        layer: int,
+        table: LayerSlots,
+        fills: list[Fill],
+        dest=None,
+        place=None,
+        staged: dict[int, Future] | None = None,
+    ) -> None:
         """Read ``fills`` from storage: into ``dest[slot]`` (host memory, no staging copy) or
-        through a staging buffer handed to ``sink_for(slot)``. A failed read's slot is abandoned
-        in ``table`` (read again next time); the first error is re-raised once all settled."""
+        through a staging buffer handed to ``place(slot, view)``; a fill whose expert is in
+        ``staged`` (a prefetch of it, claimed) is placed from that read's buffer instead. A
+        failed read's slot is abandoned in ``table`` (read again next time); the first error is
+        re-raised once all settled."""
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         path = self.bundle.expert_path(layer)
         n = self.bundle.args.num_experts
         checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
+        staged = staged or {}
 
         def submit(f: Fill):
             check = partial(self.bundle.check_block, layer, f.expert) if checked else None
             if dest is not None:
                 return reader.submit(path, f.expert, None, n, dest=dest[f.slot].numpy().data, check=check)
-            return reader.submit(path, f.expert, sink_for(f.slot), n, check=check)
+            return reader.submit(path, f.expert, partial(place, f.slot), n, check=check)
 
         t0 = time.perf_counter()
-        futures = [(f, submit(f)) for f in fills]
-        error = None
-        for f, fut in futures:
+        # every read in flight before the first is awaited; prefetched blocks are placed first,
+        # handing their staging buffers back to the reads still queued
+        futures = [(f, submit(f)) for f in fills if f.expert not in staged]
+        claimed = [(f, staged[f.expert]) for f in fills if f.expert in staged]
+        error, done = None, 0
+        for f, fut in claimed + futures:
             try:
-                fut.result()
+                got = fut.result()
+                if isinstance(got, Staged):
+                    try:
+                        place(f.slot, got.view)
+                    finally:
+                        got.release()
+                done += 1
             except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
                 table.abandon(f)
                 if isinstance(exc, StorageError):
                     self.faults["checksum" if isinstance(exc, ChecksumError) else "io"] += 1
                 error = error or exc
-        done = sum(1 for _, fu in futures if fu.exception() is None)
         st = self.io[layer]
         st.read_seconds += time.perf_counter() - t0
         st.bytes_read += bb * done
+        st.prefetch_useful += len(claimed)
+        st.prefetch_bytes += bb * len(claimed)
         if not checked:
             self.unchecked_reads += done
         if error is not None:
             raise error
+
+    # ---- prefetch -----------------------------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+        """Start reading those of ``experts`` that ``layer`` does not hold, before its lookup
+        asks (the next layer's predicted experts; a prefill's next batch): into staging buffers,
+        not slots. The layer's next fill places each one it needs from there and drops the rest
+        (wasted). Slots and their books are untouched until that lookup, so no slot a step holds
+        a reference to is refilled, and hits and misses count as without prefetch. At most
+        ``prefetch_depth`` staged blocks are held per reader, so other reads always find a
+        buffer. Returns how many reads were issued (0 with prefetch off)."""
+        if not self.prefetch_depth or layer in self.tier:
+            return 0
+        bb = self.bundle.layouts[layer].block_bytes
+        reader = self.readers[bb]
+        held, staged = self.slots[layer].slot_of, self._staged.setdefault(layer, {})
+        room = max(self.prefetch_depth - reader.staged, 0)
+        todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
+        path, n = self.bundle.expert_path(layer), self.bundle.args.num_experts
+        checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
+        for e in todo:
+            check = partial(self.bundle.check_block, layer, e) if checked else None
+            staged[e] = reader.stage(path, e, n, check)
+        self.io[layer].prefetch_issued += len(todo)
+        return len(todo)
+
+    def _claim(self, layer: int, fills: list[Fill]) -> dict[int, Future]:
+        """The layer's prefetched reads its ``fills`` need; the rest are dropped as wasted."""
+        staged = self._staged.pop(layer, None)
+        if not staged:
+            return {}
+        need = {f.expert for f in fills}
+        for e in [e for e in staged if e not in need]:
+            self._drop(layer, staged.pop(e))
+        return staged
+
+    def _drop(self, layer: int, future: Future) -> None:
+        st = self.io[layer]
+        st.prefetch_wasted += 1
+        if not self.readers[self.bundle.layouts[layer].block_bytes].drop(future):
+            st.prefetch_bytes += self.bundle.layouts[layer].block_bytes  # read (or reading): it cost
 
     def _tier_get(self, layer: int, expert_ids: list[int], count: bool = True) -> None:
         """The host tier sees every lookup (so it holds the device slots' experts and more, as an
@@ -372,21 +450,14 @@ class ExpertCache:
     # ---- reporting ----------------------------------------------------------------------
 
     def layer_stats(self, layer: int) -> LayerStats:
-        c, io = self.slots[layer].counters, self.io[layer]
-        return LayerStats(
-            c.hits, c.misses, c.evictions, io.warm_reads, io.bytes_read, io.read_seconds, io.tier_copies
-        )
+        c = self.slots[layer].counters
+        return replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions)
 
     def totals(self) -> LayerStats:
         t = LayerStats()
         for s in map(self.layer_stats, self.slots):
-            t.hits += s.hits
-            t.misses += s.misses
-            t.evictions += s.evictions
-            t.warm_reads += s.warm_reads
-            t.bytes_read += s.bytes_read
-            t.read_seconds += s.read_seconds
-            t.tier_copies += s.tier_copies
+            for f in fields(LayerStats):
+                setattr(t, f.name, getattr(t, f.name) + getattr(s, f.name))
         return t
 
     def fallbacks(self) -> dict[str, str]:
@@ -406,9 +477,17 @@ class ExpertCache:
     def read_faults(self) -> dict[str, int]:
         """Blocks read again after failing their checksum (``reread``), and reads refused: a block
         that failed twice (``checksum``), a short read or I/O error (``io``)."""
-        return {"reread": sum(r.stats.rereads for r in self.readers.values()), **self.faults}
+        rs = [r.stats for r in self.readers.values()]
+        wasted = sum(s.wasted_faults for s in rs)  # prefetched, failed, not asked for: no token used them
+        return {
+            "reread": sum(s.rereads for s in rs),
+            **self.faults,
+            **({"prefetch": wasted} if wasted else {}),
+        }
 
     def close(self) -> None:
+        for layer in list(self._staged):
+            self._claim(layer, [])
         for r in self.readers.values():
             r.close()
         self.readers.clear()

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from edgerun.errors import ChecksumError, EdgerunError, StorageError
@@ -74,12 +75,26 @@ class ReadStats:
     seconds: float = 0.0  # summed per-read wall time (reads overlap: see wall_seconds)
     wall_seconds: float = 0.0  # time with at least one read in flight
     rereads: int = 0  # blocks read again after failing their check
+    wasted_faults: int = 0  # staged reads dropped unclaimed that failed (nothing used their bytes)
     fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> reason
     fallback_reads: dict[str, int] = field(default_factory=dict)  # kind -> reads it served
 
     @property
     def bandwidth(self) -> float:
         return self.bytes / self.wall_seconds if self.wall_seconds else 0.0
+
+
+@dataclass
+class Staged:
+    """A block in a staging buffer its holder owns (``BlockReader.stage``): ``view`` holds the
+    checked bytes until ``release`` hands the buffer back."""
+
+    view: memoryview
+    _release: Callable[[], None]
+
+    def release(self) -> None:
+        self.view.release()
+        self._release()
 
 
 class BlockReader:
@@ -114,6 +129,7 @@ class BlockReader:
         self._lock = threading.Lock()
         self._inflight = 0
         self._busy_since = 0.0
+        self.staged = 0  # staged reads submitted and not yet released (see ``stage``)
         self.stats = ReadStats()
         # a reader dropped without close() still unregisters its page-locked buffers before they
         # are unmapped (else a later mapping at the same address could not be registered) and
@@ -166,8 +182,7 @@ class BlockReader:
         staging buffer handed to ``sink``, or, with ``dest`` (page-aligned, block_bytes long),
         straight into the caller's memory (a unified-memory slot) with no staging copy. ``check``
         (raising :class:`ChecksumError`) sees the bytes first; see the module docstring."""
-        if not 0 <= index < num_blocks:
-            raise ReadError(f"{path}: block {index} requested, file holds blocks 0..{num_blocks - 1}")
+        self._check_index(path, index, num_blocks)
         if dest is not None and len(dest) != self.block_bytes:
             raise ReadError(
                 f"{path} block {index}: destination holds {len(dest)} bytes, a block is {self.block_bytes}"
@@ -175,29 +190,95 @@ class BlockReader:
         buf = self._free.get() if dest is None else None  # owned until returned below
         try:
             view = memoryview(buf)[: self.block_bytes] if dest is None else dest
-            n, dt = self._pread(Path(path), index, view)
-            if check is not None:
-                try:
-                    check(view)
-                except ChecksumError:
-                    with self._lock:
-                        self.stats.rereads += 1
-                    self._pread(Path(path), index, view, again=True)
-                    check(view)  # failing twice: the block is damaged where it is stored
+            n, dt = self._read_checked(Path(path), index, view, check)
             if sink is not None:
                 sink(view)
-            with self._lock:
-                st = self.stats
-                st.reads += 1
-                st.bytes += n
-                st.seconds += dt
-                for kind in st.fallbacks:  # direct_read: this read was buffered; pageable_staging: staged
-                    if kind == "direct_read" or dest is None:
-                        st.fallback_reads[kind] = st.fallback_reads.get(kind, 0) + 1
+            self._account(n, dt, staged=dest is None)
             return n
         finally:
             if buf is not None:
                 self._free.put(buf)
+
+    def stage(
+        self,
+        path: Path,
+        index: int,
+        num_blocks: int,
+        check: Callable[[memoryview], object] | None = None,
+    ) -> Future:
+        """Read block ``index`` into a staging buffer that stays owned past the read: a Future of
+        :class:`Staged`, whose holder copies the bytes out and releases the buffer (a read issued
+        before it is known where the block goes). Every staged buffer held is one fewer for
+        other reads: :attr:`staged` counts them, from submission to release (or :meth:`drop`)."""
+        self._check_index(path, index, num_blocks)
+        with self._lock:
+            self.staged += 1
+        return self._pool.submit(self._stage, Path(path), index, check)
+
+    def _stage(self, path: Path, index: int, check) -> Staged:
+        buf = self._free.get()
+        view = memoryview(buf)[: self.block_bytes]
+        try:
+            n, dt = self._read_checked(path, index, view, check)
+            self._account(n, dt, staged=True)
+        except BaseException:
+            view.release()  # the error's traceback keeps the frame: no export may outlive the read
+            self._free.put(buf)
+            self._unstage()
+            raise
+        return Staged(view, partial(self._unhold, buf))
+
+    def drop(self, future: Future) -> bool:
+        """A staged read nobody will claim: cancelled if it has not started (True), else its
+        buffer goes back once it is done (False); a failure is counted in ``wasted_faults``."""
+        if future.cancel():
+            self._unstage()
+            return True
+        future.add_done_callback(self._dropped)
+        return False
+
+    def _dropped(self, future: Future) -> None:
+        if future.exception() is None:
+            future.result().release()
+            return
+        with self._lock:
+            self.stats.wasted_faults += 1
+
+    def _unhold(self, buf: mmap.mmap) -> None:
+        self._free.put(buf)
+        self._unstage()
+
+    def _unstage(self) -> None:
+        with self._lock:
+            self.staged -= 1
+
+    def _check_index(self, path: Path, index: int, num_blocks: int) -> None:
+        if not 0 <= index < num_blocks:
+            raise ReadError(f"{path}: block {index} requested, file holds blocks 0..{num_blocks - 1}")
+
+    def _read_checked(self, path: Path, index: int, view: memoryview, check) -> tuple[int, float]:
+        """Read block ``index`` into ``view`` and run ``check`` on it; a block failing its check is
+        read once more and checked again (see the module docstring)."""
+        n, dt = self._pread(path, index, view)
+        if check is not None:
+            try:
+                check(view)
+            except ChecksumError:
+                with self._lock:
+                    self.stats.rereads += 1
+                self._pread(path, index, view, again=True)
+                check(view)  # failing twice: the block is damaged where it is stored
+        return n, dt
+
+    def _account(self, n: int, dt: float, staged: bool) -> None:
+        with self._lock:
+            st = self.stats
+            st.reads += 1
+            st.bytes += n
+            st.seconds += dt
+            for kind in st.fallbacks:  # direct_read: this read was buffered; pageable_staging: staged
+                if kind == "direct_read" or staged:
+                    st.fallback_reads[kind] = st.fallback_reads.get(kind, 0) + 1
 
     def _pread(self, path: Path, index: int, view: memoryview, again: bool = False) -> tuple[int, float]:
         """One read of block ``index`` into ``view``: (bytes, seconds). ``again``: through a fresh

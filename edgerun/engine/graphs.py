@@ -57,6 +57,8 @@ class _MoeBuffers:
     slots_host: torch.Tensor | None  # pinned [1, A] staging of ``slots`` (routed mode)
     table: torch.Tensor | None  # [E] int64 expert -> slot (table mode)
     refs: list[SlotRef]  # the lookup's references, checked when the expert step is queued
+    predicted: torch.Tensor | None = None  # [1, A] int64: the next host-op layer's experts, predicted
+    predicted_weights: torch.Tensor | None = None  # [1, A] (select writes both)
 
 
 class DecodeGraphs:
@@ -117,6 +119,17 @@ class DecodeGraphs:
                     table=table,
                     refs=[],
                 )
+        # decode prefetch: where layer i and the next MoE layer j both serve misses on the host,
+        # j's router runs on i's residual stream in i's segment, and i's host op (after its own
+        # lookup) prefetches what it predicts, so j's reads overlap i's expert step and j's mixer
+        host = [i for i, m in self.modes.items() if m in ("routed", "eager")]
+        prefetch = self.cache is not None and self.cache.prefetch_depth > 0
+        self.predict = (
+            {i: j for i, j in zip(host, host[1:], strict=False) if j == self._next_moe(i)} if prefetch else {}
+        )
+        for i in self.predict:
+            buf = self.moe[i]
+            buf.predicted, buf.predicted_weights = torch.zeros_like(buf.ids), torch.zeros_like(buf.weights)
         self.ops = self._plan()
         self._segments: list | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -137,6 +150,9 @@ class DecodeGraphs:
             return "eager", None
         table = self.cache.slot_table(i)
         return ("table" if table is not None else "routed"), table
+
+    def _next_moe(self, i: int) -> int | None:
+        return next((j for j in sorted(self.modes) if j > i), None)
 
     def _plan(self) -> list[tuple[str, object]]:
         ops: list[tuple[str, object]] = [("device", self._embed)]
@@ -195,6 +211,10 @@ class DecodeGraphs:
         logits = mlp.gate.logits(self.x, norm=norm, norm_out=self.h)  # the MLP's input lands in h
         mlp.gate.select(logits, out=(buf.weights, buf.ids), fused=self.static.fused)
         mlp.shared_output(self.h, logits, out=self.shared)
+        if i in self.predict:  # the next layer's router on this residual stream (see __init__)
+            nxt = self.layers[self.predict[i]]
+            guess = nxt.mlp.gate.logits(self.x, norm=nxt.post_attention_layernorm)
+            nxt.mlp.gate.select(guess, out=(buf.predicted_weights, buf.predicted), fused=self.static.fused)
 
     def _into(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The expert step's result goes into the residual stream, with the shared expert's."""
@@ -205,6 +225,12 @@ class DecodeGraphs:
         slots, buf.refs = lookup(self.cache, i, buf.ids.tolist(), "cpu")  # waits for the router
         buf.slots_host.copy_(slots)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
+        self._prefetch(i)
+
+    def _prefetch(self, i: int) -> None:
+        """After layer i's lookup: start the reads of the next layer's predicted experts."""
+        if i in self.predict:
+            self.cache.prefetch(self.predict[i], self.moe[i].predicted[0].tolist())
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
@@ -219,6 +245,7 @@ class DecodeGraphs:
     def _experts_eager(self, i: int) -> None:
         buf = self.moe[i]
         slots, refs = lookup(self.cache, i, buf.ids.tolist(), self.device)
+        self._prefetch(i)
         run_experts(
             self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs, into=self._into(i)
         )

@@ -14,6 +14,12 @@ def cache_line(cache, tokens: int) -> str:
         + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
         + f"{t.bytes_read / 2**20:.1f} MiB read "
         f"at {t.read_bandwidth / 1e9:.2f} GB/s"
+        + (
+            f", prefetch {t.prefetch_issued} issued, {t.prefetch_useful} useful, {t.prefetch_wasted} wasted "
+            f"({t.prefetch_bytes / 2**20:.1f} MiB)"
+            if cache.prefetch_depth
+            else ", prefetch off"
+        )
     )
 
 
@@ -33,7 +39,9 @@ def experts_text(runner) -> str:
     )
     return (
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
-        f"read {'/'.join(modes)} depth {depths}, cache {cache.footprint_bytes / 2**20:.1f} MiB"
+        f"read {'/'.join(modes)} depth {depths}, "
+        + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
+        + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"
         + "".join(f"; {note}" for note in cache.adjustments)
         + ")"
     )

@@ -116,6 +116,7 @@ def cache_config(
     host_quota: int | None = None,
     read_mode: str | None = None,
     read_depth: int | None = None,
+    prefetch: bool | None = None,
     pool: str | None = None,
     warm: Mapping[int, Any] | None = None,
     providers=None,
@@ -138,6 +139,7 @@ def cache_config(
             ("--slot-pool", pool),
             ("--read-mode", read_mode),
             ("--read-depth", read_depth),
+            ("--prefetch" if prefetch else "--no-prefetch", prefetch),
             ("--warm", warm),
         ):
             if value is not None:
@@ -161,6 +163,7 @@ def cache_config(
         host_quotas=host_quota,
         read_mode=read_mode or "auto",
         read_depth=read_depth,
+        prefetch=True if prefetch is None else prefetch,
         pool=pool,
         unified_memory=unified,
         warm=warm,

@@ -14,6 +14,7 @@ Shape legend: N = tokens in the forward, A = top_k, Q = the layer's slot quota.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,6 +63,57 @@ def run_experts(
     )  # fmt: skip
 
 
+def predicted_rows(model, layer: int, residual: torch.Tensor) -> list[list[int]]:
+    """Layer ``layer``'s router applied (after the layer's own MLP norm) to ``residual`` [N, D],
+    a residual stream of an earlier layer: the experts it would route to were the stream not to
+    change before it (it changes slowly between layers)."""
+    block = model.model.layers[layer]
+    gate = block.mlp.gate
+    logits = gate.logits(residual, norm=block.post_attention_layernorm)
+    return gate.select(logits)[1].tolist()
+
+
+class Prefetcher:
+    """Decode reads that do not wait for the router: once a streamed MoE layer has its own
+    experts, the next streamed MoE layer's are predicted from the residual stream the first
+    layer's MLP reads (kept by a hook on its norm) and prefetched, so those reads overlap this
+    layer's expert compute and the next layer's token mixer. The model's forward path (CPU
+    decode, prefill); the CUDA decode step does the same from its static buffers."""
+
+    def __init__(self, model, cache: ExpertCache) -> None:
+        self.model, self.cache = model, cache
+        layers = model.model.layers
+        streamed = [
+            i for i, b in enumerate(layers) if isinstance(getattr(b.mlp, "experts", None), StreamingExperts)
+        ]
+        self.next = dict(zip(streamed, streamed[1:], strict=False))
+        self._residual: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            layers[i].post_attention_layernorm.register_forward_pre_hook(partial(self._keep, i))
+            for i in self.next
+        ]
+        for i in self.next:
+            layers[i].mlp.experts.prefetcher = self
+
+    def _keep(self, layer: int, module, inputs) -> None:
+        self._residual[layer] = inputs[0]
+
+    def issue(self, layer: int) -> int:
+        """After ``layer``'s lookup: prefetch the next streamed layer's predicted experts."""
+        residual = self._residual.pop(layer, None)
+        if residual is None or layer not in self.next:
+            return 0
+        nxt = self.next[layer]
+        rows = predicted_rows(self.model, nxt, residual.reshape(-1, residual.shape[-1]))
+        return self.cache.prefetch(nxt, fetches(rows, self.cache.slots[nxt].quota)[0])  # its first lookup
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for i in self.next:
+            self.model.model.layers[i].mlp.experts.prefetcher = None
+
+
 def lookup(
     cache: ExpertCache, layer: int, rows: list[list[int]], device
 ) -> tuple[torch.Tensor, list[SlotRef]]:
@@ -83,6 +135,7 @@ class StreamingExperts(nn.Module):
         self.cache = cache
         self.quota = cache.slots[layer].quota
         self.policy = policy
+        self.prefetcher: Prefetcher | None = None  # set by a Prefetcher (decode prediction)
         self._table: torch.Tensor | None = None
 
     def held(self) -> torch.Tensor | None:
@@ -98,23 +151,34 @@ class StreamingExperts(nn.Module):
         table = self.held() if self.policy.impl == "triton" else None
         if table is not None:  # every expert held: the kernels look the slots up on the device
             c.count_hits(i, ids.numel())
+            self._prefetch_next()
             return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
         if len(batches) == 1:
             slots, refs = lookup(c, i, rows, x.device)
+            self._prefetch_next()
             return run_experts(c, i, x, slots, ids, weights, self.policy, refs)
         # more distinct experts than slots (prefill): ascending-id batches that fit, each expert
-        # read once and run over all its tokens, summing in the order of one pass
+        # read once and run over all its tokens, summing in the order of one pass. Batch j + 1
+        # (the last: the next layer's first) is read into staging while batch j computes.
         acc = accumulator(x, self.policy)
-        for batch in batches:
+        for j, batch in enumerate(batches):
             refs = c.get_many(i, batch)
+            if j + 1 < len(batches):
+                c.prefetch(i, batches[j + 1])
+            else:
+                self._prefetch_next()
             slot_of = {r.expert: r.slot for r in refs}
             filler = slot_of[batch[0]]  # entries of other experts: any valid slot, never read
             slots = torch.tensor([[slot_of.get(e, filler) for e in row] for row in rows], device=x.device)
             part = (batch[0], batch[-1])
             acc = run_experts(c, i, x, slots, ids, weights, self.policy, refs, acc=acc, expert_range=part)
         return acc.to(x.dtype)
+
+    def _prefetch_next(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.issue(self.layer)
 
 
 def load_streaming_model(
@@ -143,5 +207,7 @@ def load_streaming_model(
     cache.hold_complete_layers()
     if config.warm:
         cache.warm(config.warm)
+    if cache.prefetch_depth:
+        Prefetcher(model, cache)
     report.expert_layout += f", streamed (quota {cache.quotas[args.moe_layers[0]]}/layer)"
     return model, args, cache, report

@@ -23,6 +23,7 @@ _FLAGS = (
     "quota",
     "read_mode",
     "read_depth",
+    "prefetch",
     "expert_kernel",
     "graphs",
     "dense_kernel",
@@ -63,6 +64,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--read-mode", choices=("auto", "direct", "buffered"), help="streamed expert reads (default auto)"
     )
     p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
+    add_prefetch_argument(p)
     add_kernel_arguments(p, default=None)
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
@@ -92,6 +94,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="log one line per request on stderr: method, path, status, seconds, client uid",
     )
     add_provider_arguments(p)
+
+
+def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
+    """--prefetch / --no-prefetch: shared by serve and generate."""
+    p.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="streamed experts: read the next layer's predicted experts (and a prefill's next batch) "
+        "before the router asks (default: on)",
+    )
 
 
 def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
@@ -153,6 +166,7 @@ def cache_plan(opts: ServeOptions):
         context=opts.context,
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,
+        prefetch=opts.prefetch,
         pool=opts.slot_pool,
         providers=opts.providers,
     )

@@ -172,6 +172,10 @@ class RunnerEngine:
                 "misses": st.misses if st else 0,
                 "evictions": st.evictions if st else 0,
                 "bytes_read": st.bytes_read if st else 0,
+                **{
+                    k: getattr(st, k) if st else 0
+                    for k in ("prefetch_issued", "prefetch_useful", "prefetch_wasted", "prefetch_bytes")
+                },
             }
         return {
             "experts": "streamed" if cache else "resident",

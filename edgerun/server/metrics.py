@@ -157,6 +157,23 @@ def render(
     ):
         t.family(name, "counter", help_, [({"layer": i, "experts": mode}, s[key]) for i, s in layers])
     t.family(
+        "edgerun_expert_prefetch_total",
+        "counter",
+        "Expert reads issued before the router asked (the next layer's predicted experts, a prefill's "
+        "next batch), per layer: issued, useful (served a miss) and wasted (not asked for).",
+        [
+            ({"layer": i, "experts": mode, "outcome": k}, s.get(f"prefetch_{k}", 0))
+            for i, s in layers
+            for k in ("issued", "useful", "wasted")
+        ],
+    )
+    t.family(
+        "edgerun_expert_prefetch_bytes_total",
+        "counter",
+        "Expert bytes prefetches read, useful and wasted, per layer.",
+        [({"layer": i, "experts": mode}, s.get("prefetch_bytes", 0)) for i, s in layers],
+    )
+    t.family(
         "edgerun_fallbacks_total",
         "counter",
         "Fallbacks taken (eager step, CPU reference, buffered read), by kind.",

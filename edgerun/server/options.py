@@ -33,6 +33,7 @@ class ServeOptions:
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
+    prefetch: bool | None = None  # expert reads before the router asks (next layer predicted); None: on
     expert_kernel: str = (
         "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
     )
@@ -128,6 +129,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         if not text.isdigit() or any(ch > "7" for ch in text):
             raise ConfigError(f"{source}: key 'socket_mode' must be octal like '0660', got {value!r}")
         return int(text, 8)
+    if "bool" in expected and isinstance(value, bool):
+        return value
     if "float" in expected and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if "int" in expected and isinstance(value, int) and not isinstance(value, bool):
