@@ -25,31 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edgerun.errors import ConfigError
+from edgerun.config import SpeculativeConfig  # noqa: F401  (re-exported: the engine's setting)
 from edgerun.models.layers import DecodeState
-
-METHODS = ("mtp",)
-MAX_DRAFT_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``--speculative mtp --draft-tokens K`` (serve.yaml ``speculative: {method, draft_tokens}``)."""
-
-    method: str = "mtp"
-    draft_tokens: int = 1
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(
-                f"speculative method {self.method!r} is not supported (supported: {', '.join(METHODS)})"
-            )
-        k = self.draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
-            raise ConfigError(f"draft tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
-
-    def describe(self) -> str:
-        return f"speculative {self.method}, {self.draft_tokens} draft token(s) a step"
 
 
 @dataclass

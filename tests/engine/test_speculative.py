@@ -169,3 +169,29 @@ def test_a_model_without_an_mtp_head_refuses_speculation(sources, hf_checkpoints
     runner = Runner.load(sources["hf"], device="cpu")
     with pytest.raises(EdgerunError, match="MTP head is not loaded"):
         runner.enable_speculative(MTP)
+
+
+def test_generate_cli_speculates_and_says_so(sources, capsys):
+    from edgerun.cli import main
+
+    argv = ["generate", "--model", str(sources["bf16"]), "--token-ids", "5,17,3,44", "--max-tokens", "12"]
+    assert main([*argv, "--ignore-eos", "--speculative", "mtp", "--draft-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative mtp, 3 draft token(s) a step" in err and "MTP head 19 tensors" in err
+    assert "MTP acceptance" in err and "tok/step" in err
+    assert main([*argv, "--draft-tokens", "2"]) == 2
+    assert "--draft-tokens needs --speculative mtp" in capsys.readouterr().err
+    assert main([*argv, "--speculative", "medusa"]) == 2
+    assert "speculative method 'medusa' is not supported" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_mtp_head_only_when_asked(capsys):
+    from edgerun.cli import main
+
+    argv = ["plan", "--profile", "configs/orin.yaml", "--model", "configs/models/qwen3.6-35b-a3b.json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n  mtp " not in out and "MTP head (1 layer) is not loaded and not planned" in out
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "\n  mtp " in out and "MTP head planned (1 layer, resident), 2 draft token(s)" in out
