@@ -43,10 +43,7 @@ def _from_config(
     experts = expert_source_from_layout(args, quant, group)
     notes = []
     if args.mtp_num_hidden_layers:
-        notes.append(
-            f"MTP head ({args.mtp_num_hidden_layers} layer) is not loaded and not planned "
-            "(--speculative mtp plans it)"
-        )
+        notes.append(f"MTP head ({args.mtp_num_hidden_layers} layer) is not loaded and not planned")
     if isinstance(cfg.get("vision_config"), dict):
         notes.append("vision tower is not loaded and not planned (text only)")
     return ModelInput(name, args, tuple(arch.tensor_specs(args)), experts, tuple(notes))

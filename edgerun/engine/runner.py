@@ -238,18 +238,18 @@ class Runner:
         runner.load_fallbacks = unchecked
         runner.set_kernels(kernels or KernelPolicy())
         if speculative is not None:
-            runner._load_mtp(model_dir)
+            runner._load_mtp(model_dir, providers)
             runner.enable_speculative(speculative)
         return runner
 
-    def _load_mtp(self, model_dir: Path) -> None:
+    def _load_mtp(self, model_dir: Path, providers: ProviderPolicy | None) -> None:
         from edgerun.bundle.format import MANIFEST
         from edgerun.models.checkpoint import load_mtp, read_entries
 
         if (model_dir / MANIFEST).is_file():
             from edgerun.bundle.reader import Bundle
 
-            entries = Bundle.open(model_dir).dense
+            entries = Bundle.open(model_dir, providers=providers).dense
         else:
             entries = read_entries(model_dir)[0]
         dtype = self.model.model.embed_tokens.weight.dtype
