@@ -10,7 +10,14 @@ from pathlib import Path
 
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import EdgerunError
-from edgerun.flags import EXIT_USAGE, add_device_arguments, add_model_argument, parse_context
+from edgerun.flags import (
+    EXIT_USAGE,
+    add_device_arguments,
+    add_model_argument,
+    add_speculative_arguments,
+    parse_context,
+    speculative_config,
+)
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.cli import add_kernel_arguments, add_prefetch_argument
 
@@ -109,6 +116,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="send the request to a running daemon at this socket instead of loading a model here",
     )
+    add_speculative_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no start-up line")
     p.set_defaults(func=run_generate)
 
@@ -146,6 +154,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         log=log,
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
+        speculative=speculative_config(ns),
     )
     if not ns.quiet:
         print(
@@ -192,7 +201,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
     "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
-    "allow_provider", "provider", "allow_override",
+    "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
 )  # fmt: skip
 
 

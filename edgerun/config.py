@@ -269,3 +269,28 @@ class CacheConfig:
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas
         return dict(q) if isinstance(q, Mapping) else {layer: q for layer in layers}
+
+
+SPECULATIVE_METHODS = ("mtp",)
+MAX_DRAFT_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative mtp --draft-tokens K``): the model's own MTP head
+    drafts K tokens a step, one forward of the model verifies them (engine/speculative.py)."""
+
+    method: str = "mtp"
+    draft_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported (supported: {', '.join(SPECULATIVE_METHODS)})"
+            )
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"draft tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+
+    def describe(self) -> str:
+        return f"speculative {self.method}, {self.draft_tokens} draft token(s) a step"

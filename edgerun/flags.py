@@ -126,3 +126,31 @@ def check_device_arguments(ns: argparse.Namespace) -> None:
         raise ConfigError(
             f"--device {ns.device}: this command runs no model; give a device profile as --profile"
         )
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        default=None,
+        help="speculative decoding: 'mtp' drafts with the model's own MTP head (CPU only so far; default off)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--speculative: tokens drafted a step, 1..4 (default 1)",
+    )
+
+
+def speculative_config(ns: argparse.Namespace):
+    """The :class:`edgerun.config.SpeculativeConfig` the flags of :func:`add_speculative_arguments`
+    ask for, or None (off); a bad value or --draft-tokens alone is a ConfigError naming it."""
+    from edgerun.config import SpeculativeConfig
+
+    if ns.speculative is None:
+        if ns.draft_tokens is not None:
+            raise ConfigError("--draft-tokens needs --speculative mtp")
+        return None
+    return SpeculativeConfig(ns.speculative, 1 if ns.draft_tokens is None else ns.draft_tokens)

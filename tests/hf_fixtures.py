@@ -212,3 +212,26 @@ def rewrite(src: Path, dst: Path, fused=False, multimodal=False, shards=1, extra
         )
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def add_mtp(src: Path, dst: Path, seed: int = 0, fused: bool = False) -> Path:
+    """A copy of a tiny qwen3_5_moe checkpoint with an MTP head (``mtp.*``, as the published
+    Qwen3.5/3.6 checkpoints name it) and ``mtp_num_hidden_layers`` 1 in its config. The head's
+    decoder layer is the first full-attention layer's tensors, perturbed (so its drafts are
+    related to the model's own predictions); fc and the three norms are random."""
+    tensors = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    template = _per_expert_to_fused(tensors) if fused else tensors
+    g = torch.Generator().manual_seed(seed)
+    prefix = f"model.layers.{cfg['layer_types'].index('full_attention')}."
+    extra = {}
+    for name, t in template.items():
+        if name.startswith(prefix):
+            extra["mtp.layers.0." + name[len(prefix) :]] = t + torch.randn(t.shape, generator=g) * 0.05
+    D = cfg["hidden_size"]
+    extra["mtp.fc.weight"] = torch.randn(D, 2 * D, generator=g) / (2 * D) ** 0.5
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        extra[f"mtp.{n}.weight"] = torch.randn(D, generator=g) * 0.3
+    rewrite(src, dst, fused=fused, extra=extra)
+    (dst / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    return dst

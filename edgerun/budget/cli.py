@@ -22,8 +22,10 @@ from edgerun.flags import (
     EXIT_USAGE,
     add_device_arguments,
     add_model_argument,
+    add_speculative_arguments,
     check_device_arguments,
     parse_context,
+    speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.tools.routes import read_trace
@@ -71,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-buffers", type=int, default=None, help="pinned read buffers (2 x top_k)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill forward (512)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="plan no CUDA graph pool")
+    add_speculative_arguments(parser)
     add_provider_arguments(parser)
 
 
@@ -105,6 +108,9 @@ def run(ns: argparse.Namespace) -> int:
         device = load_device_profile(ns.profile)
         providers = ProviderPolicy.from_namespace(ns)
         model = model_input(ns.model, ns.quant, ns.group_size, providers)
+        spec = speculative_config(ns)
+        if spec is not None:
+            model = inputs.with_mtp(model, spec.draft_tokens)
         if model.dense is not None and any(v is not None for v in (ns.dense, ns.lm_head, ns.dense_group)):
             raise EdgerunError(
                 f"--dense / --lm-head / --dense-group do not apply to the bundle {ns.model}: its manifest says"

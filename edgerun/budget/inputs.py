@@ -5,7 +5,7 @@ a user can plan before downloading the weights."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +178,21 @@ def _manifest_blocks(m: dict[str, Any], moe: tuple[int, ...], mpath: Path) -> tu
             )
         out.append(b)
     return tuple(out)
+
+
+def with_mtp(model: ModelInput, draft_tokens: int) -> ModelInput:
+    """``model`` decoding speculatively with its MTP head: the head's tensors resident (category
+    ``mtp``, plain: convert carries them so), refused when the config declares none."""
+    from edgerun.models.inventory import mtp_specs
+
+    specs = mtp_specs(model.args)
+    if not specs:
+        raise ConfigError(
+            f"{model.name}: --speculative mtp: the config declares no MTP layer (mtp_num_hidden_layers)"
+        )
+    notes = [n for n in model.notes if not n.startswith("MTP head")]
+    notes.append(
+        f"MTP head planned ({model.args.mtp_num_hidden_layers} layer, resident), {draft_tokens} draft token(s) "
+        f"a step: a verify window keeps {draft_tokens + 1} DeltaNet states per layer"
+    )
+    return replace(model, specs=model.specs + tuple(specs), notes=tuple(notes))

@@ -50,12 +50,14 @@ from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, read_config
 from edgerun.models.checkpoint import (
     FLOAT_DTYPES,
+    MTP_NAME,
     canonical_name,
     checkpoint_files,
     classify,
     read_entries,
     source_dtype,
 )
+from edgerun.models.inventory import mtp_specs
 from edgerun.models.providers import ProviderPolicy
 from edgerun.models.registry import load_args
 from edgerun.safetensors_io import DTYPES, ITEMSIZE, TensorEntry
@@ -250,8 +252,10 @@ def plan_conversion(
         options.dense, options.lm_head, options.dense_group, args.tie_word_embeddings
     )
     entries = gguf.entries if gguf else read_entries(src)[0]
-    cp = classify(entries, args)
-    specs = {s.name: s for s in arch.tensor_specs(args)}
+    # the MTP head rides along in the dense part (plain, resident) when the source has it
+    mtp = not gguf and args.mtp_num_hidden_layers > 0 and any(MTP_NAME.match(n) for n in entries)
+    cp = classify(entries, args, mtp=mtp)
+    specs = {s.name: s for s in arch.tensor_specs(args) + (mtp_specs(args) if mtp else [])}
     targets = DL.dense_targets(specs.values(), dense)
     E, I, D = args.num_experts, args.moe_intermediate_size, args.hidden_size
     expert_layer = {n.rsplit(".", 1)[0]: s.layer for n, s in specs.items() if s.category == A.EXPERT}
@@ -300,6 +304,8 @@ def plan_conversion(
             if layer is None or x >= E:
                 row(e, "unknown", "-")
                 why = "that layer has no routed experts" if layer is None else f"num_experts is {E}"
+                if prefix.startswith("mtp."):
+                    why = "convert takes the MTP head's experts stacked (gate_up_proj, down_proj), not per expert"
                 problems.append(f"{e.file}: unknown tensor {e.name!r} ({why})")
             else:
                 row(e, "expert", f"layer {layer} expert {x} {part}")

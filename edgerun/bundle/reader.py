@@ -28,6 +28,7 @@ from edgerun.errors import ChecksumError, EdgerunError, StorageError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs
 from edgerun.models.checkpoint import LoadReport, load_entries, set_parameter
+from edgerun.models.inventory import mtp_specs
 from edgerun.models.providers import ProviderError, ProviderPolicy, Resolution
 from edgerun.models.registry import resolve_config
 from edgerun.safetensors_io import DTYPES, TensorEntry, read_header
@@ -333,6 +334,8 @@ def _check_dense(
     except EdgerunError as exc:
         raise BundleError(str(exc)) from exc
     specs = [s for s in arch.tensor_specs(args) if s.category != A.EXPERT]
+    if "mtp.fc.weight" in entries:  # convert carried the MTP head: all of it
+        specs += mtp_specs(args)
     shapes = {s.name: s.shape for s in specs}
     quant = _check_dense_quant(root / F.MANIFEST, m.dense_quant, specs)
     other = f"{root / F.MANIFEST} describes another model than {path}"

@@ -67,6 +67,7 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
         f"kernels: {runner.kernel_summary()}",
         f"fallbacks: {fallbacks}",
         runner.load_summary,
+        runner.speculative.describe() if runner.speculative else "",
     ]
     if runner.provider:
         lines.append(runner.provider.describe())

@@ -23,6 +23,7 @@ from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
+from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, SpeculativeStats, accept, draft_chooser
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
@@ -41,6 +42,7 @@ class GenerationStats:
     prefill_s: float = 0.0  # from the first prefill chunk to the first token
     decode_s: float = 0.0
     peak_memory_bytes: int = 0
+    speculative: SpeculativeStats | None = None  # with speculative decoding: its verify steps
 
     @property
     def prefill_tps(self) -> float:
@@ -57,7 +59,8 @@ class GenerationStats:
             f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
             f"TTFT {self.ttft_s * 1e3:.0f} ms, prefill {self.prefill_tps:.1f} tok/s, "
             f"decode {self.decode_tps:.1f} tok/s, "
-            f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
+            + (f"{self.speculative.line()}, " if self.speculative else "")
+            + f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
         )
 
 
@@ -105,6 +108,21 @@ class Runner:
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
         self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
+        self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
+        self.spec_totals = SpeculativeStats()  # across requests
+
+    def enable_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Decode by drafting with the model's MTP head (loaded before: ``load_mtp``) and verifying
+        the drafts; refused, saying why, where it cannot run. None: plain decoding."""
+        if config is not None:
+            if getattr(self.model, "mtp", None) is None:
+                raise EdgerunError("speculative mtp: the model's MTP head is not loaded")
+            if self.device.type != "cpu":
+                raise EdgerunError(
+                    f"speculative mtp runs on the CPU only so far (its verify step on {self.device.type} "
+                    "is not built yet, issue 17); run without --speculative"
+                )
+        self.speculative = config
 
     @property
     def limits(self) -> Limits:
@@ -172,12 +190,14 @@ class Runner:
         cache: CacheConfig | None = None,
         kernels: KernelPolicy | None = None,
         log=None,
+        speculative: SpeculativeConfig | None = None,
         **kw,
     ) -> Runner:
         """A model dir is an HF checkpoint or an edgerun bundle (``manifest.json``). For a bundle,
         ``cache`` streams the routed experts through an expert cache it configures; without it
         the experts are dequantized into resident tensors. ``kernels`` is resolved against the
-        device once the model is loaded; ``log`` (a callable) hears what loading decided."""
+        device once the model is loaded; ``log`` (a callable) hears what loading decided.
+        ``speculative``: also load the MTP head and decode speculatively with it."""
         from edgerun.bundle.format import MANIFEST
 
         model_dir = Path(model_dir) if model_dir else DEMO_MODEL
@@ -219,7 +239,24 @@ class Runner:
         runner.cache = expert_cache
         runner.load_fallbacks = unchecked
         runner.set_kernels(kernels or KernelPolicy())
+        if speculative is not None:
+            runner._load_mtp(model_dir, providers)
+            runner.enable_speculative(speculative)
         return runner
+
+    def _load_mtp(self, model_dir: Path, providers: ProviderPolicy | None) -> None:
+        from edgerun.bundle.format import MANIFEST
+        from edgerun.models.checkpoint import load_mtp, read_entries
+
+        if (model_dir / MANIFEST).is_file():
+            from edgerun.bundle.reader import Bundle
+
+            entries = Bundle.open(model_dir, providers=providers).dense
+        else:
+            entries = read_entries(model_dir)[0]
+        dtype = self.model.model.embed_tokens.weight.dtype
+        report = load_mtp(self.model, self.args, entries, dtype, self.device, str(model_dir))
+        self.load_summary += f"; MTP head {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB)"
 
     # ---- the decode path ----------------------------------------------------------------
 
@@ -244,11 +281,22 @@ class Runner:
         return logits
 
     @torch.inference_mode()
-    def prefill_chunks(self, state: DecodeState, ids: list[int]) -> Iterator[torch.Tensor]:
-        """:meth:`prefill` one chunk at a time: yields each chunk's last logits [V]."""
+    def prefill_chunks(
+        self, state: DecodeState, ids: list[int], drafter: MtpDrafter | None = None
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`prefill` one chunk at a time: yields each chunk's last logits [V]. A
+        ``drafter`` (speculative decoding) also gets every row's hidden state, and its head
+        consumes the rows whose next token the prompt holds."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         for start in range(0, len(ids), self.prefill_chunk):
-            logits = self.model(tokens[:, start : start + self.prefill_chunk], state, last_only=True)
+            chunk = tokens[:, start : start + self.prefill_chunk]
+            if drafter is None:
+                logits = self.model(chunk, state, last_only=True)
+            else:
+                hidden = self.model.hidden(chunk, state)
+                logits = self.model.lm_head(hidden[:, -1:])
+                drafter.extend(hidden)
+                drafter.catch_up(ids)
             self._count_step()
             yield logits[0, -1]
 
@@ -280,15 +328,26 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
         state = self.new_state(len(prompt_ids) + params.max_tokens)
         text = _TextStream(self.tokenizer, params.stop)
+        drafter = None
+        if self.speculative is not None:
+            ref = self.model.model.embed_tokens.weight
+            drafter = MtpDrafter(self.model, state.max_len, self.device, ref.dtype)
+            stats.speculative = SpeculativeStats()
 
         t0 = time.perf_counter()
-        for chunk in self.prefill_chunks(state, prompt_ids):
+        for chunk in self.prefill_chunks(state, prompt_ids, drafter):
             logits = chunk
             yield Event(
                 "", prefilled=state.pos
             )  # a chunk done: the caller may ping its watchdog, or stop here
         finish = "length"
-        for i, token in enumerate(self._counted(self._tokens(state, logits, sampler, params.max_tokens))):
+        if drafter is None:
+            tokens = self._tokens(state, logits, sampler, params.max_tokens)
+        else:
+            tokens = self._speculative_tokens(
+                state, logits, sampler, params.max_tokens, prompt_ids, drafter, stats
+            )
+        for i, token in enumerate(self._counted(tokens)):
             if i == 0:
                 now = time.perf_counter()
                 stats.prefill_s, stats.ttft_s, t0 = now - t0, now - t_request, now
@@ -304,6 +363,8 @@ class Runner:
         if stats.generated_tokens > 1:
             stats.decode_s = time.perf_counter() - t0
         stats.peak_memory_bytes = peak_memory(self.device)
+        if stats.speculative is not None:
+            self.spec_totals.add(stats.speculative)
         yield Event(text.flush(), None, finish, stats)
 
     def _counted(self, tokens: Iterator[int]) -> Iterator[int]:
@@ -334,6 +395,47 @@ class Runner:
             queued = self._launch(None) if i + 1 < n else None  # consumes the token still on the device
             yield self.decoder.result(pending)
             pending = queued
+
+    @torch.inference_mode()
+    def _speculative_tokens(
+        self,
+        state: DecodeState,
+        logits: torch.Tensor,
+        sampler: Sampler,
+        n: int,
+        prompt_ids: list[int],
+        drafter: MtpDrafter,
+        stats: GenerationStats,
+    ) -> Iterator[int]:
+        """:meth:`_tokens` by drafting and verifying (engine/speculative.py): the same tokens as
+        plain greedy decoding, bit for bit; sampled ones from the same distribution. A step
+        drafts no more tokens than the request may still emit, so the state never holds more
+        than plain decoding's."""
+        seq = list(prompt_ids)
+        token = sampler(logits)
+        seq.append(token)
+        yield token
+        k_max, spec = self.speculative.draft_tokens, stats.speculative
+        choose = draft_chooser(sampler)
+        while len(seq) - len(prompt_ids) < n:
+            k = min(k_max, n - (len(seq) - len(prompt_ids)) - 1)
+            drafts, draft_logits = drafter.draft(seq, k, choose) if k else ([], [])
+            start = state.pos
+            rows = torch.tensor([[seq[-1], *drafts]], dtype=torch.long, device=self.device)
+            hidden = self.model.hidden(rows, state, rows=True)
+            verified = self.model.lm_head(hidden)[0]
+            self.steps.eager_steps += 1
+            self._count_step()
+            emitted = accept(sampler, verified, drafts, draft_logits)
+            state.rollback(start, len(emitted))
+            drafter.extend(hidden[:, : len(emitted)])
+            spec.steps += 1
+            spec.drafted += k
+            spec.accepted += len(emitted) - 1
+            spec.emitted += len(emitted)
+            for token in emitted:
+                seq.append(token)
+                yield token
 
     @torch.inference_mode()
     def _launch(self, token: int | None) -> int:

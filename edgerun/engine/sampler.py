@@ -73,7 +73,13 @@ class Sampler:
             if bad:
                 raise NonFiniteLogits(f"{bad} of {logits.numel()} logits are NaN or infinite")
             return token
-        logits = logits.float().cpu()
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a non-greedy request samples from: logits [V] -> probabilities [V]
+        (fp32, CPU) after temperature, top-k and top-p; refused when any logit is NaN or infinite."""
+        p = self.params
+        logits = logits.detach().float().cpu()
         if not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits(
                 f"{int((~torch.isfinite(logits)).sum())} of {logits.numel()} logits are NaN or infinite"
@@ -88,5 +94,12 @@ class Sampler:
             # drop a token when the mass before it already reaches top_p (the first always stays)
             drop = (probs.cumsum(-1) - probs) >= p.top_p
             logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from ``probs`` [V] with the request's generator."""
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from the request's generator (a speculative acceptance test)."""
+        return float(torch.rand((), generator=self.generator))

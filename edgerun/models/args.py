@@ -25,7 +25,8 @@ ROUTER = "routers"
 SHARED_EXPERT = "shared_experts"
 DENSE_MLP = "dense_mlp"
 EXPERT = "experts"
-CATEGORIES = (EMBED, LM_HEAD, ATTENTION, DELTANET, NORM, ROUTER, SHARED_EXPERT, DENSE_MLP, EXPERT)
+MTP = "mtp"  # the multi-token-prediction head, all of it resident (loaded only for speculative decoding)
+CATEGORIES = (EMBED, LM_HEAD, ATTENTION, DELTANET, NORM, ROUTER, SHARED_EXPERT, DENSE_MLP, EXPERT, MTP)
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"

@@ -27,26 +27,27 @@ PROBE_ROWS = 4096  # the dense probe runs a projection of more rows at this many
 class DecoderLayer(nn.Module):
     """Pre-norm block: token mixer (attention or DeltaNet), then MoE (or dense MLP)."""
 
-    def __init__(self, args: ModelArgs, index: int) -> None:
+    def __init__(self, args: ModelArgs, index: int | None) -> None:
+        """``index`` None: the MTP head's layer (full attention and MoE)."""
         super().__init__()
-        self.kind = args.layer_types[index]
+        self.kind = A.FULL_ATTENTION if index is None else args.layer_types[index]
         if self.kind == A.FULL_ATTENTION:
             self.self_attn = Attention(args)
         else:
             self.linear_attn = GatedDeltaNet(args)
-        if index in args.moe_layers:
+        if index is None or index in args.moe_layers:
             self.mlp = SparseMoe(args)
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
 
-    def forward(self, x, rope, state, start: int) -> torch.Tensor:
+    def forward(self, x, rope, state, start: int, rows: bool = False) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.kind == A.FULL_ATTENTION:
-            h = self.self_attn(h, rope, state, start)
+            h = self.self_attn(h, rope, state, start, rows)
         else:
-            h = self.linear_attn(h, state)
+            h = self.linear_attn(h, state, rows)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -75,10 +76,55 @@ class _Body(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
 
 
-class CausalLM(nn.Module):
-    """Parameter names are the canonical HF text names (``model.layers.N...``, ``lm_head.weight``)."""
+class MtpHead(nn.Module):
+    """Qwen3.5/3.6 multi-token prediction: from the main model's final (normed) hidden state h_p
+    at position p and the embedding of token p+1, a prediction of token p+2. Both inputs are
+    RMS-normed, concatenated (embedding first) and projected 2D -> D by ``fc``; then one decoder
+    layer (full attention with its own KV cache, MoE), the head's own final norm, and the main
+    model's lm_head. Drafting k > 1 tokens feeds the head its own output hidden state back."""
 
     def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        D, eps, unit = args.hidden_size, args.rms_norm_eps, args.norm_unit_offset
+        self.pre_fc_norm_embedding = RMSNorm(D, eps, unit)
+        self.pre_fc_norm_hidden = RMSNorm(D, eps, unit)
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(args, None) for _ in range(args.mtp_num_hidden_layers))
+        self.norm = RMSNorm(D, eps, unit)
+
+    def fuse(self) -> None:
+        self.fc = QLinear.of(self.fc)
+        for layer in self.layers:
+            layer.fuse()
+
+    def new_state(self, max_len: int, device, dtype) -> DecodeState:
+        return DecodeState(
+            [layer.self_attn.new_state(1, max_len, device, dtype) for layer in self.layers], max_len
+        )
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: Rotary, state: DecodeState
+    ) -> torch.Tensor:
+        """embeds, hidden [B, T, D] at positions state.pos.. -> the head's hidden [B, T, D]
+        (normed; the lm_head's input, and the next draft's ``hidden``). The first layer drafts."""
+        B, T, _ = embeds.shape
+        start = state.pos
+        if start + T > state.max_len:
+            raise ValueError(
+                f"MTP sequence of {start + T} tokens exceeds its state's max_len {state.max_len}"
+            )
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        rope = rotary(torch.arange(start, start + T, device=embeds.device), x.dtype)
+        x = self.layers[0](x, rope, state.layers[0], start)
+        state.pos += T
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Parameter names are the canonical HF text names (``model.layers.N...``, ``lm_head.weight``);
+    with ``mtp``, the MTP head's are the checkpoints' ``mtp.*``."""
+
+    def __init__(self, args: ModelArgs, mtp: bool = False) -> None:
         super().__init__()
         self.args = args
         self.model = _Body(args)
@@ -86,6 +132,9 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(args.rotary_dim, args.rope_theta)
+        if mtp and not args.mtp_num_hidden_layers:
+            raise ValueError("the model declares no MTP layer (mtp_num_hidden_layers is 0)")
+        self.mtp = MtpHead(args) if mtp else None
 
     def fuse(self) -> None:
         """After the weights are loaded: the projections that read one input become one
@@ -94,6 +143,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.fuse()
         self.lm_head = QLinear.of(self.lm_head)
+        if self.mtp is not None:
+            self.mtp.fuse()
 
     def use_kernels(self, gemv: bool, delta_chunk: bool = False, cpu_dense: bool = False) -> int:
         """Select (or not) the Triton GEMV for every projection's decode-sized inputs, fla-core's
@@ -148,6 +199,18 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] (or [B, 1, V] with ``last_only``). With a state, the
         tokens continue the sequence the state holds and the state advances by T."""
+        x = self.hidden(tokens, state)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(x)
+
+    def hidden(
+        self, tokens: torch.Tensor, state: DecodeState | None = None, rows: bool = False
+    ) -> torch.Tensor:
+        """tokens [B, T] -> the final normed hidden states [B, T, D] (the lm_head's input, and
+        the MTP head's). ``rows`` (a speculative verify window): every row is computed as the
+        one-row decode step at its position computes it, bit for bit, and the DeltaNet layers
+        keep each row's state for ``DecodeState.rollback``."""
         B, T = tokens.shape
         start = 0 if state is None else state.pos
         if state is not None and start + T > state.max_len:
@@ -156,13 +219,10 @@ class CausalLM(nn.Module):
         positions = torch.arange(start, start + T, device=tokens.device)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, None if state is None else state.layers[i], start)
+            x = layer(x, rope, None if state is None else state.layers[i], start, rows)
         if state is not None:
             state.pos += T
-        x = self.model.norm(x)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(x)
+        return self.model.norm(x)
 
 
 def tensor_specs(model_cls: type[CausalLM], args: ModelArgs) -> list[TensorSpec]:

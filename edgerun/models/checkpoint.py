@@ -3,7 +3,8 @@
 Handles the layouts real checkpoints use: per-expert tensors (what ``save_pretrained`` writes),
 experts fused on disk (``mlp.experts.gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I], as the
 published Qwen3.5/3.6 checkpoints ship), the multimodal ``model.language_model.`` prefix with
-vision tensors skipped, MTP tensors left unloaded, and sharded checkpoints with an index file.
+vision tensors skipped, MTP tensors left unloaded (``load_mtp`` attaches the head where speculative
+decoding asks for it), and sharded checkpoints with an index file.
 The model is built on the meta device and every parameter is assigned once: no double allocation.
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from edgerun.errors import CheckpointError
 from edgerun.kernels.qweight import QWeight
-from edgerun.models.args import ModelArgs
+from edgerun.models.args import ModelArgs, TensorSpec
 from edgerun.models.layers import QLinear, Rotary
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.models.registry import resolve_config
@@ -38,8 +39,11 @@ IGNORED = (
     (re.compile(r"^model\.mtp\."), "mtp"),
     (re.compile(r"\.rotary_emb\.inv_freq$"), "rotary buffers"),
 )
-PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+PER_EXPERT = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+FUSED = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+MTP_NAME = re.compile(r"^(model\.)?mtp\.")
 
 
 @dataclass
@@ -90,8 +94,11 @@ def read_entries(ckpt: Path) -> tuple[dict[str, TensorEntry], int]:
     return entries, len(files)
 
 
-def canonical_name(name: str) -> tuple[str | None, str | None]:
-    """(canonical name, None) for a text-model tensor, or (None, group) for a known-ignored one."""
+def canonical_name(name: str, mtp: bool = False) -> tuple[str | None, str | None]:
+    """(canonical name, None) for a text-model tensor, or (None, group) for a known-ignored one.
+    ``mtp``: the MTP head's tensors are taken too (as ``mtp.*``)."""
+    if mtp and MTP_NAME.match(name):
+        return name.removeprefix("model."), None
     for pattern, group in IGNORED:
         if pattern.search(name):
             return None, group
@@ -113,11 +120,11 @@ class Plan:
     report: LoadReport = field(default_factory=LoadReport)
 
 
-def classify(entries: dict[str, TensorEntry], args: ModelArgs) -> Plan:
+def classify(entries: dict[str, TensorEntry], args: ModelArgs, mtp: bool = False) -> Plan:
     plan = Plan()
     layouts = set()
     for name, e in entries.items():
-        canon, group = canonical_name(name)
+        canon, group = canonical_name(name, mtp)
         if canon is None:
             plan.report.ignored[group] += 1
             continue
@@ -277,10 +284,34 @@ def load_entries(
     with torch.device("meta"):
         model = arch.Model(args)
     report = plan.report
+    skip = {"experts"} if not experts else set()
+    _assign(model, specs, plan, args, files, dtype, device, report, quantized, skip)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse()
+    model.rotary = Rotary(args.rotary_dim, args.rope_theta).to(device)
+    model.eval()
+    return model, report
+
+
+def _assign(
+    model: nn.Module,
+    specs: dict[str, TensorSpec],
+    plan: Plan,
+    args: ModelArgs,
+    files: MappedFiles,
+    dtype: torch.dtype,
+    device,
+    report: LoadReport,
+    quantized: dict,
+    skip: set[str],
+) -> None:
+    """Every parameter ``specs`` lists (but those of the categories in ``skip``), from ``plan``:
+    quantized weights as stored, per-expert tensors stacked, the rest cast to ``dtype``."""
     from edgerun.progress import iterate
 
     for name, spec in iterate(specs.items(), len(specs), "load weights", "tensor"):
-        if spec.category == "experts" and not experts:
+        if spec.category in skip:
             continue
         prefix = name.rsplit(".", 1)[0]
         if name in quantized:
@@ -295,7 +326,7 @@ def load_entries(
             e = plan.direct[name]
             _check_shape(e.name, e, spec.shape)
             value = _float(e, files, e.name).to(dtype)
-        elif prefix in plan.per_expert and spec.category == "experts":
+        elif prefix in plan.per_expert:
             stacked = _stack_experts(prefix, plan.per_expert.pop(prefix), args, files, dtype)
             for n, v in stacked.items():
                 set_parameter(model, n, v.to(device))
@@ -309,9 +340,41 @@ def load_entries(
         set_parameter(model, name, value.to(device))
         report.tensors += 1
         report.bytes += value.nbytes
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.fuse()
-    model.rotary = Rotary(args.rotary_dim, args.rope_theta).to(device)
-    model.eval()
-    return model, report
+
+
+def load_mtp(
+    model: nn.Module,
+    args: ModelArgs,
+    entries: dict[str, TensorEntry],
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    source: str = "the checkpoint",
+) -> LoadReport:
+    """Attach the MTP head (``model.mtp``, models/base.py MtpHead) from ``entries``: an HF
+    checkpoint's tensors or a bundle's dense ones. Refused, naming what is missing, when the
+    config declares no MTP layer or ``source`` holds no (or not all) of its tensors."""
+    from edgerun.models.base import MtpHead
+    from edgerun.models.inventory import mtp_specs
+
+    specs = {s.name: s for s in mtp_specs(args)}
+    if not specs:
+        raise CheckpointError(f"{source}: the config declares no MTP layer (mtp_num_hidden_layers is 0)")
+    own = {n: e for n, e in entries.items() if MTP_NAME.match(n)}
+    if not own:
+        raise CheckpointError(
+            f"{source}: holds no MTP tensors (mtp.*); the config declares {len(specs)} of them"
+        )
+    plan = classify(own, args, mtp=True)
+    unknown = sorted(n for n in plan.direct if n not in specs)
+    if unknown:
+        raise CheckpointError(f"{plan.direct[unknown[0]].file}: unknown MTP tensor {unknown[0]!r}")
+    if dtype is None:
+        dtype = DTYPES[source_dtype(own)]
+    holder = nn.Module()
+    with torch.device("meta"):
+        holder.mtp = MtpHead(args)
+    report = LoadReport()
+    _assign(holder, specs, plan, args, MappedFiles(), dtype, device, report, {}, set())
+    holder.mtp.fuse()
+    model.mtp = holder.mtp.eval()
+    return report

@@ -13,10 +13,11 @@ def _linear(name: str, out: int, inp: int, bias: bool = False) -> list[tuple[str
     return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
 
 
-def _layer(a: ModelArgs, i: int) -> list[tuple[str, tuple[int, ...]]]:
+def _layer(a: ModelArgs, i: int | None) -> list[tuple[str, tuple[int, ...]]]:
+    """Decoder layer i's tensors; i None: the MTP head's layer (full attention, MoE)."""
     D = a.hidden_size
     out: list[tuple[str, tuple[int, ...]]] = []
-    if a.layer_types[i] == A.FULL_ATTENTION:
+    if i is None or a.layer_types[i] == A.FULL_ATTENTION:
         H, Hk, Dh, b = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.attention_bias
         out += _linear("self_attn.q_proj", H * Dh * (2 if a.attn_output_gate else 1), D, b)
         out += _linear("self_attn.k_proj", Hk * Dh, D, b)
@@ -33,7 +34,7 @@ def _layer(a: ModelArgs, i: int) -> list[tuple[str, tuple[int, ...]]]:
         out += [("linear_attn.conv1d.weight", (C, 1, a.linear_conv_kernel_dim))]
         out += [("linear_attn.norm.weight", (a.linear_value_head_dim,))]
         out += _linear("linear_attn.out_proj", D, a.linear_value_dim)
-    if i in a.moe_layers:
+    if i is None or i in a.moe_layers:
         E, I, S = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
         out += [("mlp.gate.weight", (E, D))]
         out += [("mlp.experts.gate_up_proj", (E, 2 * I, D)), ("mlp.experts.down_proj", (E, D, I))]
@@ -48,6 +49,8 @@ def _layer(a: ModelArgs, i: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def categorize(name: str) -> str:
     """The planner category of a canonical tensor name."""
+    if name.startswith("mtp."):
+        return A.MTP
     if name.startswith("model.embed_tokens"):
         return A.EMBED
     if name.startswith("lm_head"):
@@ -80,3 +83,16 @@ def tensor_specs(args: ModelArgs) -> list[TensorSpec]:
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         specs.append(TensorSpec(name, shape, categorize(name), layer))
     return specs
+
+
+def mtp_specs(args: ModelArgs) -> list[TensorSpec]:
+    """The MTP head's tensors (``models/base.py`` MtpHead; none when the config declares no MTP
+    layer), its routed experts stacked as the published checkpoints store them. Not part of
+    ``tensor_specs``: the head loads, converts and is planned only where it is asked for."""
+    D = args.hidden_size
+    named = [("mtp.pre_fc_norm_embedding.weight", (D,)), ("mtp.pre_fc_norm_hidden.weight", (D,))]
+    named += [("mtp.fc.weight", (D, 2 * D))]
+    for j in range(args.mtp_num_hidden_layers):
+        named += [(f"mtp.layers.{j}.{n}", shape) for n, shape in _layer(args, None)]
+    named.append(("mtp.norm.weight", (D,)))
+    return [TensorSpec(n, shape, A.MTP) for n, shape in named] if args.mtp_num_hidden_layers else []

@@ -18,7 +18,7 @@ from torch import nn
 from edgerun.kernels.decode_reference import apply_rotary_ref as apply_rotary
 from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
-from edgerun.kernels.moe_reference import combine_experts
+from edgerun.kernels.moe_reference import ROW_TILE, combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.models.args import ModelArgs
 
@@ -102,8 +102,6 @@ class QLinear(nn.Module):
             return qlinear_triton.qgemv(
                 x, self.qweight(), self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out
             )
-        from edgerun.kernels.qlinear_reference import qlinear_ref
-
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
             from edgerun.kernels import qlinear_cpu
@@ -116,14 +114,38 @@ class QLinear(nn.Module):
 
             w = QWeight("plain", qlinear_triton.dequantize_weight(w, x.dtype))
         if x.dim() == 2 or out is not None:
-            return qlinear_ref(
-                x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out, matmul=matmul
-            )
+            return self._reference(x, w, epilogue, out, gate, nrm, norm_out, matmul)
         if norm is not None:
             raise ValueError("a projection's norm takes x [N, C]")
         lead = x.shape[:-1]
-        flat = qlinear_ref(x.reshape(-1, x.shape[-1]), w, self.bias, epilogue, None, gate, matmul=matmul)
+        flat = self._reference(x.reshape(-1, x.shape[-1]), w, epilogue, None, gate, None, None, matmul)
         return flat.reshape(*lead, flat.shape[-1])
+
+    def _reference(self, x, w, epilogue, out, gate, nrm, norm_out, matmul=None) -> torch.Tensor:
+        """``qlinear_ref`` on x [N, C] (``matmul``: the CPU kernels' product in its stead, whose
+        rows do not depend on each other). On the CPU BLAS's rows are padded to a multiple of
+        ROW_TILE: BLAS runs one row (a GEMV) in another summation order than several, so
+        unpadded a row's result would depend on how many rows share the call; padded, a verify
+        window's row is bit for bit the one-row decode step's (tests/engine/test_speculative.py)."""
+        from edgerun.kernels.qlinear_reference import qlinear_ref
+
+        n = x.shape[0]
+        pad = -n % ROW_TILE if x.device.type == "cpu" and matmul is None else 0
+        if not pad:
+            return qlinear_ref(
+                x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out, matmul=matmul
+            )
+
+        def padded(t):
+            return None if t is None else F.pad(t, (0, 0, 0, pad))
+
+        normed = None if norm_out is None else x.new_empty(n + pad, x.shape[1])
+        y = qlinear_ref(
+            padded(x), w, self.bias, epilogue, padded(out), padded(gate), norm=nrm, norm_out=normed
+        )
+        if norm_out is not None:
+            norm_out.copy_(normed[:n])
+        return y[:n] if out is None else out.copy_(y[:n])
 
     def extra_repr(self) -> str:
         g = f", group {self.group}" if self.scheme != "plain" else ""
@@ -190,6 +212,9 @@ class KVCache:
 class DeltaState:
     conv: torch.Tensor  # [B, C, K-1] last inputs of the causal conv
     recurrent: torch.Tensor  # [B, Hv, Dk, Dv] fp32
+    # after a forward in rows mode (a verify window): (conv, recurrent) after each of its rows,
+    # so a rejected tail rolls back without running the layer again
+    trail: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class DecodeState:
@@ -199,6 +224,21 @@ class DecodeState:
         self.layers = layers
         self.max_len = max_len
         self.pos = 0  # tokens already consumed
+
+    def rollback(self, start: int, kept: int) -> None:
+        """After a verify window of rows from position ``start`` (a forward in rows mode), keep
+        its first ``kept`` rows: the KV positions past them are free again (later rows overwrite
+        them and nothing reads past ``pos``), and each DeltaNet layer's conv and recurrent state
+        become what they were after row ``kept`` - 1."""
+        if not 0 < kept <= self.pos - start:
+            raise ValueError(f"keep {kept} rows of a window of {self.pos - start} from position {start}")
+        for entry in self.layers:
+            if isinstance(entry, DeltaState) and entry.trail is not None:
+                conv, recurrent = entry.trail[kept - 1]
+                entry.conv.copy_(conv)
+                entry.recurrent.copy_(recurrent)
+                entry.trail = None
+        self.pos = start + kept
 
     def nbytes(self) -> int:
         total = 0
@@ -270,8 +310,15 @@ class Attention(nn.Module):
         return q.reshape(B, T, H, Dh), gate, k.reshape(B, T, Hk, Dh), v.reshape(B, T, Hk, Dh)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, start: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+        start: int,
+        rows: bool = False,
     ) -> torch.Tensor:
+        """``rows``: each row attends as a one-row decode step at its position would (the same
+        SDPA call over the keys up to it), so a verify window's rows are the decode step's bits."""
         B, T, _ = x.shape
         q, gate, k, v = self._project(x)
         q = self.q_norm(q).transpose(1, 2)
@@ -283,7 +330,17 @@ class Attention(nn.Module):
             cache.k[:, :, start : start + T] = k
             cache.v[:, :, start : start + T] = v
             k, v = cache.k[:, :, : start + T], cache.v[:, :, : start + T]
-        out = causal_attention(q, k, v)
+        if rows and T > 1:
+            S = k.shape[2] - T
+            out = torch.cat(
+                [
+                    causal_attention(q[:, :, t : t + 1], k[:, :, : S + t + 1], v[:, :, : S + t + 1])
+                    for t in range(T)
+                ],
+                dim=2,
+            )
+        else:
+            out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -389,9 +446,31 @@ class GatedDeltaNet(nn.Module):
         projections."""
         return self.in_proj(x, norm=norm).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
 
-    def forward(self, x: torch.Tensor, state: DeltaState | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DeltaState | None, rows: bool = False) -> torch.Tensor:
+        """``rows`` (with a state): the conv and the delta rule run one row at a time, each as
+        the one-row decode step runs it, and the state after each row is kept in
+        ``state.trail`` for a rollback (``DecodeState.rollback``)."""
         B, T, _ = x.shape
         mixed, z, b, a = self._project(x)
+        if rows and T > 1:
+            trail, parts = [], []
+            for t in range(T):
+                parts.append(self._mix(mixed[:, t : t + 1], b[:, t : t + 1], a[:, t : t + 1], state, x.dtype))
+                trail.append((state.conv.clone(), state.recurrent.clone()))
+            out = torch.cat(parts, dim=1)
+            state.trail = trail
+        else:
+            out = self._mix(mixed, b, a, state, x.dtype)
+            if rows:
+                state.trail = [(state.conv.clone(), state.recurrent.clone())]
+        z = z.reshape(B, T, self.n_v, self.dv)
+        out = self.norm(out, z).reshape(B, T, self.value_dim)
+        return self.out_proj(out)
+
+    def _mix(self, mixed, b, a, state: DeltaState | None, dtype) -> torch.Tensor:
+        """The causal conv and the gated delta rule on the projections of T rows; the state
+        advances by T. Returns [B, T, Hv, Dv] in ``dtype``."""
+        B, T, _ = mixed.shape
         mixed = mixed.transpose(1, 2)  # [B, C, T]
         history = state.conv if state is not None else mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
         window = torch.cat([history.to(mixed.dtype), mixed], dim=-1)
@@ -400,7 +479,7 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight  # [C, 1, K]
         # depthwise causal conv as K multiply-adds per channel: F.conv1d is ~50x slower at decode sizes
         taps = window.to(w.dtype).unfold(-1, self.kernel, 1)  # [B, C, T, K]
-        mixed = F.silu((taps * w[:, None, 0, :]).sum(-1)).to(x.dtype).transpose(1, 2)
+        mixed = F.silu((taps * w[:, None, 0, :]).sum(-1)).to(dtype).transpose(1, 2)
 
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.n_k, self.dk)
@@ -411,7 +490,7 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             s0 = state.recurrent
         else:
-            s0 = torch.zeros(B, self.n_v, self.dk, self.dv, dtype=torch.float32, device=x.device)
+            s0 = torch.zeros(B, self.n_v, self.dk, self.dv, dtype=torch.float32, device=mixed.device)
         if T > 1 and self.chunk_fla:
             from edgerun.kernels.delta_chunk import delta_rule_fla
 
@@ -432,10 +511,7 @@ class GatedDeltaNet(nn.Module):
             out = out.transpose(1, 2)
         if state is not None:
             state.recurrent.copy_(s1)
-        out = out.to(x.dtype)  # [B, T, Hv, Dv]
-        z = z.reshape(B, T, self.n_v, self.dv)
-        out = self.norm(out, z).reshape(B, T, self.value_dim)
-        return self.out_proj(out)
+        return out.to(dtype)  # [B, T, Hv, Dv]
 
     def decode(
         self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor, norm: RMSNorm

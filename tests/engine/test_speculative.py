@@ -1,0 +1,197 @@
+"""Speculative decoding with the MTP head on the CPU (issue 17): a verify window's rows are the
+one-row decode step's bits; a rolled-back state is plain decoding's state; greedy output with
+K = 1, 2, 3 drafts equals plain greedy (resident checkpoint, resident bundle, streamed bundle);
+sampling acceptance keeps the target distribution (chi-square); bad settings are named errors."""
+
+import copy
+
+import pytest
+import torch
+
+from edgerun.bundle.convert import ConvertOptions, convert
+from edgerun.config import CacheConfig
+from edgerun.engine import speculative as S
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import Sampler, SamplingParams
+from edgerun.errors import CheckpointError, ConfigError, EdgerunError
+from edgerun.models.layers import DeltaState, KVCache
+
+PROMPT = [5, 17, 3, 44, 9, 12, 60, 2, 31, 8, 22]
+MTP = S.SpeculativeConfig("mtp", 1)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A tiny qwen3_5_moe with an MTP head: the HF checkpoint (per-expert, as save_pretrained
+    writes it), and bf16 / int4 bundles converted from its fused rewrite."""
+    from tokenizers import Tokenizer, models
+
+    from hf_fixtures import add_mtp, build_hf
+
+    root = tmp_path_factory.mktemp("mtp")
+    build_hf("qwen3_5_moe", root / "hf", seed=7, hidden_size=64, moe_intermediate_size=32)
+    out = {"hf": add_mtp(root / "hf", root / "hf-mtp", seed=3)}
+    fused = add_mtp(root / "hf", root / "fused-mtp", seed=3, fused=True)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0")).save(
+        str(fused / "tokenizer.json")
+    )
+    for quant, group in (("bf16", None), ("int4", 16)):
+        convert(fused, root / quant, ConvertOptions(quant, group))
+        out[quant] = root / quant
+    return out
+
+
+def _states_equal(a, b, upto: int) -> bool:
+    assert a.pos == b.pos == upto
+    for x, y in zip(a.layers, b.layers):
+        if isinstance(x, KVCache):
+            if not (
+                torch.equal(x.k[:, :, :upto], y.k[:, :, :upto])
+                and torch.equal(x.v[:, :, :upto], y.v[:, :, :upto])
+            ):
+                return False
+        elif isinstance(x, DeltaState):
+            if not (torch.equal(x.conv, y.conv) and torch.equal(x.recurrent, y.recurrent)):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("source", ["hf", "int4"])
+def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(sources, source):
+    runner = Runner.load(sources[source], device="cpu")
+    model = runner.model
+    state = runner.new_state(32)
+    runner.prefill(state, PROMPT)
+    rows = [7, 70, 33, 1, 50]
+    plain = copy.deepcopy(state)
+    with torch.inference_mode():
+        steps, after = [], {}
+        for i, t in enumerate(rows):
+            steps.append(runner.decode_step(plain, t))
+            after[i + 1] = copy.deepcopy(plain)
+        for kept in range(1, len(rows) + 1):
+            window = copy.deepcopy(state)
+            start = window.pos
+            logits = model.lm_head(model.hidden(torch.tensor([rows]), window, rows=True))[0]
+            for i in range(len(rows)):
+                assert torch.equal(logits[i], steps[i]), (kept, i)
+            window.rollback(start, kept)
+            assert _states_equal(window, after[kept], start + kept), kept
+            # decoding on from the rolled-back state is decoding on from plain's
+            assert torch.equal(runner.decode_step(window, 9), runner.decode_step(after[kept], 9))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("source", ["hf", "bf16", "streamed"])
+def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, source, k):
+    path = sources["int4" if source == "streamed" else source]
+    cache = CacheConfig(3) if source == "streamed" else None
+    plain = Runner.load(path, device="cpu", cache=cache)
+    spec = Runner.load(path, device="cpu", cache=cache, speculative=S.SpeculativeConfig("mtp", k))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = plain.generate_ids(PROMPT, params)
+    events = list(spec.generate(spec.request(PROMPT, params)))
+    got = [e.token_id for e in events if e.token_id is not None]
+    assert torch.equal(torch.tensor(got), torch.tensor(want))
+    stats = events[-1].stats.speculative
+    assert stats.emitted == len(want) - 1 and stats.drafted >= stats.accepted >= 0
+    assert stats.steps < len(want) - 1 or stats.accepted == 0
+    assert "MTP acceptance" in events[-1].stats.line() and "tok/step" in events[-1].stats.line()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_acceptance_length_keeps_greedy_output(sources, k, monkeypatch):
+    """Drafts that are plain greedy's own tokens, some corrupted: every accepted-prefix length
+    from 0 to k occurs, and the output is still plain greedy's."""
+    plain = Runner.load(sources["hf"], device="cpu")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = plain.generate_ids(PROMPT, params)
+    g = torch.Generator().manual_seed(k)
+
+    def draft(self, seq, n, choose):
+        i = len(seq) - len(PROMPT)  # seq's next token is want[i]
+        out = [want[i + j] if i + j < len(want) else 0 for j in range(n)]
+        bad = int(torch.randint(0, n + 1, (), generator=g))  # corrupt from this draft on
+        out = out[:bad] + [(t + 1) % 97 for t in out[bad:]]
+        self.catch_up(seq)
+        return out, [torch.zeros(97)] * n
+
+    monkeypatch.setattr(S.MtpDrafter, "draft", draft)
+    spec = Runner.load(sources["hf"], device="cpu", speculative=S.SpeculativeConfig("mtp", k))
+    events = list(spec.generate(spec.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want
+    stats = events[-1].stats.speculative
+    assert stats.accepted > 0 and stats.tokens_per_step > 1.0
+
+
+def test_sampling_acceptance_keeps_the_target_distribution():
+    """One draft from q, accepted or resampled against p: the emitted token is distributed as p
+    (chi-square, 6 tokens, 20000 seeded trials; the 0.1% critical value for 5 dof is 20.5)."""
+    p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    q_logits = torch.tensor([0.0, 2.0, 1.0, 1.0, 0.5, -1.0])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1234))
+    choose = S.draft_chooser(sampler)
+    n, counts = 20000, torch.zeros(6)
+    for _ in range(n):
+        d = choose(q_logits)
+        counts[S.accept(sampler, p_logits[None].repeat(2, 1), [d], [q_logits])[0]] += 1
+    expected = torch.softmax(p_logits, 0) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts, expected)
+    # and the draft distribution alone is far from p: the test can fail
+    drafts = torch.bincount(torch.tensor([choose(q_logits) for _ in range(n)]), minlength=6).float()
+    assert float(((drafts - expected) ** 2 / expected).sum()) > 1000
+
+
+def test_sampled_speculative_decoding_runs_and_is_seeded(sources):
+    spec = Runner.load(sources["hf"], device="cpu", speculative=S.SpeculativeConfig("mtp", 2))
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    first, second = spec.generate_ids(PROMPT, params), spec.generate_ids(PROMPT, params)
+    assert first == second and len(first) == 20
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(method="eagle"), "speculative method 'eagle' is not supported"),
+        (dict(draft_tokens=0), "draft tokens must be an integer in 1..4, got 0"),
+        (dict(draft_tokens=5), "draft tokens must be an integer in 1..4, got 5"),
+    ],
+)
+def test_bad_speculative_settings_are_named(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        S.SpeculativeConfig(**kw)
+
+
+def test_a_model_without_an_mtp_head_refuses_speculation(sources, hf_checkpoints):
+    with pytest.raises(CheckpointError, match="declares no MTP layer"):
+        Runner.load(hf_checkpoints["qwen3_5_moe"][1], device="cpu", speculative=MTP)
+    runner = Runner.load(sources["hf"], device="cpu")
+    with pytest.raises(EdgerunError, match="MTP head is not loaded"):
+        runner.enable_speculative(MTP)
+
+
+def test_generate_cli_speculates_and_says_so(sources, capsys):
+    from edgerun.cli import main
+
+    argv = ["generate", "--model", str(sources["bf16"]), "--token-ids", "5,17,3,44", "--max-tokens", "12"]
+    assert main([*argv, "--ignore-eos", "--speculative", "mtp", "--draft-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative mtp, 3 draft token(s) a step" in err and "MTP head 19 tensors" in err
+    assert "MTP acceptance" in err and "tok/step" in err
+    assert main([*argv, "--draft-tokens", "2"]) == 2
+    assert "--draft-tokens needs --speculative mtp" in capsys.readouterr().err
+    assert main([*argv, "--speculative", "medusa"]) == 2
+    assert "speculative method 'medusa' is not supported" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_mtp_head_only_when_asked(capsys):
+    from edgerun.cli import main
+
+    argv = ["plan", "--profile", "configs/orin.yaml", "--model", "configs/models/qwen3.6-35b-a3b.json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n  mtp " not in out and "MTP head (1 layer) is not loaded and not planned" in out
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "\n  mtp " in out and "MTP head planned (1 layer, resident), 2 draft token(s)" in out
