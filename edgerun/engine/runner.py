@@ -27,7 +27,7 @@ from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, Speculativ
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import EdgerunError
 from edgerun.models.args import ModelArgs
-from edgerun.models.layers import DecodeState
+from edgerun.models.layers import DecodeState, exact_rows
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
@@ -423,7 +423,8 @@ class Runner:
             start = state.pos
             rows = torch.tensor([[seq[-1], *drafts]], dtype=torch.long, device=self.device)
             hidden = self.model.hidden(rows, state, rows=True)
-            verified = self.model.lm_head(hidden)[0]
+            with exact_rows():
+                verified = self.model.lm_head(hidden)[0]
             self.steps.eager_steps += 1
             self._count_step()
             emitted = accept(sampler, verified, drafts, draft_logits)

@@ -3,6 +3,8 @@ layers, final norm and lm_head, plus the decode state and the tensor inventory."
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from edgerun.models.layers import (
     Rotary,
     SparseMoe,
     StaticStep,
+    exact_rows,
 )
 
 PROBE_ROWS = 4096  # the dense probe runs a projection of more rows at this many (plus the tail)
@@ -218,8 +221,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)
         positions = torch.arange(start, start + T, device=tokens.device)
         rope = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, None if state is None else state.layers[i], start, rows)
+        with exact_rows() if rows else nullcontext():
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, rope, None if state is None else state.layers[i], start, rows)
         if state is not None:
             state.pos += T
         return self.model.norm(x)

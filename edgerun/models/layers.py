@@ -8,6 +8,8 @@ fp32 router softmax, fp32 delta rule), so greedy tokens match it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 
@@ -18,9 +20,24 @@ from torch import nn
 from edgerun.kernels.decode_reference import apply_rotary_ref as apply_rotary
 from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
-from edgerun.kernels.moe_reference import ROW_TILE, combine_experts
+from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.models.args import ModelArgs
+
+# set within a speculative verify window (``exact_rows``): every row computed as a one-row step
+EXACT_ROWS: ContextVar[bool] = ContextVar("edgerun_exact_rows", default=False)
+
+
+@contextmanager
+def exact_rows():
+    """Within the block, a projection's rows are each computed as a one-row call computes them
+    (``QLinear._reference``): a verify window's rows equal the decode steps' bit for bit."""
+    token = EXACT_ROWS.set(True)
+    try:
+        yield
+    finally:
+        EXACT_ROWS.reset(token)
+
 
 # at or below this many rows of input, a QLinear whose kernel was selected runs the Triton GEMV:
 # for a plain weight cuBLAS is faster from 3 rows on; for int8 / int4 the GEMV still beats an exact
@@ -123,29 +140,26 @@ class QLinear(nn.Module):
 
     def _reference(self, x, w, epilogue, out, gate, nrm, norm_out, matmul=None) -> torch.Tensor:
         """``qlinear_ref`` on x [N, C] (``matmul``: the CPU kernels' product in its stead, whose
-        rows do not depend on each other). On the CPU BLAS's rows are padded to a multiple of
-        ROW_TILE: BLAS runs one row (a GEMV) in another summation order than several, so
-        unpadded a row's result would depend on how many rows share the call; padded, a verify
-        window's row is bit for bit the one-row decode step's (tests/engine/test_speculative.py)."""
+        rows do not depend on each other). Within :func:`exact_rows` (a speculative verify
+        window) on the CPU, BLAS's rows run one at a time: BLAS sums one row (a GEMV) in another
+        order than several (a GEMM), so a window's row is then bit for bit the one-row decode
+        step's (tests/engine/test_speculative.py), at the cost of reading the weight per row."""
         from edgerun.kernels.qlinear_reference import qlinear_ref
 
         n = x.shape[0]
-        pad = -n % ROW_TILE if x.device.type == "cpu" and matmul is None else 0
-        if not pad:
+        if n == 1 or matmul is not None or x.device.type != "cpu" or not EXACT_ROWS.get():
             return qlinear_ref(
                 x, w, self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out, matmul=matmul
             )
 
-        def padded(t):
-            return None if t is None else F.pad(t, (0, 0, 0, pad))
+        def row(t, i):
+            return None if t is None else t[i : i + 1]
 
-        normed = None if norm_out is None else x.new_empty(n + pad, x.shape[1])
-        y = qlinear_ref(
-            padded(x), w, self.bias, epilogue, padded(out), padded(gate), norm=nrm, norm_out=normed
-        )
-        if norm_out is not None:
-            norm_out.copy_(normed[:n])
-        return y[:n] if out is None else out.copy_(y[:n])
+        ys = [
+            qlinear_ref(row(x, i), w, self.bias, epilogue, row(out, i), row(gate, i), norm=nrm, norm_out=row(norm_out, i))
+            for i in range(n)
+        ]  # fmt: skip
+        return out if out is not None else torch.cat(ys)
 
     def extra_repr(self) -> str:
         g = f", group {self.group}" if self.scheme != "plain" else ""

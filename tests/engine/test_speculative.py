@@ -14,7 +14,7 @@ from edgerun.engine import speculative as S
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import Sampler, SamplingParams
 from edgerun.errors import CheckpointError, ConfigError, EdgerunError
-from edgerun.models.layers import DeltaState, KVCache
+from edgerun.models.layers import DeltaState, KVCache, exact_rows
 
 PROMPT = [5, 17, 3, 44, 9, 12, 60, 2, 31, 8, 22]
 MTP = S.SpeculativeConfig("mtp", 1)
@@ -72,7 +72,9 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(sou
         for kept in range(1, len(rows) + 1):
             window = copy.deepcopy(state)
             start = window.pos
-            logits = model.lm_head(model.hidden(torch.tensor([rows]), window, rows=True))[0]
+            hidden = model.hidden(torch.tensor([rows]), window, rows=True)
+            with exact_rows():
+                logits = model.lm_head(hidden)[0]
             for i in range(len(rows)):
                 assert torch.equal(logits[i], steps[i]), (kept, i)
             window.rollback(start, kept)
