@@ -83,8 +83,13 @@ class Prefetcher:
     def __init__(self, model, cache: ExpertCache) -> None:
         self.model, self.cache = model, cache
         layers = model.model.layers
+        E = cache.bundle.args.num_experts
+        # a layer whose quota holds every expert never misses (hold_complete_layers read them all
+        # in): nothing to predict for it, and no router run, no host sync on its behalf
         streamed = [
-            i for i, b in enumerate(layers) if isinstance(getattr(b.mlp, "experts", None), StreamingExperts)
+            i
+            for i, b in enumerate(layers)
+            if isinstance(getattr(b.mlp, "experts", None), StreamingExperts) and cache.slots[i].quota < E
         ]
         self.next = dict(zip(streamed, streamed[1:], strict=False))
         self._residual: dict[int, torch.Tensor] = {}

@@ -203,3 +203,17 @@ def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
     cfg.write_text("prefetch: 2\n")
     with pytest.raises(ConfigError, match="key 'prefetch' must be bool"):
         load_serve_config(cfg)
+
+
+def test_layers_that_hold_every_expert_are_not_predicted(bundles):
+    """Quota = every expert: the layers never miss, so no router runs ahead for them (a prefill
+    over them keeps no host round trip)."""
+    from edgerun.bundle.reader import Bundle
+    from edgerun.engine.streaming import StreamingExperts, load_streaming_model
+
+    b = bundles[("qwen3_5_moe", "int4")]
+    every = Bundle.open(b).args.num_experts
+    model, _, cache, _ = load_streaming_model(b, every)
+    experts = [m for m in model.modules() if isinstance(m, StreamingExperts)]
+    assert experts and all(m.prefetcher is None for m in experts)
+    cache.close()
