@@ -193,11 +193,18 @@ def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeat
     if not same:
         diverge = next(i for i, (a, b) in enumerate(zip(eager["tokens"], graph_runs[0]["tokens"])) if a != b)
         rec["refused"] = f"eager and graph tokens differ from token {diverge}: no rate printed"
-    runner.cache.close()
-    del runner
+    release(runner)
+    return rec
+
+
+def release(runner: Runner) -> None:
+    """A configuration's runner gone before the next loads: its cache's readers closed, its
+    device memory back to the allocator's pool and out of it."""
+    if runner.cache is not None:
+        runner.cache.close()
+    runner.cache = runner.decoder = runner.model = None
     gc.collect()
     torch.cuda.empty_cache()
-    return rec
 
 
 def main(argv: list[str] | None = None) -> int:

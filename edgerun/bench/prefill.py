@@ -22,7 +22,6 @@ Writes bench_prefill.json and bench_prefill.md to --out (default: the --dir).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from edgerun.bench.decode import GiB, build_bundle, dense_bytes, med, quota_for, state_bytes
+from edgerun.bench.decode import GiB, build_bundle, dense_bytes, med, quota_for, release, state_bytes
 from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
@@ -166,11 +165,7 @@ def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile) -> dic
         print(f"[{name}] host time by op (self):")
         for t in p["host_top"]:
             print(f"   {t['self_ms']:9.3f} ms  {t['count']:6d}  {t['op']}")
-    if runner.cache is not None:
-        runner.cache.close()
-    del runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    release(runner)
     return rec
 
 
