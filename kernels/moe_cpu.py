@@ -102,6 +102,19 @@ def pack_block(layout: BlockLayout, block: torch.Tensor, gscales: torch.Tensor |
     return out[0], out[1]
 
 
+def pack_slots(
+    layout: BlockLayout,
+    pool: torch.Tensor,
+    global_scales: torch.Tensor | None,
+    slots,
+    packed: dict[int, Packed],
+) -> None:
+    """``pack_block`` for each of ``slots`` that ``packed`` does not hold yet, into ``packed``."""
+    for s in slots:
+        if s not in packed:
+            packed[s] = pack_block(layout, pool[s], None if global_scales is None else global_scales[s])
+
+
 def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
     """x bf16 [N, C] @ a packed weight^T -> fp32 [N, R]."""
     w, s = weight
@@ -132,10 +145,8 @@ def moe_cpu(
     slot_of = dict(zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()))
 
     def expert_weights(e: int) -> Packed:
-        s = slot_of[e]
-        if s not in packed:
-            packed[s] = pack_block(layout, pool[s], None if global_scales is None else global_scales[s])
-        return packed[s]
+        pack_slots(layout, pool, global_scales, (slot_of[e],), packed)
+        return packed[slot_of[e]]
 
     def ffn(h: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
         gate, up = linear(h.to(ACT), gate_up, group).chunk(2, dim=-1)

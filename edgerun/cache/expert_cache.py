@@ -412,6 +412,24 @@ class ExpertCache:
             return None
         return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
 
+    def pack_held(self) -> int:
+        """Repack now, for the CPU expert kernels, every slot of each layer that holds all its
+        experts (it never refills them), instead of on each expert's first use: the cost moves
+        from the first request's prefill to loading. Returns the slots packed."""
+        from edgerun.kernels.moe_cpu import pack_slots
+        from edgerun.progress import iterate
+
+        E = self.bundle.args.num_experts
+        full = [layer for layer, table in self.slots.items() if len(table.slot_of) >= E]
+        n = 0
+        for layer in iterate(full, len(full), "repack experts", "layer"):
+            packed = self.packed[layer]
+            before = len(packed)
+            slots = sorted(self.slots[layer].slot_of.values())
+            pack_slots(self.bundle.layouts[layer], self.pools[layer], self.slot_scales[layer], slots, packed)
+            n += len(packed) - before
+        return n
+
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""
         self.slots[layer].counters.hits += n

@@ -145,6 +145,8 @@ class Runner:
         for module in self.model.modules():
             if isinstance(module, StreamingExperts):
                 module.policy = self.kernels.moe
+        if self.cache is not None and self.kernels.moe.impl == "cpu":
+            self.cache.pack_held()  # layers that hold every expert: their CPU layout made at load
         self.model.use_kernels(
             self.kernels.dense == "triton", self.kernels.delta_chunk, self.kernels.cpu_dense
         )

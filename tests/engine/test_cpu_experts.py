@@ -49,3 +49,15 @@ def test_a_bundle_the_cpu_kernels_cannot_run_falls_back_named_and_counted(bundle
     }
     runner.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     assert runner.fallback_counts() == {"expert_kernel": 7}  # 3 prefill chunks, 4 decode steps
+
+
+def test_layers_holding_every_expert_are_repacked_at_load(cpu_kernel_bundles):
+    """Every slot of a complete layer in the CPU layout before the first request (not on each
+    expert's first use, inside a prompt's prefill); a streamed layer packs as it fills."""
+    bundle = cpu_kernel_bundles[(ARCHS[0], "int4")]
+    held = Runner.load(bundle, device="cpu", cache=CacheConfig(64))
+    E = held.args.num_experts
+    assert all(len(held.cache.packed[layer]) == E for layer in held.args.moe_layers)
+    streamed = Runner.load(bundle, device="cpu", cache=CacheConfig(2))
+    assert all(not streamed.cache.packed[layer] for layer in streamed.args.moe_layers)
+    assert held.generate_ids(PROMPT, GREEDY) == streamed.generate_ids(PROMPT, GREEDY)
