@@ -248,7 +248,8 @@ class CacheConfig:
     bytes slots and staging may take, refused over it. ``warm``: per-layer expert frequencies
     to preload. ``profile`` / ``context``: the plan the quotas came from, so the engine can
     re-plan against the dense bytes it measured after loading (None: fixed quotas). ``prefetch``:
-    reads issued before a lookup asks for them (``ExpertCache.prefetch``), False to turn off."""
+    reads issued before a lookup asks for them (``ExpertCache.prefetch``), False to turn off,
+    None for the device's default."""
 
     quotas: int | Mapping[int, int]
     host_quotas: int | Mapping[int, int] | None = None
@@ -262,9 +263,9 @@ class CacheConfig:
     profile: Path | None = None
     context: int | None = None
     summary: str = "fixed quota"  # how the quotas were chosen, for the start-up line
-    prefetch: bool = (
-        True  # read experts before the lookup asks: the next layer's predicted, prefill's next batch
-    )
+    # read experts before the lookup asks (the next layer's predicted, prefill's next batch);
+    # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)
+    prefetch: bool | None = None
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

@@ -143,8 +143,15 @@ class ExpertCache:
             bb: BlockReader(bb, staging, config.read_mode, config.read_depth) for bb in block_sizes
         }
         # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads
-        self.prefetch_depth = max(staging - args.num_experts_per_tok, 0) if config.prefetch else 0
-        if config.prefetch and not self.prefetch_depth:
+        prefetch = config.prefetch
+        if prefetch is None:  # the default: CPU slots only until it is measured on a GPU
+            prefetch = self.device.type == "cpu"
+            if not prefetch:
+                self.adjustments.append(
+                    "prefetch off on CUDA by default (not yet measured there); --prefetch turns it on"
+                )
+        self.prefetch_depth = max(staging - args.num_experts_per_tok, 0) if prefetch else 0
+        if prefetch and not self.prefetch_depth:
             self.adjustments.append(
                 f"prefetch off: {staging} staging buffers leave none beyond top_k {args.num_experts_per_tok}"
             )

@@ -163,7 +163,7 @@ def cache_config(
         host_quotas=host_quota,
         read_mode=read_mode or "auto",
         read_depth=read_depth,
-        prefetch=True if prefetch is None else prefetch,
+        prefetch=prefetch,
         pool=pool,
         unified_memory=unified,
         warm=warm,

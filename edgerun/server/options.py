@@ -33,7 +33,9 @@ class ServeOptions:
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
-    prefetch: bool | None = None  # expert reads before the router asks (next layer predicted); None: on
+    prefetch: bool | None = (
+        None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
+    )
     expert_kernel: str = (
         "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
     )

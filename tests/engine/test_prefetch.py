@@ -193,8 +193,12 @@ def test_the_prefetcher_predicts_with_the_next_layers_router(bundles):
 
 def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
     b = bundles[("qwen3_moe", "bf16")]
-    assert cache_config(b, quota=2).prefetch is True
+    assert cache_config(b, quota=2).prefetch is None  # the device's default
     assert cache_config(b, quota=2, prefetch=False).prefetch is False
+    # the default: on for CPU slots (off on CUDA until measured there, which the cache says)
+    cpu = ExpertCache(Bundle.open(b), cache_config(b, quota=2), device="cpu")
+    assert cpu.prefetch_depth > 0 and not any("prefetch" in a for a in cpu.adjustments)
+    cpu.close()
     with pytest.raises(ConfigError, match="--no-prefetch sets up expert streaming"):
         cache_config(None, prefetch=False)
     cfg = tmp_path / "serve.yaml"

@@ -66,3 +66,18 @@ def test_chunked_prefill_equals_one_pass(bundles, arch):
     err = float((logits[1] - logits[0]).abs().max() / logits[0].abs().max())
     assert err < TOLERANCE[torch.bfloat16], err
     assert tokens[0] == tokens[1]
+
+
+def test_prefetch_is_off_by_default_on_cuda_and_says_so(bundles):
+    """Decode prefetch is not measured on a GPU yet: off by default there, stated, on by request."""
+    from edgerun.bundle.reader import Bundle
+    from edgerun.cache.expert_cache import ExpertCache
+    from edgerun.engine.setup import cache_config
+
+    b = bundles[("qwen3_moe", "int4")]
+    default = ExpertCache(Bundle.open(b), cache_config(b, quota=2), device="cuda")
+    assert default.prefetch_depth == 0 and any("prefetch off on CUDA" in a for a in default.adjustments)
+    asked = ExpertCache(Bundle.open(b), cache_config(b, quota=2, prefetch=True), device="cuda")
+    assert asked.prefetch_depth > 0
+    default.close()
+    asked.close()
