@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from edgerun.kernels.delta_chunk import delta_rule_fla, fla_version, reference_bthk
-from edgerun.kernels.dense_reference import l2norm
+from edgerun.kernels.delta_chunk import delta_rule_fla, fla_version, random_inputs, reference_bthk
+from edgerun.kernels.dense_reference import DeltaDims
 
 
 def timed(fn, args: tuple, n: int = 10) -> float:
@@ -38,15 +38,9 @@ def main() -> int:
         raise SystemExit("needs a CUDA device and fla-core installed")
     print(f"{torch.cuda.get_device_name()}, fla-core {fla_version()}, torch {torch.__version__}")
     g = torch.Generator(device="cuda").manual_seed(0)
-    Hk, Hv, d = 16, 32, 128
+    dims = DeltaDims(16, 32, 128, 128, 4)  # Qwen3.6-35B-A3B's
     for T in (int(t) for t in ns.tokens.split(",")):
-        q = l2norm(torch.randn(1, T, Hk, d, generator=g, device="cuda")) * d**-0.5
-        k = l2norm(torch.randn(1, T, Hk, d, generator=g, device="cuda"))
-        v = torch.randn(1, T, Hv, d, generator=g, device="cuda")
-        gate = -torch.rand(1, T, Hv, generator=g, device="cuda") * 2
-        beta = torch.rand(1, T, Hv, generator=g, device="cuda")
-        s0 = torch.randn(1, Hv, d, d, generator=g, device="cuda") * 0.1
-        args = (q, k, v, gate, beta, s0)
+        args = random_inputs(dims, T, g)
         want, want_s = reference_bthk(*args)
         got, got_s = delta_rule_fla(*args)
         err = float((got - want).abs().max() / want.abs().max())

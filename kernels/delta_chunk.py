@@ -57,6 +57,23 @@ def reference_bthk(q, k, v, g, beta, state):
     return out.transpose(1, 2), final
 
 
+def random_inputs(dims, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``delta_rule_fla``'s arguments at ``dims``' geometry (``DeltaDims``), random, on ``gen``'s
+    device: q and k L2-normalised (q scaled), v normal, log decays in (-2, 0], beta in (0, 1), a
+    state of scale 0.1. The probe's, the tests' and the benchmark's case."""
+    dev, T = gen.device, tokens
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    q = l2norm(rand(1, T, dims.n_k, dims.dk)) * dims.dk**-0.5
+    k = l2norm(rand(1, T, dims.n_k, dims.dk))
+    v = rand(1, T, dims.n_v, dims.dv)
+    g = -torch.rand(1, T, dims.n_v, generator=gen, device=dev) * 2
+    beta = torch.rand(1, T, dims.n_v, generator=gen, device=dev)
+    return q, k, v, g, beta, rand(1, dims.n_v, dims.dk, dims.dv) * 0.1
+
+
 def probe_chunk(dims, device: torch.device | str, tokens: int = 200) -> ProbeResult:
     """Run ``delta_rule_fla`` at the model's DeltaNet geometry (``DeltaDims``) on random inputs
     from a random state, twice: selected when both outputs and states are within TOLERANCE of
@@ -69,18 +86,7 @@ def probe_chunk(dims, device: torch.device | str, tokens: int = 200) -> ProbeRes
         version = fla_version()
         if version is None:
             raise RuntimeError("fla-core is not installed (pip install 'edgerun[gpu]')")
-        gen = torch.Generator(device=device).manual_seed(0)
-        T = tokens
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=gen, device=device)
-
-        q = l2norm(rand(1, T, dims.n_k, dims.dk)) * dims.dk**-0.5
-        k = l2norm(rand(1, T, dims.n_k, dims.dk))
-        v = rand(1, T, dims.n_v, dims.dv)
-        g = -torch.rand(1, T, dims.n_v, generator=gen, device=device) * 2  # log decays in (-2, 0]
-        beta = torch.rand(1, T, dims.n_v, generator=gen, device=device)
-        s0 = rand(1, dims.n_v, dims.dk, dims.dv) * 0.1
+        q, k, v, g, beta, s0 = random_inputs(dims, tokens, torch.Generator(device=device).manual_seed(0))
         want, want_s = reference_bthk(q, k, v, g, beta, s0.clone())
         runs = [delta_rule_fla(q, k, v, g, beta, s0.clone()) for _ in range(2)]
         torch.cuda.synchronize(device)

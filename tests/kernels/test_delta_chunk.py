@@ -5,8 +5,15 @@ installed (it is an edgerun[gpu] dependency); TOLERANCE is the module's, for its
 import pytest
 import torch
 
-from edgerun.kernels.delta_chunk import TOLERANCE, delta_rule_fla, fla_version, probe_chunk, reference_bthk
-from edgerun.kernels.dense_reference import DeltaDims, delta_rule_chunked, l2norm
+from edgerun.kernels.delta_chunk import (
+    TOLERANCE,
+    delta_rule_fla,
+    fla_version,
+    probe_chunk,
+    random_inputs,
+    reference_bthk,
+)
+from edgerun.kernels.dense_reference import DeltaDims, delta_rule_chunked
 
 QWEN36 = DeltaDims(16, 32, 128, 128, 4)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
@@ -42,14 +49,7 @@ def test_probe_selects_on_this_gpu():
 def test_fla_matches_the_reference_across_chunks(T):
     """Grouped heads (16 key, 32 value heads), a prompt in two chunks carrying the state, against
     one reference pass."""
-    g = torch.Generator(device="cuda").manual_seed(T)
-    Hk, Hv, dk, dv = 16, 32, 128, 128
-    q = l2norm(torch.randn(1, T, Hk, dk, generator=g, device="cuda")) * dk**-0.5
-    k = l2norm(torch.randn(1, T, Hk, dk, generator=g, device="cuda"))
-    v = torch.randn(1, T, Hv, dv, generator=g, device="cuda")
-    gate = -torch.rand(1, T, Hv, generator=g, device="cuda") * 2
-    beta = torch.rand(1, T, Hv, generator=g, device="cuda")
-    s0 = torch.randn(1, Hv, dk, dv, generator=g, device="cuda") * 0.1
+    q, k, v, gate, beta, s0 = random_inputs(QWEN36, T, torch.Generator(device="cuda").manual_seed(T))
     want, want_s = reference_bthk(q, k, v, gate, beta, s0.clone())
     cut = T // 3
     o1, s1 = delta_rule_fla(*(t[:, :cut] for t in (q, k, v, gate, beta)), s0.clone())
@@ -62,12 +62,7 @@ def test_fla_matches_the_reference_across_chunks(T):
 def test_reference_layout_is_the_models():
     """reference_bthk (the probe's reference) is the model's own computation: repeat the key
     heads, then delta_rule_chunked in [B, H, T, *]."""
-    g = torch.Generator().manual_seed(1)
-    T, Hk, Hv, d = 70, 2, 4, 8
-    q, k = (l2norm(torch.randn(1, T, Hk, d, generator=g)) for _ in range(2))
-    v = torch.randn(1, T, Hv, d, generator=g)
-    gate, beta = -torch.rand(1, T, Hv, generator=g), torch.rand(1, T, Hv, generator=g)
-    s0 = torch.randn(1, Hv, d, d, generator=g)
+    q, k, v, gate, beta, s0 = random_inputs(DeltaDims(2, 4, 8, 8, 4), 70, torch.Generator().manual_seed(1))
     got, got_s = reference_bthk(q, k, v, gate, beta, s0)
     qq, kk = (t.repeat_interleave(2, dim=2).transpose(1, 2) for t in (q, k))
     want, want_s = delta_rule_chunked(
