@@ -197,6 +197,19 @@ def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeat
     return rec
 
 
+def prepare(ns: argparse.Namespace, name: str) -> tuple[Path, Path, float, Bundle] | None:
+    """A GPU benchmark's set-up from its options (--dir, --out, --layers, the dense ones): (out
+    dir, bundle dir, seconds synthesizing it, the open bundle); None, said, without CUDA."""
+    if not torch.cuda.is_available():
+        print(f"edgerun bench {name}: needs a CUDA device, and torch sees none", file=sys.stderr)
+        return None
+    ns.dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ns.out or ns.dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers, ns.dense, ns.lm_head, ns.dense_group)
+    return out_dir, bundle_dir, synth_s, Bundle.open(bundle_dir)
+
+
 def release(runner: Runner) -> None:
     """A configuration's runner gone before the next loads: its cache's readers closed, its
     device memory back to the allocator's pool and out of it."""
@@ -222,14 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     add_dense_arguments(ap)
     ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
     ns = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("edgerun bench decode: needs a CUDA device, and torch sees none", file=sys.stderr)
+    prepared = prepare(ns, "decode")
+    if prepared is None:
         return 2
-    ns.dir.mkdir(parents=True, exist_ok=True)
-    out_dir = ns.out or ns.dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers, ns.dense, ns.lm_head, ns.dense_group)
-    bundle = Bundle.open(bundle_dir)
+    out_dir, bundle_dir, synth_s, bundle = prepared
     a = bundle.args
     block = bundle.layouts[a.moe_layers[0]].block_bytes
     result = {

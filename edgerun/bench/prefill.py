@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from edgerun.bench.decode import GiB, build_bundle, dense_bytes, med, quota_for, release, state_bytes
+from edgerun.bench.decode import GiB, dense_bytes, med, prepare, quota_for, release, state_bytes
 from edgerun.bundle.dense_layout import add_dense_arguments
-from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -182,14 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
     add_dense_arguments(ap)
     ns = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("edgerun bench prefill: needs a CUDA device, and torch sees none", file=sys.stderr)
+    prepared = prepare(ns, "prefill")
+    if prepared is None:
         return 2
-    ns.dir.mkdir(parents=True, exist_ok=True)
-    out_dir = ns.out or ns.dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir, synth_s = build_bundle(ns.dir, ns.layers, ns.dense, ns.lm_head, ns.dense_group)
-    bundle = Bundle.open(bundle_dir)
+    out_dir, bundle_dir, synth_s, bundle = prepared
     a = bundle.args
     block = bundle.layouts[a.moe_layers[0]].block_bytes
     lengths = [int(t) for t in ns.prompt.split(",")]
