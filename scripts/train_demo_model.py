@@ -59,7 +59,9 @@ DEMO_CONFIG = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=64,
     shared_expert_intermediate_size=256,
-    max_position_embeddings=2048,
+    # trained on short sequences; longer positions run (rope needs no table) so that long prompts can be
+    # tried on a fresh machine, with the quality of a model never trained there
+    max_position_embeddings=32768,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     tie_word_embeddings=True,
     rms_norm_eps=1e-6,

@@ -106,6 +106,7 @@ def host_split(runner: Runner, prompt: list[int]) -> dict[str, float]:
 
     hooks = [m.register_forward_pre_hook(pre) for m in parts] + [m.register_forward_hook(post) for m in parts]
     state = runner.new_state(len(prompt) + 1)
+    runner.prefill_graphs = False  # a replayed graph runs no hooks: this is the eager forward's split
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     runner.prefill(state, prompt)
@@ -113,12 +114,13 @@ def host_split(runner: Runner, prompt: list[int]) -> dict[str, float]:
     torch.cuda.synchronize()
     spent["total issued"] = issued
     spent["total wall"] = (time.perf_counter() - t0) * 1e3
+    runner.prefill_graphs = True
     for h in hooks:
         h.remove()
     return {k: round(v, 2) for k, v in spent.items()}
 
 
-def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile) -> dict:
+def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile, eager_too=False) -> dict:
     t0 = time.perf_counter()
     longest = max(len(p) for p in prompts)
     runner = Runner.load(
@@ -135,19 +137,28 @@ def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile) -> dic
         torch.cuda.reset_peak_memory_stats()
         ttft(runner, prompt)  # warm-up: Triton compiles, cuBLAS picks its kernels, the cache fills
         before = runner.cache.totals() if runner.cache is not None else None
+        chunks = runner.prefill_counts()
         times = [ttft(runner, prompt) for _ in range(repeats)]
         row = {
             "tokens": len(prompt),
             "ttft_s": med(times),
             "prefill_tps": len(prompt) / med(times)["median"],
             "peak_device_bytes": torch.cuda.max_memory_allocated(),
+            "prefill_chunks": {k: n - chunks[k] for k, n in runner.prefill_counts().items()},
         }
         if before is not None:
             after = runner.cache.totals()
             row["bytes_read_per_request"] = (after.bytes_read - before.bytes_read) / repeats
+        if eager_too:  # the same prompt with every chunk eager: what the prefill graphs gain
+            runner.prefill_graphs = False
+            ttft(runner, prompt)
+            row["eager_ttft_s"] = med([ttft(runner, prompt) for _ in range(repeats)])
+            runner.prefill_graphs = True
         rec["prompts"].append(row)
         print(
-            f"[{name}] {len(prompt)} tokens: ttft {row['ttft_s']}, {row['prefill_tps']:.0f} tok/s", flush=True
+            f"[{name}] {len(prompt)} tokens: ttft {row['ttft_s']}, {row['prefill_tps']:.0f} tok/s, "
+            f"chunks {row['prefill_chunks']}" + (f", eager ttft {row['eager_ttft_s']}" if eager_too else ""),
+            flush=True,
         )
     rec["kernels"] = runner.kernel_summary()
     rec["fallbacks"] = runner.fallbacks()
@@ -178,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="resident", help="resident and/or device budgets in GiB")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (default: all 40)")
     ap.add_argument("--profile", action="store_true", help="profile one prefill of the first prompt")
+    ap.add_argument(
+        "--eager-too",
+        action="store_true",
+        help="also time each prompt with the prefill graphs off (same run)",
+    )
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
     add_dense_arguments(ap)
     ns = ap.parse_args(argv)
@@ -229,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                 result["configs"].append({"config": name, "refused": f"budget leaves {left:,} B for slots"})
                 continue
         rec = run_config(
-            name, bundle_dir, quota, prompts, ns.repeats, ns.chunk, ns.profile and spec == specs[0]
+            name,
+            bundle_dir,
+            quota,
+            prompts,
+            ns.repeats,
+            ns.chunk,
+            ns.profile and spec == specs[0],
+            ns.eager_too,
         )
         for row in rec["prompts"]:
             if spec == "resident":
@@ -254,18 +277,25 @@ def markdown(result: dict) -> str:
         f"Prefill, {result['device']}, {result['date']}, {result['geometry']['layers']} layers, "
         f"dense {result['geometry']['dense']}",
         "",
-        "| config | prompt | TTFT median (range) | prefill tok/s | peak device MiB | TTFT / bound |",
-        "| --- | ---: | --- | ---: | ---: | ---: |",
+        "| config | prompt | TTFT median (range) | prefill tok/s | chunks graph/eager | eager TTFT | peak device MiB "
+        "| TTFT / bound |",
+        "| --- | ---: | --- | ---: | --- | --- | ---: | ---: |",
     ]
+
+    def ms(t: dict) -> str:
+        return f"{t['median'] * 1e3:.1f} ms ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f})"
+
     for c in result["configs"]:
         if "refused" in c:
-            lines.append(f"| {c['config']} | | refused: {c['refused']} | | | |")
+            lines.append(f"| {c['config']} | | refused: {c['refused']} | | | | | |")
             continue
         for r in c["prompts"]:
-            t = r["ttft_s"]
             ratio = f"{r['ratio_to_bound']:.2f}" if "ratio_to_bound" in r else ""
+            chunks = r.get("prefill_chunks", {})
             lines.append(
-                f"| {c['config']} | {r['tokens']} | {t['median'] * 1e3:.1f} ms ({t['min'] * 1e3:.1f}-"
-                f"{t['max'] * 1e3:.1f}) | {r['prefill_tps']:,.0f} | {r['peak_device_bytes'] / 2**20:,.0f} | {ratio} |"
+                f"| {c['config']} | {r['tokens']} | {ms(r['ttft_s'])} | {r['prefill_tps']:,.0f} "
+                f"| {chunks.get('graph', 0)}/{chunks.get('eager', 0)} | "
+                f"{ms(r['eager_ttft_s']) if 'eager_ttft_s' in r else ''} "
+                f"| {r['peak_device_bytes'] / 2**20:,.0f} | {ratio} |"
             )
     return "\n".join(lines) + "\n"

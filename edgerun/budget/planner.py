@@ -281,7 +281,25 @@ def token_workspace_bytes(args: ModelArgs, dense_dtype: str = "bf16") -> int:
     return a * 4 * D + mixer + ffn
 
 
+def gqa_expansion_bytes(args: ModelArgs, context: int, chunk: int, kv_dtype: str) -> tuple[int, str]:
+    """A prompt chunk after the first attends to the keys before it through SDPA's lower-right
+    causal mask, whose kernels take as many key heads as query heads: K and V of the whole context
+    repeated to the query heads for one layer at a time (``models/layers.causal_attention``).
+    (bytes, how); 0 where prompts fit one chunk or the heads are not grouped."""
+    if not args.full_attention_layers or context <= chunk:
+        return 0, ""
+    H, Hk = args.num_attention_heads, args.num_key_value_heads
+    if H == Hk:
+        return 0, ""
+    kv = _dtype_bytes(kv_dtype, "kv_dtype")
+    return (
+        2 * H * context * args.head_dim * kv,
+        f"K,V of {context} tok repeated to {H} heads x {args.head_dim} x {kv} B",
+    )
+
+
 PREFILL_TILE_ROWS = 32  # kernels/moe_triton.py GroupedConfig.block_m (not imported: no torch here)
+PREFILL_GRAPH_TOKENS = 2048  # engine/graphs.py's: the longest first chunk replayed from a graph
 
 
 def prefill_chunk_extra(
@@ -393,13 +411,15 @@ class _Sizer:
         logits = batch * args.vocab_size * 4
         tokens = max(batch, min(opt.prefill_chunk, context))
         extra, how = self.chunk_extra
+        gqa, gqa_how = gqa_expansion_bytes(args, context, tokens, opt.kv_dtype)
         items.append(
             Item(
                 "activation_workspace",
                 main,
-                tokens * per_token + logits + extra,
+                tokens * per_token + logits + extra + gqa,
                 f"{tokens} tok x {per_token} B + fp32 logits {batch} x {args.vocab_size}"
-                + (f" + {how}" if how else ""),
+                + (f" + {how}" if how else "")
+                + (f" + {gqa_how}" if gqa else ""),
             )
         )
         if opt.cuda_graphs and dev.has_cuda:
@@ -433,6 +453,24 @@ class _Sizer:
         for it in items:
             out[it.pool] -= it.nbytes
         return out
+
+    def prefill_graph_item(self, context: int, batch: int) -> Item | None:
+        """The prefill graphs' private pool (``engine/graphs.PrefillGraphs``: a first chunk's
+        workspace, held beside the eager chunks'), where they run: CUDA graphs on a CUDA device
+        and every expert held (they replay only then)."""
+        args, opt = self.args, self.options
+        if not (opt.cuda_graphs and self.device.has_cuda):
+            return None
+        per_token = token_workspace_bytes(args, opt.dense_dtype)
+        graphed = min(max(batch, min(opt.prefill_chunk, context)), PREFILL_GRAPH_TOKENS)
+        extra, how = self.chunk_extra
+        return Item(
+            "prefill_graph_pool",
+            self.main_pool,
+            graphed * per_token + extra,
+            f"prefill graphs (every expert held): {graphed} tok x {per_token} B"
+            + (f" + {how}" if how else ""),
+        )
 
     def slot_bytes(self, quotas: Sequence[int]) -> int:
         return sum(q * b for q, b in zip(quotas, self.blocks))
@@ -698,7 +736,17 @@ def plan(
     else:
         quotas = _uniform_quotas(free[main], sizer.blocks, floors, E)
     assert quotas is not None  # the overflow check passed at the floor
-    items = fixed + [sizer.slot_item(quotas)]
+    graph_pool = sizer.prefill_graph_item(context, batch) if L and all(q == E for q in quotas) else None
+    if (
+        graph_pool is not None
+        and options.quota is None
+        and sizer.slot_bytes(quotas) + graph_pool.nbytes > free[main]
+    ):
+        # every expert held leaves no room for the prefill graphs that holding them turns on: a
+        # slot fewer a layer, and prompts run eagerly (no graph pool)
+        quotas = _uniform_quotas(free[main], sizer.blocks, floors, E - 1) or quotas
+        graph_pool = None if any(q < E for q in quotas) else graph_pool
+    items = fixed + [sizer.slot_item(quotas)] + ([graph_pool] if graph_pool is not None else [])
 
     host_quotas: tuple[int, ...] = ()
     if device.discrete and L:

@@ -24,7 +24,8 @@ the routed-expert step is ``engine/streaming.run_experts``, the one the streamin
 this module only plans, captures and replays. Attention reads the whole static KV buffer with
 a mask (``Attention.decode_static``), so its shapes never change; the position and token are
 device tensors the host writes before each step. Prefill runs the model's own forward on the
-same static state.
+same static state: eagerly, or (:class:`PrefillGraphs`) a prompt's first chunk replayed from a
+graph captured for its length padded up to a bucket.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from functools import partial
 
 import torch
 
+from edgerun.budget.planner import PREFILL_GRAPH_TOKENS  # longer first chunks run eagerly
 from edgerun.cache.slots import SlotRef
 from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
@@ -47,6 +49,9 @@ class DecodeCounters:
     mixed_steps: int = 0  # graphs, with host ops (miss service) between segments
     eager_steps: int = 0  # nothing replayed: graphs off, the warm-up step, or capture failed
     captures: int = 0  # graph sets captured (one per static state size)
+    prefill_graph_chunks: int = 0  # prompt chunks replayed from a prefill graph (PrefillGraphs)
+    prefill_eager_chunks: int = 0  # prompt chunks run eagerly (see PrefillGraphs.why_eager)
+    prefill_captures: int = 0  # prefill graphs captured (one per padded length used)
 
 
 @dataclass
@@ -115,7 +120,9 @@ class DecodeGraphs:
                     ids=torch.zeros(1, K, dtype=torch.long, **kw),
                     weights=torch.zeros(1, K, dtype=self.dtype, **kw),
                     slots=torch.zeros(1, K, dtype=torch.long, **kw),
-                    slots_host=torch.zeros(1, K, dtype=torch.long).pin_memory() if mode == "routed" else None,
+                    slots_host=torch.zeros(1, K, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                    if mode == "routed"
+                    else None,
                     table=table,
                     refs=[],
                 )
@@ -134,6 +141,7 @@ class DecodeGraphs:
         self._segments: list | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.counters = counters or DecodeCounters()
+        self.prefill: PrefillGraphs | None = None  # the runner's, made on its first prompt
         self.fallbacks: dict[str, str] = {}
         self._warm = False
 
@@ -379,4 +387,122 @@ class DecodeGraphs:
         n_graphs = sum(1 for s in self.segments() if isinstance(s, list))
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
         how += f", dense {self.policy.dense}"
-        return f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+        text = f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+        if self.prefill is not None:
+            p = self.prefill
+            text += (
+                f"; prefill: first chunks of up to {p.buckets[-1]} tokens from graphs"
+                if p.why_eager is None and p.buckets
+                else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
+            )
+        return text
+
+
+def prefill_buckets(limit: int) -> list[int]:
+    """The padded lengths prefill graphs are captured for, up to ``limit`` (included): 16, 32, 64,
+    then every multiple of 128 (at most 127 padded rows where a chunk is longer than 64)."""
+    return sorted({n for n in (16, 32, 64) if n < limit} | set(range(128, limit + 1, 128)) | {limit})
+
+
+class PrefillGraphs:
+    """A prompt's first chunk replayed from a CUDA graph: prefill is the model's forward over T
+    rows, which is host-bound at the lengths chat prompts have (thousands of launches issued
+    from Python for ~10 ms of GPU work at 512 tokens and 8 layers), so each padded length (a
+    bucket, :func:`prefill_buckets`) is captured once, on first use, and replayed after.
+
+    The chunk is padded with token 0 up to its bucket and the model runs on all of it with
+    ``valid`` marking the prompt's rows (``CausalLM.hidden``): padded rows leave the DeltaNet
+    state untouched and come after every prompt row causally; their KV lands past the position,
+    where decode masks it and later tokens overwrite it; their routed-expert rows are computed
+    and dropped (rows are independent, ``kernels/moe_triton.moe_grouped``). The logits are those
+    of the last prompt row. Only the first chunk of a sequence (position 0) and only when every
+    expert step is capturable (every MoE layer in table mode) replays; anything else runs the
+    same forward eagerly and is counted (``prefill_eager_chunks``, and why in :attr:`why_eager`).
+    """
+
+    def __init__(self, decoder: DecodeGraphs, limit: int = PREFILL_GRAPH_TOKENS) -> None:
+        self.decoder = decoder
+        self.buckets = prefill_buckets(min(limit, decoder.capacity))
+        self.graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        ] = {}
+        self.pool = None
+        modes = set(decoder.modes.values())
+        self.why_eager = (
+            "CUDA graphs off" if not decoder.policy.graphs
+            else f"expert steps {'/'.join(sorted(modes - {'table'}))} are not capturable" if modes - {"table"}
+            else None
+        )  # fmt: skip
+
+    def bucket(self, start: int, n: int) -> int | None:
+        """The padded length a chunk of ``n`` rows at position ``start`` replays at, or None."""
+        if self.why_eager is not None or start != 0:
+            return None
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, ids: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The chunk ``ids`` [1, n] (on the device) at ``start`` through a graph: its last logits
+        [V] (a static buffer: read it before the next prefill), the state advanced by n; None
+        where it does not replay (then the caller runs it eagerly)."""
+        n = ids.shape[1]
+        b = self.bucket(start, n)
+        if b is None or self.graphs.get(b, ...) is None:
+            return None
+        d = self.decoder
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+            if self.graphs[b] is None:
+                return None
+        graph, tokens, n_valid, logits = self.graphs[b]
+        tokens[:, :n].copy_(ids)
+        tokens[:, n:].zero_()
+        n_valid.fill_(n)
+        graph.replay()
+        d.state.pos = start + n
+        for i, mode in d.modes.items():
+            if mode == "table":
+                d.cache.count_hits(i, n * d.args.num_experts_per_tok)
+        d.counters.prefill_graph_chunks += 1
+        return logits[0]
+
+    def _forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, logits: torch.Tensor) -> None:
+        model = self.decoder.model
+        valid = torch.arange(tokens.shape[1], device=tokens.device) < n_valid
+        hidden = model.hidden(tokens, self.decoder.state, valid=valid)
+        logits.copy_(model.lm_head(hidden[0].index_select(0, n_valid - 1)))
+
+    def _capture(self, b: int):
+        """Warm up (Triton compiles and autotunes, library handles) on a side stream, then capture
+        bucket ``b``; the state is emptied again after each (both start a sequence). A failed
+        capture leaves that bucket eager, recorded in the decoder's fallbacks."""
+        d = self.decoder
+        kw = dict(device=d.device)
+        tokens = torch.zeros(1, b, dtype=torch.long, **kw)
+        n_valid = torch.full((1,), b, dtype=torch.long, **kw)
+        logits = torch.zeros(1, d.args.vocab_size, dtype=d.dtype, **kw)
+        table = [i for i, mode in d.modes.items() if mode == "table"]
+        hits = {i: d.cache.slots[i].counters.hits for i in table}  # the two runs below serve no request
+        stream = torch.cuda.Stream(d.device)
+        stream.wait_stream(torch.cuda.current_stream(d.device))
+        try:
+            with torch.cuda.stream(stream):
+                self._forward(tokens, n_valid, logits)
+            torch.cuda.current_stream(d.device).wait_stream(stream)
+            d.reset()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(tokens, n_valid, logits)
+            torch.cuda.synchronize(d.device)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: this length runs eagerly, say why
+            d.fallbacks["prefill_graphs"] = (
+                f"prefill capture at {b} tokens failed, eager: {type(exc).__name__}: {exc}"
+            )
+            return None
+        finally:
+            d.reset()
+            for i, n in hits.items():
+                d.cache.slots[i].counters.hits = n
+        d.counters.prefill_captures += 1
+        return graph, tokens, n_valid, logits

@@ -18,7 +18,7 @@ import torch
 
 from edgerun.cache.reader import READ_FALLBACKS
 from edgerun.config import CacheConfig
-from edgerun.engine.graphs import DecodeCounters, DecodeGraphs
+from edgerun.engine.graphs import PREFILL_GRAPH_TOKENS, DecodeCounters, DecodeGraphs, PrefillGraphs
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
@@ -103,6 +103,7 @@ class Runner:
         self.kernels: Resolved = resolve(KernelPolicy(), self.device)  # load() resolves the request
         self.decoder = None  # DecodeGraphs on CUDA, sized for the longest request so far
         self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
+        self.prefill_graphs = True  # prompts' first chunks through PrefillGraphs where they can be
         self.routes = None  # a RouteRecorder (engine/trace.py) that also takes the decoder's steps
         self._fallback_steps: dict[str, int] = {}  # engine steps run under each kernel/graph/pool fallback
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
@@ -177,6 +178,10 @@ class Runner:
     def decode_counts(self) -> dict[str, int]:
         c = self.steps
         return {"graph": c.graph_steps, "mixed": c.mixed_steps, "eager": c.eager_steps}
+
+    def prefill_counts(self) -> dict[str, int]:
+        """Prompt chunks by how they ran: replayed from a prefill graph, or eagerly."""
+        return {"graph": self.steps.prefill_graph_chunks, "eager": self.steps.prefill_eager_chunks}
 
     def kernel_summary(self) -> str:
         text = self.kernels.describe()
@@ -293,14 +298,29 @@ class Runner:
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = tokens[:, start : start + self.prefill_chunk]
             if drafter is None:
-                logits = self.model(chunk, state, last_only=True)
+                logits = self._prefill_graphed(state, chunk, start)
+                if logits is None:
+                    self.steps.prefill_eager_chunks += 1
+                    logits = self.model(chunk, state, last_only=True)[0, -1]
             else:
+                self.steps.prefill_eager_chunks += 1
                 hidden = self.model.hidden(chunk, state)
-                logits = self.model.lm_head(hidden[:, -1:])
+                logits = self.model.lm_head(hidden[:, -1:])[0, -1]
                 drafter.extend(hidden)
                 drafter.catch_up(ids)
             self._count_step()
-            yield logits[0, -1]
+            yield logits
+
+    def _prefill_graphed(self, state: DecodeState, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The chunk through the decoder's prefill graphs (``engine/graphs.PrefillGraphs``): its
+        last logits, or None where it does not replay (not the decoder's state, a route
+        recorder's forward hooks to feed, not the first chunk, a step that cannot be captured)."""
+        d = self.decoder
+        if d is None or state is not d.state or self.routes is not None or not self.prefill_graphs:
+            return None
+        if d.prefill is None:
+            d.prefill = PrefillGraphs(d, min(self.prefill_chunk, PREFILL_GRAPH_TOKENS))
+        return d.prefill.run(chunk, start)
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:

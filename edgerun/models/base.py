@@ -45,12 +45,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
 
-    def forward(self, x, rope, state, start: int, rows: bool = False) -> torch.Tensor:
+    def forward(self, x, rope, state, start: int, rows: bool = False, valid=None) -> torch.Tensor:
+        """``valid`` [T] bool: see :meth:`CausalLM.hidden`; attention needs nothing for it (a
+        padded row is causal after every prompt row, its KV past the position is never read)."""
         h = self.input_layernorm(x)
         if self.kind == A.FULL_ATTENTION:
             h = self.self_attn(h, rope, state, start, rows)
         else:
-            h = self.linear_attn(h, state, rows)
+            h = self.linear_attn(h, state, rows, valid)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -208,12 +210,18 @@ class CausalLM(nn.Module):
         return self.lm_head(x)
 
     def hidden(
-        self, tokens: torch.Tensor, state: DecodeState | None = None, rows: bool = False
+        self,
+        tokens: torch.Tensor,
+        state: DecodeState | None = None,
+        rows: bool = False,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] -> the final normed hidden states [B, T, D] (the lm_head's input, and
         the MTP head's). ``rows`` (a speculative verify window): every row is computed as the
         one-row decode step at its position computes it, bit for bit, and the DeltaNet layers
-        keep each row's state for ``DecodeState.rollback``."""
+        keep each row's state for ``DecodeState.rollback``. ``valid`` [T] bool, true for a
+        first run of rows (a chunk padded to a captured length): the state ends as after those
+        rows alone, except ``state.pos``, which advances by T (the caller sets it)."""
         B, T = tokens.shape
         start = 0 if state is None else state.pos
         if state is not None and start + T > state.max_len:
@@ -223,7 +231,7 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         with exact_rows() if rows else nullcontext():
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, rope, None if state is None else state.layers[i], start, rows)
+                x = layer(x, rope, None if state is None else state.layers[i], start, rows, valid)
         if state is not None:
             state.pos += T
         return self.model.norm(x)

@@ -113,6 +113,14 @@ class QLinear(nn.Module):
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
+        few = x.dim() > 2 and x.numel() // x.shape[-1] <= GEMV_ROWS[self.scheme]
+        if self.gemv and few and out is None and gate is None:
+            # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
+            # GEMV too, not a dequantized copy of the whole weight (1 GB for Qwen3.6's lm_head)
+            if norm is not None:
+                raise ValueError("a projection's norm takes x [N, C]")
+            flat = self(x.reshape(-1, x.shape[-1]), epilogue)
+            return flat.reshape(*x.shape[:-1], flat.shape[-1])
         if self.gemv and x.dim() == 2 and x.shape[0] <= GEMV_ROWS[self.scheme]:
             from edgerun.kernels import qlinear_triton
 
@@ -460,13 +468,19 @@ class GatedDeltaNet(nn.Module):
         projections."""
         return self.in_proj(x, norm=norm).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
 
-    def forward(self, x: torch.Tensor, state: DeltaState | None, rows: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: DeltaState | None, rows: bool = False, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``rows`` (with a state): the conv and the delta rule run one row at a time, each as
         the one-row decode step runs it, and the state after each row is kept in
-        ``state.trail`` for a rollback (``DecodeState.rollback``)."""
+        ``state.trail`` for a rollback (``DecodeState.rollback``). ``valid`` [T] bool (a padded
+        chunk, ``engine/graphs.PrefillGraphs``): the rows past the prompt leave the state as the
+        prompt's rows left it."""
         B, T, _ = x.shape
         mixed, z, b, a = self._project(x)
-        if rows and T > 1:
+        if valid is not None:
+            out = self._mix(mixed, b, a, state, x.dtype, valid)
+        elif rows and T > 1:
             trail, parts = [], []
             for t in range(T):
                 parts.append(self._mix(mixed[:, t : t + 1], b[:, t : t + 1], a[:, t : t + 1], state, x.dtype))
@@ -481,14 +495,22 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(B, T, self.value_dim)
         return self.out_proj(out)
 
-    def _mix(self, mixed, b, a, state: DeltaState | None, dtype) -> torch.Tensor:
+    def _mix(
+        self, mixed, b, a, state: DeltaState | None, dtype, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The causal conv and the gated delta rule on the projections of T rows; the state
-        advances by T. Returns [B, T, Hv, Dv] in ``dtype``."""
+        advances by T (by the ``valid`` rows, the first ones, where given: a padded row has
+        beta = 0 and g = 0, so the delta rule leaves the state as it is, and the conv state is
+        the last inputs of the valid rows; every shape stays that of T rows, for a graph).
+        Returns [B, T, Hv, Dv] in ``dtype``."""
         B, T, _ = mixed.shape
         mixed = mixed.transpose(1, 2)  # [B, C, T]
         history = state.conv if state is not None else mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
         window = torch.cat([history.to(mixed.dtype), mixed], dim=-1)
-        if state is not None:
+        if state is not None and valid is not None:  # window columns [n, n + K - 1): the last K - 1 inputs
+            last = valid.sum(dtype=torch.long) + torch.arange(self.kernel - 1, device=valid.device)
+            state.conv.copy_(window.index_select(-1, last))
+        elif state is not None:
             state.conv.copy_(window[:, :, -(self.kernel - 1) :])
         w = self.conv1d.weight  # [C, 1, K]
         # depthwise causal conv as K multiply-adds per channel: F.conv1d is ~50x slower at decode sizes
@@ -501,6 +523,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, self.n_v, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if valid is not None:
+            keep = valid[None, :, None]
+            beta, g = beta * keep, g * keep
         if state is not None:
             s0 = state.recurrent
         else:

@@ -182,6 +182,7 @@ class RunnerEngine:
             "layers": layers,
             "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
+            "prefill_chunks": self.runner.prefill_counts(),
             "read_faults": cache.read_faults() if cache else {},
             "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,

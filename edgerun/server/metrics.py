@@ -199,6 +199,14 @@ def render(
         "expert-miss service between them), eager (nothing replayed).",
         [({"mode": k}, n) for k, n in sorted(stats.get("decode_steps", {}).items())],
     )
+    t.family(
+        "edgerun_prefill_chunks_total",
+        "counter",
+        "Prompt chunks by how they ran: graph (a prompt's first chunk replayed from a CUDA graph captured "
+        "for its padded length), eager (the forward issued op by op: CPU, later chunks, long chunks, streamed "
+        "experts).",
+        [({"mode": k}, n) for k, n in sorted(stats.get("prefill_chunks", {}).items())],
+    )
     if "resident_memory_bytes" in stats:
         t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])
     if "peak_memory_bytes" in stats:

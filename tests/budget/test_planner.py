@@ -229,8 +229,9 @@ def test_discrete_two_tiers():
 def test_no_host_tier_when_pinned_memory_cannot_include_the_vram_tier():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
-    p = plan(args, specs, experts, discrete(10**6, 16_384 + 4096), 64, 2)
+    p = plan(args, specs, experts, discrete(2 * 10**6, 16_384 + 4096), 64, 2)
     assert p.fits and p.quotas == (6,) * 4 and p.host_quotas == ()
+    assert any(it.name == "prefill_graph_pool" for it in p.items)  # every expert held: prompts replay
     assert any("no pinned host tier" in n for n in p.notes)
     assert p.prediction.misses_per_token == p.prediction.device_misses_per_token == 0
     p = plan(args, specs, experts, discrete(10**6, 16_000), 64, 2)
@@ -306,7 +307,7 @@ def test_trace_gives_layers_that_need_more_a_larger_quota():
     tokens = tuple((cycle[t % 3], (0, 1)) for t in range(30))
     trace = RouteTrace(TraceHeader("tiny", "qwen3_moe", 3, (0, 2), 6, 2), tokens, "t.jsonl")
     uniform = plan(args, specs, experts, profile(10**7), 64)
-    fixed = sum(it.nbytes for it in uniform.items if it.name != "expert_slots")
+    fixed = sum(it.nbytes for it in uniform.items if it.name not in ("expert_slots", "prefill_graph_pool"))
     dev = profile(fixed + 8 * 4096)  # 8 slots in all
     p = plan(args, specs, experts, dev, 64, trace=trace)
     assert p.quotas == (6, 2)
@@ -440,3 +441,20 @@ def test_the_planned_tile_padding_is_the_kernels():
     from edgerun.kernels.moe_triton import DEFAULT_GROUPED
 
     assert PREFILL_TILE_ROWS == DEFAULT_GROUPED.block_m
+
+
+def test_prefill_graphs_are_planned_only_where_they_replay():
+    """Holding every expert turns the prefill graphs on (engine/graphs.PrefillGraphs), whose pool
+    the plan then holds; where that pool would not fit beside every expert, a slot gives way
+    (prompts then run eagerly, no pool); streamed plans and the CPU hold no such pool."""
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    roomy = plan(args, specs, experts, discrete(2 * 10**6, 10**6), 64, 1)
+    pool = next(it for it in roomy.items if it.name == "prefill_graph_pool")
+    assert roomy.quotas == (6,) * 4 and pool.nbytes > 0
+    used = sum(it.nbytes for it in roomy.items if it.pool == pool.pool)
+    tight = plan(args, specs, experts, discrete(used - pool.nbytes // 2, 10**6), 64, 1)
+    assert tight.fits and min(tight.quotas) < 6
+    assert not any(it.name == "prefill_graph_pool" for it in tight.items)
+    cpu = profile(10**7, compute_capability=None, cuda_context=0)
+    assert not any(it.name == "prefill_graph_pool" for it in plan(args, specs, experts, cpu, 64).items)

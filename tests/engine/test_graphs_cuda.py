@@ -3,6 +3,8 @@ operations, so they must give identical logits (torch.equal) and tokens, in ever
 mode: stacked resident experts (one graph per step), every expert in a slot (one graph, slots
 looked up on the device), streaming with misses (graph segments, misses served between them),
 the reference expert kernel (eager expert steps), and mapped (unified-memory style) slot pools.
+A prompt's first chunk replays from a prefill graph captured for its padded length: bit for bit
+the eager prefill at a bucket's own length, the same greedy tokens at other lengths.
 Skipped without CUDA (CI has none); run on the GPU machine before resolving."""
 
 import pytest
@@ -14,7 +16,7 @@ from edgerun.engine.runner import Runner
 from hf_fixtures import ARCHS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
-PROMPT = list(range(3, 30))
+PROMPT = list(range(3, 35))  # 32 tokens: a prefill-graph length, so its graph runs eager's shapes
 STEPS = 24
 
 
@@ -141,7 +143,8 @@ def test_trace_on_cuda_records_every_token_as_the_cpu_does(bundles, tmp_path, se
             "--device",
             device,
         ]
-        assert main(argv + ["--dtype", "float32", "--graphs", graphs] + extra) == 0
+        graph_flag = ["--graphs", graphs] if device == "cuda" else []  # the CPU refuses --graphs on
+        assert main(argv + ["--dtype", "float32"] + graph_flag + extra) == 0
         traces[device] = read_trace(out)
     assert len(traces["cuda"].tokens) == len(traces["cpu"].tokens) > 18 - 1
     assert traces["cuda"].tokens[0] == traces["cpu"].tokens[0]
@@ -165,3 +168,38 @@ def test_int4_dense_graph_and_eager_decode_are_identical(dense_bundles, arch, se
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     prompt_then = graph.generate_ids(PROMPT, params)  # the queued device-side greedy path
     assert prompt_then == host
+
+
+@pytest.mark.parametrize("kind", ["int4", "dense-int4"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_graphs_equal_the_eager_prefill(bundles, dense_bundles, arch, kind):
+    """Every expert held (table mode): the first chunk replays a graph per padded length. At a
+    bucket's length the graph runs eager's shapes: torch.equal. Padded (27 -> 32, 100 -> 128
+    rows) the dense GEMMs see other row counts and may sum in other orders, so the logits agree
+    to bf16 rounding and greedy decoding from either state emits the same tokens. The cache's
+    hit counts are those of the eager prefill (the warm-up and capture runs are not counted)."""
+    b = bundles[(arch, "int4")] if kind == "int4" else dense_bundles[arch]
+    graph, eager = _load(b, "table", "on"), _load(b, "table", "on")
+    eager.prefill_graphs = False
+    for n in (32, 27, 100, 32):
+        prompt = [3 + (7 * i) % 90 for i in range(n)]
+        runs = {}
+        for name, r in (("graph", graph), ("eager", eager)):
+            state = r.new_state(n + 16)
+            logits = r.prefill(state, prompt).clone()
+            toks = [int(logits.argmax())]
+            for _ in range(15):
+                toks.append(int(r.decode_step(state, toks[-1]).argmax()))
+            runs[name] = logits, toks
+        (x, a), (y, e) = runs["graph"], runs["eager"]
+        if n == 32:
+            assert torch.equal(x, y), f"max |graph - eager| {float((x - y).abs().max())}"
+        else:  # bf16 logits of O(1): a few units of bf16 rounding (2^-7 relative) at most
+            assert torch.allclose(x.float(), y.float(), atol=5e-2, rtol=2e-2), float((x - y).abs().max())
+        assert a == e, n
+    assert graph.prefill_counts() == {"graph": 4, "eager": 0}
+    assert eager.prefill_counts() == {"graph": 0, "eager": 4}
+    assert graph.steps.prefill_captures == 2  # 32 and 128
+    assert "prefill_graphs" not in graph.fallbacks(), graph.fallbacks()
+    assert graph.cache.totals().hits == eager.cache.totals().hits
+    assert "prefill: first chunks" in graph.kernel_summary()

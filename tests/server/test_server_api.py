@@ -436,7 +436,9 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(daemon):
     while metric(daemon.sock, "edgerun_requests_cancelled_total") < cancelled + 2:
         assert time.monotonic() < deadline, "the abandoned generations were not cancelled"
         time.sleep(0.05)
-    assert metric(daemon.sock, "edgerun_requests_running") == 0
+    while metric(daemon.sock, "edgerun_requests_running") != 0:  # counted cancelled, then let go
+        assert time.monotonic() < deadline, "a cancelled generation still holds the engine"
+        time.sleep(0.05)
     assert metric(daemon.sock, "edgerun_queue_depth") == 0
     assert metric(daemon.sock, "edgerun_generated_tokens_total") - generated < 2 * 500  # stopped early
     assert post(daemon.sock, "/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
