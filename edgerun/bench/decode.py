@@ -50,7 +50,6 @@ from edgerun.tools import calibrate
 from edgerun.tools.synth_bundle import qwen36_config, synth_bundle, with_layers
 
 GiB = 2**30
-ALLOWANCE = 1 * GiB  # activations, cuBLAS/Triton workspaces, graph pools, the CUDA context's share
 
 
 def build_bundle(
@@ -97,11 +96,45 @@ def state_bytes(bundle: Bundle, capacity: int) -> tuple[int, int, int]:
     return model.new_state(1, capacity, device="meta", dtype=torch.bfloat16).nbytes(), rec, kv_pos
 
 
-def quota_for(budget: int, bundle: Bundle, dense: int, state: int) -> tuple[int, int]:
-    a = bundle.args
-    per_slot = sum(bundle.layouts[layer].block_bytes for layer in a.moe_layers)
-    left = budget - dense - state - ALLOWANCE
-    return max(0, min(a.num_experts, left // per_slot)), left
+LIBRARY_WORKSPACE = (
+    256 * 2**20
+)  # cuBLAS / cuDNN / Triton workspaces torch allocates (not the CUDA context's own)
+
+
+def quota_for(budget: int, bundle_dir: Path, context: int, prefill_chunk: int = 512) -> tuple[int, str]:
+    """The planner's quota per layer for ``budget`` bytes of device memory, as torch counts it
+    (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
+    every planned item (dense weights, KV and DeltaNet state at ``context``, the prefill and graph
+    workspaces, the slots). (quota, how: the plan's refusal when not even top_k fits)."""
+    from edgerun.budget import inputs
+    from edgerun.budget.planner import PlanOptions, plan
+    from edgerun.bundle.dense_layout import DenseScheme
+    from edgerun.config import device_profile_from_dict
+
+    if budget <= LIBRARY_WORKSPACE:
+        return 0, f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
+    model = inputs.from_bundle(bundle_dir)
+    dev = device_profile_from_dict(
+        {
+            "name": f"{budget / GiB:g} GiB of an H200",
+            "memory_kind": "discrete",
+            "memory_cap": budget,
+            "os_reserve": 0,
+            "cuda_context": LIBRARY_WORKSPACE,
+            "pinned_limit": 64 * GiB,
+            "host_memory_cap": 128 * GiB,
+            "host_reserve": 8 * GiB,
+            "memory_bandwidth": 4.8e12,
+            "storage_read_bandwidth": 2e9,
+            "pcie_bandwidth": 50e9,
+            "compute_capability": "9.0",
+        }
+    )
+    options = PlanOptions(dense=model.dense or DenseScheme(), prefill_chunk=prefill_chunk)
+    p = plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
+    if not p.fits:
+        return 0, p.refusal.message
+    return min(p.quotas), f"planned: {p.quotas[0]} slots a layer in {budget / GiB:g} GiB"
 
 
 def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
@@ -288,19 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, a.vocab_size, (ns.prompt,), generator=g).tolist()
-    dense_all, dense_tok = dense_bytes(bundle)
-    state_total, rec_tok, kv_pos = state_bytes(bundle, capacity)
+    _, dense_tok = dense_bytes(bundle)
+    _, rec_tok, kv_pos = state_bytes(bundle, capacity)
     records = []
     for spec in ns.budgets.split(","):
         if spec == "resident":
             name, quota, budget = "resident", a.num_experts, None
         else:
             name, budget = f"{float(spec):g} GiB", int(float(spec) * GiB)
-            quota, left = quota_for(budget, bundle, dense_all, state_total)
+            quota, how = quota_for(budget, bundle_dir, capacity)
             if quota < a.num_experts_per_tok:
-                records.append(
-                    {"config": name, "refused": f"budget leaves {left:,} B for slots: below top_k"}
-                )
+                records.append({"config": name, "refused": how})
                 continue
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from edgerun.bench.decode import GiB, dense_bytes, med, prepare, quota_for, release, state_bytes
+from edgerun.bench.decode import GiB, med, prepare, quota_for, release
 from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
@@ -232,17 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         storage_bw = calibrate.best(reads)["gb_per_s"] * 1e9
         result["storage_gb_per_s"] = storage_bw / 1e9
         print(f"storage bound: {storage_bw / 1e9:.2f} GB/s", flush=True)
-    dense_all, _ = dense_bytes(bundle)
-    state_total, _, _ = state_bytes(bundle, 1 << max(lengths).bit_length())
     resident_ttft: dict[int, float] = {}
     for spec in specs:
         if spec == "resident":
             name, quota = "resident", a.num_experts
         else:
             name = f"{float(spec):g} GiB"
-            quota, left = quota_for(int(float(spec) * GiB), bundle, dense_all, state_total)
+            context = max(lengths) + 1
+            quota, how = quota_for(int(float(spec) * GiB), bundle_dir, context, ns.chunk or max(lengths))
             if quota < a.num_experts_per_tok:
-                result["configs"].append({"config": name, "refused": f"budget leaves {left:,} B for slots"})
+                result["configs"].append({"config": name, "refused": how})
                 continue
         rec = run_config(
             name,

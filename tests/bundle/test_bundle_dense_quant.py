@@ -527,3 +527,25 @@ def test_dry_run_at_the_real_geometry_is_the_planners_arithmetic(tmp_path, capsy
         main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--dense", "int4", "--dry-run"]) == 0
     )
     assert "311 dense weights quantized" in capsys.readouterr().out
+
+
+def test_bench_budgets_are_sized_by_the_planner(tmp_path):
+    """`edgerun bench decode/prefill --budgets`: the quota for a device budget is the planner's
+    (every planned item, not a fixed allowance), so the measured peak can be held to the budget;
+    a budget that cannot hold top_k slots is refused with the planner's words."""
+    from edgerun.bench.decode import LIBRARY_WORKSPACE, quota_for
+    from edgerun.budget import inputs
+
+    out = S.synth_bundle(tmp_path / "s", S.tiny_config("qwen3_5_moe"), dense="int4", threads=2)
+    a = Bundle.open(out).args
+    assert quota_for(2**30, out, 64)[0] == a.num_experts  # everything fits
+    model = inputs.from_bundle(out)
+    per_slot = sum(model.experts.block_bytes)
+    quotas = [quota_for(LIBRARY_WORKSPACE + n, out, 64)[0] for n in range(2**17, 4 * 2**20, 2**17)]
+    assert quotas == sorted(quotas) and len(set(quotas)) > 2  # more budget, more slots
+    q, how = quota_for(LIBRARY_WORKSPACE + 2**17, out, 64)
+    assert q == 0 and "over by" in how, how
+    assert quota_for(LIBRARY_WORKSPACE, out, 64)[0] == 0
+    # one budget step of a layer's slot bytes adds at most one slot a layer
+    q1 = quota_for(LIBRARY_WORKSPACE + 3 * 2**20, out, 64)[0]
+    assert quota_for(LIBRARY_WORKSPACE + 3 * 2**20 + per_slot, out, 64)[0] in (q1, q1 + 1)
