@@ -746,7 +746,9 @@ def plan(
         # slot fewer a layer, and prompts run eagerly (no graph pool)
         quotas = _uniform_quotas(free[main], sizer.blocks, floors, E - 1) or quotas
         graph_pool = None if any(q < E for q in quotas) else graph_pool
-    if graph_pool is not None and sizer.slot_bytes(quotas) + graph_pool.nbytes > free[main]:  # --quota E asked
+    if (
+        graph_pool is not None and sizer.slot_bytes(quotas) + graph_pool.nbytes > free[main]
+    ):  # --quota E asked
         notes.append(
             f"the prefill graphs' pool ({format_bytes(graph_pool.nbytes)}) does not fit beside every expert held: "
             f"a prompt may go over the cap by up to that much; quota {E - 1} leaves room (prompts then run eagerly)"
