@@ -325,10 +325,20 @@ def run_bench(ns: argparse.Namespace) -> int:
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
-    p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
+    p.add_argument("prompts", nargs="*", help="prompt texts, generated one after another")
     p.add_argument("--out", type=Path, required=True, help="route trace to write (JSONL)")
     p.add_argument("--frequencies", type=Path, default=None, help="also write a warm-set JSON here")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to decode per prompt")
+    p.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="instead of prompts: the routes of reading this text file, teacher-forced, each token "
+        "its own step as decoding it would be (held-out text for `edgerun simulate --study`)",
+    )
+    p.add_argument(
+        "--segment", type=int, default=512, help="--text: tokens per sequence (a fresh state each)"
+    )
     _add_engine_arguments(p)
     p.set_defaults(func=run_trace)
 
@@ -342,6 +352,10 @@ def run_trace(ns: argparse.Namespace) -> int:
     from edgerun.tools.routes import read_trace
     from edgerun.tools.simulate import frequencies
 
+    if bool(ns.prompts) == (ns.text is not None):
+        raise EdgerunError("give either prompts or --text FILE (exactly one)")
+    if ns.text is not None and not ns.text.is_file():
+        raise EdgerunError(f"--text {ns.text}: no such file")
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
     cache, _ = _cache_config(ns, rt, providers)
@@ -355,13 +369,20 @@ def run_trace(ns: argparse.Namespace) -> int:
     )
     if runner.tokenizer is None:
         raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")
-    rec = RouteRecorder.for_runner(runner, ns.out, str(ns.model or "demo"))
-    try:
-        for seq, prompt in enumerate(ns.prompts):
-            rec.seq = seq
-            runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
-    finally:
-        rec.close()
+    if ns.text is not None:
+        rec = RouteRecorder(runner.model, runner.args, ns.out, str(ns.model or "demo"), per_token=True)
+        try:
+            rec.read_text(runner, runner.tokenizer.encode(ns.text.read_text()), ns.segment)
+        finally:
+            rec.close()
+    else:
+        rec = RouteRecorder.for_runner(runner, ns.out, str(ns.model or "demo"))
+        try:
+            for seq, prompt in enumerate(ns.prompts):
+                rec.seq = seq
+                runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
+        finally:
+            rec.close()
     print(f"{ns.out}: {rec.writer.count} tokens, {rec.step} steps", file=sys.stderr)
     if ns.frequencies:
         freq = frequencies(read_trace(ns.out))
@@ -370,36 +391,76 @@ def run_trace(ns: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from edgerun.tools.simulate import POLICIES
+
     p = sub.add_parser("simulate", help="replay a route trace through cache policies")
     p.add_argument("trace", type=Path)
     p.add_argument("--quota", type=int, nargs="+", required=True, help="slots per layer (one or more)")
     p.add_argument(
         "--policy",
-        choices=("lru", "belady"),
+        choices=POLICIES,
         nargs="+",
-        default=["lru", "belady"],
-        help="cache policies to replay",
+        default=list(POLICIES),
+        help="cache policies to replay (lfu: LFU with decay, the cache's default)",
+    )
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=0,
+        help="replay prefetch too, as the cache with this many prefetch buffers (staging - top_k; "
+        "the trace's predicted experts) issues it",
+    )
+    p.add_argument(
+        "--study",
+        type=int,
+        metavar="FOLDS",
+        default=None,
+        help="instead: compare LRU, LRU warm-started, LFU with decay, pinned warm set + LRU and Belady, "
+        "what each learns fitted on the other folds (leave-one-out over FOLDS contiguous folds)",
     )
     p.set_defaults(func=run_simulate)
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
+    from collections import Counter
+
     from edgerun.tools.routes import read_trace
-    from edgerun.tools.simulate import simulate
+    from edgerun.tools.simulate import policy_study, simulate
 
     trace = read_trace(ns.trace)
     print(
         f"{ns.trace}: {len(trace.tokens)} tokens, {len(trace.header.moe_layers)} MoE layers, "
         f"{trace.header.num_experts} experts, top-{trace.header.top_k}"
     )
-    print(f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}")
-    for quota in ns.quota:
-        for policy in ns.policy:
-            try:
-                r = simulate(trace, quota, policy)
-            except ValueError as exc:
-                raise EdgerunError(str(exc)) from exc
-            print(f"{policy:8} {quota:5d} {r.total_misses:8d} {r.misses_per_token:13.2f}")
+    try:
+        if ns.study is not None:
+            print(
+                f"{'policy':11} {'quota':>5} {'misses/token':>13} {'x LRU':>6} {'x Belady':>8}  fitted (most chosen)"
+            )
+            for quota in ns.quota:
+                rows = policy_study(trace, quota, ns.study)
+                lru, opt = rows["lru"].misses, rows["belady"].misses
+                for r in rows.values():
+                    fitted = ", ".join(f"{v} x{n}" for v, n in Counter(r.choices).most_common(2))
+                    print(
+                        f"{r.policy:11} {quota:5d} {r.misses_per_token:13.3f} {r.misses / lru:6.2f} "
+                        f"{r.misses / opt:8.2f}  {fitted}"
+                    )
+            return 0
+        head = f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}"
+        print(head + ("  prefetch issued/useful/wasted" if ns.prefetch_depth else ""))
+        for quota in ns.quota:
+            for policy in ns.policy:
+                depth = ns.prefetch_depth if policy != "belady" else 0
+                r = simulate(trace, quota, policy, prefetch_depth=depth)
+                pf = (
+                    "/".join(str(r.prefetch_total(k)) for k in ("issued", "useful", "wasted"))
+                    if depth
+                    else ""
+                )
+                print(f"{policy:8} {quota:5d} {r.total_misses:8d} {r.misses_per_token:13.2f}  {pf}".rstrip())
+    except ValueError as exc:
+        raise EdgerunError(str(exc)) from exc
     return 0
 
 
