@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from edgerun.engine.setup import DTYPES
+from edgerun.engine.setup import DTYPES, read_warm
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
     EXIT_USAGE,
@@ -19,7 +19,7 @@ from edgerun.flags import (
     speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.cli import add_kernel_arguments, add_prefetch_argument
+from edgerun.server.cli import add_kernel_arguments, add_plan_file_arguments, add_prefetch_argument
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
     p.add_argument("--token-ids", default=None, help="prompt as comma-separated token ids instead of text")
-    p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
+    add_plan_file_arguments(p)
     p.add_argument(
         "--socket",
         type=Path,
@@ -144,7 +144,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache, plan = _cache_config(ns, rt, providers, warm=_read_warm(ns.warm))
+    cache, plan = _cache_config(ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace)
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
@@ -200,7 +200,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
+    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
 )  # fmt: skip
 
@@ -221,7 +221,7 @@ def _refuse_local_flags(ns: argparse.Namespace) -> None:
         )
 
 
-def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
+def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None):
     """(expert cache settings or None: resident, the plan's summary or None) of ``generate`` /
     ``trace``: from --quota and/or the --profile plan, which every model is checked against."""
     from edgerun.engine.setup import plan_experts
@@ -239,22 +239,9 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
         prefetch=ns.prefetch,
         pool=ns.slot_pool,
         warm=warm,
+        trace=trace,
         providers=providers,
     )
-
-
-def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
-    if path is None:
-        return None
-    import json
-
-    try:
-        raw = json.loads(path.read_text())
-        return {int(layer): counts for layer, counts in raw["frequencies"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise EdgerunError(
-            f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
-        ) from exc
 
 
 # Subcommands that live in their own package: (name, module, add-arguments, run, help).

@@ -268,6 +268,7 @@ class CacheConfig:
     # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)
     prefetch: bool | None = None
     policy: str | None = None  # None: the cache's default (cache.policy.DEFAULT_POLICY)
+    trace: Path | None = None  # route trace the plan's per-layer quotas come from (re-planned with it)
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

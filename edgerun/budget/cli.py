@@ -160,9 +160,11 @@ def plan_for_bundle(
     providers: ProviderPolicy | None = None,
     resident: Mapping[str, int] | None = None,
     quota: int | None = None,
+    trace: str | Path | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
-    model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked).
+    model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
+    ``trace``: a route trace whose miss curves size per-layer quotas and predict misses).
     ``resident``: bytes per category that loading measured, in place of the estimate from the
     tensor inventory."""
     model = inputs.from_bundle(bundle, providers)
@@ -174,7 +176,7 @@ def plan_for_bundle(
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
         PlanOptions(dense=model.dense or DenseScheme(), quota=quota),
-        None,
+        read_trace(trace) if trace is not None else None,
         model_name=model.name,
         resident=resident,
         notes=model.notes,
