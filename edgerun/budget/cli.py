@@ -14,7 +14,7 @@ from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
-from edgerun.config import load_device_profile
+from edgerun.config import DeviceProfile, load_device_profile
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
     EXIT_NO,
@@ -154,7 +154,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def plan_for_bundle(
     bundle: str | Path,
-    profile: str | Path,
+    profile: str | Path | DeviceProfile,
     context: int | None = None,
     batch: int = 1,
     providers: ProviderPolicy | None = None,
@@ -172,7 +172,7 @@ def plan_for_bundle(
         model.args,
         model.specs,
         model.experts,
-        load_device_profile(profile),
+        profile if isinstance(profile, DeviceProfile) else load_device_profile(profile),
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
         PlanOptions(dense=model.dense or DenseScheme(), quota=quota),

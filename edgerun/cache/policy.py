@@ -14,6 +14,8 @@ had the fewest misses of the policies measured on the demo model's held-out rout
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -89,35 +91,37 @@ class LRUSet:
 class LFUSet(LRUSet):
     """LFU with decay: each expert's score is its uses, each weighted ``decay`` ** (lookups since);
     the lowest-scoring held ids outside the step are evicted (ties: the least recent). ``decay``
-    1 is plain LFU over the whole history, near 0 is LRU."""
+    1 is plain LFU over the whole history, near 0 is LRU. Scores are ranked by a key that does not
+    change between an expert's uses (``log score - at * log decay``), so an eviction is one pass."""
 
     def __init__(self, quota: int, decay: float) -> None:
         super().__init__(quota)
         if not 0 < decay <= 1:
             raise ValueError(f"LFU decay must be in (0, 1], got {decay}")
         self.decay = decay
+        self._log_decay = math.log(decay)
         self._score: dict[int, tuple[float, int]] = {}  # expert -> (score, at lookup), held or not
+        self._key: dict[int, float] = {}  # expert -> its rank key, valid at every later lookup
         self._now = 0
-
-    def _value(self, e: int) -> float:
-        s, t = self._score.get(e, (0.0, self._now))
-        return s * self.decay ** (self._now - t)
 
     def access(self, ids: Iterable[int]) -> Access:
         step = list(dict.fromkeys(ids))
+        out = super().access(step)  # the step's own scores never decide its evictions
         self._now += 1
         for e in step:
-            self._score[e] = (self._value(e) + 1.0, self._now)
-        return super().access(step)
+            s, t = self._score.get(e, (0.0, self._now))
+            s = s * self.decay ** (self._now - t) + 1.0
+            self._score[e] = (s, self._now)
+            self._key[e] = math.log(s) - self._now * self._log_decay
+        return out
 
     def _victims(self, step: list[int], new: int) -> tuple[int, ...]:
         excess = len(self._order) + new - self.quota
         if excess <= 0:
             return ()
-        keep = set(step)
-        age = {e: i for i, e in enumerate(self._order)}  # oldest first
-        ranked = sorted((e for e in self._order if e not in keep), key=lambda e: (self._value(e), age[e]))
-        return tuple(ranked[:excess])
+        keep, key = set(step), self._key
+        held = ((key[e], age, e) for age, e in enumerate(self._order) if e not in keep)  # oldest first
+        return tuple(e for _, _, e in heapq.nsmallest(excess, held))
 
 
 CACHE_POLICIES = ("lfu", "lru")

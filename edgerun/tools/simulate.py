@@ -2,8 +2,8 @@
 
 ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
 fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
-exactly as the streaming layer does) through the cache's :class:`LRUSet`, or through Belady's
-optimal policy (evict the expert whose next use is farthest away) as the bound any online
+exactly as the streaming layer does) through the cache's own policy sets (``cache.policy``:
+LFU with decay, the default, and LRU), prefetches included, or through Belady's optimal policy (evict the expert whose next use is farthest away) as the bound any online
 policy stays above.
 
 :func:`policy_study` compares the online policies of ``cache.policy`` on held-out routing:
