@@ -3,8 +3,8 @@
 ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
 fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
 exactly as the streaming layer does) through the cache's own policy sets (``cache.policy``:
-LFU with decay, the default, and LRU), prefetches included, or through Belady's optimal policy (evict the expert whose next use is farthest away) as the bound any online
-policy stays above.
+LFU with decay, the default, and LRU), prefetches included, or through Belady's optimal policy
+(evict the expert whose next use is farthest away) as the bound any online policy stays above.
 
 :func:`policy_study` compares the online policies of ``cache.policy`` on held-out routing:
 LRU, LRU after a warm start, LFU with decay, a pinned warm set plus LRU, and Belady. Whatever a
