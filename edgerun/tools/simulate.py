@@ -242,7 +242,8 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
     """Misses of each :data:`STUDY` policy at ``quota`` over every fold of ``trace``, each fold
     replayed from an empty cache (or the warm start its fit chose) with what the policy learns
     fitted on the other folds: the decay minimising the fit's misses, the warm set (the fit's
-    most used experts), how many of them to pin (0 .. quota - top_k, by the fit's misses)."""
+    most used experts), how many of them to pin (0 .. quota - the widest lookup's distinct
+    experts, top_k in decode; by the fit's misses)."""
     h = trace.header
     if quota < h.top_k:
         raise ValueError(f"quota {quota} is below top_k {h.top_k}")
@@ -255,7 +256,9 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
             order = ranked(fit)
             order += [e for e in range(h.num_experts) if e not in order]
             decay = min(DECAYS, key=lambda d: (replay_set(fit, LFUSet(quota, d)), d))
-            pin = min(range(quota - h.top_k + 1), key=lambda p: (_pinned_run(fit, quota, order, p), p))
+            # pinned experts leave quota - pin slots to the rest: at least any lookup's width
+            widest = max(len(set(ids)) for ids in fit + test)
+            pin = min(range(quota - widest + 1), key=lambda p: (_pinned_run(fit, quota, order, p), p))
             rows["lru"].misses += replay_set(test, LRUSet(quota))
             rows["lru+warm"].misses += replay_set(test, LRUSet(quota), order[:quota][::-1])
             rows["lfu-decay"].misses += replay_set(test, LFUSet(quota, decay))

@@ -44,3 +44,12 @@ def test_study_rows_are_bounded_by_belady_and_lru_matches_the_simulator():
     assert rows["lru"].misses == sum(simulate(p, 4, "lru").total_misses for p in folds_of(trace, 3))
     assert rows["pinned+lru"].misses < rows["lru"].misses  # the hot pair is worth pinning here
     assert len(rows["lfu-decay"].choices) == 3  # one fitted decay per fold and layer
+
+
+def test_a_study_pins_no_more_than_the_widest_lookup_leaves():
+    """A prefill step's lookup can fill the quota: then nothing can be pinned (no crash)."""
+    decode = _trace(300)
+    prefill = RouteTrace(HEADER, decode.tokens, steps=(0,) * 20 + tuple(range(1, 281)))
+    rows = policy_study(prefill, 4, folds=2)
+    assert set(rows["pinned+lru"].choices) == {"0"}
+    assert rows["pinned+lru"].misses == rows["lru+warm"].misses  # pinning none is the warm start
