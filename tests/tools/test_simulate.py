@@ -53,3 +53,13 @@ def test_a_study_pins_no_more_than_the_widest_lookup_leaves():
     rows = policy_study(prefill, 4, folds=2)
     assert set(rows["pinned+lru"].choices) == {"0"}
     assert rows["pinned+lru"].misses == rows["lru+warm"].misses  # pinning none is the warm start
+
+
+def test_prefetch_replay_needs_predictions_and_an_online_policy():
+    trace = _trace(20)
+    with pytest.raises(ValueError, match="has no 'predicted' experts: record it with `edgerun trace`"):
+        simulate(trace, 4, "lfu", prefetch_depth=2)
+    with pytest.raises(ValueError, match="prefetch replays the cache's own policies"):
+        simulate(trace, 4, "belady", prefetch_depth=2)
+    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lru, belady"):
+        simulate(trace, 4, "mru")
