@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from edgerun.engine.setup import DTYPES
+from edgerun.engine.setup import DTYPES, read_warm
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
     EXIT_USAGE,
@@ -19,7 +19,7 @@ from edgerun.flags import (
     speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.cli import add_kernel_arguments, add_prefetch_argument
+from edgerun.server.cli import add_kernel_arguments, add_plan_file_arguments, add_prefetch_argument
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
     p.add_argument("--token-ids", default=None, help="prompt as comma-separated token ids instead of text")
-    p.add_argument("--warm", type=Path, default=None, help="warm-set JSON from `edgerun trace --frequencies`")
+    add_plan_file_arguments(p)
     p.add_argument(
         "--socket",
         type=Path,
@@ -144,7 +144,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache, plan = _cache_config(ns, rt, providers, warm=_read_warm(ns.warm))
+    cache, plan = _cache_config(ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace)
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
@@ -200,7 +200,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm",
+    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
 )  # fmt: skip
 
@@ -221,7 +221,7 @@ def _refuse_local_flags(ns: argparse.Namespace) -> None:
         )
 
 
-def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
+def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None):
     """(expert cache settings or None: resident, the plan's summary or None) of ``generate`` /
     ``trace``: from --quota and/or the --profile plan, which every model is checked against."""
     from edgerun.engine.setup import plan_experts
@@ -239,22 +239,9 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None):
         prefetch=ns.prefetch,
         pool=ns.slot_pool,
         warm=warm,
+        trace=trace,
         providers=providers,
     )
-
-
-def _read_warm(path: Path | None) -> dict[int, list[int]] | None:
-    if path is None:
-        return None
-    import json
-
-    try:
-        raw = json.loads(path.read_text())
-        return {int(layer): counts for layer, counts in raw["frequencies"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise EdgerunError(
-            f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
-        ) from exc
 
 
 # Subcommands that live in their own package: (name, module, add-arguments, run, help).
@@ -325,10 +312,20 @@ def run_bench(ns: argparse.Namespace) -> int:
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record which experts each token routes to (JSONL route trace)")
-    p.add_argument("prompts", nargs="+", help="prompt texts, generated one after another")
+    p.add_argument("prompts", nargs="*", help="prompt texts, generated one after another")
     p.add_argument("--out", type=Path, required=True, help="route trace to write (JSONL)")
     p.add_argument("--frequencies", type=Path, default=None, help="also write a warm-set JSON here")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to decode per prompt")
+    p.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="instead of prompts: the routes of reading this text file, teacher-forced, each token "
+        "its own step as decoding it would be (held-out text for `edgerun simulate --study`)",
+    )
+    p.add_argument(
+        "--segment", type=int, default=512, help="--text: tokens per sequence (a fresh state each)"
+    )
     _add_engine_arguments(p)
     p.set_defaults(func=run_trace)
 
@@ -342,6 +339,10 @@ def run_trace(ns: argparse.Namespace) -> int:
     from edgerun.tools.routes import read_trace
     from edgerun.tools.simulate import frequencies
 
+    if bool(ns.prompts) == (ns.text is not None):
+        raise EdgerunError("give either prompts or --text FILE (exactly one)")
+    if ns.text is not None and not ns.text.is_file():
+        raise EdgerunError(f"--text {ns.text}: no such file")
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
     cache, _ = _cache_config(ns, rt, providers)
@@ -355,13 +356,20 @@ def run_trace(ns: argparse.Namespace) -> int:
     )
     if runner.tokenizer is None:
         raise EdgerunError(f"{ns.model}: no tokenizer.json to encode the prompts")
-    rec = RouteRecorder.for_runner(runner, ns.out, str(ns.model or "demo"))
-    try:
-        for seq, prompt in enumerate(ns.prompts):
-            rec.seq = seq
-            runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
-    finally:
-        rec.close()
+    if ns.text is not None:
+        rec = RouteRecorder(runner.model, runner.args, ns.out, str(ns.model or "demo"), per_token=True)
+        try:
+            rec.read_text(runner, runner.tokenizer.encode(ns.text.read_text()), ns.segment)
+        finally:
+            rec.close()
+    else:
+        rec = RouteRecorder.for_runner(runner, ns.out, str(ns.model or "demo"))
+        try:
+            for seq, prompt in enumerate(ns.prompts):
+                rec.seq = seq
+                runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
+        finally:
+            rec.close()
     print(f"{ns.out}: {rec.writer.count} tokens, {rec.step} steps", file=sys.stderr)
     if ns.frequencies:
         freq = frequencies(read_trace(ns.out))
@@ -370,36 +378,76 @@ def run_trace(ns: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from edgerun.tools.simulate import POLICIES
+
     p = sub.add_parser("simulate", help="replay a route trace through cache policies")
     p.add_argument("trace", type=Path)
     p.add_argument("--quota", type=int, nargs="+", required=True, help="slots per layer (one or more)")
     p.add_argument(
         "--policy",
-        choices=("lru", "belady"),
+        choices=POLICIES,
         nargs="+",
-        default=["lru", "belady"],
-        help="cache policies to replay",
+        default=list(POLICIES),
+        help="cache policies to replay (lfu: LFU with decay, the cache's default)",
+    )
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=0,
+        help="replay prefetch too, as the cache with this many prefetch buffers (staging - top_k; "
+        "the trace's predicted experts) issues it",
+    )
+    p.add_argument(
+        "--study",
+        type=int,
+        metavar="FOLDS",
+        default=None,
+        help="instead: compare LRU, LRU warm-started, LFU with decay, pinned warm set + LRU and Belady, "
+        "what each learns fitted on the other folds (leave-one-out over FOLDS contiguous folds)",
     )
     p.set_defaults(func=run_simulate)
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
+    from collections import Counter
+
     from edgerun.tools.routes import read_trace
-    from edgerun.tools.simulate import simulate
+    from edgerun.tools.simulate import policy_study, simulate
 
     trace = read_trace(ns.trace)
     print(
         f"{ns.trace}: {len(trace.tokens)} tokens, {len(trace.header.moe_layers)} MoE layers, "
         f"{trace.header.num_experts} experts, top-{trace.header.top_k}"
     )
-    print(f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}")
-    for quota in ns.quota:
-        for policy in ns.policy:
-            try:
-                r = simulate(trace, quota, policy)
-            except ValueError as exc:
-                raise EdgerunError(str(exc)) from exc
-            print(f"{policy:8} {quota:5d} {r.total_misses:8d} {r.misses_per_token:13.2f}")
+    try:
+        if ns.study is not None:
+            print(
+                f"{'policy':11} {'quota':>5} {'misses/token':>13} {'x LRU':>6} {'x Belady':>8}  fitted (most chosen)"
+            )
+            for quota in ns.quota:
+                rows = policy_study(trace, quota, ns.study)
+                lru, opt = rows["lru"].misses, rows["belady"].misses
+                for r in rows.values():
+                    fitted = ", ".join(f"{v} x{n}" for v, n in Counter(r.choices).most_common(2))
+                    print(
+                        f"{r.policy:11} {quota:5d} {r.misses_per_token:13.3f} {r.misses / lru:6.2f} "
+                        f"{r.misses / opt:8.2f}  {fitted}"
+                    )
+            return 0
+        head = f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}"
+        print(head + ("  prefetch issued/useful/wasted" if ns.prefetch_depth else ""))
+        for quota in ns.quota:
+            for policy in ns.policy:
+                depth = ns.prefetch_depth if policy != "belady" else 0
+                r = simulate(trace, quota, policy, prefetch_depth=depth)
+                pf = (
+                    "/".join(str(r.prefetch_total(k)) for k in ("issued", "useful", "wasted"))
+                    if depth
+                    else ""
+                )
+                print(f"{policy:8} {quota:5d} {r.total_misses:8d} {r.misses_per_token:13.2f}  {pf}".rstrip())
+    except ValueError as exc:
+        raise EdgerunError(str(exc)) from exc
     return 0
 
 

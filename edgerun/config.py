@@ -249,7 +249,8 @@ class CacheConfig:
     to preload. ``profile`` / ``context``: the plan the quotas came from, so the engine can
     re-plan against the dense bytes it measured after loading (None: fixed quotas). ``prefetch``:
     reads issued before a lookup asks for them (``ExpertCache.prefetch``), False to turn off,
-    None for the device's default."""
+    None for the device's default. ``policy``: which held expert a miss evicts
+    (``cache.policy``: lfu, LFU with decay, or lru; None: lfu)."""
 
     quotas: int | Mapping[int, int]
     host_quotas: int | Mapping[int, int] | None = None
@@ -266,6 +267,8 @@ class CacheConfig:
     # read experts before the lookup asks (the next layer's predicted, prefill's next batch);
     # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)
     prefetch: bool | None = None
+    policy: str | None = None  # None: the cache's default (cache.policy.DEFAULT_POLICY)
+    trace: Path | None = None  # route trace the plan's per-layer quotas come from (re-planned with it)
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

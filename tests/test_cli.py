@@ -244,3 +244,24 @@ def test_loading_draws_bars_only_when_asked_or_on_a_terminal():
     assert "load weights" in shown.stderr and "tensor" in shown.stderr
     assert "load weights" not in plain.stderr and "\r" not in plain.stderr
     assert shown.stdout == plain.stdout
+
+
+def test_trace_reads_a_text_and_simulate_studies_and_replays_prefetch(tmp_path, capsys):
+    """`trace --text`: every token of the text its own step, with the prefetcher's predictions;
+    `simulate --prefetch-depth` and `--study` print their tables; bad combinations are errors."""
+    text = tmp_path / "t.txt"
+    text.write_text((ROOT / "tests" / "data" / "kjv_heldout.txt").read_text()[:3000])
+    out = tmp_path / "r.jsonl"
+    assert main(["trace", "--text", str(text), "--segment", "200", "--out", str(out), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    n = int(re.search(r"(\d+) tokens, (\d+) steps", err).group(1))
+    assert f"{n} tokens, {n} steps" in err
+    assert main(["simulate", str(out), "--quota", "4", "--prefetch-depth", "2"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^lfu +4 +\d+ +[\d.]+ +\d+/\d+/\d+$", table, re.M), table
+    assert re.search(r"^belady +4 +\d+ +[\d.]+$", table, re.M), table
+    assert main(["simulate", str(out), "--quota", "4", "--study", "2"]) == 0
+    rows = capsys.readouterr().out
+    assert all(re.search(rf"^{p} +4 ", rows, re.M) for p in ("lru", "lfu-decay", "pinned\\+lru", "belady"))
+    assert main(["trace", "prompt", "--text", str(text), "--out", str(out), "--device", "cpu"]) == 2
+    assert "give either prompts or --text FILE" in capsys.readouterr().err

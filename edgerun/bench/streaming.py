@@ -2,8 +2,10 @@
 
 For the demo model (trained) and a larger synthetic model (random weights, int4 experts):
   1. calibration: raw O_DIRECT read bandwidth over the expert files (several reads in flight);
-  2. a route trace of a fixed greedy generation; misses/token at two quotas for LRU (counted by
-     the cache, and simulated) and Belady (simulated);
+  2. a route trace of a fixed greedy generation; misses/token at two quotas under the cache's
+     policy (counted by the cache, and simulated, prefetches too), LRU and Belady (simulated);
+     beside them the planner's prediction (configs/cpu.yaml with (1) as its storage bandwidth,
+     the run's own trace) of misses/token and decode tok/s, with its error against the measured;
   3. decode tok/s resident vs streaming (O_DIRECT), prefetch off and on: the time lookups waited
      for reads per token (prompt and generated), bytes over that wait against (1) (over 100%
      when prefetched reads finished before they were asked for), prefetch issued/useful/wasted;
@@ -17,6 +19,7 @@ Every rate is the median of --repeats runs, with the range.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -25,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from edgerun.budget.cli import plan_for_bundle
 from edgerun.bundle.convert import ConvertOptions, convert
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.reader import BlockReader
+from edgerun.config import load_device_profile
 from edgerun.engine.runner import DEMO_MODEL, Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.setup import cache_config
@@ -35,6 +40,8 @@ from edgerun.engine.trace import RouteRecorder
 from edgerun.tools.routes import read_trace
 from edgerun.tools.simulate import simulate
 from edgerun.tools.synth import synthesize_checkpoint
+
+CPU_PROFILE = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
 
 SYNTH = {
     "model_type": "qwen3_5_moe_text",
@@ -130,6 +137,17 @@ def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}..{max(xs):.2f}]"
 
 
+def predicted(bundle_dir: Path, quota: int, trace_path: Path, context: int, storage_bw: float):
+    """The planner's prediction for this run: the bundle at ``quota`` on the CPU profile with
+    the disk's calibrated read bandwidth, replaying the run's own route trace."""
+    profile = dataclasses.replace(load_device_profile(CPU_PROFILE), storage_read_bandwidth=storage_bw)
+    return plan_for_bundle(bundle_dir, profile, context, quota=quota, trace=trace_path).prediction
+
+
+def error(predicted: float, measured: float) -> str:
+    return f"{predicted / measured - 1:+.0%}" if measured else "n/a"
+
+
 def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: int, workdir: Path) -> None:
     bundle = Bundle.open(bundle_dir)
     args = bundle.args
@@ -163,32 +181,48 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
                 rate = decode_rate(runner, ids, tokens)
                 if rec:
                     rec.close()
-                runs[prefetch].append((rate, runner.cache.totals()))
+                cache = runner.cache
+                runs[prefetch].append((rate, cache.totals(), cache.policy, cache.prefetch_depth))
                 runner.cache.close()
         trace = read_trace(trace_path)
+        policy = runs[False][0][2]
         lru, opt = simulate(trace, quota, "lru"), simulate(trace, quota, "belady")
+        pred = predicted(bundle_dir, quota, trace_path, len(ids) + tokens, statistics.median(cal))
         n = len(trace.tokens)
         for prefetch, done in runs.items():
-            counted = {t.misses for _, t in done}
+            counted = {t.misses for _, t, _, _ in done}
             if len(counted) != 1:
                 raise RuntimeError(f"quota {quota}: runs counted different misses {sorted(counted)}")
-            t = done[-1][1]
-            rates = [rate for rate, _ in done]
-            bws = [t.read_bandwidth / 1e9 for _, t in done]
-            waits = [t.read_seconds * 1e3 / (len(ids) + tokens) for _, t in done]
+            t, depth = done[-1][1], done[-1][3]
+            sim = simulate(trace, quota, policy, prefetch_depth=depth)
+            sim_pf = [sim.prefetch_total(k) for k in ("issued", "useful", "wasted")] if depth else [0, 0, 0]
+            if (sim.total_misses, sim_pf) != (
+                t.misses,
+                [t.prefetch_issued, t.prefetch_useful, t.prefetch_wasted],
+            ):
+                raise RuntimeError(f"quota {quota}: the simulator's replay differs from the cache's counters")
+            rates = [rate for rate, _, _, _ in done]
+            bws = [t.read_bandwidth / 1e9 for _, t, _, _ in done]
+            waits = [t.read_seconds * 1e3 / (len(ids) + tokens) for _, t, _, _ in done]
             print(
                 f"quota {quota}, prefetch {'on' if prefetch else 'off'}: misses/token counted "
-                f"{t.misses / n:.2f} ({t.misses} misses over {n} tokens), simulated LRU "
+                f"{t.misses / n:.2f} ({t.misses} misses over {n} tokens, {policy}) = simulated, LRU "
                 f"{lru.misses_per_token:.2f} ({lru.total_misses}), Belady {opt.misses_per_token:.2f} "
                 f"({opt.total_misses}); decode {med(rates)} tok/s; read wait {med(waits)} ms/token; "
                 f"bytes / wait {med(bws)} GB/s (= {statistics.median(bws) * 1e9 / statistics.median(cal):.0%} "
                 "of calibration)"
                 + (
                     f"; prefetch {t.prefetch_issued} issued, {t.prefetch_useful} useful "
-                    f"({t.prefetch_useful / max(t.misses, 1):.0%} of misses), {t.prefetch_wasted} wasted"
+                    f"({t.prefetch_useful / max(t.misses, 1):.0%} of misses), {t.prefetch_wasted} wasted "
+                    "(= simulated)"
                     if prefetch
                     else ""
                 )
+            )
+            print(
+                f"  planner predicted: {pred.misses_per_token:.2f} misses/token (error "
+                f"{error(pred.misses_per_token, t.misses / n)}), {pred.tok_s:.1f} tok/s bound "
+                f"(error {error(pred.tok_s, statistics.median(rates))} against the median)"
             )
 
     for mode in ("direct", "buffered"):

@@ -14,7 +14,7 @@ from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
-from edgerun.config import load_device_profile
+from edgerun.config import DeviceProfile, load_device_profile
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
     EXIT_NO,
@@ -154,15 +154,17 @@ def run(ns: argparse.Namespace) -> int:
 
 def plan_for_bundle(
     bundle: str | Path,
-    profile: str | Path,
+    profile: str | Path | DeviceProfile,
     context: int | None = None,
     batch: int = 1,
     providers: ProviderPolicy | None = None,
     resident: Mapping[str, int] | None = None,
     quota: int | None = None,
+    trace: str | Path | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
-    model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked).
+    model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
+    ``trace``: a route trace whose miss curves size per-layer quotas and predict misses).
     ``resident``: bytes per category that loading measured, in place of the estimate from the
     tensor inventory."""
     model = inputs.from_bundle(bundle, providers)
@@ -170,11 +172,11 @@ def plan_for_bundle(
         model.args,
         model.specs,
         model.experts,
-        load_device_profile(profile),
+        profile if isinstance(profile, DeviceProfile) else load_device_profile(profile),
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
         PlanOptions(dense=model.dense or DenseScheme(), quota=quota),
-        None,
+        read_trace(trace) if trace is not None else None,
         model_name=model.name,
         resident=resident,
         notes=model.notes,

@@ -620,6 +620,15 @@ def miss_curve(steps: Sequence[Sequence[int]], num_experts: int) -> list[int]:
     return curve
 
 
+def policy_replay(steps: Sequence[Sequence[int]], quota: int) -> int:
+    """Misses of one layer's steps through the expert cache's default policy with ``quota``
+    slots (what the cache counts; :func:`replay` is LRU's, read off its miss curve). Imported
+    here: importing the planner pulls in no cache module."""
+    from edgerun.cache.policy import DEFAULT_POLICY, expert_set, replay_misses
+
+    return replay_misses(steps, expert_set(quota, DEFAULT_POLICY))
+
+
 def replay(steps: Sequence[Sequence[int]], quota: int) -> int:
     """Misses of one layer's steps through the cache's LRU with ``quota`` slots; refused, as the
     cache refuses it, when a step holds more distinct ids than the quota."""
@@ -905,15 +914,18 @@ def _predict(
     storage_q = host_quotas if host_quotas else quotas
     if steps is not None:
         n_tok = len(trace.tokens)
-        device_misses = [replay(s, q) / n_tok for s, q in zip(steps, quotas)]
+        device_misses = [policy_replay(s, q) / n_tok for s, q in zip(steps, quotas)]
         storage_misses = (
-            [replay(s, q) / n_tok for s, q in zip(steps, storage_q)] if host_quotas else list(device_misses)
+            [policy_replay(s, q) / n_tok for s, q in zip(steps, storage_q)]
+            if host_quotas
+            else list(device_misses)
         )
         distinct = [sum(len(x) for x in s) / len(s) for s in steps]  # per step
         model = "trace"
         desc = (
             f"route trace {trace.source or ''} ({n_tok} tokens, {len(steps[0])} steps of {B}) replayed "
-            "through the cache's LRU from empty (cold misses included)"
+            "through the cache's default policy (LFU with decay) from empty (cold misses included); "
+            "per-layer quotas sized by LRU miss curves"
         )
     else:
         d = E * (1 - (1 - k / E) ** B)

@@ -38,6 +38,7 @@ from functools import partial
 import torch
 
 from edgerun.bundle.reader import Bundle
+from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY
 from edgerun.cache.reader import ALIGN, BlockReader, Staged, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
@@ -109,7 +110,12 @@ class ExpertCache:
         quotas = {layer: min(q, args.num_experts) for layer, q in quotas.items()}
         staging = staging or 2 * args.num_experts_per_tok
         # construction refuses before allocating anything
-        slots = {layer: LayerSlots(layer, q, args.num_experts_per_tok) for layer, q in quotas.items()}
+        self.policy = config.policy or DEFAULT_POLICY
+        if self.policy not in CACHE_POLICIES:
+            raise QuotaError(f"expert cache policy {self.policy!r} is not one of {', '.join(CACHE_POLICIES)}")
+        slots = {
+            layer: LayerSlots(layer, q, args.num_experts_per_tok, self.policy) for layer, q in quotas.items()
+        }
         need = cache_footprint(bundle, quotas, staging)
         if budget_bytes is not None and need > budget_bytes:
             fits = largest_uniform_quota(bundle, budget_bytes, staging)
@@ -175,7 +181,7 @@ class ExpertCache:
                 self.pools[layer] = torch.as_tensor(_DeviceView(self.host_slots[layer]), device=device)
             else:
                 self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
-        # the pinned host tier (discrete GPUs): an inclusive, larger LRU in page-locked host memory
+        # the pinned host tier (discrete GPUs): a larger set under the same policy in page-locked host memory
         # between storage and the device slots, as the planner sizes it (host_quotas)
         self.tier: dict[int, LayerSlots] = {}
         self.tier_mem: dict[int, torch.Tensor] = {}
@@ -210,7 +216,7 @@ class ExpertCache:
                     "the tier holds every device slot's expert and more"
                 )
             bb = self.bundle.layouts[layer].block_bytes
-            self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok)
+            self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok, self.policy)
             self.tier_mem[layer] = self._host_memory(q, bb)
             self.host_tier_bytes += q * bb
 
@@ -342,14 +348,17 @@ class ExpertCache:
         not slots. The layer's next fill places each one it needs from there and drops the rest
         (wasted). Slots and their books are untouched until that lookup, so no slot a step holds
         a reference to is refilled, and hits and misses count as without prefetch. At most
-        ``prefetch_depth`` staged blocks are held per reader, so other reads always find a
-        buffer. Returns how many reads were issued (0 with prefetch off)."""
+        ``prefetch_depth`` prefetches are outstanding (issued, not yet claimed or dropped),
+        counted here rather than by the reader's busy buffers so that the simulator replays the
+        count exactly; the other ``top_k`` buffers stay for the lookups' own reads (one may wait
+        for a dropped read still landing, never for a claim). Returns how many reads were issued
+        (0 with prefetch off)."""
         if not self.prefetch_depth or layer in self.tier:
             return 0
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         held, staged = self.slots[layer].slot_of, self._staged.setdefault(layer, {})
-        room = max(self.prefetch_depth - reader.staged, 0)
+        room = max(self.prefetch_depth - sum(map(len, self._staged.values())), 0)
         todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
         path, n = self.bundle.expert_path(layer), self.bundle.args.num_experts
         checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
@@ -376,8 +385,9 @@ class ExpertCache:
             st.prefetch_bytes += self.bundle.layouts[layer].block_bytes  # read (or reading): it cost
 
     def _tier_get(self, layer: int, expert_ids: list[int], count: bool = True) -> None:
-        """The host tier sees every lookup (so it holds the device slots' experts and more, as an
-        LRU of larger quota does) and reads its own misses from storage into pinned memory."""
+        """The host tier sees every lookup (so it holds the device slots' experts and more, as the
+        same policy at a larger quota does) and reads its own misses from storage into pinned
+        memory; a step's experts are in it before the device slots copy them."""
         _, fills = self.tier[layer].assign(expert_ids, count=count)
         self._read(layer, self.tier[layer], fills, dest=self.tier_mem[layer])
 

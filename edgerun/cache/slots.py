@@ -1,7 +1,8 @@
 """Slot bookkeeping for one MoE layer: which expert sits in which slot, and each slot's
 generation. Plain Python (no torch, no files): the expert cache drives it and moves the bytes.
 
-Recency is the :class:`LRUSet` the planner replays traces through, so simulated and counted
+Which expert to evict is the policy's set (``cache.policy``: LFU with decay by default, or LRU),
+the same classes the planner and the simulator replay traces through, so simulated and counted
 misses agree. A :class:`SlotRef` carries the slot's generation at the time it was handed out;
 refilling a slot bumps its generation, and a stale reference is refused, never served another
 expert's bytes.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from edgerun.cache.policy import LRUSet
+from edgerun.cache.policy import DEFAULT_POLICY, expert_set
 from edgerun.errors import EdgerunError
 
 
@@ -48,14 +49,14 @@ class LayerCounters:
 
 
 class LayerSlots:
-    def __init__(self, layer: int, quota: int, top_k: int) -> None:
+    def __init__(self, layer: int, quota: int, top_k: int, policy: str = DEFAULT_POLICY) -> None:
         if quota < top_k:
             raise QuotaError(
                 f"layer {layer}: expert quota {quota} is below top_k {top_k}; a token's experts would evict each other"
             )
         self.layer = layer
         self.quota = quota
-        self.lru = LRUSet(quota)
+        self.held = expert_set(quota, policy)
         self.slot_of: dict[int, int] = {}
         self.generation = [0] * quota
         self.free = list(range(quota - 1, -1, -1))  # pop() hands out slot 0 first
@@ -65,7 +66,7 @@ class LayerSlots:
         """One step's experts (router order, duplicates allowed) -> (refs in the deduplicated
         router order, fills for the misses). The caller must complete every fill, or call
         :meth:`abandon` for the ones it could not, before using the refs."""
-        access = self.lru.access(ids)
+        access = self.held.access(ids)
         for e in access.evictions:
             self.free.append(self.slot_of.pop(e))
         fills = []
@@ -88,7 +89,7 @@ class LayerSlots:
         """A fill failed: the slot holds nothing valid; forget the expert so it is read again."""
         if self.slot_of.get(fill.expert) == fill.slot:
             del self.slot_of[fill.expert]
-            self.lru.discard(fill.expert)
+            self.held.discard(fill.expert)
             self.generation[fill.slot] += 1
             self.free.append(fill.slot)
 
@@ -101,4 +102,4 @@ class LayerSlots:
 
     def resident(self) -> list[int]:
         """Held experts, oldest first."""
-        return self.lru.order()
+        return self.held.order()

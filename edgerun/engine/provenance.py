@@ -38,7 +38,8 @@ def experts_text(runner) -> str:
         else ""
     )
     return (
-        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.pool_kind} slots, {tier_text}"
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.policy} eviction, "
+        f"{cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} depth {depths}, "
         + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
         + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"

@@ -119,12 +119,14 @@ def cache_config(
     prefetch: bool | None = None,
     pool: str | None = None,
     warm: Mapping[int, Any] | None = None,
+    trace: Path | None = None,
     providers=None,
     model: Path | None = None,
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
-    against the plan) or else from a fixed ``quota``. The profile's memory kind also picks where
+    against the plan; with ``trace``: per-layer quotas from the route trace's miss curves, and
+    its misses predicted) or else from a fixed ``quota``. The profile's memory kind also picks where
     CUDA slots live unless ``pool`` says. Streaming-only settings without streaming are refused
     by name (``model``: the resident model's path, for the message), as is a plan that does
     not fit. Pure: no torch."""
@@ -141,6 +143,7 @@ def cache_config(
             ("--read-depth", read_depth),
             ("--prefetch" if prefetch else "--no-prefetch", prefetch),
             ("--warm", warm),
+            ("--trace", trace),
         ):
             if value is not None:
                 where = "with --quota or --profile" if bundle is not None else "(--model BUNDLE_DIR)"
@@ -149,6 +152,11 @@ def cache_config(
                     f"are held resident here: it applies to a bundle's experts streamed {where}"
                 )
         return None
+    if trace is not None and profile is None:
+        raise ConfigError(
+            f"--trace {trace} sizes per-layer quotas in a device plan: give --profile too "
+            "(with a fixed --quota alone there is nothing to size)"
+        )
     if profile is not None and host_quota is not None:
         raise ConfigError(
             "give --host-quota or a device profile, not both (the profile's plan sizes the host tier)"
@@ -171,7 +179,10 @@ def cache_config(
     if profile is None:
         return base
     return _planned(
-        dataclasses.replace(base, profile=Path(profile), context=context), bundle, providers, quota
+        dataclasses.replace(base, profile=Path(profile), context=context, trace=trace),
+        bundle,
+        providers,
+        quota,
     )
 
 
@@ -251,14 +262,20 @@ def _planned(
     from edgerun.budget.cli import plan_for_bundle
 
     p = plan_for_bundle(
-        bundle, config.profile, config.context, providers=providers, resident=resident, quota=fixed
+        bundle,
+        config.profile,
+        config.context,
+        providers=providers,
+        resident=resident,
+        quota=fixed,
+        trace=config.trace,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)
     pred = p.prediction
     summary = (
         f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
-        + (" (as asked)" if fixed else "")
+        + (" (as asked)" if fixed else f" (from route trace {config.trace})" if config.trace else "")
         + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
     host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
@@ -271,6 +288,21 @@ def _planned(
         budget=p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes,
         summary=summary,
     )
+
+
+def read_warm(path: Path | None) -> dict[int, list[int]] | None:
+    """A warm-set file (``edgerun trace --frequencies``): per-layer expert use counts; None: none."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        return {int(layer): counts for layer, counts in raw["frequencies"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
+        ) from exc
 
 
 def measured_resident(model) -> dict[str, int]:

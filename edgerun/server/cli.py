@@ -24,6 +24,8 @@ _FLAGS = (
     "read_mode",
     "read_depth",
     "prefetch",
+    "warm",
+    "trace",
     "expert_kernel",
     "graphs",
     "dense_kernel",
@@ -65,6 +67,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
     add_prefetch_argument(p)
+    add_plan_file_arguments(p)
     add_kernel_arguments(p, default=None)
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
@@ -104,6 +107,23 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
         default=None,
         help="streamed experts: read the next layer's predicted experts (and a prefill's next batch) "
         "before the router asks (default: on for CPU slots; off on CUDA, where it is not measured yet)",
+    )
+
+
+def add_plan_file_arguments(p: argparse.ArgumentParser) -> None:
+    """--warm and --trace: shared by serve and generate."""
+    p.add_argument(
+        "--warm",
+        type=Path,
+        default=None,
+        help="streamed experts: preload each layer's most used (warm-set JSON from `edgerun trace --frequencies`)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="with --profile: per-layer expert quotas from this route trace's miss curves "
+        "(`edgerun trace`; as `edgerun plan --trace`), and its misses predicted",
     )
 
 
@@ -150,7 +170,7 @@ def cache_plan(opts: ServeOptions):
     """(expert cache settings or None: resident, the plan's summary or None). Planned before the
     daemon binds (no torch), so a model that does not fit the device profile is refused up front,
     naming what would."""
-    from edgerun.engine.setup import plan_experts
+    from edgerun.engine.setup import plan_experts, read_warm
 
     device = opts.device
     if device is None and opts.profile is not None:  # before torch: the profile says which kind
@@ -168,6 +188,8 @@ def cache_plan(opts: ServeOptions):
         read_depth=opts.read_depth,
         prefetch=opts.prefetch,
         pool=opts.slot_pool,
+        warm=read_warm(opts.warm),
+        trace=opts.trace,
         providers=opts.providers,
     )
 

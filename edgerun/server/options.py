@@ -36,6 +36,10 @@ class ServeOptions:
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )
+    warm: Path | None = (
+        None  # warm-set JSON (`edgerun trace --frequencies`): each layer's most used preloaded
+    )
+    trace: Path | None = None  # route trace: with a profile, per-layer quotas from its miss curves
     expert_kernel: str = (
         "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
     )
@@ -112,7 +116,7 @@ class ServeOptions:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-_PATHS = ("model", "profile", "socket")
+_PATHS = ("model", "profile", "socket", "warm", "trace")
 _SIZES = ("max_body_bytes", "max_header_bytes")
 
 

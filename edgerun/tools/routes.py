@@ -12,8 +12,11 @@ layer (in ``moe_layers`` order, each in router order)::
 
 A token line may carry ``"seq": N`` (which request it belongs to) and ``"step": N`` (tokens
 computed in one forward, e.g. a prefill chunk, share a step: the cache fetches their experts
-together). Without ``step`` every token is its own step. Readers keep lines in file order, since
-the expert cache persists across requests. See docs/planning.md.
+together). Without ``step`` every token is its own step. A line may carry ``"predicted"``: one
+list of ``top_k`` ids for each MoE layer after the first, the experts the prefetcher predicts
+for it from the previous MoE layer's residual stream (``edgerun simulate --prefetch`` replays
+them). Readers keep lines in file order, since the expert cache persists across requests. See
+docs/planning.md.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class RouteTrace:
     tokens: tuple[TokenRoutes, ...]
     source: str = ""
     steps: tuple[int, ...] = ()  # per token; empty: each token is its own step
+    predicted: tuple[TokenRoutes | None, ...] = ()  # per token, MoE layers after the first; empty: none
 
     def step_ids(self) -> tuple[int, ...]:
         return self.steps or tuple(range(len(self.tokens)))
@@ -108,12 +112,15 @@ def _header_from_dict(raw: Any, where: str) -> TraceHeader:
     )
 
 
-def _token_from_dict(raw: Any, h: TraceHeader, where: str) -> TokenRoutes:
-    lists = raw.get("experts") if isinstance(raw, dict) else None
-    if not isinstance(lists, list) or len(lists) != len(h.moe_layers):
-        raise ConfigError(f"{where}: 'experts' must hold {len(h.moe_layers)} lists, one per MoE layer")
+def _token_from_dict(raw: Any, h: TraceHeader, where: str, key: str = "experts") -> TokenRoutes:
+    layers = h.moe_layers if key == "experts" else h.moe_layers[1:]
+    lists = raw.get(key) if isinstance(raw, dict) else None
+    if not isinstance(lists, list) or len(lists) != len(layers):
+        raise ConfigError(
+            f"{where}: {key!r} must hold {len(layers)} lists, one per MoE layer{' after the first' if key != 'experts' else ''}"
+        )
     out = []
-    for layer, ids in zip(h.moe_layers, lists):
+    for layer, ids in zip(layers, lists):
         if (
             not isinstance(ids, list)
             or len(ids) != h.top_k
@@ -132,7 +139,7 @@ def read_trace(path: str | Path) -> RouteTrace:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: route trace not found")
-    header, tokens, steps = None, [], []
+    header, tokens, steps, predicted = None, [], [], []
     with path.open() as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -146,6 +153,8 @@ def read_trace(path: str | Path) -> RouteTrace:
                 header = _header_from_dict(raw, where)
             else:
                 tokens.append(_token_from_dict(raw, header, where))
+                has = isinstance(raw, dict) and "predicted" in raw
+                predicted.append(_token_from_dict(raw, header, where, "predicted") if has else None)
                 step = raw.get("step", len(tokens) - 1)
                 if not isinstance(step, int) or (steps and step < steps[-1]):
                     raise ConfigError(
@@ -154,7 +163,8 @@ def read_trace(path: str | Path) -> RouteTrace:
                 steps.append(step)
     if header is None:
         raise ConfigError(f"{path}: empty route trace (no header line)")
-    return RouteTrace(header, tuple(tokens), str(path), tuple(steps))
+    known = any(p is not None for p in predicted)
+    return RouteTrace(header, tuple(tokens), str(path), tuple(steps), tuple(predicted) if known else ())
 
 
 class RouteTraceWriter:
@@ -166,12 +176,20 @@ class RouteTraceWriter:
         self._f: TextIO = Path(path).open("w")
         self._f.write(json.dumps(header.to_dict()) + "\n")
 
-    def add(self, experts: Sequence[Sequence[int]], seq: int | None = None, step: int | None = None) -> None:
+    def add(
+        self,
+        experts: Sequence[Sequence[int]],
+        seq: int | None = None,
+        step: int | None = None,
+        predicted: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         line: dict[str, Any] = {"experts": [[int(e) for e in ids] for ids in experts]}
         if seq is not None:
             line["seq"] = seq
         if step is not None:
             line["step"] = step
+        if predicted is not None:
+            line["predicted"] = [[int(e) for e in ids] for ids in predicted]
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.count += 1
 
@@ -188,5 +206,6 @@ class RouteTraceWriter:
 def write_trace(path: str | Path, trace: RouteTrace) -> None:
     with RouteTraceWriter(path, trace.header) as w:
         steps = trace.steps or (None,) * len(trace.tokens)
-        for token, step in zip(trace.tokens, steps):
-            w.add(token, step=step)
+        predicted = trace.predicted or (None,) * len(trace.tokens)
+        for token, step, pred in zip(trace.tokens, steps, predicted):
+            w.add(token, step=step, predicted=pred)

@@ -2,8 +2,14 @@
 
 ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
 fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
-exactly as the streaming layer does) through the cache's :class:`LRUSet`, or through Belady's optimal policy (evict the
-expert whose next use is farthest away) as the bound any online policy stays above.
+exactly as the streaming layer does) through the cache's own policy sets (``cache.policy``:
+LFU with decay, the default, and LRU), prefetches included, or through Belady's optimal policy
+(evict the expert whose next use is farthest away) as the bound any online policy stays above.
+
+:func:`policy_study` compares the online policies of ``cache.policy`` on held-out routing:
+LRU, LRU after a warm start, LFU with decay, a pinned warm set plus LRU, and Belady. Whatever a
+policy learns (warm sets, the decay, how many to pin) is chosen on the other folds of the
+trace and scored on the held-out one (leave-one-out over contiguous folds).
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from edgerun.budget.planner import replay
-from edgerun.cache.policy import fetches
+from edgerun.cache.policy import DEFAULT_POLICY, LFUSet, LRUSet, expert_set, fetches, replay_misses
 from edgerun.tools.routes import RouteTrace
 
-POLICIES = ("lru", "belady")
+POLICIES = ("lfu", "lru", "belady")  # lfu and lru: the cache's own sets (cache.policy)
+STUDY = ("lru", "lru+warm", "lfu-decay", "pinned+lru", "belady")  # policy_study's rows
+DECAYS = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)  # LFU decays a study fits on the other folds
+PREFETCH = ("issued", "useful", "wasted")
 
 
 @dataclass
@@ -24,6 +32,8 @@ class SimResult:
     quota: int
     tokens: int
     misses: dict[int, int] = field(default_factory=dict)  # per MoE layer
+    hits: dict[int, int] = field(default_factory=dict)  # per MoE layer (lfu, lru)
+    prefetch: dict[int, dict[str, int]] = field(default_factory=dict)  # per MoE layer: PREFETCH counts
 
     @property
     def total_misses(self) -> int:
@@ -33,19 +43,42 @@ class SimResult:
     def misses_per_token(self) -> float:
         return self.total_misses / self.tokens if self.tokens else 0.0
 
+    def prefetch_total(self, kind: str) -> int:
+        return sum(p[kind] for p in self.prefetch.values())
+
+
+def _steps(trace: RouteTrace) -> list[list[int]]:
+    """Token indices of each step, in order."""
+    by_step: dict[int, list[int]] = defaultdict(list)
+    for t, step in enumerate(trace.step_ids()):
+        by_step[step].append(t)
+    return list(by_step.values())
+
+
+def layer_lookups(trace: RouteTrace, layer_pos: int, quota: int) -> list[tuple[list[int], list[int] | None]]:
+    """One MoE layer's cache lookups in order (per step, :func:`fetches`), each with what was
+    read ahead for it: ``None`` for nothing, else the candidates the streaming layer hands
+    ``ExpertCache.prefetch`` before it: a step's first lookup gets the experts predicted from
+    the previous MoE layer (``predicted`` lines; the first layer none), each later one the batch
+    itself, issued after the lookup before it."""
+    out: list[tuple[list[int], list[int] | None]] = []
+    for tokens in _steps(trace):
+        batches = fetches([list(trace.tokens[t][layer_pos]) for t in tokens], quota)
+        first = None
+        if layer_pos and trace.predicted:
+            rows = [trace.predicted[t] for t in tokens]
+            if any(r is None for r in rows):
+                raise ValueError(
+                    f"{trace.source or 'route trace'}: a step has no 'predicted' experts to replay"
+                )
+            first = fetches([list(r[layer_pos - 1]) for r in rows], quota)[0]
+        out.extend((b, first if j == 0 else b) for j, b in enumerate(batches))
+    return out
+
 
 def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[int]]:
     """One MoE layer's cache lookups in order (per step, :func:`fetches`)."""
-    by_step: dict[int, list[list[int]]] = defaultdict(list)
-    order = []
-    for token, step in zip(trace.tokens, trace.step_ids()):
-        if step not in by_step:
-            order.append(step)
-        by_step[step].append(list(token[layer_pos]))
-    out = []
-    for step in order:
-        out.extend(fetches(by_step[step], quota))
-    return out
+    return [ids for ids, _ in layer_lookups(trace, layer_pos, quota)]
 
 
 def _belady_misses(accesses: list[list[int]], quota: int) -> int:
@@ -76,19 +109,62 @@ def _belady_misses(accesses: list[list[int]], quota: int) -> int:
     return misses
 
 
-def simulate(trace: RouteTrace, quota: int, policy: str = "lru", tier_quota: int | None = None) -> SimResult:
-    """Misses per MoE layer of a cache of ``quota`` slots; with ``tier_quota``, the storage reads
-    of a host tier of that many experts behind it (it sees every lookup the device slots make,
-    batched as the device quota batches them)."""
+def _replay(lookups, table: LRUSet, depth: int) -> tuple[int, int, dict[str, int]]:
+    """(misses, hits, prefetch counts) of ``lookups`` through ``table`` as the cache counts them,
+    reading ahead at most ``depth`` experts before a lookup (``ExpertCache.prefetch``: those not
+    held; useful if the lookup misses on them, else wasted)."""
+    misses = hits = 0
+    pf = dict.fromkeys(PREFETCH, 0)
+    for ids, ahead in lookups:
+        staged = [e for e in dict.fromkeys(ahead) if e not in table][:depth] if depth and ahead else []
+        access = table.access(ids)
+        misses += len(access.misses)
+        hits += len(access.hits)
+        useful = len(set(staged).intersection(access.misses))
+        pf["issued"] += len(staged)
+        pf["useful"] += useful
+        pf["wasted"] += len(staged) - useful
+    return misses, hits, pf
+
+
+def simulate(
+    trace: RouteTrace,
+    quota: int,
+    policy: str = DEFAULT_POLICY,
+    tier_quota: int | None = None,
+    prefetch_depth: int = 0,
+) -> SimResult:
+    """Misses (and, for the cache's policies, hits) per MoE layer of a cache of ``quota`` slots;
+    with ``tier_quota``, the storage reads of a host tier of that many experts behind it (it
+    sees every lookup the device slots make, batched as the device quota batches them); with
+    ``prefetch_depth`` (the cache's: staging buffers - top_k), the prefetches the streaming layer
+    issues and how many were useful or wasted, as the cache counts them (the trace must carry
+    ``predicted`` lines, which ``edgerun trace`` records)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     h = trace.header
     if quota < h.top_k:
         raise ValueError(f"quota {quota} is below top_k {h.top_k}")
-    count = replay if policy == "lru" else _belady_misses
+    if prefetch_depth:
+        if policy == "belady" or tier_quota:
+            raise ValueError("prefetch replays the cache's own policies (lfu, lru) without a host tier")
+        if not trace.predicted:
+            raise ValueError(
+                f"{trace.source or 'route trace'} has no 'predicted' experts: record it with `edgerun trace`"
+            )
     res = SimResult(policy, quota, len(trace.tokens))
+    size = min(tier_quota or quota, h.num_experts)
+    depth = prefetch_depth if quota < h.num_experts else 0  # a layer holding every expert never reads
     for pos, layer in enumerate(h.moe_layers):
-        res.misses[layer] = count(layer_accesses(trace, pos, quota), tier_quota or quota)
+        lookups = layer_lookups(trace, pos, quota)
+        if policy == "belady":
+            res.misses[layer] = _belady_misses([ids for ids, _ in lookups], size)
+            continue
+        misses, hits, pf = _replay(lookups, expert_set(size, policy), depth)
+        res.misses[layer] = misses
+        res.hits[layer] = hits
+        if prefetch_depth:
+            res.prefetch[layer] = pf
     return res
 
 
@@ -101,3 +177,93 @@ def frequencies(trace: RouteTrace) -> dict[int, list[int]]:
             for e in ids:
                 out[layer][e] += 1
     return out
+
+
+def replay_set(accesses: list[list[int]], table: LRUSet, warm: list[int] = ()) -> int:
+    """Misses of ``accesses`` through ``table`` (a ``cache.policy`` set), after preloading
+    ``warm`` (least used first, as ``ExpertCache.warm`` does; not counted)."""
+    if warm:
+        table.access(list(warm)[-table.quota :])
+    return replay_misses(accesses, table)
+
+
+def ranked(accesses: list[list[int]]) -> list[int]:
+    """Experts by use in ``accesses``, most used first (ties: lower id)."""
+    counts: dict[int, int] = defaultdict(int)
+    for ids in accesses:
+        for e in ids:
+            counts[e] += 1
+    return sorted(counts, key=lambda e: (-counts[e], e))
+
+
+def _pinned_run(accesses, quota, order, pin) -> int:
+    """A warm start of the ``quota`` most used (``order``), the ``pin`` most used of them pinned."""
+    return replay_set(accesses, LRUSet(quota, order[:pin]), order[:quota][::-1])
+
+
+@dataclass
+class StudyRow:
+    policy: str
+    quota: int
+    tokens: int
+    misses: int
+    choices: list[str] = field(default_factory=list)  # what each fold's fit chose, per layer
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.misses / self.tokens if self.tokens else 0.0
+
+
+def folds_of(trace: RouteTrace, folds: int) -> list[RouteTrace]:
+    """``folds`` contiguous parts of the trace, split at step boundaries, about equal in tokens."""
+    steps = trace.step_ids()
+    if folds < 2:
+        raise ValueError(f"a leave-one-out study needs at least 2 folds, got {folds}")
+    cuts = [0]
+    for f in range(1, folds):
+        i = max(len(steps) * f // folds, cuts[-1])
+        while 0 < i < len(steps) and steps[i] == steps[i - 1]:
+            i += 1
+        cuts.append(i)
+    cuts.append(len(steps))
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo == hi:
+            raise ValueError(f"{trace.source or 'route trace'}: too few steps for {folds} folds")
+        out.append(
+            RouteTrace(
+                trace.header, trace.tokens[lo:hi], trace.source, trace.steps[lo:hi], trace.predicted[lo:hi]
+            )
+        )
+    return out
+
+
+def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, StudyRow]:
+    """Misses of each :data:`STUDY` policy at ``quota`` over every fold of ``trace``, each fold
+    replayed from an empty cache (or the warm start its fit chose) with what the policy learns
+    fitted on the other folds: the decay minimising the fit's misses, the warm set (the fit's
+    most used experts), how many of them to pin (0 .. quota - the widest lookup's distinct
+    experts, top_k in decode; by the fit's misses)."""
+    h = trace.header
+    if quota < h.top_k:
+        raise ValueError(f"quota {quota} is below top_k {h.top_k}")
+    parts = folds_of(trace, folds)
+    rows = {p: StudyRow(p, quota, len(trace.tokens), 0) for p in STUDY}
+    for k, held in enumerate(parts):
+        for pos in range(len(h.moe_layers)):
+            fit = [a for j, p in enumerate(parts) if j != k for a in layer_accesses(p, pos, quota)]
+            test = layer_accesses(held, pos, quota)
+            order = ranked(fit)
+            order += [e for e in range(h.num_experts) if e not in order]
+            decay = min(DECAYS, key=lambda d: (replay_set(fit, LFUSet(quota, d)), d))
+            # pinned experts leave quota - pin slots to the rest: at least any lookup's width
+            widest = max(len(set(ids)) for ids in fit + test)
+            pin = min(range(quota - widest + 1), key=lambda p: (_pinned_run(fit, quota, order, p), p))
+            rows["lru"].misses += replay_set(test, LRUSet(quota))
+            rows["lru+warm"].misses += replay_set(test, LRUSet(quota), order[:quota][::-1])
+            rows["lfu-decay"].misses += replay_set(test, LFUSet(quota, decay))
+            rows["lfu-decay"].choices.append(f"{decay:g}")
+            rows["pinned+lru"].misses += _pinned_run(test, quota, order, pin)
+            rows["pinned+lru"].choices.append(str(pin))
+            rows["belady"].misses += _belady_misses(test, quota)
+    return rows

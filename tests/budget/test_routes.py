@@ -20,6 +20,18 @@ def test_round_trip(tmp_path):
     assert json.loads(lines[1]) == {"experts": [[0, 1], [5, 4]]}
 
 
+def test_predicted_experts_round_trip_and_are_checked(tmp_path):
+    trace = RouteTrace(HEADER, (((0, 1), (5, 4)), ((2, 3), (4, 5))), predicted=(((4, 5),), None))
+    write_trace(tmp_path / "t.jsonl", trace)
+    assert read_trace(tmp_path / "t.jsonl").predicted == trace.predicted
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[1])["predicted"] == [[4, 5]]  # MoE layers after the first
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\n" + json.dumps({"experts": [[0, 1], [5, 4]], "predicted": [[4, 9]]}) + "\n")
+    with pytest.raises(ConfigError, match="layer 2 must list 2 distinct expert ids in 0..5"):
+        read_trace(bad)
+
+
 def test_writer_streams_and_header_matches_model(tmp_path):
     _, args = load_args({**QWEN3_MOE, "model_type": "qwen3_moe"})
     header = TraceHeader.for_model(args, "tiny")

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from edgerun.cache.policy import LRUSet
+from edgerun.cache.policy import LFUSet, LRUSet, expert_set
 
 
 def test_quota_two_example_from_the_issue():
@@ -82,3 +82,40 @@ def test_matches_the_definition_on_random_steps():
         want, held = _reference(quota, steps)
         assert got == want
         assert lru.order() == held
+
+
+def test_lfu_evicts_the_least_used_and_decay_forgets():
+    lfu = LFUSet(2, decay=1.0)  # plain LFU: 7 used three times stays over the more recent 3
+    for ids in ([7], [7], [7], [3]):
+        lfu.access(ids)
+    assert lfu.access([9]).evictions == (3,)
+    fast = LFUSet(2, decay=0.1)  # old uses weigh almost nothing: the oldest goes, as in LRU
+    for ids in ([7], [7], [7], [3]):
+        fast.access(ids)
+    assert fast.access([9]).evictions == (7,)
+    tie = LFUSet(3, decay=1.0)  # equal scores: the least recent goes first
+    tie.access([4, 5, 6])
+    assert tie.access([8]).evictions == (4,)
+
+
+def test_lfu_keeps_the_step_rules_and_refuses_a_bad_decay():
+    lfu = LFUSet(2, decay=1.0)
+    lfu.access([3])
+    lfu.access([3])
+    lfu.access([5])
+    step = lfu.access([7, 3])  # 3 hits (decided at step start); the step's ids never evict each other
+    assert step == ((3,), (7,), (5,))
+    with pytest.raises(ValueError, match="decay must be in"):
+        LFUSet(2, decay=0)
+    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lru"):
+        expert_set(2, "mru")
+
+
+def test_pinned_experts_are_never_evicted():
+    pinned = LRUSet(3, pinned=[1])
+    pinned.access([1, 2, 3])
+    for e in (4, 5, 6):
+        assert 1 not in pinned.access([e]).evictions
+    assert 1 in pinned
+    with pytest.raises(ValueError, match="2 pinned experts leave none of the quota 2"):
+        LRUSet(2, pinned=[1, 2])

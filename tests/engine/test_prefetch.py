@@ -223,3 +223,30 @@ def test_layers_that_hold_every_expert_are_not_predicted(bundles):
     experts = [m for m in model.modules() if isinstance(m, StreamingExperts)]
     assert experts and all(m.prefetcher is None for m in experts)
     cache.close()
+
+
+def test_prefetch_room_does_not_depend_on_when_a_dropped_read_lands(bundles, monkeypatch):
+    """The cache counts its outstanding prefetches itself: a dropped read still landing does not
+    shrink the next layer's room, so the count is the simulator's, whatever the disk's timing."""
+    import threading
+
+    bundle = Bundle.open(bundles[("qwen3_moe", "bf16")])
+    check, release = bundle.check_block, threading.Event()
+
+    def slow(layer, expert, data):
+        if expert == 5:
+            release.wait(10)  # expert 5's read is still running when it is dropped
+        return check(layer, expert, data)
+
+    monkeypatch.setattr(bundle, "check_block", slow)
+    top_k = bundle.args.num_experts_per_tok
+    cache = ExpertCache(bundle, CacheConfig(2, staging=top_k + 2))  # prefetch depth 2
+    first, second = bundle.args.moe_layers[:2]
+    assert cache.prefetch(first, [5]) == 1
+    cache.get_many(first, [0, 1])  # 5 not asked for: dropped while its read runs
+    assert cache.layer_stats(first).prefetch_wasted == 1
+    assert cache.prefetch(second, [2, 3, 4]) == 2  # the full depth, though 5's buffer is still busy
+    release.set()
+    cache.get_many(second, [2, 3])
+    assert cache.layer_stats(second).prefetch_useful == 2
+    cache.close()

@@ -101,20 +101,38 @@ def test_warm_preloads_most_used_and_counts_no_misses(bundles):
     cache.close()
 
 
-def test_simulated_misses_equal_counted_misses(bundles, tmp_path):
-    """Record a trace while generating through the cache; replaying it through the simulator's
-    LRU with the same quota gives the cache's own per-layer miss counts."""
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, prefetch):
+    """Record a trace while generating through the cache (prefill in several batches, decode,
+    two requests); replaying it through the simulator with the same quota, policy and prefetch
+    depth gives the cache's own per-layer misses, hits and prefetches issued, useful, wasted."""
     b = bundles[("qwen3_5_moe", "int4")]
     for quota in (2, 4):
-        model, args, cache, _ = load_streaming_model(b, quota, dtype=torch.float32)
+        config = CacheConfig(quota, prefetch=prefetch, policy=policy)
+        model, args, cache, _ = load_streaming_model(b, config, dtype=torch.float32)
         runner = Runner(model, args, None, prefill_chunk=16)
         rec = RouteRecorder(model, args, tmp_path / "t.jsonl", "tiny")
         runner.generate_ids(list(range(5, 45)), SamplingParams(max_tokens=20))
         runner.generate_ids(list(range(60, 70)), SamplingParams(max_tokens=10))
         rec.close()
-        sim = simulate(read_trace(tmp_path / "t.jsonl"), quota, "lru")
-        assert sim.misses == {layer: cache.layer_stats(layer).misses for layer in args.moe_layers}
-        assert simulate(read_trace(tmp_path / "t.jsonl"), quota, "belady").total_misses <= sim.total_misses
+        trace = read_trace(tmp_path / "t.jsonl")
+        sim = simulate(trace, quota, policy, prefetch_depth=cache.prefetch_depth)
+        stats = {layer: cache.layer_stats(layer) for layer in args.moe_layers}
+        assert sim.misses == {layer: st.misses for layer, st in stats.items()}
+        assert sim.hits == {layer: st.hits for layer, st in stats.items()}
+        if prefetch:
+            counted = {
+                layer: {
+                    "issued": st.prefetch_issued,
+                    "useful": st.prefetch_useful,
+                    "wasted": st.prefetch_wasted,
+                }
+                for layer, st in stats.items()
+            }
+            assert sim.prefetch == counted and sim.prefetch_total("issued") > 0
+            assert sim.prefetch_total("useful") > 0 and sim.prefetch_total("wasted") > 0
+        assert simulate(trace, quota, "belady").total_misses <= sim.total_misses
         cache.close()
 
 
@@ -228,8 +246,9 @@ def test_host_tier_refusals(bundles):
 
 
 def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
-    """The tier sees every lookup, so its storage reads are an LRU of the tier's quota over the
-    device slots' access stream, as the simulator (and the planner's storage-tier replay) counts."""
+    """The tier sees every lookup, so its storage reads are the cache's policy at the tier's quota
+    over the device slots' access stream, as the simulator (and the planner's storage-tier
+    replay) counts."""
     b = bundles[("qwen3_5_moe", "bf16")]
     model, args, cache, _ = load_streaming_model(b, CacheConfig(2, host_quotas=4), dtype=torch.float32)
     rec = RouteRecorder(model, args, tmp_path / "t.jsonl", "tiny")
@@ -237,7 +256,7 @@ def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
         list(range(3, 30)), SamplingParams(max_tokens=16)
     )
     rec.close()
-    sim = simulate(read_trace(tmp_path / "t.jsonl"), 2, "lru", tier_quota=4)
+    sim = simulate(read_trace(tmp_path / "t.jsonl"), 2, cache.policy, tier_quota=4)
     bb = cache.bundle.layouts[args.moe_layers[0]].block_bytes
     assert {layer: cache.layer_stats(layer).bytes_read // bb for layer in args.moe_layers} == sim.misses
     cache.close()

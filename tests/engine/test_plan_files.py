@@ -1,0 +1,71 @@
+"""Per-layer quotas from a route trace (the planner's miss curves) and warm sets: one code path
+(engine/setup.cache_config) for `generate` and `serve` (--trace / --warm, serve.yaml)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edgerun.budget.cli import plan_for_bundle
+from edgerun.bundle.reader import Bundle
+from edgerun.cli import build_parser, main
+from edgerun.engine.setup import cache_config
+from edgerun.errors import ConfigError
+from edgerun.server.cli import cache_plan, serve_options
+from edgerun.tools.routes import RouteTrace, TraceHeader, write_trace
+
+CPU = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
+
+
+@pytest.fixture
+def files(bundles, tmp_path):
+    """A CPU profile whose expert slots hold 14 blocks in all (4 MoE layers, 6 experts, top 2),
+    a trace where the first MoE layer uses two experts and the others cycle through all six,
+    and a warm set."""
+    b = bundles[("qwen3_5_moe", "int4")]
+    args = Bundle.open(b).args
+    full = plan_for_bundle(b, CPU, 64)
+    fixed = sum(i.nbytes for i in full.items if i.name != "expert_slots")
+    profile = tmp_path / "small.yaml"
+    cap = fixed + 14 * full.block_bytes[0] + 100
+    profile.write_text(CPU.read_text().replace("memory_cap: 23GiB", f"memory_cap: {cap}"))
+    E = args.num_experts
+    tokens = [((0, 1),) + tuple(((t + i) % E, (t + i + 1) % E) for i in range(1, 4)) for t in range(60)]
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, RouteTrace(TraceHeader.for_model(args, "tiny"), tuple(tokens)))
+    warm = tmp_path / "w.json"
+    warm.write_text(json.dumps({"frequencies": {str(layer): [1] * E for layer in args.moe_layers}}))
+    return b, args, profile, trace, warm
+
+
+def test_serve_and_generate_size_per_layer_quotas_from_a_trace(files, tmp_path):
+    b, args, profile, trace, warm = files
+    uniform = cache_config(b, profile=profile, context=64)
+    traced = cache_config(b, profile=profile, context=64, trace=trace)
+    want = dict(zip(args.moe_layers, plan_for_bundle(b, profile, 64, trace=trace).quotas))
+    assert traced.quotas == want and len(set(want.values())) > 1  # per layer, from the miss curves
+    assert want[args.moe_layers[0]] == args.num_experts_per_tok  # two experts: nothing more to gain
+    assert traced.quotas != uniform.quotas and "from route trace" in traced.summary
+    # serve: flags and serve.yaml reach the same settings
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {b}\nprofile: {profile}\ncontext: 64\ntrace: {trace}\nwarm: {warm}\n")
+    served, _ = cache_plan(serve_options(build_parser().parse_args(["serve", "--config", str(cfg)])))
+    assert served.quotas == want and served.warm == {
+        layer: [1] * args.num_experts for layer in args.moe_layers
+    }
+    flags = ["serve", "--model", str(b), "--profile", str(profile), "--context", "64", "--trace", str(trace)]
+    assert cache_plan(serve_options(build_parser().parse_args(flags)))[0].quotas == want
+
+
+def test_generate_runs_with_a_trace_and_a_warm_set(files, capsys):
+    b, _, profile, trace, warm = files
+    argv = ["generate", "--token-ids", "3,4", "--max-tokens", "2", "--device", "cpu", "--dtype", "bfloat16"]
+    argv += ["--model", str(b), "--profile", str(profile), "--context", "64"]
+    assert main([*argv, "--trace", str(trace), "--warm", str(warm)]) == 0
+    assert "from route trace" in capsys.readouterr().err
+
+
+def test_a_trace_without_a_profile_is_refused(files):
+    b, _, _, trace, _ = files
+    with pytest.raises(ConfigError, match="sizes per-layer quotas in a device plan: give --profile"):
+        cache_config(b, quota=2, trace=trace)
