@@ -134,7 +134,7 @@ def test_a_cancelled_prefill_stops_between_chunks_and_is_counted(worker):
     worker.cancel(job)  # the client left (or the grace period ended) during the second chunk
     engine.run(CHUNKS)  # the engine may run on, if the worker does not stop it
     assert engine.closed.wait(10), "the generation was not closed"
-    wait_for(lambda: worker.running is None, "the job did not end")
+    wait_for(lambda: not worker.running, "the job did not end")
     assert engine.chunks_run == 2 < CHUNKS  # the chunk under way finished; no other started
     assert items == []  # nothing reached the client: no token, no answer
     c = worker.counters
@@ -160,7 +160,7 @@ def test_a_cancelled_decode_and_a_dropped_queued_job_count_in_their_phases(worke
     worker.cancel(job)
     engine.run(5)
     assert engine.closed.wait(10)
-    wait_for(lambda: worker.running is None, "the job did not end")
+    wait_for(lambda: not worker.running, "the job did not end")
     assert [i.token_id for i in items] == [7, 8]  # the step under way finished; no final item
     assert job.phase == DECODE and worker.counters.cancelled == {QUEUED: 0, PREFILL: 0, DECODE: 1}
     assert worker.counters.prompt_tokens == len(PROMPT) and worker.counters.ttft.snapshot()[2] == 1
