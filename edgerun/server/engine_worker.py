@@ -402,6 +402,8 @@ class EngineWorker:
                 pass
         finally:
             for job in list(self.running):
+                if job.cancelled:  # by the drain's end (shutdown): counted and logged as any other
+                    self._advance(job)
                 self._end(job)
 
     def _round(self, engine: Engine) -> bool:
