@@ -339,7 +339,10 @@ class Runner:
         """One step of B sequences (token b continues ``states[b]``) -> logits [B, V], each row
         bit for bit the sequence's own :meth:`decode_step` (``CausalLM.decode_rows``)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model.decode_rows(ids, states)
+        if len(states) == 1:  # one row: the one-row step itself, without the per-row bookkeeping
+            logits = self.model(ids[None], states[0], last_only=True)[:, -1]
+        else:
+            logits = self.model.decode_rows(ids, states)
         self.steps.eager_steps += 1
         self._count_step()
         return logits
