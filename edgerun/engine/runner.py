@@ -109,9 +109,9 @@ class Runner:
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
         self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
+        self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
         self.spec_totals = SpeculativeStats()  # across requests
-        self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
 
     def enable_batch(self, size: int) -> None:
         """Decode up to ``size`` requests together (engine/batch.py): each one's generator
@@ -125,7 +125,7 @@ class Runner:
                 "CUDA graphs per batch bucket, is not built yet, issue 18); serve with batch 1"
             )
         if size > 1 and self.speculative is not None:
-            raise EdgerunError("batched decoding and speculative decoding do not combine yet; choose one")
+            raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
         self.batch = None
         if size > 1:
             self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.decode_rows)
@@ -134,6 +134,8 @@ class Runner:
         """Decode by drafting with the model's MTP head (loaded before: ``load_mtp``) and verifying
         the drafts; refused, saying why, where it cannot run. None: plain decoding."""
         if config is not None:
+            if self.batch is not None:
+                raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
             if getattr(self.model, "mtp", None) is None:
                 raise EdgerunError("speculative mtp: the model's MTP head is not loaded")
             if self.device.type != "cpu":

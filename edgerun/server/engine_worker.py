@@ -115,7 +115,27 @@ class RunnerEngine:
         logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
         if not bool(torch.isfinite(logits).all()):
             raise EngineFailure("start-up probe: prefill/decode produced non-finite logits")
-        return f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        line = f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        return line + (self._probe_batch() if self.runner.batch is not None else "")
+
+    def _probe_batch(self) -> str:
+        """Two sequences at different positions through one two-row step: each row must equal
+        its sequence's one-row step, bit for bit (the batch's promise), or the engine refuses."""
+        import copy
+
+        import torch
+
+        r = self.runner
+        states = [r.new_state(4), r.new_state(4)]
+        r.prefill(states[0], [0])
+        r.prefill(states[1], [1, 2])
+        alone = copy.deepcopy(states)
+        rows = r.decode_rows(states, [3, 4])
+        if not all(torch.equal(rows[b], r.decode_step(alone[b], t)) for b, t in enumerate((3, 4))):
+            raise EngineFailure(
+                "start-up probe: a two-row decode step differs from its rows' one-row steps; serve with batch 1"
+            )
+        return f"; a {r.batch.size}-request batch's two-row step equals its one-row steps"
 
     def provenance(self) -> str:
         from edgerun.engine.provenance import provenance

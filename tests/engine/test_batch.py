@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edgerun.config import CacheConfig
+from edgerun.engine import speculative as S
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.errors import EdgerunError
@@ -112,3 +113,9 @@ def test_batch_refusals(demo):
     runner.batch.leave(rows[0])
     with pytest.raises(EdgerunError, match="exceeds the batch's slots"):
         runner.batch.join(runner.max_context + 1)
+    with pytest.raises(EdgerunError, match="do not combine yet"):
+        runner.enable_speculative(S.SpeculativeConfig("mtp", 1))
+    on_gpu = copy.copy(demo)
+    on_gpu.device = torch.device("cuda")  # refused before anything is allocated there
+    with pytest.raises(EdgerunError, match="CPU only so far"):
+        on_gpu.enable_batch(4)
