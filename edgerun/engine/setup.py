@@ -254,7 +254,9 @@ def resident_plan(
         raise EdgerunError(text)
     free = sum(pool.headroom for pool in p.pools)
     return (
-        f"plan {p.device}, context {p.context}: every expert resident ({p.quant}), "
+        f"plan {p.device}, context {p.context}"
+        + (f", batch {p.batch}" if p.batch > 1 else "")
+        + f": every expert resident ({p.quant}), "
         f"{free / 2**30:.2f} GiB headroom"
     )
 

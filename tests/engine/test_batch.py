@@ -119,3 +119,18 @@ def test_batch_refusals(demo):
     on_gpu.device = torch.device("cuda")  # refused before anything is allocated there
     with pytest.raises(EdgerunError, match="CPU only so far"):
         on_gpu.enable_batch(4)
+
+
+def test_a_streamed_plan_covers_top_k_times_the_batch(bundles):
+    from pathlib import Path
+
+    from edgerun.engine.setup import cache_config
+
+    profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
+    bundle = bundles[("qwen3_moe", "int4")]  # 6 experts, top 2
+    one = cache_config(bundle, profile=profile, context=64, batch=1)
+    three = cache_config(bundle, profile=profile, context=64, batch=3)
+    assert three.batch == 3 and "context 64, batch 3: quota" in three.summary
+    assert min(three.quotas.values()) >= 6 and min(one.quotas.values()) >= 2
+    with pytest.raises(EdgerunError, match=r"Largest batch that fits at context 64: \d+\."):
+        cache_config(bundle, profile=profile, context=64, batch=10**9)
