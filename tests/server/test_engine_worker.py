@@ -273,15 +273,15 @@ def test_the_real_engine_pings_after_every_layer_of_a_prefill_chunk():
     events.close()
 
 
-class RoundsEngine:
-    """Two requests at a time; every event it makes is logged as (prompt's first id, what)."""
+class RoundsEngine(ChunkedEngine):
+    """Two requests at a time, no step waiting for the test; every event it makes is logged as
+    (prompt's first id, what)."""
 
     model_id = "rounds"
-    tokenizer = None
-    limits = Limits(1000, 1000)
     batch = 2
 
     def __init__(self) -> None:
+        super().__init__()
         self.log: list[tuple[int, str]] = []
 
     def generate(self, request: Request):
@@ -296,18 +296,6 @@ class RoundsEngine:
             yield Event("", None, "length", Stats(len(request.prompt_ids), request.params.max_tokens))
         finally:
             self.log.append((name, "closed"))
-
-    def watch(self, ping) -> None:
-        pass
-
-    def probe(self) -> str:
-        return "ok"
-
-    def describe(self) -> dict:
-        return {}
-
-    def stats(self) -> dict:
-        return {}
 
 
 def test_requests_run_a_batch_at_a_time_a_long_prompt_interleaved_with_the_others_tokens():
