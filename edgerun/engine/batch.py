@@ -12,6 +12,12 @@ between. A sequence leaves (its slot free at once) when its generator ends or is
 
 Each row is computed as the sequence's one-row step computes it (``exact_rows``), so a
 request's tokens do not depend on its neighbours (tests/engine/test_batch.py).
+
+The step here is the CPU's: eager, the token mixer a Python loop over rows with host positions.
+What a CUDA step per batch bucket would capture is already fixed-shape: the pool's ``[B, ...]``
+buffers and a slot per row; it needs positions as a device tensor per row (as
+``StaticStep.pos`` for one), the rows' experts through the device slot table, and no host read
+inside the step (not built: runner.enable_batch refuses CUDA).
 """
 
 from __future__ import annotations

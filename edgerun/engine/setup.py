@@ -287,7 +287,7 @@ def _planned(
     summary = (
         f"plan {p.device}, context {p.context}"
         + (f", batch {p.batch}" if p.batch > 1 else "")
-        + ": quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
+        + f": quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
         + (" (as asked)" if fixed else "")
         + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
