@@ -263,6 +263,7 @@ class CacheConfig:
     budget: int | None = None
     profile: Path | None = None
     context: int | None = None
+    batch: int = 1  # sequences decoding together, as planned (a step's experts: the union of its rows')
     summary: str = "fixed quota"  # how the quotas were chosen, for the start-up line
     # read experts before the lookup asks (the next layer's predicted, prefill's next batch);
     # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)

@@ -27,4 +27,9 @@ BENCHES = {
         "edgerun.bench.serve_socket",
         "tokens/s through the daemon's Unix socket against the same generation in-process",
     ),
+    "concurrent": (
+        "edgerun.bench.concurrent",
+        "1, 4, 8 concurrent clients over the socket, batched and one at a time: aggregate tok/s, "
+        "inter-token latency, TTFT, token ids checked against each request alone",
+    ),
 }

@@ -74,22 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         "return_token_ids": True,
     }
 
-    tmp = Path(tempfile.mkdtemp(prefix="edgerun-bench-"))
-    sock = tmp / "edgerun.sock"
-    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu"]
-    argv += ["--model", str(ns.model)] if ns.model else []
-    argv += ["--threads", str(ns.threads)] if ns.threads else []
-    log = open(tmp / "serve.log", "wb")
-    daemon = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
+    daemon, sock = start_daemon(ns.model, ns.threads)
+    if daemon is None:
+        return 1
     try:
-        deadline = time.monotonic() + 120
-        while not sock.exists() or over_health(sock) != 200:
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                print((tmp / "serve.log").read_text(), file=sys.stderr)
-                return 1
-            time.sleep(0.1)
         over_socket(sock, body)  # warm-up, both sides
         runner.generate_ids(prompt_ids, params)
         local, remote = [], []
@@ -137,6 +125,29 @@ def main(argv: list[str] | None = None) -> int:
         f"client {1e6 * client_cpu / n:.0f} us/token = {share:.1f} % of the streaming wall time"
     )
     return 0
+
+
+def start_daemon(model: Path | None, threads: int | None, *extra: str):
+    """(``edgerun serve`` on the CPU on a socket in a temp dir, ready; its socket), or (None, None)
+    with its log printed when it did not come up within 120 s."""
+    tmp = Path(tempfile.mkdtemp(prefix="edgerun-bench-"))
+    sock = tmp / "edgerun.sock"
+    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu", *extra]
+    argv += ["--model", str(model)] if model else []
+    argv += ["--threads", str(threads)] if threads else []
+    log = open(tmp / "serve.log", "wb")
+    daemon = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    deadline = time.monotonic() + 120
+    while not sock.exists() or over_health(sock) != 200:
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            print((tmp / "serve.log").read_text(), file=sys.stderr)
+            daemon.kill()
+            daemon.wait()
+            return None, None
+        time.sleep(0.1)
+    return daemon, sock
 
 
 def thread_cpu(pid: int) -> float:

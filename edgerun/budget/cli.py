@@ -191,6 +191,7 @@ def plan_resident(
     device: str = "cpu",
     dtype: str = "fp32",
     providers: ProviderPolicy | None = None,
+    batch: int = 1,
 ):
     """(plan, streamed): the plan of an HF checkpoint (None: the shipped demo model) loaded
     whole, every expert resident in ``dtype`` (bf16, fp16 or fp32: what torch computes in), and,
@@ -210,7 +211,7 @@ def plan_resident(
         staging_buffers=1,  # nothing is read at run time; the planner wants one buffer per layout
         cuda_graphs=device == "cuda",
     )
-    args = (src.args, src.specs, experts, device_profile, context, 1, options, None)
+    args = (src.args, src.specs, experts, device_profile, context, batch, options, None)
     whole = plan(*args, model_name=src.name, notes=src.notes)
     if whole.fits:
         return whole, None
@@ -221,7 +222,7 @@ def plan_resident(
         int4.experts,
         device_profile,
         context,
-        1,
+        batch,
         PlanOptions(dense_dtype="bf16" if dtype == "fp32" else dtype, cuda_graphs=device == "cuda"),
         None,
         model_name=int4.name,

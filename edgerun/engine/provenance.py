@@ -69,6 +69,12 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
         f"fallbacks: {fallbacks}",
         runner.load_summary,
         runner.speculative.describe() if runner.speculative else "",
+        (
+            f"batch: up to {runner.batch.size} requests decode together (multi-row eager steps, "
+            f"slots of {runner.batch.max_len} tokens)"
+            if runner.batch is not None
+            else "batch: one request at a time"
+        ),
     ]
     if runner.provider:
         lines.append(runner.provider.describe())

@@ -18,6 +18,7 @@ import torch
 
 from edgerun.cache.reader import READ_FALLBACKS
 from edgerun.config import CacheConfig
+from edgerun.engine.batch import DecodeBatch, Row
 from edgerun.engine.graphs import PREFILL_GRAPH_TOKENS, DecodeCounters, DecodeGraphs, PrefillGraphs
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
@@ -109,13 +110,33 @@ class Runner:
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
         self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
+        self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
         self.spec_totals = SpeculativeStats()  # across requests
+
+    def enable_batch(self, size: int) -> None:
+        """Decode up to ``size`` requests together (engine/batch.py): each one's generator
+        joins a slot of one state pool and its decode steps are multi-row steps over every
+        request decoding; refused, saying why, where it cannot run. 1: one request at a time."""
+        if size < 1:
+            raise EdgerunError(f"batch must be >= 1, got {size}")
+        if size > 1 and self.device.type != "cpu":
+            raise EdgerunError(
+                f"batched decoding runs on the CPU only so far (its multi-row step on {self.device.type}, "
+                "CUDA graphs per batch bucket, is not built yet, issue 18); serve with batch 1"
+            )
+        if size > 1 and self.speculative is not None:
+            raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
+        self.batch = None
+        if size > 1:
+            self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.decode_rows)
 
     def enable_speculative(self, config: SpeculativeConfig | None) -> None:
         """Decode by drafting with the model's MTP head (loaded before: ``load_mtp``) and verifying
         the drafts; refused, saying why, where it cannot run. None: plain decoding."""
         if config is not None:
+            if self.batch is not None:
+                raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
             if getattr(self.model, "mtp", None) is None:
                 raise EdgerunError("speculative mtp: the model's MTP head is not loaded")
             if self.device.type != "cpu":
@@ -335,6 +356,19 @@ class Runner:
         self._count_step()  # after the step: a fallback it took (a failed capture) counts already
         return logits
 
+    @torch.inference_mode()
+    def decode_rows(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+        """One step of B sequences (token b continues ``states[b]``) -> logits [B, V], each row
+        bit for bit the sequence's own :meth:`decode_step` (``CausalLM.decode_rows``)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if len(states) == 1:  # one row: the one-row step itself, without the per-row bookkeeping
+            logits = self.model(ids[None], states[0], last_only=True)[:, -1]
+        else:
+            logits = self.model.decode_rows(ids, states)
+        self.steps.eager_steps += 1
+        self._count_step()
+        return logits
+
     def request(self, prompt_ids: list[int], params: SamplingParams, **fields) -> Request:
         """The request checked against this model's limits (``fields``: how the caller names the
         prompt and max_tokens in its errors)."""
@@ -348,7 +382,18 @@ class Runner:
         t_request = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        state = self.new_state(len(prompt_ids) + params.max_tokens)
+        row = self.batch.join(len(prompt_ids) + params.max_tokens) if self.batch is not None else None
+        try:
+            yield from self._generate(request, sampler, stats, t_request, row)
+        finally:
+            if row is not None:
+                self.batch.leave(row)  # ended or closed (client gone): the slot is free at once
+
+    def _generate(
+        self, request: Request, sampler: Sampler, stats: GenerationStats, t_request: float, row: Row | None
+    ) -> Iterator[Event]:
+        prompt_ids, params = list(request.prompt_ids), request.params
+        state = self.new_state(len(prompt_ids) + params.max_tokens) if row is None else row.state
         text = _TextStream(self.tokenizer, params.stop)
         drafter = None
         if self.speculative is not None:
@@ -363,7 +408,9 @@ class Runner:
                 "", prefilled=state.pos
             )  # a chunk done: the caller may ping its watchdog, or stop here
         finish = "length"
-        if drafter is None:
+        if row is not None:
+            tokens = self._batch_tokens(row, logits, sampler, params.max_tokens)
+        elif drafter is None:
             tokens = self._tokens(state, logits, sampler, params.max_tokens)
         else:
             tokens = self._speculative_tokens(
@@ -378,6 +425,8 @@ class Runner:
                 finish = "stop"
                 break
             delta, stopped = text.push(token)
+            if row is not None and not stopped and stats.generated_tokens < params.max_tokens:
+                self.batch.feed(row, token)  # before the yield: the next step, whoever runs it, has it
             yield Event(delta, token)
             if stopped:
                 finish = "stop"
@@ -417,6 +466,14 @@ class Runner:
             queued = self._launch(None) if i + 1 < n else None  # consumes the token still on the device
             yield self.decoder.result(pending)
             pending = queued
+
+    def _batch_tokens(self, row: Row, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
+        """:meth:`_tokens` for a sequence of the batch: its logits come from the batch's step."""
+        token = sampler(logits)
+        yield token
+        for _ in range(n - 1):
+            token = sampler(self.batch.logits(row))
+            yield token
 
     @torch.inference_mode()
     def _speculative_tokens(

@@ -113,6 +113,7 @@ def cache_config(
     quota: int | None = None,
     profile: Path | None = None,
     context: int | None = None,
+    batch: int = 1,
     host_quota: int | None = None,
     read_mode: str | None = None,
     read_depth: int | None = None,
@@ -179,7 +180,7 @@ def cache_config(
     if profile is None:
         return base
     return _planned(
-        dataclasses.replace(base, profile=Path(profile), context=context, trace=trace),
+        dataclasses.replace(base, profile=Path(profile), context=context, trace=trace, batch=batch),
         bundle,
         providers,
         quota,
@@ -194,6 +195,7 @@ def plan_experts(
     quota: int | None = None,
     profile: Path | None = None,
     context: int | None = None,
+    batch: int = 1,
     providers=None,
     **streaming,
 ) -> tuple[CacheConfig | None, str | None]:
@@ -208,7 +210,14 @@ def plan_experts(
         check_finished(model)
     bundle = model if model is not None and (Path(model) / MANIFEST).is_file() else None
     cache = cache_config(
-        bundle, quota=quota, profile=profile, context=context, providers=providers, model=model, **streaming
+        bundle,
+        quota=quota,
+        profile=profile,
+        context=context,
+        batch=batch,
+        providers=providers,
+        model=model,
+        **streaming,
     )
     if cache is not None:
         return cache, cache.summary
@@ -217,17 +226,25 @@ def plan_experts(
     # Runner.load's dtype: float32 on the cpu, the checkpoint's (planned as bf16) on cuda
     auto = "fp32" if device == "cpu" else "bf16"
     planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype or "auto", auto)
-    return None, resident_plan(model, profile, context, device, planned, providers)
+    return None, resident_plan(model, profile, context, device, planned, providers, batch)
 
 
 def resident_plan(
-    model: Path | None, profile: Path, context: int | None, device: str, dtype: str, providers=None
+    model: Path | None,
+    profile: Path,
+    context: int | None,
+    device: str,
+    dtype: str,
+    providers=None,
+    batch: int = 1,
 ) -> str:
     """The start-up summary of a model held whole (every expert resident) on ``profile``, or a
     refusal naming what would fit: a bundle streamed within the profile's plan. Pure: no torch."""
     from edgerun.budget.cli import plan_resident
 
-    p, streamed = plan_resident(model, profile, context, device=device, dtype=dtype, providers=providers)
+    p, streamed = plan_resident(
+        model, profile, context, device=device, dtype=dtype, providers=providers, batch=batch
+    )
     if not p.fits:
         name = model or "the demo model"
         text = (
@@ -245,7 +262,9 @@ def resident_plan(
         raise EdgerunError(text)
     free = sum(pool.headroom for pool in p.pools)
     return (
-        f"plan {p.device}, context {p.context}: every expert resident ({p.quant}), "
+        f"plan {p.device}, context {p.context}"
+        + (f", batch {p.batch}" if p.batch > 1 else "")
+        + f": every expert resident ({p.quant}), "
         f"{free / 2**30:.2f} GiB headroom"
     )
 
@@ -265,6 +284,7 @@ def _planned(
         bundle,
         config.profile,
         config.context,
+        config.batch,
         providers=providers,
         resident=resident,
         quota=fixed,
@@ -274,7 +294,9 @@ def _planned(
         raise EdgerunError(p.refusal.message)
     pred = p.prediction
     summary = (
-        f"plan {p.device}, context {p.context}: quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
+        f"plan {p.device}, context {p.context}"
+        + (f", batch {p.batch}" if p.batch > 1 else "")
+        + f": quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
         + (" (as asked)" if fixed else f" (from route trace {config.trace})" if config.trace else "")
         + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )

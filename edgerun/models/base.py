@@ -48,12 +48,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope, state, start: int, rows: bool = False, valid=None) -> torch.Tensor:
         """``valid`` [T] bool: see :meth:`CausalLM.hidden`; attention needs nothing for it (a
         padded row is causal after every prompt row, its KV past the position is never read)."""
-        h = self.input_layernorm(x)
         if self.kind == A.FULL_ATTENTION:
-            h = self.self_attn(h, rope, state, start, rows)
-        else:
-            h = self.linear_attn(h, state, rows, valid)
-        x = x + h
+            return self._block(x, lambda h: self.self_attn(h, rope, state, start, rows))
+        return self._block(x, lambda h: self.linear_attn(h, state, rows, valid))
+
+    def decode_rows(self, x, rope, states: list, starts: list[int]) -> torch.Tensor:
+        """One token of each of B sequences (x [B, 1, D]; row b's state ``states[b]`` at position
+        ``starts[b]``): the token mixer per sequence, the MLP over all rows."""
+        if self.kind == A.FULL_ATTENTION:
+            return self._block(x, lambda h: self.self_attn.decode_rows(h, rope, states, starts))
+        return self._block(x, lambda h: self.linear_attn.decode_rows(h, states))
+
+    def _block(self, x: torch.Tensor, mix) -> torch.Tensor:
+        x = x + mix(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fuse(self) -> None:
@@ -187,14 +194,16 @@ class CausalLM(nn.Module):
             shapes.update((scheme, 128, cols, group, e, norm) for e in ("none", "silu_mul"))
         return sorted(shapes)
 
-    def new_state(self, batch: int, max_len: int, device=None, dtype=None) -> DecodeState:
+    def new_state(
+        self, batch: int, max_len: int, device=None, dtype=None, zero_kv: bool = True
+    ) -> DecodeState:
         ref = self.model.embed_tokens.weight
         device = device or ref.device
         dtype = dtype or ref.dtype
         entries = []
         for layer in self.model.layers:
             if layer.kind == A.FULL_ATTENTION:
-                entries.append(layer.self_attn.new_state(batch, max_len, device, dtype))
+                entries.append(layer.self_attn.new_state(batch, max_len, device, dtype, zero_kv))
             else:
                 entries.append(layer.linear_attn.new_state(batch, device, dtype))
         return DecodeState(entries, max_len)
@@ -208,6 +217,30 @@ class CausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(x)
+
+    def decode_rows(self, tokens: torch.Tensor, states: list[DecodeState]) -> torch.Tensor:
+        """One decode step of B sequences at once: tokens [B] (row b continues ``states[b]``, at
+        its own position) -> logits [B, V]. Each row is computed as that sequence's one-row
+        decode step computes it, bit for bit (``exact_rows``: a projection's rows one at a
+        time where BLAS would sum them otherwise; attention and the DeltaNet state per
+        sequence; the routed experts of all rows in one pass, each expert's rows padded to a
+        fixed tile), so a sequence's tokens do not depend on which others share its steps.
+        Every state advances by one."""
+        starts = [s.pos for s in states]
+        for b, s in enumerate(states):
+            if s.pos + 1 > s.max_len:
+                raise ValueError(
+                    f"row {b}: sequence of {s.pos + 1} tokens exceeds its state's max_len {s.max_len}"
+                )
+        x = self.model.embed_tokens(tokens[:, None])  # [B, 1, D]
+        rope = self.rotary(torch.tensor(starts, device=tokens.device), x.dtype)  # [B, R]
+        with exact_rows():
+            for i, layer in enumerate(self.model.layers):
+                x = layer.decode_rows(x, rope, [s.layers[i] for s in states], starts)
+            logits = self.lm_head(self.model.norm(x))[:, 0]
+        for s in states:
+            s.pos += 1
+        return logits
 
     def hidden(
         self,

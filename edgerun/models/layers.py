@@ -308,11 +308,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_unit_offset)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_unit_offset)
 
-    def new_state(self, batch: int, max_len: int, device, dtype) -> KVCache:
+    def new_state(self, batch: int, max_len: int, device, dtype, zero: bool = True) -> KVCache:
+        """``zero`` False: uninitialised (nothing reads a position before it is written; on the
+        CPU the pages are then committed only as positions are written)."""
         shape = (batch, self.n_kv, max_len, self.head_dim)
-        return KVCache(
-            torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
-        )
+        new = torch.zeros if zero else torch.empty
+        return KVCache(new(shape, device=device, dtype=dtype), new(shape, device=device, dtype=dtype))
 
     def fuse(self) -> None:
         """After load: q/k/v as one projection (one GEMV at decode), o_proj as a QLinear."""
@@ -341,13 +342,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``rows``: each row attends as a one-row decode step at its position would (the same
         SDPA call over the keys up to it), so a verify window's rows are the decode step's bits."""
-        B, T, _ = x.shape
-        q, gate, k, v = self._project(x)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k).transpose(1, 2)
-        v = v.transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, gate, k, v = self._heads(x, *rope)
+        T = x.shape[1]
         if cache is not None:
             cache.k[:, :, start : start + T] = k
             cache.v[:, :, start : start + T] = v
@@ -363,6 +359,40 @@ class Attention(nn.Module):
             )
         else:
             out = causal_attention(q, k, v)
+        return self._output(out, gate)
+
+    def decode_rows(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        caches: list[KVCache],
+        starts: list[int],
+    ) -> torch.Tensor:
+        """One token of each of B sequences, x [B, 1, D]: row b is at position ``starts[b]`` of
+        its own ``caches[b]`` (rope: cos, sin [B, R], row b's position), and attends as that
+        sequence's one-row decode step does (the same SDPA call over its own keys)."""
+        cos, sin = (t[:, None, None] for t in rope)  # [B, 1, 1, R]: each row its own position
+        q, gate, k, v = self._heads(x, cos, sin)
+        outs = []
+        for b, (cache, start) in enumerate(zip(caches, starts, strict=True)):
+            cache.k[:, :, start : start + 1] = k[b : b + 1]
+            cache.v[:, :, start : start + 1] = v[b : b + 1]
+            outs.append(
+                causal_attention(q[b : b + 1], cache.k[:, :, : start + 1], cache.v[:, :, : start + 1])
+            )
+        return self._output(torch.cat(outs), gate)
+
+    def _heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, D] -> q [B, H, T, Dh] and k, v [B, Hk, T, Dh] (normed, rotated), and the gate."""
+        q, gate, k, v = self._project(x)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
+        return apply_rotary(q, cos, sin), gate, apply_rotary(k, cos, sin), v
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [B, H, T, Dh] -> gated, o_proj [B, T, D]."""
+        B, _, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -476,7 +506,7 @@ class GatedDeltaNet(nn.Module):
         ``state.trail`` for a rollback (``DecodeState.rollback``). ``valid`` [T] bool (a padded
         chunk, ``engine/graphs.PrefillGraphs``): the rows past the prompt leave the state as the
         prompt's rows left it."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         mixed, z, b, a = self._project(x)
         if valid is not None:
             out = self._mix(mixed, b, a, state, x.dtype, valid)
@@ -491,8 +521,23 @@ class GatedDeltaNet(nn.Module):
             out = self._mix(mixed, b, a, state, x.dtype)
             if rows:
                 state.trail = [(state.conv.clone(), state.recurrent.clone())]
-        z = z.reshape(B, T, self.n_v, self.dv)
-        out = self.norm(out, z).reshape(B, T, self.value_dim)
+        return self._output(out, z)
+
+    def decode_rows(self, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
+        """One token of each of B sequences, x [B, 1, D], row b advancing its own ``states[b]``
+        as that sequence's one-row decode step does (the conv and delta rule one row at a time;
+        the projections take all rows)."""
+        mixed, z, b, a = self._project(x)
+        parts = [
+            self._mix(mixed[r : r + 1], b[r : r + 1], a[r : r + 1], state, x.dtype)
+            for r, state in enumerate(states)
+        ]
+        return self._output(torch.cat(parts), z)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output [B, T, Hv, Dv] -> gated norm, out_proj [B, T, D]."""
+        B, T = out.shape[:2]
+        out = self.norm(out, z.reshape(B, T, self.n_v, self.dv)).reshape(B, T, self.value_dim)
         return self.out_proj(out)
 
     def _mix(

@@ -13,7 +13,7 @@ from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import add_device_arguments, add_model_argument, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.options import SLOT_POOLS, ServeOptions, load_serve_config
+from edgerun.server.options import DEFAULT_BATCH, SLOT_POOLS, ServeOptions, load_serve_config
 
 # flag dest -> ServeOptions field
 _FLAGS = (
@@ -39,6 +39,7 @@ _FLAGS = (
     "socket_mode",
     "socket_group",
     "queue_size",
+    "batch",
     "request_timeout",
     "grace_period",
     "default_max_tokens",
@@ -85,6 +86,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="octal, default 0660")
     p.add_argument("--socket-group", help="group owning the socket")
     p.add_argument("--queue-size", type=int, help="requests that may wait for the engine (default 16)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help=f"requests decoded together (default {DEFAULT_BATCH} on the CPU, 1 on CUDA; "
+        "with --profile the plan is made for it)",
+    )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--default-max-tokens", type=int)
@@ -166,24 +173,38 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return opts.merged(flags)
 
 
+def planned_device(opts: ServeOptions) -> str | None:
+    """The device kind serve runs on, known before torch: the option, else the profile's kind;
+    None: cuda if available, decided when torch loads."""
+    if opts.device is None and opts.profile is not None:
+        from edgerun.config import load_device_profile
+
+        return "cuda" if load_device_profile(opts.profile).has_cuda else "cpu"
+    return opts.device
+
+
+def serve_batch(opts: ServeOptions, device: str) -> int:
+    """The batch serve runs: the option, else DEFAULT_BATCH on the CPU and 1 on CUDA."""
+    if opts.batch is not None:
+        return opts.batch
+    return DEFAULT_BATCH if device == "cpu" else 1
+
+
 def cache_plan(opts: ServeOptions):
     """(expert cache settings or None: resident, the plan's summary or None). Planned before the
     daemon binds (no torch), so a model that does not fit the device profile is refused up front,
-    naming what would."""
+    naming what would (the largest batch, when the batch is what does not fit)."""
     from edgerun.engine.setup import plan_experts, read_warm
 
-    device = opts.device
-    if device is None and opts.profile is not None:  # before torch: the profile says which kind
-        from edgerun.config import load_device_profile
-
-        device = "cuda" if load_device_profile(opts.profile).has_cuda else "cpu"
+    device = planned_device(opts) or "cpu"
     return plan_experts(
         opts.model,
-        device or "cpu",
+        device,
         opts.dtype,
         quota=opts.quota,
         profile=opts.profile,
         context=opts.context,
+        batch=serve_batch(opts, device),
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,
         prefetch=opts.prefetch,
@@ -222,6 +243,7 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None, plan: str
             max_context=opts.context,
             prefill_chunk=opts.prefill_chunk,
         )
+        runner.enable_batch(serve_batch(opts, runner.device.type))
         return RunnerEngine(runner, source, name, profile, plan)
 
     return load

@@ -1,8 +1,13 @@
-"""The engine thread: it loads the model, then runs requests one at a time from a bounded queue.
+"""The engine thread: it loads the model, then runs up to ``engine.batch`` requests at a time
+from a bounded queue.
 
 The event loop submits :class:`Job` s; each job's events (``runner.Event``, or a final
 :class:`JobFailed`) come back through the job's ``deliver`` callback, which the loop side makes
-thread-safe. torch is imported here, by the engine thread, as it loads: the socket answers
+thread-safe. The thread advances its running jobs' generators one event each per round, in the
+order they started, and takes new jobs from the queue at the start of a round while fewer than
+``batch`` run: a batched engine (``engine/batch.py``) then decodes every running request in one
+multi-row step per round, and a request still in prefill runs one prompt chunk per round, so a
+long prompt does not stall the others' tokens. torch is imported here, by the engine thread, as it loads: the socket answers
 ``/health`` (503, loading) from the first moment. Cancelling a job (client gone, timeout,
 shutdown) takes it out of the queue, or stops its generation at the next token or prefill
 chunk; the watchdog is fed at each of them too (and inside a chunk, as its layers return), so a
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 class Engine(Protocol):
     model_id: str
+    batch: int  # requests it decodes together (absent: 1, one request at a time)
     tokenizer: Tokenizer | None
     limits: Limits  # what check_request holds requests to, before they are queued
     generate: Callable[[Request], Iterator[Event]]
@@ -88,6 +94,7 @@ class RunnerEngine:
         self.tokenizer = runner.tokenizer
         self.limits = runner.limits
         self.generate = runner.generate
+        self.batch = runner.batch.size if runner.batch is not None else 1
 
     def watch(self, ping: Callable[[], None]) -> None:
         """Ping after each decoder layer of an eager forward (a prefill chunk, an eager decode
@@ -108,7 +115,27 @@ class RunnerEngine:
         logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
         if not bool(torch.isfinite(logits).all()):
             raise EngineFailure("start-up probe: prefill/decode produced non-finite logits")
-        return f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        line = f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        return line + (self._probe_batch() if self.runner.batch is not None else "")
+
+    def _probe_batch(self) -> str:
+        """Two sequences at different positions through one two-row step: each row must equal
+        its sequence's one-row step, bit for bit (the batch's promise), or the engine refuses."""
+        import copy
+
+        import torch
+
+        r = self.runner
+        states = [r.new_state(4), r.new_state(4)]
+        r.prefill(states[0], [0])
+        r.prefill(states[1], [1, 2])
+        alone = copy.deepcopy(states)
+        rows = r.decode_rows(states, [3, 4])
+        if not all(torch.equal(rows[b], r.decode_step(alone[b], t)) for b, t in enumerate((3, 4))):
+            raise EngineFailure(
+                "start-up probe: a two-row decode step differs from its rows' one-row steps; serve with batch 1"
+            )
+        return f"; a {r.batch.size}-request batch's two-row step equals its one-row steps"
 
     def provenance(self) -> str:
         from edgerun.engine.provenance import provenance
@@ -134,6 +161,7 @@ class RunnerEngine:
             "bundle": str(self.model_dir) if self._bundle_manifest() else None,
             "bundle_hash": self._bundle_hash(),
             "plan": self.plan,
+            "batch": self.batch,
             "expert_mode": "streamed" if r.cache else "resident",
             "expert_quota": r.cache.quotas if r.cache else None,
             "kernels": r.kernel_summary(),
@@ -183,6 +211,7 @@ class RunnerEngine:
             "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
             "prefill_chunks": self.runner.prefill_counts(),
+            "batch_steps": self.runner.batch.stats.sizes if self.runner.batch is not None else {},
             "read_faults": cache.read_faults() if cache else {},
             "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,
@@ -207,6 +236,10 @@ class Job:
     prefilled: int = 0  # prompt tokens through the model so far
     started: float | None = None  # when the engine took it
     first_token: float | None = None  # when its first token (or its end, if none) came out
+    # the engine thread's own: the job's events, tokens delivered, when the last one came out
+    events: Any = None
+    tokens: int = 0
+    last_token: float | None = None
 
     @property
     def queue_s(self) -> float | None:
@@ -271,6 +304,8 @@ class QueueFull(Exception):
 
 # seconds: from a short prompt on a GPU to a long one streamed on a small board
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# seconds between two tokens of one request: a resident decode step on a GPU to a streamed one
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Histogram:
@@ -314,6 +349,8 @@ class Counters:
     last_decode_tps: float = 0.0
     ttft: Histogram = field(default_factory=Histogram)  # arrival to first token
     prefill: Histogram = field(default_factory=Histogram)  # engine start to first token
+    queue: Histogram = field(default_factory=Histogram)  # arrival to the engine taking it
+    inter_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))  # token to token
 
 
 @dataclass
@@ -335,7 +372,8 @@ class EngineWorker:
         self.hooks = hooks
         self.counters = Counters()
         self.dropped = 0  # jobs cancelled while still queued (the loop's count; the engine never saw them)
-        self.running: Job | None = None
+        self.batch = 1  # the engine's, once loaded
+        self.running: list[Job] = []  # taken by the engine (prefill or decode), in the order taken
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -375,66 +413,98 @@ class EngineWorker:
             self.hooks.status("running start-up probes")
             probe = engine.probe()
             info = engine.describe()
+            self.batch = getattr(engine, "batch", 1)
         except BaseException as exc:
             self.hooks.fatal(exc, True)
             return
         self.hooks.ready(engine, probe, info)
-        while True:
-            with self._cond:
-                if not self._queue and not self._stopping:
-                    self._cond.wait(self.hooks.ping_every)
-                if self._stopping:
-                    return
-                job = self._queue.popleft() if self._queue else None
-            self.hooks.ping()
-            if job is None:
-                continue
+        try:
+            while self._round(engine):
+                pass
+        finally:
+            for job in list(self.running):
+                if job.cancelled:  # by the drain's end (shutdown): counted and logged as any other
+                    self._advance(job)
+                self._end(job)
+
+    def _round(self, engine: Engine) -> bool:
+        """Take queued jobs while fewer than ``batch`` run, then advance each running job by
+        one event. False once stopping (or the engine failed)."""
+        with self._cond:
+            if not self._queue and not self.running and not self._stopping:
+                self._cond.wait(self.hooks.ping_every)
+            if self._stopping:
+                return False
+            taken = []
+            while self._queue and len(self.running) + len(taken) < self.batch:
+                taken.append(self._queue.popleft())
+        self.hooks.ping()
+        for job in taken:
             if job.cancelled:  # cancelled between leaving the queue and here
                 self.counters.cancelled[QUEUED] += 1
                 continue
+            self._start(engine, job)
+        for job in list(self.running):
             try:
-                self._run(engine, job)
+                done = self._advance(job)
             except BaseException as exc:
-                job.deliver(JobFailed(500, f"engine failed: {type(exc).__name__}: {exc}"))
+                for other in self.running:
+                    other.deliver(JobFailed(500, f"engine failed: {type(exc).__name__}: {exc}"))
                 self.hooks.fatal(exc, False)
-                return
+                return False
+            self.hooks.ping()
+            if done:
+                self._end(job)
+        return True
 
-    def _run(self, engine: Engine, job: Job) -> None:
+    def _start(self, engine: Engine, job: Job) -> None:
+        self.counters.requests += 1
+        job.started, job.phase = time.monotonic(), PREFILL
+        self.counters.queue.observe(job.queue_s)
+        job.events = engine.generate(job.request)
+        self.running.append(job)
+
+    def _end(self, job: Job) -> None:
+        close = getattr(job.events, "close", None)
+        if close is not None:
+            close()  # a generator: stops its generation, and its state (its batch slot) goes with it
+        self.running.remove(job)
+
+    def _advance(self, job: Job) -> bool:
+        """The job's next event, delivered; True when the job is over (finished, failed or
+        cancelled). Raises what ends the engine (``is_fatal``)."""
         from edgerun.engine.sampler import SamplingError
 
         c = self.counters
-        c.requests += 1
-        self.running = job
-        job.started, job.phase = time.monotonic(), PREFILL
-        events = None
-        stats, finish = None, None
+        if job.cancelled:
+            c.cancelled[job.phase] += 1
+            self.hooks.log(job.summary(None, None, job.tokens))
+            return True
         try:
-            events = engine.generate(job.request)
-            tokens = 0
-            for event in events:
-                if not (event.text or event.token_id is not None or event.finish_reason is not None):
-                    self._prefilled(job, event.prefilled)  # a prefill chunk done
-                else:
-                    if job.first_token is None:
-                        self._first_token(job)
-                    if event.token_id is not None:
-                        tokens += 1
-                        c.generated_tokens += 1
-                    job.deliver(event)
-                self.hooks.ping()
-                if event.finish_reason is not None:
-                    stats, finish = event.stats, event.finish_reason
-                    if stats is not None:
-                        c.generated_tokens += stats.generated_tokens - tokens  # EOS, as usage counts it
-                        c.decode_s += stats.decode_s
-                        c.last_decode_tps = stats.decode_tps
-                    break
-                if job.cancelled:
-                    c.cancelled[job.phase] += 1
-                    break
-            if finish is None and not job.cancelled:
+            event = next(job.events, None)
+            if event is None:
                 raise RuntimeError("the engine ended a request without a finish reason")
-            self.hooks.log(job.summary(stats, finish, tokens))
+            if not (event.text or event.token_id is not None or event.finish_reason is not None):
+                self._prefilled(job, event.prefilled)  # a prefill chunk done
+                return False
+            if job.first_token is None:
+                self._first_token(job)
+            if event.token_id is not None:
+                now = time.monotonic()
+                if job.last_token is not None:
+                    c.inter_token.observe(now - job.last_token)
+                job.last_token = now
+                job.tokens += 1
+                c.generated_tokens += 1
+            job.deliver(event)
+            if event.finish_reason is None:
+                return False
+            stats = event.stats
+            if stats is not None:
+                c.generated_tokens += stats.generated_tokens - job.tokens  # EOS, as usage counts it
+                c.decode_s += stats.decode_s
+                c.last_decode_tps = stats.decode_tps
+            self.hooks.log(job.summary(stats, event.finish_reason, job.tokens))
         except SamplingError as exc:
             c.failed += 1
             job.deliver(JobFailed(400, str(exc)))
@@ -444,11 +514,7 @@ class EngineWorker:
             c.failed += 1
             log.exception("request failed in the engine")
             job.deliver(JobFailed(500, f"engine error: {type(exc).__name__}: {exc}"))
-        finally:
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()  # a generator: stops its generation, and its state goes with it
-            self.running = None
+        return True
 
     def _prefilled(self, job: Job, upto: int) -> None:
         """Count the prompt tokens through the model, as they go (``upto``: so far)."""

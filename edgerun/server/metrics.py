@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from edgerun.server.engine_worker import QUEUED, Histogram
+from edgerun.server.engine_worker import DECODE, QUEUED, Histogram
 
 if TYPE_CHECKING:
     from edgerun.server.engine_worker import EngineWorker
@@ -129,6 +129,16 @@ def render(
         c.ttft,
     )
     t.histogram(
+        "edgerun_queue_wait_seconds",
+        "Time from a request's arrival to the engine taking it (waiting for a batch slot).",
+        c.queue,
+    )
+    t.histogram(
+        "edgerun_inter_token_seconds",
+        "Time between two consecutive tokens of one request, as the engine emitted them.",
+        c.inter_token,
+    )
+    t.histogram(
         "edgerun_request_prefill_seconds",
         "Time from the engine taking a request to its first token (the prompt's prefill).",
         c.prefill,
@@ -141,9 +151,20 @@ def render(
     )
     t.one("edgerun_queue_depth", "gauge", "Requests waiting for the engine.", worker.depth)
     t.one("edgerun_queue_capacity", "gauge", "Requests that may wait before 429.", worker.capacity)
+    running = list(worker.running)  # the engine thread's list: a copy, then counted
     t.one(
-        "edgerun_requests_running", "gauge", "Requests the engine is generating.", worker.running is not None
+        "edgerun_requests_running",
+        "gauge",
+        "Requests the engine has taken (prefill or decode).",
+        len(running),
     )
+    t.one(
+        "edgerun_batch_running",
+        "gauge",
+        "Requests decoding together now: the rows of the engine's next decode step.",
+        sum(job.phase == DECODE for job in running),
+    )
+    t.one("edgerun_batch_capacity", "gauge", "Requests the engine decodes together at most.", worker.batch)
     t.one("edgerun_requests_in_flight", "gauge", "Generation requests accepted, not yet answered.", in_flight)
 
     stats = stats or {}
@@ -206,6 +227,12 @@ def render(
         "for its padded length), eager (the forward issued op by op: CPU, later chunks, long chunks, streamed "
         "experts).",
         [({"mode": k}, n) for k, n in sorted(stats.get("prefill_chunks", {}).items())],
+    )
+    t.family(
+        "edgerun_batch_steps_total",
+        "counter",
+        "Multi-row decode steps of the batched engine, by how many requests they decoded.",
+        [({"rows": k}, n) for k, n in sorted(stats.get("batch_steps", {}).items())],
     )
     if "resident_memory_bytes" in stats:
         t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])

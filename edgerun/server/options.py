@@ -21,6 +21,7 @@ from edgerun.flags import RENAMED_KEYS, TORCH_DEVICES, deprecated
 from edgerun.models.providers import ProviderPolicy
 
 SLOT_POOLS = ("device", "mapped")
+DEFAULT_BATCH = 4  # requests decoding together on the CPU unless serve's batch says
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class ServeOptions:
     socket_mode: int = 0o660
     socket_group: str | None = None
     queue_size: int = 16  # requests waiting for the engine before 429
+    # requests decoding together (continuous batching); None: DEFAULT_BATCH on the CPU, 1 on CUDA
+    # (its multi-row step is not built yet). With a profile, the plan is made for this batch.
+    batch: int | None = None
     max_connections: int = 256
     max_connections_per_uid: int = 64  # per client uid (SO_PEERCRED); past it, its oldest idle one closes
     request_timeout: float = 300.0  # seconds, queueing included
@@ -74,6 +78,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
+        if self.batch is not None and self.batch < 1:
+            raise ConfigError(f"serve option 'batch' must be at least 1, got {self.batch}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
         for name in (

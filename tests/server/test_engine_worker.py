@@ -134,7 +134,7 @@ def test_a_cancelled_prefill_stops_between_chunks_and_is_counted(worker):
     worker.cancel(job)  # the client left (or the grace period ended) during the second chunk
     engine.run(CHUNKS)  # the engine may run on, if the worker does not stop it
     assert engine.closed.wait(10), "the generation was not closed"
-    wait_for(lambda: worker.running is None, "the job did not end")
+    wait_for(lambda: not worker.running, "the job did not end")
     assert engine.chunks_run == 2 < CHUNKS  # the chunk under way finished; no other started
     assert items == []  # nothing reached the client: no token, no answer
     c = worker.counters
@@ -160,7 +160,7 @@ def test_a_cancelled_decode_and_a_dropped_queued_job_count_in_their_phases(worke
     worker.cancel(job)
     engine.run(5)
     assert engine.closed.wait(10)
-    wait_for(lambda: worker.running is None, "the job did not end")
+    wait_for(lambda: not worker.running, "the job did not end")
     assert [i.token_id for i in items] == [7, 8]  # the step under way finished; no final item
     assert job.phase == DECODE and worker.counters.cancelled == {QUEUED: 0, PREFILL: 0, DECODE: 1}
     assert worker.counters.prompt_tokens == len(PROMPT) and worker.counters.ttft.snapshot()[2] == 1
@@ -271,3 +271,65 @@ def test_the_real_engine_pings_after_every_layer_of_a_prefill_chunk():
     assert before_layer == list(range(len(layers)))  # a ping as each layer returned, none ahead
     assert len(pings) == len(layers)
     events.close()
+
+
+class RoundsEngine(ChunkedEngine):
+    """Two requests at a time, no step waiting for the test; every event it makes is logged as
+    (prompt's first id, what)."""
+
+    model_id = "rounds"
+    batch = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[int, str]] = []
+
+    def generate(self, request: Request):
+        name = request.prompt_ids[0]
+        try:
+            for start in range(0, len(request.prompt_ids), CHUNK):
+                self.log.append((name, "chunk"))
+                yield Event("", prefilled=min(start + CHUNK, len(request.prompt_ids)))
+            for i in range(request.params.max_tokens):
+                self.log.append((name, "token"))
+                yield Event("x", 7 + i)
+            yield Event("", None, "length", Stats(len(request.prompt_ids), request.params.max_tokens))
+        finally:
+            self.log.append((name, "closed"))
+
+
+def test_requests_run_a_batch_at_a_time_a_long_prompt_interleaved_with_the_others_tokens():
+    engine, ready = RoundsEngine(), threading.Event()
+    hooks = WorkerHooks(
+        status=lambda m: None, ready=lambda *a: ready.set(), fatal=lambda e, l: None, ping_every=0.05
+    )
+    w = EngineWorker(lambda status: engine, 4, hooks)
+    jobs, items = [], {}
+    # submitted before the engine loads: the first round takes two, the third waits for a slot
+    for name, prompt_len, tokens in ((1, CHUNK, 6), (2, 5 * CHUNK, 2), (3, CHUNK, 1)):
+        items[name] = []
+        job = Job(
+            Request((name,) * prompt_len, Params(tokens)),
+            items[name].append,
+            f"r{name}",
+            arrived=time.monotonic(),
+        )
+        w.submit(job)
+        jobs.append(job)
+    w.thread.start()
+    try:
+        assert ready.wait(10)
+        wait_for(
+            lambda: all(any(getattr(i, "finish_reason", None) for i in items[n]) for n in items),
+            "not all ended",
+        )
+    finally:
+        w.stop()
+        w.thread.join(5)
+    log = engine.log
+    # request 1 decodes while request 2 is still in its prompt: one chunk of 2 per round
+    assert log[:8] == [(1, "chunk"), (2, "chunk")] + [(1, "token"), (2, "chunk")] * 3, log
+    # request 3 starts only when a slot frees: after request 1 (which ends first) is closed
+    assert log.index((3, "chunk")) > log.index((1, "closed")), log
+    assert w.counters.queue.snapshot()[2] == 3 and w.counters.inter_token.snapshot()[2] == 5 + 1
+    assert not w.running and w.batch == 2

@@ -259,3 +259,26 @@ def test_channel_gathers_tokens_without_waking_the_loop_and_ends_at_once():
         assert isinstance(items[0], Aborted) and items[1].token_id == 7
 
     _on_uvloop(scenario)
+
+
+def test_serve_batch_option_default_and_plan(tmp_path):
+    from pathlib import Path
+
+    from edgerun.server.cli import cache_plan, serve_batch
+    from edgerun.server.options import DEFAULT_BATCH
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("batch: 6\n")
+    assert ServeOptions().merged(load_serve_config(cfg)).batch == 6
+    with pytest.raises(ConfigError, match="'batch' must be at least 1, got 0"):
+        ServeOptions(batch=0)
+    assert serve_batch(ServeOptions(), "cpu") == DEFAULT_BATCH and serve_batch(ServeOptions(), "cuda") == 1
+    assert serve_batch(ServeOptions(batch=3), "cuda") == 3  # asked for: refused at load, by name
+    profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
+    _, plan = cache_plan(ServeOptions(profile=profile, device="cpu", batch=8, context=2048))
+    assert "context 2048, batch 8: every expert resident" in plan
+    with pytest.raises(
+        EdgerunError,
+        match=r"at context 2048, batch 100000, .* Largest batch that fits at context 2048: \d+\.",
+    ):
+        cache_plan(ServeOptions(profile=profile, device="cpu", batch=100_000, context=2048))
