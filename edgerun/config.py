@@ -266,6 +266,9 @@ class CacheConfig:
     # read experts before the lookup asks (the next layer's predicted, prefill's next batch);
     # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)
     prefetch: bool | None = None
+    # speculative decoding's draft tokens K: the plan counts the MTP head and its quota floor
+    # holds a verify window's top_k x (K + 1) experts; 0: none
+    draft_tokens: int = 0
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas
