@@ -181,7 +181,7 @@ class RunnerEngine:
                         "prefetch_bytes",
                         "verify_windows",
                         "window_experts",
-                    )  # fmt: skip
+                    )
                 },
             }
         return {

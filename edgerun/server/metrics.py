@@ -220,37 +220,35 @@ def render(
             "and the tokens they emitted (accepted drafts + one a step).",
             [({**labels, "kind": k}, spec[k]) for k in ("drafted", "accepted", "emitted")],
         )
-        t.family(
-            "edgerun_speculative_steps_total",
-            "counter",
-            "Speculative verify steps.",
-            [(labels, spec["steps"])],
-        )
-        t.family(
-            "edgerun_speculative_acceptance_ratio",
-            "gauge",
-            "Accepted drafts / drafted tokens, all requests so far.",
-            [(labels, spec["acceptance"])],
-        )
-        t.family(
-            "edgerun_speculative_tokens_per_step",
-            "gauge",
-            "Tokens emitted per verify step, all requests so far.",
-            [(labels, spec["tokens_per_step"])],
-        )
-        t.family(
-            "edgerun_speculative_speedup",
-            "gauge",
-            "The last completed request's decode rate over plain decoding's, as the start-up probe "
-            "timed a one-row step (edgerun_speculative_row_step_seconds).",
-            [(labels, spec["speedup"])],
-        )
-        t.family(
-            "edgerun_speculative_row_step_seconds",
-            "gauge",
-            "A plain one-row decode step's time, probed at start-up.",
-            [(labels, spec["row_step_seconds"])],
-        )
+        for name, kind, help_, key in (
+            ("edgerun_speculative_steps_total", "counter", "Speculative verify steps.", "steps"),
+            (
+                "edgerun_speculative_acceptance_ratio",
+                "gauge",
+                "Accepted drafts / drafted tokens, all requests so far.",
+                "acceptance",
+            ),
+            (
+                "edgerun_speculative_tokens_per_step",
+                "gauge",
+                "Tokens emitted per verify step, all requests so far.",
+                "tokens_per_step",
+            ),
+            (
+                "edgerun_speculative_speedup",
+                "gauge",
+                "The last completed request's decode rate over plain decoding's, as the start-up probe "
+                "timed a one-row step (edgerun_speculative_row_step_seconds).",
+                "speedup",
+            ),
+            (
+                "edgerun_speculative_row_step_seconds",
+                "gauge",
+                "A plain one-row decode step's time, probed at start-up.",
+                "row_step_seconds",
+            ),
+        ):
+            t.family(name, kind, help_, [(labels, spec[key])])
     if "resident_memory_bytes" in stats:
         t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])
     if "peak_memory_bytes" in stats:

@@ -237,3 +237,20 @@ def test_the_plan_floors_the_quota_at_a_verify_windows_experts(sources, capsys):
     assert main([*run, "--quota", "4", "--draft-tokens", "2"]) == 2
     assert "quota 4 must be in 6..6" in capsys.readouterr().err
     assert main([*run, "--quota", "4", "--draft-tokens", "1"]) == 0
+
+
+def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsys):
+    import json
+
+    from edgerun.bench.speculative import main
+
+    argv = ["--model", str(sources["bf16"]), "--draft-tokens", "1,3", "--max-tokens", "10"]
+    assert main([*argv, "--repeats", "2", "--prompts", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speculative.json").read_text())
+    greedy, sampled = result["modes"]["greedy"], result["modes"]["T=0.8"]
+    assert [r["config"] for r in greedy] == ["plain", "MTP K=1", "MTP K=3"]
+    assert all(r["identical"] for r in greedy) and all(r["identical"] is None for r in sampled)
+    for r in greedy[1:] + sampled[1:]:
+        assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] and r["speedup"] > 0
+        assert r["min"] <= r["median"] <= r["max"]
+    assert "| greedy | MTP K=3 |" in capsys.readouterr().out
