@@ -144,7 +144,11 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache, plan = _cache_config(ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace)
+    spec = speculative_config(ns)
+    draft = spec.draft_tokens if spec is not None else 0
+    cache, plan = _cache_config(
+        ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace, draft_tokens=draft
+    )
     log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
@@ -154,7 +158,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         log=log,
         max_context=ns.context,
         prefill_chunk=ns.prefill_chunk,
-        speculative=speculative_config(ns),
+        speculative=spec,
     )
     if not ns.quiet:
         print(
@@ -221,9 +225,10 @@ def _refuse_local_flags(ns: argparse.Namespace) -> None:
         )
 
 
-def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None):
+def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, draft_tokens: int = 0):
     """(expert cache settings or None: resident, the plan's summary or None) of ``generate`` /
-    ``trace``: from --quota and/or the --profile plan, which every model is checked against."""
+    ``trace``: from --quota and/or the --profile plan, which every model is checked against
+    (``draft_tokens``: speculative decoding's K, which the plan counts)."""
     from edgerun.engine.setup import plan_experts
 
     return plan_experts(
@@ -241,6 +246,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None):
         warm=warm,
         trace=trace,
         providers=providers,
+        draft_tokens=draft_tokens,
     )
 
 

@@ -270,6 +270,9 @@ class CacheConfig:
     prefetch: bool | None = None
     policy: str | None = None  # None: the cache's default (cache.policy.DEFAULT_POLICY)
     trace: Path | None = None  # route trace the plan's per-layer quotas come from (re-planned with it)
+    # speculative decoding's draft tokens K: the plan counts the MTP head and its quota floor
+    # holds a verify window's top_k x (K + 1) experts; 0: none
+    draft_tokens: int = 0
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

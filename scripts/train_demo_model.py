@@ -4,6 +4,7 @@ The exact recipe behind ``edgerun/demo`` (docs/demo-model.md records the run):
 
     python scripts/prepare_demo_data.py --heldout-slice tests/data/kjv_heldout.txt
     python scripts/train_demo_model.py --out OUT --steps 1441 --dropout 0.2   # the shipped weights
+    python scripts/train_demo_model.py --mtp-from OUT --out DEMO --steps 300  # + the MTP head
 
 Training uses Hugging Face ``transformers`` (``Qwen3_5MoeForCausalLM``); the edgerun runtime never
 imports it. Recipe: random windows of ``--seq-len`` + 1 tokens from the packed train split
@@ -17,6 +18,15 @@ checkpoint; the test loss is only reported. The kept weights are rounded to bf16
 ``--steps 0`` sizes the run from ``--time-budget`` (seconds): it times the first steps and one
 evaluation, then fixes the step count (logged as ``resolved steps``, capped by ``--max-epochs``);
 rerun with that ``--steps`` to repeat the recipe. ``--tiny`` shrinks the model for a CPU smoke test.
+
+``--mtp-from DIR`` trains only a multi-token-prediction head (``mtp.*``, the layout of the Qwen3.5/3.6
+checkpoints; edgerun's ``models/base.py`` MtpHead) on the frozen model in DIR, on the CPU in fp32
+(deterministic): the frozen model's final normed hidden states h over ``--mtp-tokens`` train tokens
+(windows of ``--seq-len``) are computed once; the head maps (embedding of t_{p+1}, h_p) to a
+prediction of t_{p+2} and is trained to match the frozen model's own distribution there (soft
+cross-entropy against softmax(lm_head(h_{p+1}))): what a draft must match to be accepted. Its
+decoder layer starts as a copy of DIR's last full-attention layer. DIR's files are copied to
+``--out`` with the head's tensors added (bf16) and ``mtp_num_hidden_layers`` 1 in config.json.
 """
 
 from __future__ import annotations
@@ -180,6 +190,147 @@ def write_tokenizer_files(out: Path, tokenizer_json: Path, max_len: int) -> None
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+class MtpHead(torch.nn.Module):
+    """The training twin of edgerun's MtpHead (same parameter names under ``mtp.``): both inputs
+    RMS-normed, concatenated (embedding first), ``fc`` 2D -> D, one full-attention MoE decoder
+    layer, a final norm; the frozen model's lm_head scores it."""
+
+    def __init__(self, config, template) -> None:
+        super().__init__()
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
+
+        D = config.hidden_size
+        self.pre_fc_norm_embedding = M.Qwen3_5MoeRMSNorm(D, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = M.Qwen3_5MoeRMSNorm(D, eps=config.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * D, D, bias=False)
+        torch.nn.init.normal_(self.fc.weight, std=config.initializer_range)
+        layer = M.Qwen3_5MoeDecoderLayer(config, config.layer_types.index("full_attention"))
+        layer.load_state_dict(template.state_dict())
+        self.layers = torch.nn.ModuleList([layer])
+        self.norm = M.Qwen3_5MoeRMSNorm(D, eps=config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        return self.norm(self.layers[0](x, position_embeddings=rope))
+
+
+@torch.no_grad()
+def frozen_hidden(model, tokens: torch.Tensor, seq_len: int, batch: int = 16) -> torch.Tensor:
+    """The frozen model's final normed hidden states [W, L, D] (bf16) over non-overlapping windows
+    [W, L] of ``tokens``."""
+    n = len(tokens) // seq_len
+    windows = tokens[: n * seq_len].view(n, seq_len)
+    return torch.cat(
+        [
+            model.model(input_ids=windows[i : i + batch], use_cache=False).last_hidden_state.bfloat16()
+            for i in range(0, n, batch)
+        ]
+    )
+
+
+def mtp_loss(model, head, windows: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Soft cross-entropy of the head's predictions of t_{p+2} (from t_{p+1} and h_p, p = 0..L-2)
+    against the frozen model's distribution there, and the top-1 agreement (greedy acceptance of
+    a first draft)."""
+    h = hidden.float()
+    emb = model.model.embed_tokens(windows[:, 1:])
+    pos = torch.arange(windows.shape[1] - 1)[None].expand(windows.shape[0], -1)
+    rope = model.model.rotary_emb(emb, pos)
+    logits = model.lm_head(head(emb, h[:, :-1], rope))
+    with torch.no_grad():
+        target = model.lm_head(h[:, 1:])
+    loss = -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+    agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+    return loss, agree
+
+
+def train_mtp(args) -> None:
+    """``--mtp-from``: an MTP head for the frozen model in ``args.mtp_from`` (module docstring)."""
+    import safetensors.torch as st
+    import transformers as tf
+
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    log(f"argv: {' '.join(sys.argv[1:])}")
+    log(
+        f"torch {torch.__version__}, transformers {tf.__version__}, device cpu, {torch.get_num_threads()} threads"
+    )
+    model = tf.Qwen3_5MoeForCausalLM.from_pretrained(args.mtp_from, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    model.set_experts_implementation("eager")
+    config = model.config
+    tok = Tokenizer.from_file(str(args.mtp_from / "tokenizer.json"))
+    train, val = (load_tokens(tok, args.data / f"{s}.txt") for s in ("train", "val"))
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    head = MtpHead(config, model.model.layers[full[-1]])
+    n_params = sum(p.numel() for p in head.parameters())
+    log(f"MTP head params: {n_params} ({n_params / 1e6:.2f} M), from layer {full[-1]}")
+
+    L = args.seq_len
+    tr_tokens = train[: args.mtp_tokens]
+    tr_hidden, va_hidden = frozen_hidden(model, tr_tokens, L), frozen_hidden(model, val, L)
+    tr_windows = tr_tokens[: tr_hidden.shape[0] * L].view(-1, L)
+    va_windows = val[: va_hidden.shape[0] * L].view(-1, L)
+    log(
+        f"frozen hidden states: train {tuple(tr_hidden.shape)}, val {tuple(va_hidden.shape)}, {time.time() - t0:.0f}s"
+    )
+
+    def evaluate() -> tuple[float, float]:
+        head.eval()
+        with torch.no_grad():
+            parts = [
+                mtp_loss(model, head, va_windows[i : i + 16], va_hidden[i : i + 16])
+                for i in range(0, len(va_windows), 16)
+            ]
+        head.train()
+        return sum(float(p[0]) for p in parts) / len(parts), sum(p[1] for p in parts) / len(parts)
+
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.seed)
+    total = args.steps
+    v, a = evaluate()
+    log(f"step 0: val loss {v:.4f} top-1 agreement {a:.3f}")
+    for step in range(1, total + 1):
+        idx = torch.randint(0, len(tr_windows), (args.batch_size,), generator=gen)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step - 1, total, args)
+        loss, agree = mtp_loss(model, head, tr_windows[idx], tr_hidden[idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 0 or step == 1:
+            log(f"step {step}/{total} loss {loss.item():.4f} agree {agree:.3f} {time.time() - t0:.0f}s")
+        if step % args.eval_every == 0 or step == total:
+            v, a = evaluate()
+            log(f"eval step {step}: val loss {v:.4f} top-1 agreement {a:.3f}")
+    head.load_state_dict({n: t.bfloat16().float() for n, t in head.state_dict().items()})
+    v, a = evaluate()
+    log(f"final (bf16 weights, fp32 eval): val loss {v:.4f} top-1 agreement {a:.3f}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for f in args.mtp_from.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json", "train_result.json"):
+            shutil.copyfile(f, args.out / f.name)
+    tensors = st.load_file(str(args.mtp_from / "model.safetensors"))
+    tensors = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
+    tensors.update({f"mtp.{n}": t.bfloat16().contiguous() for n, t in head.state_dict().items()})
+    st.save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((args.mtp_from / "config.json").read_text())
+    (args.out / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2) + "\n")
+    result = {
+        "argv": sys.argv[1:],
+        "mtp_steps": total,
+        "mtp_params": n_params,
+        "mtp_val_loss": v,
+        "mtp_val_top1_agreement": a,
+        "total_seconds": time.time() - t0,
+        "torch": torch.__version__,
+        "transformers": tf.__version__,
+    }
+    log(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=Path(".demodata"))
@@ -201,7 +352,13 @@ def main() -> None:
     ap.add_argument("--experts-impl", default="grouped_mm")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a CPU smoke test")
+    ap.add_argument("--mtp-from", type=Path, help="train only an MTP head on the frozen model in this dir")
+    ap.add_argument("--mtp-tokens", type=int, default=393216, help="train tokens the MTP head sees")
     args = ap.parse_args()
+    if args.mtp_from:
+        if not args.steps:
+            raise SystemExit("--mtp-from needs --steps")
+        return train_mtp(args)
     if not args.steps and args.warmup < 60:
         raise SystemExit("--steps 0 times steps 10..60 inside the warm-up: use --warmup >= 60")
 

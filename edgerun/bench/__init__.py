@@ -23,6 +23,11 @@ BENCHES = {
         "edgerun.bench.streaming",
         "streaming vs resident on this machine's CPU, misses/token (LRU, Belady), read bandwidth vs the disk",
     ),
+    "speculative": (
+        "edgerun.bench.speculative",
+        "speculative decoding with the MTP head against plain decoding on this machine's CPU: decode "
+        "tok/s, acceptance, tokens per step, greedy output checked equal",
+    ),
     "socket": (
         "edgerun.bench.serve_socket",
         "tokens/s through the daemon's Unix socket against the same generation in-process",

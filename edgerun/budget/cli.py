@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgerun.budget import inputs
-from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan
+from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan, resident_bytes
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
@@ -27,6 +27,7 @@ from edgerun.flags import (
     parse_context,
     speculative_config,
 )
+from edgerun.models import args as A
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.tools.routes import read_trace
 
@@ -127,6 +128,7 @@ def run(ns: argparse.Namespace) -> int:
             prefill_chunk=ns.prefill_chunk,
             cuda_graphs=not ns.no_cuda_graphs,
             quota=ns.quota,
+            draft_tokens=spec.draft_tokens if spec is not None else 0,
         )
         trace = read_trace(ns.trace) if ns.trace else None
         result = plan(
@@ -161,13 +163,19 @@ def plan_for_bundle(
     resident: Mapping[str, int] | None = None,
     quota: int | None = None,
     trace: str | Path | None = None,
+    draft_tokens: int = 0,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
     ``trace``: a route trace whose miss curves size per-layer quotas and predict misses).
     ``resident``: bytes per category that loading measured, in place of the estimate from the
-    tensor inventory."""
+    tensor inventory. ``draft_tokens``: speculative decoding with the MTP head (its bytes, which
+    loading has not measured yet, and its verify windows' quota floor)."""
     model = inputs.from_bundle(bundle, providers)
+    if draft_tokens:
+        model = inputs.with_mtp(model, draft_tokens)
+        if resident is not None and A.MTP not in resident:  # the head loads after the re-plan
+            resident = {**resident, A.MTP: resident_bytes(model.specs, PlanOptions.dense_dtype)[A.MTP]}
     return plan(
         model.args,
         model.specs,
@@ -175,7 +183,7 @@ def plan_for_bundle(
         profile if isinstance(profile, DeviceProfile) else load_device_profile(profile),
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
-        PlanOptions(dense=model.dense or DenseScheme(), quota=quota),
+        PlanOptions(dense=model.dense or DenseScheme(), quota=quota, draft_tokens=draft_tokens),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,
         resident=resident,

@@ -74,6 +74,7 @@ class PlanOptions:
     prefill_chunk: int = 512  # tokens per prefill forward: sizes the activation workspace
     cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
     quota: int | None = None  # exact per-layer quota; None: the largest that fits
+    draft_tokens: int = 0  # speculative decoding: a verify window of K + 1 rows needs k x (K + 1) experts
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Plan:
     expert_origin: str
     num_experts: int
     top_k: int
-    min_quota: int  # min(E, B * k): one step's experts never evict each other
+    min_quota: int  # min(E, B * k * (K + 1)): one step's (verify window's) experts never evict each other
     moe_layers: tuple[int, ...]
     block_bytes: tuple[int, ...]
     quotas: tuple[int, ...]  # VRAM / unified tier, per MoE layer
@@ -365,7 +366,8 @@ class _Sizer:
         return VRAM_POOL if self.device.discrete else UNIFIED_POOL
 
     def min_quota(self, batch: int) -> int:
-        return min(self.args.num_experts, batch * self.args.num_experts_per_tok)
+        rows = batch * (1 + self.options.draft_tokens)  # a speculative verify window's rows
+        return min(self.args.num_experts, rows * self.args.num_experts_per_tok)
 
     def fixed_items(self, context: int, batch: int) -> list[Item]:
         """Every item but the expert tiers."""
@@ -687,10 +689,26 @@ def plan(
     extra = prefill_chunk_extra(args, specs, options.dense, options.dense_dtype, device.has_cuda)
     sizer = _Sizer(args, experts, device, options, res, staging, details, extra)
     floor = sizer.min_quota(batch)
+    if options.draft_tokens < 0:
+        raise ConfigError(f"draft_tokens must be >= 0, got {options.draft_tokens}")
     if options.quota is not None and not floor <= options.quota <= E:
+        K = options.draft_tokens
+        what = (
+            f"top_k x batch x (draft tokens + 1) = {floor} so a verify window's"
+            if K
+            else f"top_k x batch = {floor} so one step's"
+        )
+        fits = options.quota // (batch * k) - 1
+        hint = ""
+        if K and options.quota < floor:
+            hint = (
+                f"; --draft-tokens {min(fits, K)} fits this quota"
+                if fits >= 1
+                else "; no draft count fits this quota"
+            )
         raise ConfigError(
-            f"quota {options.quota} must be in {floor}..{E}: at least top_k x batch = {floor} so one step's "
-            f"experts never evict each other, at most num_experts"
+            f"quota {options.quota} must be in {floor}..{E}: at least {what} "
+            f"experts never evict each other, at most num_experts{hint}"
         )
     if trace is not None:
         trace.header.check_matches(args, trace.source or "route trace")
@@ -854,7 +872,8 @@ def _refused(
 
     where = "pinned memory (pinned_limit)" if pinned else f"the {pool} pool"
     cap = sizer.device.pinned_limit if pinned else sizer.caps()[pool]
-    kind = "the minimum: top_k x batch" if opt.quota is None else "as asked"
+    minimum = "top_k x batch x (draft tokens + 1)" if opt.draft_tokens else "top_k x batch"
+    kind = f"the minimum: {minimum}" if opt.quota is None else "as asked"
     msg = [
         f"does not fit on {sizer.device.name}: {where} is over by {format_bytes(overflow)} "
         f"(needs {format_bytes(cap + overflow)} of {format_bytes(cap)}) at context {context}, batch {batch}, "

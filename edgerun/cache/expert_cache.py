@@ -58,6 +58,8 @@ class LayerStats:
     prefetch_useful: int = 0  # of them, misses they served (still counted as misses)
     prefetch_wasted: int = 0  # of them, read (or cancelled) and not asked for
     prefetch_bytes: int = 0  # bytes the issued prefetches read, useful and wasted
+    verify_windows: int = 0  # speculative verify windows (K + 1 rows) the layer ran
+    window_experts: int = 0  # distinct experts they needed, summed (each window's union of its rows')
 
     @property
     def read_bandwidth(self) -> float:
@@ -446,6 +448,12 @@ class ExpertCache:
             pack_slots(self.bundle.layouts[layer], self.pools[layer], self.slot_scales[layer], slots, packed)
             n += len(packed) - before
         return n
+
+    def count_window(self, layer: int, distinct: int) -> None:
+        """A speculative verify window ran through ``layer``, needing ``distinct`` experts."""
+        st = self.io[layer]
+        st.verify_windows += 1
+        st.window_experts += distinct
 
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""

@@ -9,6 +9,7 @@ watchdog, or stop (closing the generator) without waiting for the rest of the pr
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, SpeculativeStats, accept, draft_chooser
 from edgerun.engine.streaming import StreamingExperts
-from edgerun.errors import EdgerunError
+from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import DecodeState, exact_rows
 from edgerun.models.providers import ProviderPolicy, Resolution
@@ -44,6 +45,12 @@ class GenerationStats:
     decode_s: float = 0.0
     peak_memory_bytes: int = 0
     speculative: SpeculativeStats | None = None  # with speculative decoding: its verify steps
+    row_step_s: float = 0.0  # with speculative decoding: a plain one-row step's time (the start-up probe)
+
+    @property
+    def speedup(self) -> float:
+        """Speculative decoding's rate over plain decoding's, as the probe timed a one-row step."""
+        return self.decode_tps * self.row_step_s
 
     @property
     def prefill_tps(self) -> float:
@@ -60,7 +67,12 @@ class GenerationStats:
             f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
             f"TTFT {self.ttft_s * 1e3:.0f} ms, prefill {self.prefill_tps:.1f} tok/s, "
             f"decode {self.decode_tps:.1f} tok/s, "
-            + (f"{self.speculative.line()}, " if self.speculative else "")
+            + (
+                f"{self.speculative.line()}, speed-up {self.speedup:.2f}x (one-row step "
+                f"{self.row_step_s * 1e3:.2f} ms, probed), "
+                if self.speculative
+                else ""
+            )
             + f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
         )
 
@@ -113,6 +125,8 @@ class Runner:
         self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
         self.spec_totals = SpeculativeStats()  # across requests
+        self.row_step_s = 0.0  # a plain one-row decode step's time, probed by enable_speculative
+        self.last_speedup = 0.0  # the last speculative request's decode rate over 1 / row_step_s
 
     def enable_batch(self, size: int) -> None:
         """Decode up to ``size`` requests together (engine/batch.py): each one's generator
@@ -144,7 +158,40 @@ class Runner:
                     f"speculative mtp runs on the CPU only so far (its verify step on {self.device.type} "
                     "is not built yet, issue 17); run without --speculative"
                 )
+            self._check_window_quota(config.draft_tokens)
+            self.row_step_s = self._probe_row_step()
         self.speculative = config
+
+    def _check_window_quota(self, draft_tokens: int) -> None:
+        """A verify window of K + 1 rows may route to top_k x (K + 1) distinct experts per layer;
+        a streamed layer's quota must hold them all (as it holds one step's top_k), else refused,
+        naming the draft count that fits."""
+        if self.cache is None:
+            return
+        k, E = self.args.num_experts_per_tok, self.args.num_experts
+        need = min(E, k * (draft_tokens + 1))
+        quota = min(self.cache.quotas.values())
+        if quota < need:
+            fits = quota // k - 1
+            hint = f"--draft-tokens {min(fits, 4)} fits" if fits >= 1 else "no draft count fits"
+            raise ConfigError(
+                f"speculative mtp with {draft_tokens} draft token(s): a verify window needs up to top_k x "
+                f"(K + 1) = {need} experts per layer, the expert cache's quota is {quota}: {hint} "
+                f"(or raise the quota to {need})"
+            )
+
+    @torch.inference_mode()
+    def _probe_row_step(self, steps: int = 8) -> float:
+        """The median time of a plain one-row decode step (after two warm-up steps), the rate a
+        speculative request's is compared with (``GenerationStats.speedup``)."""
+        state = self.model.new_state(1, steps + 3, device=self.device)
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), state)
+        times = []
+        for i in range(steps + 2):
+            t = time.perf_counter()
+            self.model(torch.full((1, 1), i + 1, dtype=torch.long, device=self.device), state, last_only=True)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[2:])
 
     @property
     def limits(self) -> Limits:
@@ -400,6 +447,8 @@ class Runner:
             ref = self.model.model.embed_tokens.weight
             drafter = MtpDrafter(self.model, state.max_len, self.device, ref.dtype)
             stats.speculative = SpeculativeStats()
+            stats.row_step_s = self.row_step_s
+            windows0 = self.cache.totals() if self.cache is not None else None
 
         t0 = time.perf_counter()
         for chunk in self.prefill_chunks(state, prompt_ids, drafter):
@@ -435,7 +484,12 @@ class Runner:
             stats.decode_s = time.perf_counter() - t0
         stats.peak_memory_bytes = peak_memory(self.device)
         if stats.speculative is not None:
+            if windows0 is not None:
+                now = self.cache.totals()
+                stats.speculative.windows = now.verify_windows - windows0.verify_windows
+                stats.speculative.window_experts = now.window_experts - windows0.window_experts
             self.spec_totals.add(stats.speculative)
+            self.last_speedup = stats.speedup
         yield Event(text.flush(), None, finish, stats)
 
     def _counted(self, tokens: Iterator[int]) -> Iterator[int]:

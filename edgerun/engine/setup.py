@@ -123,6 +123,7 @@ def cache_config(
     trace: Path | None = None,
     providers=None,
     model: Path | None = None,
+    draft_tokens: int = 0,
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
@@ -130,7 +131,7 @@ def cache_config(
     its misses predicted) or else from a fixed ``quota``. The profile's memory kind also picks where
     CUDA slots live unless ``pool`` says. Streaming-only settings without streaming are refused
     by name (``model``: the resident model's path, for the message), as is a plan that does
-    not fit. Pure: no torch."""
+    not fit. ``draft_tokens``: speculative decoding's K, which the plan counts. Pure: no torch."""
     if bundle is None or (quota is None and profile is None):
         if quota is not None:
             raise ConfigError(
@@ -176,6 +177,7 @@ def cache_config(
         pool=pool,
         unified_memory=unified,
         warm=warm,
+        draft_tokens=draft_tokens,
     )
     if profile is None:
         return base
@@ -289,6 +291,7 @@ def _planned(
         resident=resident,
         quota=fixed,
         trace=config.trace,
+        draft_tokens=config.draft_tokens,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)

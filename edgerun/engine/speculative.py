@@ -35,6 +35,8 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
+    windows: int = 0  # streamed experts: (verify window, MoE layer) pairs
+    window_experts: int = 0  # streamed experts: the distinct experts those needed, summed
 
     @property
     def acceptance(self) -> float:
@@ -49,9 +51,14 @@ class SpeculativeStats:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.emitted += other.emitted
+        self.windows += other.windows
+        self.window_experts += other.window_experts
 
     def line(self) -> str:
-        return f"MTP acceptance {self.acceptance:.0%} ({self.accepted}/{self.drafted}), {self.tokens_per_step:.2f} tok/step"
+        text = f"MTP acceptance {self.acceptance:.0%} ({self.accepted}/{self.drafted}), {self.tokens_per_step:.2f} tok/step"
+        if self.windows:
+            text += f", {self.window_experts / self.windows:.1f} experts/layer a verify window"
+        return text
 
 
 class MtpDrafter:

@@ -26,7 +26,7 @@ from edgerun.cache.policy import fetches
 from edgerun.cache.slots import SlotRef
 from edgerun.config import CacheConfig
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
-from edgerun.models.layers import SparseMoe
+from edgerun.models.layers import EXACT_ROWS, SparseMoe
 
 REFERENCE = MoeKernelPolicy()
 
@@ -153,6 +153,8 @@ class StreamingExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [N, D], ids/weights [N, A]
         c, i = self.cache, self.layer
+        if ids.shape[0] > 1 and EXACT_ROWS.get():  # a verify window: the union of its rows' experts
+            c.count_window(i, len(set(ids.flatten().tolist())))
         table = self.held() if self.policy.impl == "triton" else None
         if table is not None:  # every expert held: the kernels look the slots up on the device
             c.count_hits(i, ids.numel())

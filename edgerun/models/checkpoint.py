@@ -133,17 +133,22 @@ def classify(entries: dict[str, TensorEntry], args: ModelArgs, mtp: bool = False
         if canon == "lm_head.weight" and args.tie_word_embeddings:
             plan.report.ignored["tied lm_head"] += 1
             continue
+        part = "mtp" if canon.startswith("mtp.") else "model"  # the MTP head may be laid out apart
         m = PER_EXPERT.match(canon)
         if m:
-            layouts.add("per-expert")
+            layouts.add((part, "per-expert"))
             plan.per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = e
             continue
         if FUSED.match(canon):
-            layouts.add("fused")
+            layouts.add((part, "fused"))
         plan.direct[canon] = e
-    if len(layouts) > 1:
-        raise CheckpointError("checkpoint mixes per-expert and fused expert tensors; expected one layout")
-    plan.report.expert_layout = layouts.pop() if layouts else "none"
+    for part in ("model", "mtp"):
+        if len({kind for p, kind in layouts if p == part}) > 1:
+            raise CheckpointError(
+                f"checkpoint mixes per-expert and fused expert tensors ({part}); expected one layout"
+            )
+    main = {kind for p, kind in layouts if p == "model"} or {kind for _, kind in layouts}
+    plan.report.expert_layout = main.pop() if main else "none"
     return plan
 
 

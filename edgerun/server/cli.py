@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
-from edgerun.flags import add_device_arguments, add_model_argument, parse_context
+from edgerun.flags import add_device_arguments, add_model_argument, add_speculative_arguments, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import DEFAULT_BATCH, SLOT_POOLS, ServeOptions, load_serve_config
 
@@ -44,6 +44,8 @@ _FLAGS = (
     "grace_period",
     "default_max_tokens",
     "max_body_bytes",
+    "speculative",
+    "draft_tokens",
 )
 
 
@@ -103,6 +105,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log one line per request on stderr: method, path, status, seconds, client uid",
     )
+    add_speculative_arguments(p)
     add_provider_arguments(p)
 
 
@@ -212,6 +215,7 @@ def cache_plan(opts: ServeOptions):
         warm=read_warm(opts.warm),
         trace=opts.trace,
         providers=opts.providers,
+        draft_tokens=spec.draft_tokens if (spec := opts.speculative_config()) is not None else 0,
     )
 
 
@@ -242,6 +246,7 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None, plan: str
             log=status,
             max_context=opts.context,
             prefill_chunk=opts.prefill_chunk,
+            speculative=opts.speculative_config(),
         )
         runner.enable_batch(serve_batch(opts, runner.device.type))
         return RunnerEngine(runner, source, name, profile, plan)

@@ -202,7 +202,14 @@ class RunnerEngine:
                 "bytes_read": st.bytes_read if st else 0,
                 **{
                     k: getattr(st, k) if st else 0
-                    for k in ("prefetch_issued", "prefetch_useful", "prefetch_wasted", "prefetch_bytes")
+                    for k in (
+                        "prefetch_issued",
+                        "prefetch_useful",
+                        "prefetch_wasted",
+                        "prefetch_bytes",
+                        "verify_windows",
+                        "window_experts",
+                    )
                 },
             }
         return {
@@ -216,6 +223,19 @@ class RunnerEngine:
             "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
+            **({"speculative": self._speculative()} if self.runner.speculative else {}),
+        }
+
+    def _speculative(self) -> dict[str, Any]:
+        r = self.runner
+        t = r.spec_totals
+        return {
+            "draft_tokens": r.speculative.draft_tokens,
+            **{k: getattr(t, k) for k in ("steps", "drafted", "accepted", "emitted")},
+            "acceptance": t.acceptance,
+            "tokens_per_step": t.tokens_per_step,
+            "speedup": r.last_speedup,
+            "row_step_seconds": r.row_step_s,
         }
 
 

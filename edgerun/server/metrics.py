@@ -234,6 +234,56 @@ def render(
         "Multi-row decode steps of the batched engine, by how many requests they decoded.",
         [({"rows": k}, n) for k, n in sorted(stats.get("batch_steps", {}).items())],
     )
+    t.family(
+        "edgerun_verify_window_experts_total",
+        "counter",
+        "Speculative verify windows (K + 1 rows) each MoE layer ran, and the distinct experts they "
+        "needed (each window's union of its rows' top_k), per layer; streamed experts only.",
+        [
+            ({"layer": i, "experts": mode, "count": k}, s.get(key, 0))
+            for i, s in layers
+            for k, key in (("windows", "verify_windows"), ("experts", "window_experts"))
+        ],
+    )
+    spec = stats.get("speculative")
+    if spec is not None:
+        labels = {"method": "mtp", "draft_tokens": spec["draft_tokens"]}
+        t.family(
+            "edgerun_speculative_tokens_total",
+            "counter",
+            "Speculative decoding: tokens the MTP head drafted, the drafts the verify steps accepted, "
+            "and the tokens they emitted (accepted drafts + one a step).",
+            [({**labels, "kind": k}, spec[k]) for k in ("drafted", "accepted", "emitted")],
+        )
+        for name, kind, help_, key in (
+            ("edgerun_speculative_steps_total", "counter", "Speculative verify steps.", "steps"),
+            (
+                "edgerun_speculative_acceptance_ratio",
+                "gauge",
+                "Accepted drafts / drafted tokens, all requests so far.",
+                "acceptance",
+            ),
+            (
+                "edgerun_speculative_tokens_per_step",
+                "gauge",
+                "Tokens emitted per verify step, all requests so far.",
+                "tokens_per_step",
+            ),
+            (
+                "edgerun_speculative_speedup",
+                "gauge",
+                "The last completed request's decode rate over plain decoding's, as the start-up probe "
+                "timed a one-row step (edgerun_speculative_row_step_seconds).",
+                "speedup",
+            ),
+            (
+                "edgerun_speculative_row_step_seconds",
+                "gauge",
+                "A plain one-row decode step's time, probed at start-up.",
+                "row_step_seconds",
+            ),
+        ):
+            t.family(name, kind, help_, [(labels, spec[key])])
     if "resident_memory_bytes" in stats:
         t.one("edgerun_resident_memory_bytes", "gauge", "Memory held now.", stats["resident_memory_bytes"])
     if "peak_memory_bytes" in stats:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from edgerun.config import parse_bytes
+from edgerun.config import SpeculativeConfig, parse_bytes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import ConfigError
@@ -74,6 +74,8 @@ class ServeOptions:
     header_timeout: float = 10.0  # a new connection's first request's head; any request's head
     retry_after: int = 1  # seconds, in 429 / 503 answers
     providers: ProviderPolicy | None = None  # which external architecture providers may load the model
+    speculative: str | None = None  # "mtp": draft with the model's MTP head, verify in one step; None: off
+    draft_tokens: int | None = None  # with speculative: tokens drafted a step, 1..4 (default 1)
 
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
@@ -112,10 +114,19 @@ class ServeOptions:
             raise ConfigError(f"serve option 'device' must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"serve option 'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.speculative_config()
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(
                 f"serve option 'socket_mode' must be a permission mode like 0660, got {self.socket_mode}"
             )
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding these options ask for (None: off); bad values are named."""
+        if self.speculative is None:
+            if self.draft_tokens is not None:
+                raise ConfigError("serve option 'draft_tokens' needs 'speculative: mtp'")
+            return None
+        return SpeculativeConfig(self.speculative, 1 if self.draft_tokens is None else self.draft_tokens)
 
     def merged(self, overrides: dict[str, Any]) -> ServeOptions:
         """These options with the non-None values of ``overrides`` on top."""

@@ -84,10 +84,11 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(sou
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("source", ["hf", "bf16", "streamed"])
+@pytest.mark.parametrize("source", ["hf", "bf16", "streamed", "demo"])
 def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, source, k):
-    path = sources["int4" if source == "streamed" else source]
-    cache = CacheConfig(3) if source == "streamed" else None
+    path = None if source == "demo" else sources["int4" if source == "streamed" else source]
+    # a streamed layer's quota holds a verify window's experts: top_k x (k + 1), at most the 6 there are
+    cache = CacheConfig(min(6, 2 * (k + 1))) if source == "streamed" else None
     plain = Runner.load(path, device="cpu", cache=cache)
     spec = Runner.load(path, device="cpu", cache=cache, speculative=S.SpeculativeConfig("mtp", k))
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -98,7 +99,16 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, source, k):
     stats = events[-1].stats.speculative
     assert stats.emitted == len(want) - 1 and stats.drafted >= stats.accepted >= 0
     assert stats.steps < len(want) - 1 or stats.accepted == 0
-    assert "MTP acceptance" in events[-1].stats.line() and "tok/step" in events[-1].stats.line()
+    line = events[-1].stats.line()
+    assert "MTP acceptance" in line and "tok/step" in line and "speed-up" in line
+    assert events[-1].stats.row_step_s > 0 and events[-1].stats.speedup > 0
+    if source == "demo":  # its MTP head is trained (scripts/train_demo_model.py --mtp-from)
+        assert stats.accepted / stats.drafted > 0.3, stats
+    if source == "streamed":  # each window's union of experts is counted, per MoE layer
+        layers = len(spec.args.moe_layers)  # (the last step may draft nothing: one row, no window)
+        assert stats.windows % layers == 0 and stats.steps - 1 <= stats.windows // layers <= stats.steps
+        assert 2 <= stats.window_experts / stats.windows <= min(6, 2 * (k + 1))
+        assert "experts/layer a verify window" in line
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -197,3 +207,50 @@ def test_the_plan_counts_the_mtp_head_only_when_asked(capsys):
     assert main([*argv, "--speculative", "mtp", "--draft-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "\n  mtp " in out and "MTP head planned (1 layer, resident), 2 draft token(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("quota", "k", "hint"), [(4, 2, "--draft-tokens 1 fits"), (3, 1, "no draft count fits")]
+)
+def test_a_streamed_quota_below_a_verify_windows_experts_is_refused(sources, quota, k, hint):
+    with pytest.raises(
+        ConfigError, match=rf"top_k x \(K \+ 1\) = {min(6, 2 * (k + 1))} experts.*quota is {quota}: {hint}"
+    ):
+        Runner.load(
+            sources["int4"], device="cpu", cache=CacheConfig(quota), speculative=S.SpeculativeConfig("mtp", k)
+        )
+
+
+def test_the_plan_floors_the_quota_at_a_verify_windows_experts(sources, capsys):
+    from edgerun.cli import main
+
+    argv = ["plan", "--profile", "configs/orin.yaml", "--model", "configs/models/qwen3.6-35b-a3b.json"]
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", "3"]) == 0
+    assert "top_k 8, minimum 32)" in capsys.readouterr().out  # 8 x (3 + 1)
+    assert main([*argv, "--speculative", "mtp", "--draft-tokens", "3", "--quota", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "quota 20 must be in 32..256: at least top_k x batch x (draft tokens + 1) = 32" in err
+    assert "--draft-tokens 1 fits this quota" in err
+    # generate and serve plan a streamed bundle the same way: the profile's plan counts the head
+    run = ["generate", "--model", str(sources["int4"]), "--profile", "configs/cpu.yaml", "--device", "cpu"]
+    run += ["--token-ids", "5,17,3", "--max-tokens", "6", "--ignore-eos", "--speculative", "mtp"]
+    assert main([*run, "--quota", "4", "--draft-tokens", "2"]) == 2
+    assert "quota 4 must be in 6..6" in capsys.readouterr().err
+    assert main([*run, "--quota", "4", "--draft-tokens", "1"]) == 0
+
+
+def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsys):
+    import json
+
+    from edgerun.bench.speculative import main
+
+    argv = ["--model", str(sources["bf16"]), "--draft-tokens", "1,3", "--max-tokens", "10"]
+    assert main([*argv, "--repeats", "2", "--prompts", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speculative.json").read_text())
+    greedy, sampled = result["modes"]["greedy"], result["modes"]["T=0.8"]
+    assert [r["config"] for r in greedy] == ["plain", "MTP K=1", "MTP K=3"]
+    assert all(r["identical"] for r in greedy) and all(r["identical"] is None for r in sampled)
+    for r in greedy[1:] + sampled[1:]:
+        assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] and r["speedup"] > 0
+        assert r["min"] <= r["median"] <= r["max"]
+    assert "| greedy | MTP K=3 |" in capsys.readouterr().out

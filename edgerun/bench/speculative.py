@@ -1,0 +1,172 @@
+"""Speculative decoding with the MTP head against plain decoding, on this machine's CPU.
+
+    edgerun bench speculative [--model DIR] [--draft-tokens 1,2,3] [--max-tokens 96] [--repeats 5]
+
+One runner decodes plainly, one per K speculatively (``--speculative mtp --draft-tokens K``),
+same model, same threads. Each repeat runs every configuration over the same prompts, in turn
+(interleaved, so load on a shared machine hits them alike): greedy, and sampled at
+``--temperature`` (seeded). A configuration's decode rate in a repeat is its generated tokens
+after the first over its decode time, summed over the prompts; the table gives the median and
+range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens per verify step,
+and the speed-up: the median rate over plain decoding's median rate in the same run.
+
+Greedy output must equal plain greedy's token for token: a configuration whose tokens differ
+prints no rate (``MISMATCH``). Sampled output is not compared (drafting draws from the
+generator too); its rate and acceptance are. Greedy continuations of a small model loop, which
+a draft predicts easily: the sampled rows are the more realistic acceptance.
+
+Writes ``speculative.json`` and ``speculative.md`` to ``--out`` when given; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PROMPTS = (
+    "And God said",
+    "In the beginning",
+    "The LORD is my",
+    "And it came to pass",
+    "Blessed are the",
+    "Then Jesus answered",
+)
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--draft-tokens wants integers like 1,2,3: {exc}") from exc
+
+
+def run_prompts(runner, prompts: list[list[int]], params) -> dict:
+    """Every prompt through ``runner``: the tokens, and summed decode steps/time and MTP counts."""
+    from edgerun.engine.speculative import SpeculativeStats
+
+    tokens, steps, seconds, spec = [], 0, 0.0, SpeculativeStats()
+    for ids in prompts:
+        events = list(runner.generate(runner.request(ids, params)))
+        tokens.append([e.token_id for e in events if e.token_id is not None])
+        stats = events[-1].stats
+        steps += max(stats.generated_tokens - 1, 0)
+        seconds += stats.decode_s
+        if stats.speculative is not None:
+            spec.add(stats.speculative)
+    return {"tokens": tokens, "rate": steps / seconds if seconds else 0.0, "spec": spec}
+
+
+def summarize(name: str, runs: list[dict], plain: float | None, identical: bool | None) -> dict:
+    rates = [r["rate"] for r in runs]
+    spec = runs[0]["spec"].__class__()
+    for r in runs:
+        spec.add(r["spec"])
+    row = {
+        "config": name,
+        "median": statistics.median(rates),
+        "min": min(rates),
+        "max": max(rates),
+        "identical": identical,
+        "acceptance": spec.acceptance if spec.drafted else None,
+        "tokens_per_step": spec.tokens_per_step if spec.steps else None,
+    }
+    row["speedup"] = row["median"] / plain if plain else None
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| sampling | config | decode tok/s, median (range) | acceptance | tok/step | speed-up | output |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, rows in result["modes"].items():
+        for r in rows:
+            ok = {True: "= plain", False: "MISMATCH", None: "-"}[r["identical"]]
+            rate = "-" if r["identical"] is False else f"{r['median']:.1f} ({r['min']:.1f} to {r['max']:.1f})"
+            acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+            tps = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
+            up = "-" if r["speedup"] is None or r["identical"] is False else f"{r['speedup']:.2f}x"
+            lines.append(f"| {mode} | {r['config']} | {rate} | {acc} | {tps} | {up} | {ok} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="edgerun bench speculative",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", type=Path, default=None, help="model dir with an MTP head (default: the demo)")
+    p.add_argument("--draft-tokens", type=_ks, default=[1, 2, 3], help="the K to run, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' temperature (0: none)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as generate picks)")
+    p.add_argument("--out", type=Path, default=None)
+    ns = p.parse_args(argv)
+
+    from edgerun.engine.sampler import SamplingParams
+    from edgerun.engine.setup import runtime
+    from edgerun.engine.speculative import SpeculativeConfig
+
+    rt = runtime("cpu", threads=ns.threads)
+    plain = rt.load(ns.model, progress=False)
+    runners = {"plain": plain}
+    for k in ns.draft_tokens:
+        runners[f"MTP K={k}"] = rt.load(ns.model, progress=False, speculative=SpeculativeConfig("mtp", k))
+    if plain.tokenizer is None:
+        raise SystemExit(f"{ns.model}: no tokenizer.json to encode the prompts with")
+    prompts = [plain.tokenizer.encode(t) for t in PROMPTS[: ns.prompts]]
+    modes = {"greedy": SamplingParams(max_tokens=ns.max_tokens, ignore_eos=True)}
+    if ns.temperature > 0:
+        modes[f"T={ns.temperature}"] = SamplingParams(
+            max_tokens=ns.max_tokens, temperature=ns.temperature, seed=0, ignore_eos=True
+        )
+
+    import torch
+
+    runs = {(m, name): [] for m in modes for name in runners}
+    for _ in range(ns.repeats):
+        for m, params in modes.items():
+            for name, runner in runners.items():
+                runs[(m, name)].append(run_prompts(runner, prompts, params))
+    result = {
+        "model": str(ns.model or "demo"),
+        "threads": torch.get_num_threads(),
+        "prompts": len(prompts),
+        "max_tokens": ns.max_tokens,
+        "repeats": ns.repeats,
+        "row_step_ms": {name: r.row_step_s * 1e3 for name, r in runners.items() if r.speculative},
+        "modes": {},
+    }
+    for m in modes:
+        base = statistics.median(r["rate"] for r in runs[(m, "plain")])
+        want = runs[(m, "plain")][0]["tokens"]
+        rows = []
+        for name in runners:
+            same = None
+            if m == "greedy":  # every repeat of every configuration, token for token
+                same = all(r["tokens"] == want for r in runs[(m, name)])
+            rows.append(summarize(name, runs[(m, name)], None if name == "plain" else base, same))
+        result["modes"][m] = rows
+    table = markdown(result)
+    print(
+        f"{result['model']}, {result['prompts']} prompts x {ns.max_tokens} tokens, {ns.repeats} repeats, "
+        f"{result['threads']} thread(s)\n{table}",
+        end="",
+    )
+    if ns.out is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / "speculative.json").write_text(json.dumps(result, indent=1) + "\n")
+        (ns.out / "speculative.md").write_text(table)
+    mismatched = [r["config"] for r in result["modes"]["greedy"] if r["identical"] is False]
+    if mismatched:
+        print(f"greedy output differs from plain decoding: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
