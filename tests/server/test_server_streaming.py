@@ -81,7 +81,8 @@ def test_a_resident_model_that_does_not_fit_the_profile_is_refused_before_bindin
     # the demo held whole does not fit; converted to int4 and streamed, it would
     profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.025GiB"))
     sock = tmp_path / "m.sock"
-    d = Daemon(serve_argv("--profile", str(profile), "--device", "cpu", "--socket", str(sock)), sock)
+    argv = serve_argv("--profile", str(profile), "--device", "cpu", "--socket", str(sock), "--batch", "1")
+    d = Daemon(argv, sock)  # batch 1: the streamed plan the refusal names fits one request at a time
     try:
         assert d.proc.wait(60) == 2
     finally:
