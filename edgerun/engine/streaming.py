@@ -153,8 +153,11 @@ class StreamingExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [N, D], ids/weights [N, A]
         c, i = self.cache, self.layer
-        table = self.held() if self.policy.impl == "triton" else None
-        if table is not None:  # every expert held: the kernels look the slots up on the device
+        # every expert held: the slots are looked up on the device (Triton), or in one index op
+        # for a CPU decode step (no LRU bookkeeping: a layer holding every expert never evicts)
+        fast = self.policy.impl == "triton" or (self.policy.impl == "cpu" and x.shape[0] == 1)
+        table = self.held() if fast else None
+        if table is not None:
             c.count_hits(i, ids.numel())
             self._prefetch_next()
             return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)
