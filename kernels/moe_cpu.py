@@ -101,6 +101,16 @@ def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], group: in
     return torch.ops.aten._weight_int8pack_mm(x, w, torch.ones_like(s, dtype=ACT)).float() * s
 
 
+def stacked(calls, group: int) -> torch.Tensor:
+    """``linear`` of each (x [1, C], packed weight) in ``calls``, as rows of one fp32 [len, R]:
+    for int4 the kernels' bf16 rows are converted to fp32 once (an exact conversion, so the bits
+    of ``linear`` per row)."""
+    if not group:
+        return torch.cat([linear(x, w, 0) for x, w in calls])
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return torch.cat([mm(x, w, group, s) for x, (w, s) in calls]).float()
+
+
 def moe_cpu(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -160,9 +170,9 @@ def one_row(
         raise ValueError(f"a token routed to the same expert twice: {ids}")
     pack_slots(layout, pool, global_scales, (slots[a] for a in order), packed)
     xb = x.to(ACT)
-    gate, up = torch.cat([linear(xb, packed[slots[a]][0], group) for a in order]).chunk(2, dim=-1)
+    gate, up = stacked([(xb, packed[slots[a]][0]) for a in order], group).chunk(2, dim=-1)
     h = (F.silu(gate) * up).to(ACT)  # [A, I]
-    ys = torch.cat([linear(h[i : i + 1], packed[slots[a]][1], group) for i, a in enumerate(order)])
+    ys = stacked([(h[i : i + 1], packed[slots[a]][1]) for i, a in enumerate(order)], group)
     ys = ys * weights[0, order, None]  # [A, D] fp32
     out = torch.zeros(x.shape, dtype=torch.float32)
     for i in range(len(order)):
