@@ -32,16 +32,14 @@ class CpuFeatures:
         return "avx512_bf16" in self.flags
 
     def describe(self, dtype: str) -> str:
-        """This CPU's bf16 hardware and why the compute ``dtype`` ("float32", ...) is what it is,
-        short: the start-up line shows it beside the dtype."""
+        """This CPU's bf16 hardware and, under the fp32 default (``dtype`` "float32"), why it is not
+        bf16; short: the start-up line shows it after the dtype and threads."""
         hw = "AMX" if self.amx else "AVX512-BF16, no AMX" if self.avx512_bf16 else "no bf16 hardware"
-        if dtype != "float32":
-            return f"by request; {hw}"
-        if self.amx:
-            return f"the CPU default; {hw}: bf16 not measured there, --dtype bfloat16"
-        if self.avx512_bf16:
-            return f"the CPU default; {hw}: bf16 measured no faster"
-        return f"the CPU default; {hw}"
+        if dtype == "float32" and self.amx:
+            return f"{hw} (bf16 not measured there)"
+        if dtype == "float32" and self.avx512_bf16:
+            return f"{hw} (bf16 no faster)"
+        return hw
 
 
 def read(text: str | None = None) -> CpuFeatures:

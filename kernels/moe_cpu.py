@@ -19,7 +19,8 @@ slot's int8 bytes in place, with unit scales; the fp32 row scales multiply its o
 (as bf16 scales they would be rounded).
 
 A token's experts are summed in ascending expert id, in fp32, as the reference does
-(``combine_experts``), and no row is padded: the kernels' rows do not depend on each other
+(``combine_experts``; a decode step's one token by ``one_row``, the same bits without the
+per-expert sort, gather and scatter), and no row is padded: the kernels' rows do not depend on each other
 (tested), so a row's result is the same in any batch.
 """
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value
-from edgerun.kernels.cpu_layout import BLOCK_N, INT4_GROUPS, unsupported  # noqa: F401 (re-exported)
+from edgerun.kernels.cpu_layout import BLOCK_N, unsupported  # noqa: F401 (unsupported: the probe's)
 from edgerun.kernels.moe_reference import check_pool, combine_experts
 
 ACT = torch.bfloat16  # the kernels' fast path (fp32 activations run a scalar loop, ~30x slower)

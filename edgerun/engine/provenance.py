@@ -66,10 +66,9 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
     lines = [
         f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params)",
-        f"device {runner.device}, dtype {str(dtype).removeprefix('torch.')}"
-        + (f" ({runner.kernels.cpu})" if runner.kernels.cpu else "")
-        + f", threads {torch.get_num_threads()}"
-        + (f" ({runner.threads_note})" if runner.threads_note else ""),
+        f"device {runner.device}, dtype {str(dtype).removeprefix('torch.')}, threads {torch.get_num_threads()}"
+        + (f" ({runner.threads_note})" if runner.threads_note else "")
+        + (f"; cpu {runner.kernels.cpu}" if runner.kernels.cpu else ""),
         experts_text(runner),
         f"kernels: {runner.kernel_summary()}",
         f"fallbacks: {fallbacks}",
