@@ -1,7 +1,8 @@
 """edgerun against llama.cpp on this machine's CPU, same model, same run (issue 22's peer).
 
     python benchmarks/cpu_peer.py --work /tmp/cpupeer --llama-build /tmp/llcpu \
-        [--llama-src ../shared/peers/gpu/llama.cpp] [--layers 4] [--experts 64] [--rounds 3] [--tokens 64]
+        [--llama-src ../shared/peers/gpu/llama.cpp] [--layers 4] [--experts 64] [--rounds 3] [--tokens 64] \
+        [--dense int4] [--threads 1] [--quota 16]
 
 1. A random-weight Hugging Face checkpoint of Qwen3-30B-A3B's per-layer geometry (qwen3_moe:
    hidden 2048, expert width 768, top-8, vocab 151,936), cut to ``--layers`` layers and
@@ -10,9 +11,10 @@
 2. llama.cpp's own converter (through the peer kit's ``convert_gguf.py``, which only names the
    demo tokenizer's pre-tokenizer) to a bf16 GGUF, then ``llama-quantize`` to Q4_K_M.
 3. ``edgerun convert --quant int4`` (int4 g32 experts; ``--dense`` as given) of the same checkpoint.
-4. Interleaved rounds at one thread: ``llama-bench -t 1`` (tg ``--tokens``, pp ``--prompt``) and
-   ``edgerun generate --threads 1`` with every expert cached (``--quota`` = experts), greedy,
-   ``--ignore-eos``; edgerun's prefill and decode tok/s from its stats line.
+4. Interleaved rounds at ``--threads`` (default 1): ``llama-bench -t N`` (tg ``--tokens``, pp
+   ``--prompt``) and ``edgerun generate --threads N`` with every expert cached (or streamed at
+   ``--quota``), greedy, ``--ignore-eos``; edgerun's prefill and decode tok/s from its stats line.
+   The load average at the start is printed (and kept in ``--json``): the VM is shared.
 
 Prints the median (range) of each and the ratios; ``--json`` writes them. The llama.cpp build is
 CPU-only (``cmake -DGGML_CUDA=OFF``; ``llama-bench`` and ``llama-quantize``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -64,20 +67,20 @@ def make_checkpoint(out: Path, layers: int, experts: int) -> None:
         shutil.copy(ROOT / "edgerun" / "demo" / name, out / name)
 
 
-def llama_bench(bench: Path, gguf: Path, tokens: int, prompt: int) -> tuple[float, float]:
-    """(tg tok/s, pp tok/s) of one llama-bench run at one thread."""
-    res = run([bench, "-m", gguf, "-t", 1, "-n", tokens, "-p", prompt, "-r", 1, "-o", "json"])
+def llama_bench(bench: Path, gguf: Path, tokens: int, prompt: int, threads: int) -> tuple[float, float]:
+    """(tg tok/s, pp tok/s) of one llama-bench run."""
+    res = run([bench, "-m", gguf, "-t", threads, "-n", tokens, "-p", prompt, "-r", 1, "-o", "json"])
     rows = json.loads(res.stdout)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     return tg, pp
 
 
-def edgerun_generate(bundle: Path, experts: int, tokens: int, prompt: int) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) from edgerun generate's stats line, one thread."""
+def edgerun_generate(bundle: Path, quota: int, tokens: int, prompt: int, threads: int) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) from edgerun generate's stats line."""
     ids = ",".join(str(3 + i % 4000) for i in range(prompt))
     res = run([
-        sys.executable, "-m", "edgerun.cli", "generate", "--model", bundle, "--quota", experts, "--threads", 1,
+        sys.executable, "-m", "edgerun.cli", "generate", "--model", bundle, "--quota", quota, "--threads", threads,
         "--token-ids", ids, "--max-tokens", tokens, "--ignore-eos", "-q",
     ])  # fmt: skip
     m = re.search(r"prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", res.stderr)
@@ -101,6 +104,10 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dense", default="bf16", help="edgerun convert --dense")
+    ap.add_argument("--threads", type=int, default=1, help="both systems' CPU threads")
+    ap.add_argument(
+        "--quota", type=int, default=None, help="edgerun's expert slots per layer (default: every expert)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ns = ap.parse_args()
     bench = ns.llama_build / "bin" / "llama-bench"
@@ -112,8 +119,6 @@ def main() -> int:
     q4 = ns.work / f"{hf.name}-Q4_K_M.gguf"
     if not q4.is_file():
         env_src = {"PEERKIT_LLAMA_SRC": str(ns.llama_src), "PATH": "/usr/bin:/bin"}
-        import os
-
         run([sys.executable, KIT / "convert_gguf.py", hf, "--outtype", "bf16", "--outfile", bf16],
             env={**os.environ, **env_src})  # fmt: skip
         run([quantize, bf16, q4, "Q4_K_M"])
@@ -135,12 +140,14 @@ def main() -> int:
             ]
         )
     rows: dict[str, list[float]] = {k: [] for k in ("llama_tg", "llama_pp", "er_tg", "er_pp")}
+    load = os.getloadavg()[0]  # the VM is shared: say how busy it was
+    print(f"load average {load:.2f} at the start, {os.cpu_count()} cores, {ns.threads} thread(s)")
     for r in range(ns.rounds):
         t0 = time.perf_counter()
-        tg, pp = llama_bench(bench, q4, ns.tokens, ns.prompt)
+        tg, pp = llama_bench(bench, q4, ns.tokens, ns.prompt, ns.threads)
         rows["llama_tg"].append(tg)
         rows["llama_pp"].append(pp)
-        tg, pp = edgerun_generate(bundle, ns.experts, ns.tokens, ns.prompt)
+        tg, pp = edgerun_generate(bundle, ns.quota or ns.experts, ns.tokens, ns.prompt, ns.threads)
         rows["er_tg"].append(tg)
         rows["er_pp"].append(pp)
         print(
@@ -149,8 +156,11 @@ def main() -> int:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": f"qwen3_moe {ns.layers} layers, {ns.experts} experts (Qwen3-30B-A3B per-layer geometry)",
-        "edgerun": f"int4 g32 experts, dense {ns.dense}, every expert cached, 1 thread",
-        "llama.cpp": "Q4_K_M, 1 thread (llama-bench)",
+        "edgerun": f"int4 g32 experts, dense {ns.dense}, "
+        + (f"streamed, quota {ns.quota}" if ns.quota else "every expert cached")
+        + f", {ns.threads} thread(s)",
+        "llama.cpp": f"Q4_K_M, {ns.threads} thread(s) (llama-bench)",
+        "load_average_at_start": load,
         **{k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in rows.items()},
     }
     print(f"decode tg{ns.tokens}: llama.cpp {med(rows['llama_tg'])}, edgerun {med(rows['er_tg'])}, "

@@ -19,7 +19,8 @@ slot's int8 bytes in place, with unit scales; the fp32 row scales multiply its o
 (as bf16 scales they would be rounded).
 
 A token's experts are summed in ascending expert id, in fp32, as the reference does
-(``combine_experts``), and no row is padded: the kernels' rows do not depend on each other
+(``combine_experts``; a decode step's one token by ``one_row``, the same bits without the
+per-expert sort, gather and scatter), and no row is padded: the kernels' rows do not depend on each other
 (tested), so a row's result is the same in any batch.
 """
 
@@ -30,10 +31,9 @@ import torch.nn.functional as F
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value
+from edgerun.kernels.cpu_layout import BLOCK_N, unsupported  # noqa: F401 (unsupported: the probe's)
 from edgerun.kernels.moe_reference import check_pool, combine_experts
 
-BLOCK_N = 64  # rows per block of torch's CPU int4 layout
-INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
 ACT = torch.bfloat16  # the kernels' fast path (fp32 activations run a scalar loop, ~30x slower)
 
 Packed = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -42,28 +42,6 @@ Packed = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 def kernel_name(layout: BlockLayout) -> str:
     fmt = layout.quant + (f" g{layout.group_size}" if layout.group_size else "")
     return f"cpu_{'int4pack' if layout.quant == 'int4' else 'int8pack'}[{fmt}]"
-
-
-def unsupported(layout: BlockLayout) -> str | None:
-    """Why the CPU kernels cannot run ``layout``'s experts, or None."""
-    if layout.quant not in ("int4", "int8"):
-        return f"the CPU kernels take int4 or int8 blocks, this bundle's are {layout.quant}"
-    if layout.rotation != "none":
-        return f"the CPU kernels take unrotated blocks, this bundle's are {layout.rotation}-rotated"
-    if layout.quant == "int8" and layout.group_size:
-        return (
-            f"the int8 CPU kernel takes one scale per row, this bundle's are per group of {layout.group_size}"
-        )
-    if layout.quant == "int4" and layout.group_size not in INT4_GROUPS:
-        return f"the int4 CPU kernel takes groups of {INT4_GROUPS}, this bundle's are {layout.group_size}"
-    for proj in PROJECTIONS:
-        R, C = layout.component(f"{proj}.weight").shape
-        C *= 2 if layout.quant == "int4" else 1
-        if R % BLOCK_N or C % 32:
-            return (
-                f"{proj} is [{R}, {C}], the CPU kernels take rows in multiples of {BLOCK_N} and columns of 32"
-            )
-    return None
 
 
 def repack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -124,6 +102,16 @@ def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], group: in
     return torch.ops.aten._weight_int8pack_mm(x, w, torch.ones_like(s, dtype=ACT)).float() * s
 
 
+def stacked(calls, group: int) -> torch.Tensor:
+    """``linear`` of each (x [1, C], packed weight) in ``calls``, as rows of one fp32 [len, R]:
+    for int4 the kernels' bf16 rows are converted to fp32 once (an exact conversion, so the bits
+    of ``linear`` per row)."""
+    if not group:
+        return torch.cat([linear(x, w, 0) for x, w in calls])
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return torch.cat([mm(x, w, group, s) for x, (w, s) in calls]).float()
+
+
 def moe_cpu(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -142,6 +130,9 @@ def moe_cpu(
     The sum runs in fp32 (``acc`` fp32 when given) and is cast to ``out_dtype`` once."""
     check_pool(pool, layout, global_scales)
     group = layout.group_size if layout.quant == "int4" else 0
+    if x.shape[0] == 1 and acc is None and expert_range is None:  # a decode step
+        y = one_row(x, pool, slot_idx, expert_ids, weights, layout, global_scales, packed, group)
+        return y.to(out_dtype or x.dtype)
     slot_of = dict(zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()))
 
     def expert_weights(e: int) -> Packed:
@@ -155,3 +146,36 @@ def moe_cpu(
     out = torch.zeros(x.shape, dtype=torch.float32) if acc is None else acc
     out = combine_experts(x, expert_ids, weights, expert_weights, out=out, experts=expert_range, ffn=ffn)
     return out if acc is not None else out.to(out_dtype or x.dtype)
+
+
+def one_row(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slot_idx: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    layout: BlockLayout,
+    global_scales: torch.Tensor | None,
+    packed: dict[int, Packed],
+    group: int,
+) -> torch.Tensor:
+    """``moe_cpu`` of one token (x [1, D], the rest [1, A]) -> fp32 [1, D], with the bits
+    ``combine_experts`` gives (tested equal): the A experts' GEMMs one kernel call each (torch
+    has no grouped int4 kernel), everything between them one op over all A rows (elementwise, so
+    each row's bits are its own), and the router-weighted rows summed one by one in ascending
+    expert id, in fp32, into zeros, as ``combine_experts`` accumulates them. No sort, gather or
+    scatter per expert."""
+    ids, slots = expert_ids[0].tolist(), slot_idx[0].tolist()  # CPU tensors: no device round trip
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a token routed to the same expert twice: {ids}")
+    pack_slots(layout, pool, global_scales, (slots[a] for a in order), packed)
+    xb = x.to(ACT)
+    gate, up = stacked([(xb, packed[slots[a]][0]) for a in order], group).chunk(2, dim=-1)
+    h = (F.silu(gate) * up).to(ACT)  # [A, I]
+    ys = stacked([(h[i : i + 1], packed[slots[a]][1]) for i, a in enumerate(order)], group)
+    ys = ys * weights[0, order, None]  # [A, D] fp32
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for i in range(len(order)):
+        out.add_(ys[i])
+    return out

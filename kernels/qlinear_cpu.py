@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from edgerun.bundle.quant import e4m3_value
-from edgerun.kernels.moe_cpu import ACT, BLOCK_N, INT4_GROUPS, repack_int4
+from edgerun.kernels.cpu_layout import BLOCK_N, INT4_GROUPS
+from edgerun.kernels.moe_cpu import ACT, repack_int4
 from edgerun.kernels.probe import ProbeResult
 from edgerun.kernels.qweight import QWeight
 

@@ -57,6 +57,16 @@ class ExpertSource:
     origin: str = "layout"  # "layout" (computed) or the bundle manifest's path
 
 
+def cpu_packed_bytes(args: ModelArgs, experts: ExpertSource) -> int:
+    """Bytes the CPU expert kernels keep beside each slot (a repacked copy of an int4 block;
+    ``kernels/cpu_layout.py``), for experts they take when unrotated; 0 for any other."""
+    from edgerun.kernels.cpu_layout import packed_bytes
+
+    if experts.quant != "int4" or not args.moe_layers:
+        return 0
+    return packed_bytes(expert_block_layout(args, experts.quant, experts.group_size))
+
+
 def expert_source_from_layout(
     args: ModelArgs, quant: str = "int4", group_size: int | None = None
 ) -> ExpertSource:
@@ -356,10 +366,16 @@ class _Sizer:
     staging_buffers: int
     details: Mapping[str, str]  # per resident category, how its weights are held
     chunk_extra: tuple[int, str] = (0, "")  # prefill_chunk_extra
+    packed: int = 0  # bytes the CPU expert kernels keep beside each slot (cpu_packed_bytes)
 
     @property
     def blocks(self) -> tuple[int, ...]:
         return self.experts.block_bytes
+
+    @property
+    def slot_costs(self) -> tuple[int, ...]:
+        """Per MoE layer, what one slot holds: its block, and the CPU kernels' packed copy."""
+        return tuple(b + self.packed for b in self.blocks)
 
     @property
     def main_pool(self) -> str:
@@ -475,7 +491,7 @@ class _Sizer:
         )
 
     def slot_bytes(self, quotas: Sequence[int]) -> int:
-        return sum(q * b for q, b in zip(quotas, self.blocks))
+        return sum(q * b for q, b in zip(quotas, self.slot_costs))
 
     def overflow(
         self, context: int, batch: int, quota: int | None = None
@@ -499,9 +515,10 @@ class _Sizer:
         return tuple(Pool(name, cap, cap - free[name]) for name, cap in self.caps().items())
 
     def slot_item(self, quotas: Sequence[int]) -> Item:
-        return Item(
-            "expert_slots", self.main_pool, self.slot_bytes(quotas), _quota_detail(quotas, self.blocks)
-        )
+        detail = _quota_detail(quotas, self.blocks)
+        if self.packed:
+            detail += f" + {format_bytes(self.packed)} each packed for the CPU kernels"
+        return Item("expert_slots", self.main_pool, self.slot_bytes(quotas), detail)
 
 
 def _quota_detail(quotas: Sequence[int], blocks: Sequence[int]) -> str:
@@ -687,7 +704,8 @@ def plan(
     if L and staging < 1:
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
     extra = prefill_chunk_extra(args, specs, options.dense, options.dense_dtype, device.has_cuda)
-    sizer = _Sizer(args, experts, device, options, res, staging, details, extra)
+    packed = 0 if device.has_cuda else cpu_packed_bytes(args, experts)
+    sizer = _Sizer(args, experts, device, options, res, staging, details, extra, packed)
     floor = sizer.min_quota(batch)
     if options.draft_tokens < 0:
         raise ConfigError(f"draft_tokens must be >= 0, got {options.draft_tokens}")
@@ -759,9 +777,9 @@ def plan(
     if options.quota is not None:
         quotas = (options.quota,) * L
     elif curves is not None:
-        quotas = _traced_quotas(free[main], sizer.blocks, floors, E, curves)
+        quotas = _traced_quotas(free[main], sizer.slot_costs, floors, E, curves)
     else:
-        quotas = _uniform_quotas(free[main], sizer.blocks, floors, E)
+        quotas = _uniform_quotas(free[main], sizer.slot_costs, floors, E)
     assert quotas is not None  # the overflow check passed at the floor
     graph_pool = sizer.prefill_graph_item(context, batch) if L and all(q == E for q in quotas) else None
     if (

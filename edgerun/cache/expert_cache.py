@@ -455,6 +455,14 @@ class ExpertCache:
         st.verify_windows += 1
         st.window_experts += distinct
 
+    def packed_bytes(self) -> int:
+        """What the CPU expert kernels' packed copies take once every slot is in use: beside
+        each int4 slot, its repacked layout (``kernels/cpu_layout.py``; the planner counts the
+        same on a device without CUDA)."""
+        from edgerun.kernels.cpu_layout import packed_bytes
+
+        return sum(q * packed_bytes(self.bundle.layouts[layer]) for layer, q in self.quotas.items())
+
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""
         self.slots[layer].counters.hits += n

@@ -31,6 +31,8 @@ Fields and what they decide:
   torch reference; within that probe's tolerance of each other.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
+- ``cpu`` (shown, not chosen; in the start-up line's device line): the CPU's bf16 hardware
+  (AVX512-BF16, AMX) and, under the fp32 default, why not bf16 (``kernels/cpu_features.py``).
 - ``launches`` (shown, not chosen): the Triton decode kernels use programmatic dependent launch
   on sm_90+ (``kernels/launch.py``); it overlaps a kernel's weight reads with the previous
   kernel's tail and does not change a bit.
@@ -78,6 +80,7 @@ class Resolved:
     cpu_dense: bool = (
         False  # int4 / int8 projections through the CPU weight-only kernels (kernels/qlinear_cpu.py)
     )
+    cpu: str = ""  # on the CPU: its bf16 hardware and, under the fp32 default, why not bf16
     choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
     fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
 
@@ -138,6 +141,11 @@ def resolve(
         from edgerun.kernels.launch import describe
 
         out.choices["launches"] = describe(device)
+    if device.type == "cpu":
+        from edgerun.kernels import cpu_features
+
+        name = str(dtype or torch.float32).removeprefix("torch.")
+        out.cpu = cpu_features.read().describe(name)
     return out
 
 

@@ -43,6 +43,11 @@ def experts_text(runner) -> str:
         f"read {'/'.join(modes)} depth {depths}, "
         + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
         + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"
+        + (
+            f" + {cache.packed_bytes() / 2**20:.1f} MiB packed for the CPU kernels"
+            if runner.kernels.moe.impl == "cpu" and cache.packed_bytes()
+            else ""
+        )
         + "".join(f"; {note}" for note in cache.adjustments)
         + ")"
     )
@@ -63,7 +68,8 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
         f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params)",
         f"device {runner.device}, dtype {str(dtype).removeprefix('torch.')}, threads {torch.get_num_threads()}"
-        + (f" ({runner.threads_note})" if runner.threads_note else ""),
+        + (f" ({runner.threads_note})" if runner.threads_note else "")
+        + (f"; cpu {runner.kernels.cpu}" if runner.kernels.cpu else ""),
         experts_text(runner),
         f"kernels: {runner.kernel_summary()}",
         f"fallbacks: {fallbacks}",

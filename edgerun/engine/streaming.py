@@ -155,8 +155,11 @@ class StreamingExperts(nn.Module):
         c, i = self.cache, self.layer
         if ids.shape[0] > 1 and EXACT_ROWS.get():  # a verify window: the union of its rows' experts
             c.count_window(i, len(set(ids.flatten().tolist())))
-        table = self.held() if self.policy.impl == "triton" else None
-        if table is not None:  # every expert held: the kernels look the slots up on the device
+        # every expert held: the slots are looked up on the device (Triton), or in one index op
+        # for a CPU decode step (no eviction bookkeeping: a layer holding every expert never evicts)
+        fast = self.policy.impl == "triton" or (self.policy.impl == "cpu" and x.shape[0] == 1)
+        table = self.held() if fast else None
+        if table is not None:
             c.count_hits(i, ids.numel())
             self._prefetch_next()
             return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)

@@ -177,6 +177,35 @@ def test_requested_quota():
             plan(args, specs, experts, profile(500_000), 64, 2, PlanOptions(quota=bad))
 
 
+def test_cpu_plan_counts_the_cpu_kernels_packed_copy_of_each_int4_slot():
+    """On a device without CUDA every int4 slot the CPU kernels take also holds its repacked
+    layout (ExpertCache.packed_bytes; its size is checked against real packs in
+    tests/kernels/test_moe_cpu.py): the plan counts it and sizes the quota by it."""
+    cfg = {**QWEN3_MOE, "model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32}
+    module, args = load_args(cfg)
+    specs = module.tensor_specs(args)
+    experts = expert_source_from_layout(args, "int4", 32)
+    # gate_up [64, 64] and down [64, 32]: the nibbles again (2048 + 1024 B) and a bf16 (scale,
+    # zero) per row and group of 32 (64 x 2 and 64 x 1 groups, 4 B each)
+    packed = 64 * 32 + 64 * 16 + (64 * 2 + 64 * 1) * 4
+    opts = PlanOptions(prefill_chunk=16, quota=args.num_experts)
+    cpu = plan(args, specs, experts, profile(10**8, compute_capability=None, cuda_context=0), 64, 1, opts)
+    gpu = plan(args, specs, experts, profile(10**8), 64, 1, opts)
+    n = args.num_experts * len(args.moe_layers)
+    assert cpu.item("expert_slots").nbytes == n * (experts.block_bytes[0] + packed)
+    assert gpu.item("expert_slots").nbytes == n * experts.block_bytes[0]
+    assert "packed for the CPU kernels" in cpu.item("expert_slots").detail
+    # the memory that holds every block but not their packed copies does not fit them
+    fixed = sum(it.nbytes for it in cpu.items) - cpu.item("expert_slots").nbytes
+    for extra, fits in ((n * packed, True), (n * packed - 1, False)):
+        cap = profile(fixed + n * experts.block_bytes[0] + extra, compute_capability=None, cuda_context=0)
+        assert plan(args, specs, experts, cap, 64, 1, opts).fits is fits
+    # int8 slots are read in place: nothing packed
+    int8 = expert_source_from_layout(args, "int8")
+    cpu8 = plan(args, specs, int8, profile(10**8, compute_capability=None, cuda_context=0), 64, 1, opts)
+    assert cpu8.item("expert_slots").nbytes == n * int8.block_bytes[0]
+
+
 def test_bad_inputs():
     _, args, specs = tiny("qwen3_moe")
     experts = expert_source_from_layout(args, "int8")
@@ -332,6 +361,8 @@ QWEN36 = dict(  # Qwen3.6-35B-A3B, int4 g32 experts, bf16 dense
     + 40 * 256 * 2048  # routers
     + 40 * (3 * 2048 * 512 + 2048),  # shared experts and their gates
     block=1024 * 1024 + 1024 * 64 + 2048 * 256 + 2048 * 16,  # gate_up, fp8 scales, down, scales
+    # without CUDA, each slot's CPU-kernel layout too: the nibbles and a bf16 (scale, zero) a group
+    packed=1024 * 1024 + 2048 * 256 + 4 * (1024 * 64 + 2048 * 16),
     kv_per_token=10 * 2 * 2 * 256 * 2,
     state_per_seq=30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4),
     ws_per_token=224_384,  # see token_workspace_bytes: 16384 + DeltaNet 123008 + MoE 84992
@@ -346,6 +377,7 @@ QWEN3 = dict(  # Qwen3-30B-A3B, int4 g32 experts, bf16 dense
     + (48 * 2 * 2048 + 2048)
     + 48 * 128 * 2048,
     block=1536 * 1024 + 1536 * 64 + 2048 * 384 + 2048 * 24,
+    packed=1536 * 1024 + 2048 * 384 + 4 * (1536 * 64 + 2048 * 24),
     kv_per_token=48 * 2 * 4 * 128 * 2,
     state_per_seq=0,
     ws_per_token=125_440,  # 16384 + attention 18432 + MoE 90624
@@ -372,7 +404,8 @@ def expected(m, dev, context, batch):
     staging = 16 * m["block"]
     if not dev.discrete:
         fixed += staging
-    quota = min(m["experts"], (dev.memory_cap - fixed) // (m["layers"] * m["block"]))
+    slot = m["block"] + (0 if dev.has_cuda else m["packed"])
+    quota = min(m["experts"], (dev.memory_cap - fixed) // (m["layers"] * slot))
     if quota < min(m["experts"], 8 * batch):
         return None
     host = (

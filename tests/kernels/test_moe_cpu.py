@@ -8,7 +8,7 @@ import torch
 from moe_cases import FORMATS, fmt_id, layout_for, random_step, rel_err
 
 from edgerun.bundle.quant import dequantize_block, unpack_int4
-from edgerun.kernels import moe_cpu
+from edgerun.kernels import cpu_layout, moe_cpu
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool
 from edgerun.kernels.probe import TOLERANCE, probe_cpu
@@ -68,6 +68,42 @@ def test_cpu_step_matches_the_reference(fmt, T):
     for part in ((0, 2), (3, 5), (6, 7)):
         acc = moe_experts(*args, policy=CPU, acc=acc, expert_range=part)
     assert torch.equal(acc.to(x.dtype), got)
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED, ids=fmt_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_is_the_combine_path_bit_for_bit(fmt, dtype):
+    """A decode step (one token: ``one_row``, no per-expert loop of gathers and scatters) gives
+    the bits of ``combine_experts``'s ascending-id fp32 sum (the path prefill and parts take)."""
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(7)
+    pool, gscales = random_pool(layout, 12, generator=gen)
+    packed = {}
+    for _ in range(6):
+        x, pool, slots, ids, weights, *rest = random_step(
+            layout, 1, 6, 12, gen, x_dtype=dtype, pool=pool, gscales=gscales
+        )
+        weights = weights.to(dtype)
+        got = moe_experts(x, pool, slots, ids, weights, *rest, policy=CPU, packed=packed)
+        acc = moe_experts(
+            x, pool, slots, ids, weights, *rest, policy=CPU, packed=packed,
+            acc=accumulator(x, CPU), expert_range=(0, 11),
+        )  # fmt: skip
+        assert got.dtype == dtype and torch.equal(got, acc.to(dtype))
+    with pytest.raises(ValueError, match="same expert twice"):
+        moe_experts(x, pool, slots[:, [0, 0]], ids[:, [0, 0]], weights[:, :2], *rest, policy=CPU)
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED, ids=fmt_id)
+def test_packed_bytes_is_what_a_pack_holds_beyond_the_slot(fmt):
+    """cpu_layout.packed_bytes (what the planner and ExpertCache.packed_bytes count) is the bytes
+    pack_block allocates: int4 a new layout and scales, int8 views of the slot only."""
+    layout = layout_for(fmt, 128, 64)
+    pool, gscales = random_pool(layout, 1, generator=torch.Generator().manual_seed(0))
+    packed = moe_cpu.pack_block(layout, pool[0], None if gscales is None else gscales[0])
+    own = sum(t.nbytes for pair in packed for t in pair if t.untyped_storage().data_ptr() != pool.data_ptr())
+    assert cpu_layout.packed_bytes(layout) == own
+    assert (own > 0) == (fmt[0] == "int4")
 
 
 def test_a_refilled_slot_is_repacked_once_its_entry_is_dropped():

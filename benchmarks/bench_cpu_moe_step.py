@@ -1,0 +1,82 @@
+"""One token's routed-expert step on the CPU kernels (kernels/moe_cpu.py) at Qwen3-30B-A3B's
+expert geometry (hidden 2048, width 768, int4 g32, top-8 of 64 slots, random weights, every slot
+packed): the decode path (``one_row``) against the same step through ``combine_experts`` (the
+path prefill and steps in parts take; it sorts, gathers and scatters per expert) and against the
+int4 kernel calls alone (the floor for torch's kernels). CPU milliseconds per layer
+(``time.process_time``, so other processes on a shared machine count less), interleaved rounds,
+median (range); checks that the two paths give the same bits.
+
+    python benchmarks/bench_cpu_moe_step.py [--rounds 6] [--steps 50] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from edgerun.bundle.layout import expert_block_layout
+from edgerun.kernels import moe_cpu
+from edgerun.kernels.moe_reference import random_pool
+
+D, I, E, A = 2048, 768, 64, 8  # hidden, expert width, slots, top-k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    ns = p.parse_args()
+    torch.set_num_threads(ns.threads)
+    layout = expert_block_layout(SimpleNamespace(hidden_size=D, moe_intermediate_size=I), "int4", 32)
+    gen = torch.Generator().manual_seed(0)
+    pool, gscales = random_pool(layout, E, generator=gen)
+    packed: dict = {}
+    moe_cpu.pack_slots(layout, pool, gscales, range(E), packed)
+    x = torch.randn(1, D, generator=gen)
+    steps = [
+        (
+            torch.randperm(E, generator=gen)[:8][None],
+            torch.randn(1, 8, generator=gen).softmax(-1),
+        )
+        for _ in range(ns.steps)
+    ]  # expert e in slot e
+
+    def one_row(ids, w):
+        return moe_cpu.moe_cpu(x, pool, ids, ids, w, layout, gscales, packed)
+
+    def combine(ids, w):  # one part covering every expert: the combine_experts path
+        acc = torch.zeros(x.shape)
+        return moe_cpu.moe_cpu(
+            x, pool, ids, ids, w, layout, gscales, packed, acc=acc, expert_range=(0, 10**6)
+        )
+
+    def kernels_only(ids, w):
+        mm, xb = torch.ops.aten._weight_int4pack_mm_for_cpu, x.to(moe_cpu.ACT)
+        for e in ids[0].tolist():
+            (gw, gs), (dw, ds) = packed[e]
+            mm(mm(xb, gw, 32, gs)[:, :I], dw, 32, ds)
+
+    paths = {"combine_experts": combine, "one_row": one_row, "int4 kernel calls only": kernels_only}
+    ms: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(ns.rounds):
+        for name, f in paths.items():
+            t = time.process_time()
+            for ids, w in steps:
+                f(ids, w)
+            ms[name].append((time.process_time() - t) / len(steps) * 1e3)
+    same = all(torch.equal(one_row(i, w), combine(i, w)) for i, w in steps)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); CPU ms per layer, median (range):"
+    )
+    for name, v in ms.items():
+        print(f"  {name:24s} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
+    print(f"one_row == combine_experts bit for bit on {len(steps)} steps: {same}")
+
+
+if __name__ == "__main__":
+    main()
