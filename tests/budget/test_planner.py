@@ -394,10 +394,9 @@ def expected(m, dev, context, batch):
     dense = m["dense"] * a
     fixed = dev.os_reserve + dev.cuda_context + dense + batch * context * m["kv_per_token"]
     fixed += batch * m["state_per_seq"] + min(512, context) * m["ws_per_token"] + batch * m["vocab"] * 4
-    fixed += m["chunk_extra"]
-    if (
-        context > 512
-    ):  # later chunks repeat the context's K and V to the query heads (both models: 16 KiB a token)
+    if dev.has_cuda:  # the grouped expert kernels' tile padding (CUDA's)
+        fixed += m["chunk_extra"]
+    if context > 512:  # later chunks repeat the context's K and V to the query heads (16 KiB a token both)
         fixed += context * 16384
     if dev.has_cuda:
         fixed += batch * m["ws_per_token"] + batch * m["vocab"] * 4  # graph pool
