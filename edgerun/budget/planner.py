@@ -343,6 +343,26 @@ def prefill_chunk_extra(
     return total, " + ".join(parts)
 
 
+def cpu_packed_dense(specs, dense: DenseScheme) -> tuple[int, str]:
+    """The copy of the int4 dense weights the CPU kernels compute from (``kernels/qlinear_cpu.py``,
+    kept beside the stored weight): per projection the kernel takes (the projections of a module
+    that read one input as one weight), its nibbles again and a bf16 scale and zero per group of
+    each row. int8 weights are read in place. (bytes, how)."""
+    from edgerun.kernels.cpu_layout import BLOCK_N, INT4_GROUPS
+
+    fused: Counter = Counter()
+    for name, (scheme, group) in (dense_targets(specs, dense) if dense.quantized else {}).items():
+        if scheme == "int4":
+            rows, cols = next(sp.shape for sp in specs if sp.name == name)
+            fused[(name.rsplit(".", 2)[0], cols, group)] += rows
+    total, n = 0, 0
+    for (_, cols, group), rows in fused.items():
+        if group in INT4_GROUPS and rows % BLOCK_N == 0 and cols % 32 == 0:
+            total += rows * cols // 2 + (cols // group) * rows * 4
+            n += 1
+    return total, f"{n} int4 projections repacked for the CPU kernels (nibbles + bf16 scale, zero a group)"
+
+
 def _dtype_bytes(name: str, key: str) -> int:
     if name not in DTYPE_BYTES:
         raise ConfigError(f"{key} {name!r} is not supported (supported: {', '.join(DTYPE_BYTES)})")
@@ -367,6 +387,7 @@ class _Sizer:
     details: Mapping[str, str]  # per resident category, how its weights are held
     chunk_extra: tuple[int, str] = (0, "")  # prefill_chunk_extra
     packed: int = 0  # bytes the CPU expert kernels keep beside each slot (cpu_packed_bytes)
+    packed_dense: tuple[int, str] = (0, "")  # cpu_packed_dense
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -402,6 +423,8 @@ class _Sizer:
         for cat in RESIDENT_CATEGORIES:
             if self.resident.get(cat, 0):
                 items.append(Item(cat, main, self.resident[cat], self.details[cat]))
+        if self.packed_dense[0]:
+            items.append(Item("cpu_packed_dense", main, *self.packed_dense))
         n_full = len(args.full_attention_layers)
         if n_full:
             items.append(
@@ -705,7 +728,8 @@ def plan(
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
     extra = prefill_chunk_extra(args, specs, options.dense, options.dense_dtype, device.has_cuda)
     packed = 0 if device.has_cuda else cpu_packed_bytes(args, experts)
-    sizer = _Sizer(args, experts, device, options, res, staging, details, extra, packed)
+    packed_dense = (0, "") if device.has_cuda else cpu_packed_dense(specs, options.dense)
+    sizer = _Sizer(args, experts, device, options, res, staging, details, extra, packed, packed_dense)
     floor = sizer.min_quota(batch)
     if options.draft_tokens < 0:
         raise ConfigError(f"draft_tokens must be >= 0, got {options.draft_tokens}")

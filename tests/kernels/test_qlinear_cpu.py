@@ -67,3 +67,22 @@ def test_the_engine_packs_the_quantized_projections_on_the_cpu(tmp_path):
     assert not ref.kernels.cpu_dense
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert fast.generate_ids([5, 6, 7], params)[:1] == ref.generate_ids([5, 6, 7], params)[:1]
+
+
+@pytest.mark.parametrize("rows,cols,group", [(128, 256, 32), (192, 512, 32), (64, 96, 32), (128, 256, 16)])
+def test_the_planner_counts_the_packed_copy_pack_makes(rows, cols, group):
+    """`edgerun plan` on a device without CUDA holds the int4 dense weights' packed copy
+    (budget/planner.cpu_packed_dense): byte for byte what ``pack`` allocates beside the weight."""
+    from edgerun.budget.planner import cpu_packed_dense
+    from edgerun.bundle.dense_layout import DenseScheme
+    from edgerun.models.args import TensorSpec
+
+    w = random_qweight("int4", rows, cols, group, torch.Generator().manual_seed(3))
+    spec = TensorSpec("model.layers.0.self_attn.o_proj.weight", (rows, cols), "attention")
+    got, how = cpu_packed_dense([spec], DenseScheme.resolve("int4", None, group, False))
+    if K.unsupported(w):  # group 16: the kernel does not take it, nothing is packed
+        assert got == 0 and "0 int4 projections" in how
+        return
+    packed, scales, _ = K.pack(w)
+    assert got == packed.nbytes + scales.nbytes and "1 int4 projections" in how
+    assert cpu_packed_dense([spec], DenseScheme())[0] == 0  # plain dense: nothing packed
