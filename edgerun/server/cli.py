@@ -91,7 +91,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
         type=int,
-        help=f"requests decoded together (default {DEFAULT_BATCH} on the CPU, 1 on CUDA; "
+        help=f"requests decoded together (default {DEFAULT_BATCH} on the CPU, 1 on CUDA or with --speculative; "
         "with --profile the plan is made for it)",
     )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
@@ -187,10 +187,11 @@ def planned_device(opts: ServeOptions) -> str | None:
 
 
 def serve_batch(opts: ServeOptions, device: str) -> int:
-    """The batch serve runs: the option, else DEFAULT_BATCH on the CPU and 1 on CUDA."""
+    """The batch serve runs: the option, else 1 with speculative decoding (the two do not combine
+    yet) or on CUDA, DEFAULT_BATCH on the CPU."""
     if opts.batch is not None:
         return opts.batch
-    return DEFAULT_BATCH if device == "cpu" else 1
+    return DEFAULT_BATCH if device == "cpu" and not opts.speculative else 1
 
 
 def cache_plan(opts: ServeOptions):

@@ -165,6 +165,7 @@ class RunnerEngine:
             "expert_mode": "streamed" if r.cache else "resident",
             "expert_quota": r.cache.quotas if r.cache else None,
             "kernels": r.kernel_summary(),
+            "cpu": r.kernels.cpu or None,  # the CPU's bf16 hardware and why the compute dtype is what it is
             "fallbacks": [f"{k}: {v}" for k, v in r.fallbacks().items()],
             "load": r.load_summary,
             "architecture_provider": r.provider.as_dict() if r.provider else None,

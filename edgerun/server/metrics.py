@@ -78,7 +78,7 @@ def render(
     c = worker.counters
     t.one("edgerun_ready", "gauge", "1 when the model is loaded and serving.", state == "ready")
     if info:
-        labels = {k: info.get(k) or "none" for k in ("model_dir", "device", "dtype", "device_profile")}
+        labels = {k: info.get(k) or "none" for k in ("model_dir", "device", "dtype", "device_profile", "cpu")}
         t.family("edgerun_info", "gauge", "What this daemon serves.", [({**labels, "state": state}, 1)])
     t.family(
         "edgerun_http_responses_total",
