@@ -249,9 +249,16 @@ def resident_plan(
     )
     if not p.fits:
         name = model or "the demo model"
+        fewer = p.refusal.max_batch if batch > 1 and p.refusal.max_batch else None
         text = (
             f"{name} with every expert resident ({p.num_experts} per layer, {p.quant}) does not fit on "
-            f"{p.device}: {p.refusal.message} Stream the experts from a bundle instead: "
+            f"{p.device}: {p.refusal.message} "
+            + (
+                f"It fits decoding {fewer} request(s) at once (--batch {fewer}); or stream"
+                if fewer
+                else "Stream"
+            )
+            + f" the experts from a bundle instead: "
             f"`edgerun convert {name} BUNDLE_DIR --quant int4`, then --model BUNDLE_DIR --profile {profile}"
         )
         if streamed is not None and streamed.fits:

@@ -71,3 +71,24 @@ def test_a_trace_without_a_profile_is_refused(files):
     b, _, _, trace, _ = files
     with pytest.raises(ConfigError, match="sizes per-layer quotas in a device plan: give --profile"):
         cache_config(b, quota=2, trace=trace)
+
+
+def test_a_batch_that_does_not_fit_resident_names_the_batch_that_does(tmp_path):
+    """serve's batch is planned: where the model fits held whole one request at a time but not
+    B at once, the refusal says so (--batch N) before suggesting a streamed bundle."""
+    from edgerun.budget.cli import plan_resident
+    from edgerun.engine.setup import resident_plan
+    from edgerun.errors import EdgerunError
+
+    base = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
+    one, _ = plan_resident(None, base, 4096, device="cpu", dtype="fp32", batch=1)
+    used = sum(pool.used for pool in one.pools)
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(base.read_text().replace("memory_cap: 23GiB", f"memory_cap: {used + 2**20}"))
+    assert "every expert resident" in resident_plan(None, tight, 4096, "cpu", "fp32", batch=1)
+    four, _ = plan_resident(None, tight, 4096, device="cpu", dtype="fp32", batch=4)
+    assert not four.fits and 1 <= four.refusal.max_batch < 4
+    with pytest.raises(EdgerunError) as err:
+        resident_plan(None, tight, 4096, "cpu", "fp32", batch=4)
+    want = f"(--batch {four.refusal.max_batch}); or stream the experts from a bundle instead"
+    assert want in str(err.value)
