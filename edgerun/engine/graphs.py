@@ -330,10 +330,15 @@ class DecodeGraphs:
             self._run_eager()  # capture failed: recorded in fallbacks
         else:
             self._replay()
+        self.count_table_hits(1)
+        self.state.pos += 1
+
+    def count_table_hits(self, tokens: int) -> None:
+        """The hits of ``tokens`` tokens' expert steps in table mode, which ran on the device (a
+        replayed graph keeps no books)."""
         for i, mode in self.modes.items():
             if mode == "table":
-                self.cache.count_hits(i, self.args.num_experts_per_tok)
-        self.state.pos += 1
+                self.cache.count_hits(i, tokens * self.args.num_experts_per_tok)
 
     def _run_eager(self) -> None:
         for _, fn in self.ops:
@@ -459,9 +464,7 @@ class PrefillGraphs:
         n_valid.fill_(n)
         graph.replay()
         d.state.pos = start + n
-        for i, mode in d.modes.items():
-            if mode == "table":
-                d.cache.count_hits(i, n * d.args.num_experts_per_tok)
+        d.count_table_hits(n)
         d.counters.prefill_graph_chunks += 1
         return logits[0]
 
