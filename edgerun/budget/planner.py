@@ -448,6 +448,24 @@ class _Sizer:
                     f"x{args.linear_value_head_dim} x 4 B)",
                 )
             )
+        if opt.draft_tokens:  # speculative decoding (engine/speculative.py)
+            K = opt.draft_tokens
+            trail = (K + 1) * deltanet_state_bytes(args, batch, opt.dense_dtype) if n_lin else 0
+            kv = _dtype_bytes(opt.kv_dtype, "kv_dtype")
+            heads = args.mtp_num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim
+            mtp_kv = batch * context * heads * kv
+            rollback = (
+                f" + a verify window's {K + 1} DeltaNet states per layer (its rollback)" if trail else ""
+            )
+            items.append(
+                Item(
+                    "speculative_state",
+                    main,
+                    trail + mtp_kv,
+                    f"the MTP head's KV ({context} tok, {args.mtp_num_hidden_layers} attention layer)"
+                    + rollback,
+                )
+            )
         per_token = token_workspace_bytes(args, opt.dense_dtype)
         logits = batch * args.vocab_size * 4
         tokens = max(batch, min(opt.prefill_chunk, context))

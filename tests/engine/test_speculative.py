@@ -254,3 +254,28 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
         assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] and r["speedup"] > 0
         assert r["min"] <= r["median"] <= r["max"]
     assert "| greedy | MTP K=3 |" in capsys.readouterr().out
+
+
+def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):
+    """What speculative decoding keeps beyond plain decoding is planned (speculative_state): the
+    MTP head's KV for the context and, per DeltaNet layer, the K + 1 states a verify window keeps
+    for its rollback; byte for byte the runtime's (the head's state and a window's trail)."""
+    from edgerun.budget import inputs
+    from edgerun.budget.planner import PlanOptions, plan
+    from edgerun.config import load_device_profile
+
+    runner = Runner.load(
+        sources["int4"], device="cpu", dtype=torch.bfloat16, speculative=S.SpeculativeConfig("mtp", 2)
+    )
+    model = inputs.with_mtp(inputs.from_bundle(sources["int4"]), 2)
+    context = 64
+    p = plan(model.args, model.specs, model.experts, load_device_profile("configs/cpu.yaml"), context, 1,
+             PlanOptions(draft_tokens=2))  # fmt: skip
+    item = next(it for it in p.items if it.name == "speculative_state")
+    head = runner.model.mtp.new_state(context, "cpu", torch.bfloat16)
+    state = runner.model.new_state(1, context)
+    trail = sum(e.conv.nbytes + e.recurrent.nbytes for e in state.layers if isinstance(e, DeltaState))
+    assert item.nbytes == head.nbytes() + 3 * trail
+    assert "3 DeltaNet states per layer" in item.detail
+    plain = plan(model.args, model.specs, model.experts, load_device_profile("configs/cpu.yaml"), context, 1)
+    assert not any(it.name == "speculative_state" for it in plain.items)
