@@ -200,14 +200,20 @@ def plan_resident(
     dtype: str = "fp32",
     providers: ProviderPolicy | None = None,
     batch: int = 1,
+    draft_tokens: int = 0,
 ):
     """(plan, streamed): the plan of an HF checkpoint (None: the shipped demo model) loaded
     whole, every expert resident in ``dtype`` (bf16, fp16 or fp32: what torch computes in), and,
     when that does not fit, the plan of the same model converted to an int4 bundle and streamed
-    (None when it fits)."""
+    (None when it fits). ``draft_tokens``: speculative decoding with the MTP head (planned too)."""
     path = Path(model) if model is not None else DEMO_MODEL
     device_profile = load_device_profile(profile)
-    src = inputs.from_checkpoint(path, "bf16", None, providers)
+
+    def source(quant: str) -> inputs.ModelInput:
+        m = inputs.from_checkpoint(path, quant, None, providers)
+        return inputs.with_mtp(m, draft_tokens) if draft_tokens else m
+
+    src = source("bf16")
     context = context or min(DEFAULT_CONTEXT, src.args.max_position_embeddings)
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES["bf16"]
     experts = ExpertSource(
@@ -218,12 +224,13 @@ def plan_resident(
         quota=src.args.num_experts,
         staging_buffers=1,  # nothing is read at run time; the planner wants one buffer per layout
         cuda_graphs=device == "cuda",
+        draft_tokens=draft_tokens,
     )
     args = (src.args, src.specs, experts, device_profile, context, batch, options, None)
     whole = plan(*args, model_name=src.name, notes=src.notes)
     if whole.fits:
         return whole, None
-    int4 = inputs.from_checkpoint(path, "int4", None, providers)
+    int4 = source("int4")
     streamed = plan(
         int4.args,
         int4.specs,
@@ -231,7 +238,11 @@ def plan_resident(
         device_profile,
         context,
         batch,
-        PlanOptions(dense_dtype="bf16" if dtype == "fp32" else dtype, cuda_graphs=device == "cuda"),
+        PlanOptions(
+            dense_dtype="bf16" if dtype == "fp32" else dtype,
+            cuda_graphs=device == "cuda",
+            draft_tokens=draft_tokens,
+        ),
         None,
         model_name=int4.name,
     )

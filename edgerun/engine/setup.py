@@ -228,7 +228,8 @@ def plan_experts(
     # Runner.load's dtype: float32 on the cpu, the checkpoint's (planned as bf16) on cuda
     auto = "fp32" if device == "cpu" else "bf16"
     planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype or "auto", auto)
-    return None, resident_plan(model, profile, context, device, planned, providers, batch)
+    draft = streaming.get("draft_tokens", 0)
+    return None, resident_plan(model, profile, context, device, planned, providers, batch, draft)
 
 
 def resident_plan(
@@ -239,14 +240,17 @@ def resident_plan(
     dtype: str,
     providers=None,
     batch: int = 1,
+    draft_tokens: int = 0,
 ) -> str:
     """The start-up summary of a model held whole (every expert resident) on ``profile``, or a
-    refusal naming what would fit: a bundle streamed within the profile's plan. Pure: no torch."""
+    refusal naming what would fit: a bundle streamed within the profile's plan (``draft_tokens``:
+    speculative decoding's K, whose MTP head and state the plans count). Pure: no torch."""
     from edgerun.budget.cli import plan_resident
 
     p, streamed = plan_resident(
-        model, profile, context, device=device, dtype=dtype, providers=providers, batch=batch
-    )
+        model, profile, context, device=device, dtype=dtype, providers=providers, batch=batch,
+        draft_tokens=draft_tokens,
+    )  # fmt: skip
     if not p.fits:
         name = model or "the demo model"
         fewer = p.refusal.max_batch if batch > 1 and p.refusal.max_batch else None

@@ -279,3 +279,17 @@ def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):
     assert "3 DeltaNet states per layer" in item.detail
     plain = plan(model.args, model.specs, model.experts, load_device_profile("configs/cpu.yaml"), context, 1)
     assert not any(it.name == "speculative_state" for it in plain.items)
+
+
+def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
+    """generate / serve with --profile and a checkpoint held whole (the demo): the plan holds the
+    MTP head and speculative decoding's state only with --speculative, as the bundle's plan does."""
+    from edgerun.budget.cli import plan_resident
+
+    plain, _ = plan_resident(None, "configs/cpu.yaml", 256, device="cpu", dtype="fp32")
+    spec, _ = plan_resident(None, "configs/cpu.yaml", 256, device="cpu", dtype="fp32", draft_tokens=2)
+    names = {it.name for it in spec.items}
+    assert {"mtp", "speculative_state"} <= names and not {"mtp", "speculative_state"} & {
+        it.name for it in plain.items
+    }
+    assert spec.min_quota == min(spec.num_experts, spec.top_k * 3)
