@@ -4,7 +4,7 @@ token of decode, and the peak memory the engine held beside what `edgerun plan` 
 model, context and options hold (its items less the OS reserve and the CUDA context, which are not
 the engine's allocations).
 
-  python benchmarks/long_prompt.py [--model DIR] [--tokens 32768] [--device cuda|cpu]
+  python benchmarks/long_prompt.py [--model DIR] [--tokens 32766] [--device cuda|cpu]
       [--profile configs/jetson_thor.yaml] [--prefill-chunk 512] [--quota N] [--json OUT]
 
 The default model is the shipped demo (max_position_embeddings 32768). On CUDA the peak is
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXCLUDED = ("os_reserve", "cuda_context")  # the plan's items that are not the engine's allocations
 
 
-def planned(model: Path, profile: str, context: int, chunk: int, quota: int | None) -> dict:
+def planned(model: Path, bundle: bool, profile: str, context: int, chunk: int, quota: int | None) -> dict:
     from edgerun.budget.cli import main as plan_main
 
     args = [
@@ -46,7 +46,7 @@ def planned(model: Path, profile: str, context: int, chunk: int, quota: int | No
     ]
     if quota is not None:
         args += ["--quota", str(quota)]
-    if not (model / "manifest.json").exists():  # a checkpoint is held as it is: its experts in bf16
+    if not bundle:  # a checkpoint is held as it is: its experts in bf16
         args += ["--quant", "bf16"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -63,9 +63,8 @@ def rss_peak_bytes() -> int:
 
 
 def where_memory_goes(runner, prompt: list[int]) -> dict:
-    """Another prefill of the prompt, chunk by chunk: the memory allocated after the state, each
-    chunk's peak above what was allocated before it, and per module kind the largest transient
-    (its peak during the call above what was allocated when it began), in MiB."""
+    """Another prefill of the prompt, eager, in MiB: what the new state allocated, and per module
+    kind the largest transient (its peak during a call above what was allocated when it began)."""
     mib = 2**20
     kinds: dict[str, float] = {}
     began: dict[int, int] = {}
@@ -90,11 +89,9 @@ def where_memory_goes(runner, prompt: list[int]) -> dict:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     state = runner.new_state(len(prompt) + 2)
-    out = {"state_mib": (torch.cuda.memory_allocated() - base) / mib, "chunks": []}
-    runner.prefill_graphs = False  # hooks see the eager forward only
-    for _ in runner.prefill_chunks(state, prompt):
-        pass
-    runner.prefill_graphs = True
+    out = {"state_mib": (torch.cuda.memory_allocated() - base) / mib}
+    with runner.eager_prefill():  # hooks see the eager forward only
+        runner.prefill(state, prompt)
     for h in hooks:
         h.remove()
     out["module_transient_mib"] = {k: round(v, 1) for k, v in kinds.items()}
@@ -104,7 +101,7 @@ def where_memory_goes(runner, prompt: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "edgerun" / "demo")
-    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--tokens", type=int, default=32766, help="prompt tokens (the context: 2 more)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--profile", default=None, help="device profile to plan against (default: thor on CUDA, cpu)"
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--phases",
         action="store_true",
-        help="CUDA: also each chunk's peak and each module kind's transient peak",
+        help="CUDA: also each module kind's largest transient over another, eager prefill",
     )
     ns = ap.parse_args(argv)
 
@@ -127,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = ns.device == "cuda"
     profile = ns.profile or str(ROOT / "configs" / ("jetson_thor.yaml" if cuda else "cpu.yaml"))
     context = ns.tokens + 2  # the prompt and two tokens (the first is the TTFT)
-    plan = planned(ns.model, profile, context, ns.prefill_chunk, ns.quota)
     bundle = (ns.model / "manifest.json").exists()
+    plan = planned(ns.model, bundle, profile, context, ns.prefill_chunk, ns.quota)
     cache = cache_config(ns.model, quota=ns.quota or min(plan["quotas"])) if bundle else None
     t0 = time.perf_counter()
     runner = Runner.load(

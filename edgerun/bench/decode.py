@@ -96,9 +96,8 @@ def state_bytes(bundle: Bundle, capacity: int) -> tuple[int, int, int]:
     return model.new_state(1, capacity, device="meta", dtype=torch.bfloat16).nbytes(), rec, kv_pos
 
 
-LIBRARY_WORKSPACE = (
-    256 * 2**20
-)  # cuBLAS / cuDNN / Triton workspaces torch allocates (not the CUDA context's own)
+# cuBLAS / cuDNN / Triton workspaces torch allocates (not the CUDA context's own)
+LIBRARY_WORKSPACE = 256 * 2**20
 
 
 def quota_for(budget: int, bundle_dir: Path, context: int, prefill_chunk: int = 512) -> tuple[int, str]:
@@ -134,7 +133,8 @@ def quota_for(budget: int, bundle_dir: Path, context: int, prefill_chunk: int = 
     p = plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
     if not p.fits:
         return 0, p.refusal.message
-    return min(p.quotas), f"planned: {p.quotas[0]} slots a layer in {budget / GiB:g} GiB"
+    quota = min(p.quotas)
+    return quota, f"planned: {quota} slots a layer in {budget / GiB:g} GiB"
 
 
 def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:

@@ -106,15 +106,14 @@ def host_split(runner: Runner, prompt: list[int]) -> dict[str, float]:
 
     hooks = [m.register_forward_pre_hook(pre) for m in parts] + [m.register_forward_hook(post) for m in parts]
     state = runner.new_state(len(prompt) + 1)
-    runner.prefill_graphs = False  # a replayed graph runs no hooks: this is the eager forward's split
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    runner.prefill(state, prompt)
-    issued = (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
+    with runner.eager_prefill():  # a replayed graph runs no hooks: this is the eager forward's split
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.prefill(state, prompt)
+        issued = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
     spent["total issued"] = issued
     spent["total wall"] = (time.perf_counter() - t0) * 1e3
-    runner.prefill_graphs = True
     for h in hooks:
         h.remove()
     return {k: round(v, 2) for k, v in spent.items()}
@@ -150,10 +149,9 @@ def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile, eager_
             after = runner.cache.totals()
             row["bytes_read_per_request"] = (after.bytes_read - before.bytes_read) / repeats
         if eager_too:  # the same prompt with every chunk eager: what the prefill graphs gain
-            runner.prefill_graphs = False
-            ttft(runner, prompt)
-            row["eager_ttft_s"] = med([ttft(runner, prompt) for _ in range(repeats)])
-            runner.prefill_graphs = True
+            with runner.eager_prefill():
+                ttft(runner, prompt)
+                row["eager_ttft_s"] = med([ttft(runner, prompt) for _ in range(repeats)])
         rec["prompts"].append(row)
         print(
             f"[{name}] {len(prompt)} tokens: ttft {row['ttft_s']}, {row['prefill_tps']:.0f} tok/s, "

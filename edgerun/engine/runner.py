@@ -12,6 +12,7 @@ import resource
 import statistics
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -378,6 +379,15 @@ class Runner:
                 drafter.catch_up(ids)
             self._count_step()
             yield logits
+
+    @contextmanager
+    def eager_prefill(self) -> Iterator[None]:
+        """Every prompt chunk eager within (a profile's forward hooks, a graph-vs-eager timing)."""
+        self.prefill_graphs = False
+        try:
+            yield
+        finally:
+            self.prefill_graphs = True
 
     def _prefill_graphed(self, state: DecodeState, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """The chunk through the decoder's prefill graphs (``engine/graphs.PrefillGraphs``): its

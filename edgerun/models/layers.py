@@ -114,11 +114,9 @@ class QLinear(nn.Module):
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= GEMV_ROWS[self.scheme]
-        if self.gemv and few and out is None and gate is None:
+        if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
             # GEMV too, not a dequantized copy of the whole weight (1 GB for Qwen3.6's lm_head)
-            if norm is not None:
-                raise ValueError("a projection's norm takes x [N, C]")
             flat = self(x.reshape(-1, x.shape[-1]), epilogue)
             return flat.reshape(*x.shape[:-1], flat.shape[-1])
         if self.gemv and x.dim() == 2 and x.shape[0] <= GEMV_ROWS[self.scheme]:

@@ -98,3 +98,11 @@ def test_eager_prefill_chunks_are_counted(bundles):
     with torch.no_grad():
         runner.prefill(state, PROMPT)
     assert runner.prefill_counts() == {"graph": 0, "eager": 3}
+
+
+def test_eager_prefill_is_restored_even_when_the_block_fails(bundles):
+    runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu")
+    with pytest.raises(RuntimeError, match="inside"), runner.eager_prefill():
+        assert runner.prefill_graphs is False
+        raise RuntimeError("inside")
+    assert runner.prefill_graphs is True
