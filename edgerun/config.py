@@ -244,7 +244,8 @@ class CacheConfig:
     ``quotas``: slots per MoE layer (one number for all, or by layer). ``host_quotas``: the
     pinned host tier behind device slots (discrete GPUs). ``pool``: where slots live (host on
     the CPU; device or mapped on CUDA; None: host on the CPU, and on CUDA mapped where the
-    profile's memory is unified, else device). ``budget``:
+    profile's memory is unified, else device). ``tier_reads``: how device slots reach the pinned
+    host tier (in-place or copy; see the field). ``budget``:
     bytes slots and staging may take, refused over it. ``warm``: per-layer expert frequencies
     to preload. ``profile`` / ``context``: the plan the quotas came from, so the engine can
     re-plan against the dense bytes it measured after loading (None: fixed quotas). ``prefetch``:
@@ -257,6 +258,11 @@ class CacheConfig:
     read_mode: str = "auto"
     read_depth: int | None = None
     pool: str | None = None
+    # a pinned host tier holding every expert of a layer (discrete GPUs): "in-place", the GPU reads
+    # the experts its device slots lack straight from pinned memory over PCIe (no copy, no host
+    # sync: the step stays one graph); "copy", misses are copied into device slots first.
+    # None: in-place where the GPU can read mapped host memory
+    tier_reads: str | None = None
     unified_memory: bool = False  # the device profile's memory is unified: CUDA slots default to mapped
     staging: int | None = None
     warm: Mapping[int, Any] | None = None

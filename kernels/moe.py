@@ -15,7 +15,7 @@ import torch
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.errors import ConfigError
-from edgerun.kernels.moe_reference import moe_experts_ref
+from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
 
 IMPLS = ("reference", "triton", "cpu")
 
@@ -48,6 +48,7 @@ def moe_experts(
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     packed: dict | None = None,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -63,7 +64,9 @@ def moe_experts(
     ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
     rounded as ``resid.add_(routed + shared)`` rounds; ``resid`` is returned (the decode kernel
     does it in its epilogue). ``packed`` (cpu): slot -> the slot's weights repacked for the CPU
-    kernels, kept by the caller across steps (the cache drops a slot's entry when it refills it)."""
+    kernels, kept by the caller across steps (the cache drops a slot's entry when it refills it).
+    ``far`` (:class:`FarTier`): slots from S = pool.shape[0] on are its rows, pinned host memory
+    the GPU reads in place (global scales then cover both: [S + R, 2])."""
     part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if part and (table is not None or into is not None):
         raise ValueError("a step run in parts takes neither a slot table nor a residual")
@@ -72,13 +75,16 @@ def moe_experts(
         from edgerun.kernels import moe_triton
 
         return moe_triton.moe_gemv(
-            x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into
-        )
+            x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
+            far=far,
+        )  # fmt: skip
     if table is not None:
         slot_idx = table[expert_ids]
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
+    if far is not None and policy.impl == "cpu":
+        raise ValueError("the CPU expert kernels read host slot pools: a far tier is for a GPU's device pool")
     if policy.impl == "reference":
-        routed = moe_experts_ref(*args, **part)
+        routed = moe_experts_ref(*args, **part, far=far)
     elif policy.impl == "cpu":
         from edgerun.kernels.moe_cpu import moe_cpu
 
@@ -86,7 +92,7 @@ def moe_experts(
     else:
         from edgerun.kernels import moe_triton
 
-        routed = moe_triton.moe_grouped(*args, **part)
+        routed = moe_triton.moe_grouped(*args, **part, far=far)
     if into is None:
         return routed
     resid, shared = into

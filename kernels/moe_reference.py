@@ -12,6 +12,8 @@ package is compared against it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -66,18 +68,41 @@ def layout_dims(layout: BlockLayout) -> tuple[int, int]:
     return layout.component("down.weight").shape[0], layout.component("gate_up.weight").shape[0] // 2
 
 
-def check_pool(pool: torch.Tensor, layout: BlockLayout, global_scales: torch.Tensor | None) -> None:
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.block_bytes:
-        raise ValueError(
-            f"slot pool must be uint8 [S, block_bytes={layout.block_bytes}], got {pool.dtype} {list(pool.shape)}"
-        )
+def check_pool(
+    pool: torch.Tensor, layout: BlockLayout, global_scales: torch.Tensor | None, far: torch.Tensor | None = None
+) -> int:
+    """Refuse a pool (and its far tier) that is not uint8 [rows, block_bytes], or int4 global
+    scales that are not fp32 [slots, 2]; returns the slots addressable (device rows + far rows)."""
+    for name, t in (("slot pool", pool), ("far tier", far)):
+        if t is not None and (t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != layout.block_bytes):
+            raise ValueError(
+                f"{name} must be uint8 [S, block_bytes={layout.block_bytes}], got {t.dtype} {list(t.shape)}"
+            )
+    slots = pool.shape[0] + (far.shape[0] if far is not None else 0)
     if layout.quant == "int4" and (
-        global_scales is None
-        or global_scales.dtype != torch.float32
-        or tuple(global_scales.shape) != (pool.shape[0], 2)
+        global_scales is None or global_scales.dtype != torch.float32 or tuple(global_scales.shape) != (slots, 2)
     ):
         got = None if global_scales is None else f"{global_scales.dtype} {list(global_scales.shape)}"
-        raise ValueError(f"an int4 pool needs global scales fp32 [S={pool.shape[0]}, 2], got {got}")
+        raise ValueError(f"an int4 pool needs global scales fp32 [S={slots}, 2], got {got}")
+    return slots
+
+
+@dataclass(frozen=True)
+class FarTier:
+    """A layer's far tier: expert blocks in pinned host memory that the GPU reads in place over
+    PCIe (a discrete GPU's host tier holding every expert), addressed as slots S.. after the
+    device pool's S. ``reads`` (int64 [1] on the device): the Triton kernels add the (token,
+    expert) pairs they served from here."""
+
+    rows: torch.Tensor  # uint8 [R, block_bytes], as the device sees it
+    reads: torch.Tensor | None = None
+
+
+def slot_block(pool: torch.Tensor, far: FarTier | None, slot: int) -> torch.Tensor:
+    """Slot ``slot``'s block: a device row below the pool's size, else row slot - S of the far
+    tier (the pinned host tier a discrete GPU reads in place)."""
+    S = pool.shape[0]
+    return pool[slot] if slot < S else far.rows[slot - S]
 
 
 def moe_experts_ref(
@@ -91,6 +116,7 @@ def moe_experts_ref(
     out_dtype: torch.dtype | None = None,
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """Router-weighted sum of each token's experts, read from a slot pool.
 
@@ -101,8 +127,9 @@ def moe_experts_ref(
     appears with two different slots is refused.
 
     ``expert_range`` (lo, hi): only experts lo..hi run (the others' slots are not read), added
-    into ``acc`` (x's dtype), which is returned; see ``combine_experts``."""
-    check_pool(pool, layout, global_scales)
+    into ``acc`` (x's dtype), which is returned; see ``combine_experts``. ``far``: slots S..S+R-1 are
+    its rows (``slot_block``), global scales then [S + R, 2]."""
+    slots = check_pool(pool, layout, global_scales, None if far is None else far.rows)
     if (
         slot_idx.shape != expert_ids.shape
         or slot_idx.shape != weights.shape
@@ -118,13 +145,13 @@ def moe_experts_ref(
             continue
         if slot_of.setdefault(e, s) != s:
             raise ValueError(f"expert {e} is given two slots ({slot_of[e]} and {s}) in one step")
-        if not 0 <= s < pool.shape[0]:
-            raise ValueError(f"slot {s} (expert {e}) is outside the pool of {pool.shape[0]} slots")
+        if not 0 <= s < slots:
+            raise ValueError(f"slot {s} (expert {e}) is outside the pool of {slots} slots")
 
     def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = slot_of[e]
         gs = None if global_scales is None else global_scales[s]
-        return dequantize_block(layout, pool[s], gs, dtype=x.dtype)
+        return dequantize_block(layout, slot_block(pool, far, s), gs, dtype=x.dtype)
 
     out = combine_experts(x, expert_ids, weights, expert_weights, out=acc, experts=expert_range)
     return out if out_dtype is None or acc is not None else out.to(out_dtype)

@@ -39,7 +39,7 @@ from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.moe_reference import check_pool, layout_dims
+from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 
 INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,6 +122,14 @@ def _slot(slots, table, ids, p, TABLE: tl.constexpr):
     return tl.load(slots + p).to(tl.int64)  # 64-bit: slot * block passes 2^31 in large pools
 
 
+@triton.jit
+def _at(slot, split, block, far):
+    """Where slot ``slot``'s block starts, in elements from the pool's start: a device slot below
+    ``split``; at and above it, row slot - split of the far tier (pinned host memory the GPU reads
+    in place over PCIe), which starts ``far`` elements from the pool (any sign: one address space)."""
+    return tl.where(slot < split, slot * block, far + (slot - split) * block)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 
@@ -136,10 +144,14 @@ def _gate_up_kernel(
     ids,
     gscales,
     h,
+    far_reads,
     w_block,
     s_block,
     w_off,
     s_off,
+    split,
+    w_far,
+    s_far,
     zero,
     D: tl.constexpr,
     I: tl.constexpr,
@@ -149,14 +161,18 @@ def _gate_up_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TABLE: tl.constexpr,
+    FAR: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
     r0 = tl.program_id(1) * BLOCK_R
     slot = _slot(slots, table, ids, p, TABLE)
-    w = wpool + slot * w_block + w_off
-    s = spool + slot * s_block + s_off
+    if FAR:
+        if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
+            tl.atomic_add(far_reads, (slot >= split).to(tl.int64))
+    w = wpool + _at(slot, split, w_block, w_far) + w_off
+    s = spool + _at(slot, split, s_block, s_far) + s_off
     xt = x + (p // A) * D
     gate = _rows_dot(w, s, r0, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
     up = _rows_dot(w, s, r0 + I, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
@@ -183,6 +199,9 @@ def _down_kernel(
     s_block,
     w_off,
     s_off,
+    split,
+    w_far,
+    s_far,
     zero,
     D: tl.constexpr,
     I: tl.constexpr,
@@ -215,8 +234,8 @@ def _down_kernel(
     for r in tl.static_range(A):
         p = t * A + tl.sum(tl.where(rank == r, ar, 0))
         slot = _slot(slots, table, ids, p, TABLE)
-        w = wpool + slot * w_block + w_off
-        s = spool + slot * s_block + s_off
+        w = wpool + _at(slot, split, w_block, w_far) + w_off
+        s = spool + _at(slot, split, s_block, s_far) + s_off
         y = _rows_dot(w, s, r0, h + p * I, zero, I, QUANT, G, BLOCK_R, BLOCK_K)
         if QUANT == 2:
             y *= tl.load(gscales + slot * 2 + 1)
@@ -334,10 +353,14 @@ def _grouped_gate_up_kernel(
     rows,
     gscales,
     h,
+    far_reads,
     w_block,
     s_block,
     w_off,
     s_off,
+    split,
+    w_far,
+    s_far,
     zero,
     P,
     D: tl.constexpr,
@@ -348,6 +371,7 @@ def _grouped_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FAR: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """h[row] = SiLU(x W_gate^T) * (x W_up^T) for the BLOCK_M rows of one expert's tile and
@@ -355,11 +379,14 @@ def _grouped_gate_up_kernel(
     slot, offs, pair, valid = _tile_rows(tile_slot, rows, P, A, BLOCK_M)
     if slot < 0:
         return
+    if FAR:
+        if tl.program_id(1) == 0:  # the tile's pairs, when its expert is read from the far tier
+            tl.atomic_add(far_reads, tl.sum(valid.to(tl.int64)) * (slot >= split).to(tl.int64))
     tok = pair // A
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    w = wpool + slot * w_block + w_off
-    s = spool + slot * s_block + s_off
+    w = wpool + _at(slot, split, w_block, w_far) + w_off
+    s = spool + _at(slot, split, s_block, s_far) + s_off
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -395,6 +422,9 @@ def _grouped_down_kernel(
     s_block,
     w_off,
     s_off,
+    split,
+    w_far,
+    s_far,
     zero,
     P,
     D: tl.constexpr,
@@ -414,8 +444,8 @@ def _grouped_down_kernel(
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
-    w = wpool + slot * w_block + w_off
-    s = spool + slot * s_block + s_off
+    w = wpool + _at(slot, split, w_block, w_far) + w_off
+    s = spool + _at(slot, split, s_block, s_far) + s_off
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -579,8 +609,8 @@ def rotate_activations(v: torch.Tensor, g: int) -> torch.Tensor:
     return out
 
 
-def _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales) -> None:
-    check_pool(pool, layout, global_scales)
+def _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far=None) -> None:
+    check_pool(pool, layout, global_scales, None if far is None else far.rows)
     why = unsupported(layout)
     if why:
         raise ValueError(f"Triton MoE kernels cannot run this bundle: {why}")
@@ -592,11 +622,28 @@ def _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales) -> Non
             f"x {list(x.shape)}, slot_idx {list(slot_idx.shape)}, expert_ids {list(expert_ids.shape)} and "
             f"weights {list(weights.shape)} must agree on [T, A]"
         )
-    if not pool.is_contiguous():
-        raise ValueError("the slot pool must be contiguous")
-    for name, t in (("x", x), ("slot_idx", slot_idx), ("expert_ids", expert_ids), ("weights", weights)):
+    if not pool.is_contiguous() or (far is not None and not far.rows.is_contiguous()):
+        raise ValueError("the slot pool and its far tier must be contiguous")
+    named = (("x", x), ("slot_idx", slot_idx), ("expert_ids", expert_ids), ("weights", weights))
+    if far is not None:
+        named += (("the far tier", far.rows),) + ((("far_reads", far.reads),) if far.reads is not None else ())
+    for name, t in named:
         if t.device != pool.device:
             raise ValueError(f"{name} is on {t.device}, the slot pool on {pool.device}")
+
+
+def _far_args(pool: torch.Tensor, far: FarTier | None, wv: torch.Tensor, sv: torch.Tensor) -> tuple:
+    """(far_reads, split, w_far, s_far, FAR): the kernels' view of a far tier: slots from
+    ``split`` on are its rows, ``w_far`` / ``s_far`` elements of the weight / scale view from the
+    pool's start (device and pinned host memory share one virtual address space)."""
+    if far is None:
+        return pool, pool.shape[0], 0, 0, False  # placeholder counter: never written
+    delta = far.rows.data_ptr() - pool.data_ptr()
+    we, se = wv.element_size(), sv.element_size()
+    if delta % we or delta % se:
+        raise ValueError(f"the far tier starts {delta} bytes from the pool: not a whole number of elements")
+    reads = far.reads if far.reads is not None else pool
+    return reads, pool.shape[0], delta // we, delta // se, far.reads is not None
 
 
 def moe_gemv(
@@ -611,6 +658,7 @@ def moe_gemv(
     config: GemvConfig = DEFAULT_GEMV,
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """Decode: fused dequant + GEMV from the pool, two launches (four with a rotation). Same
     contract as ``moe_experts_ref``, except that everything runs in fp32 and is rounded to
@@ -619,8 +667,9 @@ def moe_gemv(
     ``table`` (int64 [E], every expert of the layer held): the slot of an entry is
     ``table[expert_ids]``, looked up inside the kernels (``slot_idx`` is then not read).
     ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
-    as ``resid.add_(routed + shared)`` rounds, and ``resid`` is returned."""
-    _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales)
+    as ``resid.add_(routed + shared)`` rounds, and ``resid`` is returned. ``far``: slots S.. are
+    the far tier's rows, read in place (``moe_experts``)."""
+    _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
     resid, shared = into if into is not None else (None, None)
@@ -634,6 +683,7 @@ def moe_gemv(
     q, G = QUANT_CODE[layout.quant], layout.group_size
     rotated = layout.rotation == "hadamard"
     wv, sv = _views(pool, layout)
+    reads, split, w_far, s_far, count = _far_args(pool, far, wv, sv)
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
     tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
@@ -641,8 +691,9 @@ def moe_gemv(
     br = _pow2_divisor(I, config.block_r)
     bk = _block_k(D, layout, config.row_bytes)
     _gate_up_kernel[(T * A, I // br)](
-        xin, wv, sv, slots, tab, ids, gs, h, *_component_args(layout, "gate_up", wv, sv), 0,
-        D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None,
+        xin, wv, sv, slots, tab, ids, gs, h, reads, *_component_args(layout, "gate_up", wv, sv),
+        split, w_far, s_far, 0,
+        D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None, FAR=count,
         num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
@@ -651,7 +702,7 @@ def moe_gemv(
     bk = _block_k(I, layout, config.row_bytes)
     _down_kernel[(T, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out,
-        *_component_args(layout, "down", wv, sv), 0,
+        *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
         D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk,
         TABLE=table is not None, SHARED=shared is not None, INTO=resid is not None,
         CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps, **pdl_kwargs(x.device),
@@ -775,25 +826,29 @@ def moe_grouped(
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
     config: GroupedConfig = DEFAULT_GROUPED,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """Prefill: a grouped GEMM over every expert of the step, three launches after the tiling
     (``align_pairs``), no host round trip: gate_up + SiLU·up per expert tile (weights dequantized
     to bf16 in the kernel, bf16 products, fp32 sums), down times the router weight per tile, then
     each token's experts summed in fp32 by ascending expert id and rounded once. ``expert_range``
     (lo, hi): only those experts run (the others' slots are not read), added into ``acc`` (fp32
-    [T, D]), which is returned as is (the caller rounds it once, at the end)."""
-    _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales)
+    [T, D]), which is returned as is (the caller rounds it once, at the end). ``far``: slots S..
+    are the far tier's rows, read in place (``moe_experts``)."""
+    _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
     out = acc if acc is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
     if T == 0:
         return out
     P, bm = T * A, config.block_m
-    rows, tile_slot = align_pairs(expert_ids, slot_idx, pool.shape[0], bm, expert_range)
+    slots = pool.shape[0] + (far.rows.shape[0] if far is not None else 0)
+    rows, tile_slot = align_pairs(expert_ids, slot_idx, slots, bm, expert_range)
     n_tiles = tile_slot.numel()
     q, G = QUANT_CODE[layout.quant], layout.group_size
     rotated = layout.rotation == "hadamard"
     wv, sv = _views(pool, layout)
+    reads, split, w_far, s_far, count = _far_args(pool, far, wv, sv)
     rw = weights.contiguous()
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
     xin = rotate_activations(x, G) if rotated else x.contiguous()
@@ -804,13 +859,15 @@ def moe_grouped(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     _grouped_gate_up_kernel[(n_tiles, triton.cdiv(I, config.block_n))](
-        xin, wv, sv, tile_slot, rows, gs, h, *_component_args(layout, "gate_up", wv, sv), 0, P, D=D, I=I, **common
+        xin, wv, sv, tile_slot, rows, gs, h, reads, *_component_args(layout, "gate_up", wv, sv),
+        split, w_far, s_far, 0, P, D=D, I=I, FAR=count, **common
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
     _grouped_down_kernel[(n_tiles, triton.cdiv(D, config.block_n))](
-        h, wv, sv, tile_slot, rows, rw, gs, y, *_component_args(layout, "down", wv, sv), 0, P, D=D, I=I, **common
+        h, wv, sv, tile_slot, rows, rw, gs, y, *_component_args(layout, "down", wv, sv),
+        split, w_far, s_far, 0, P, D=D, I=I, **common
     )  # fmt: skip
     lo, hi = expert_range if expert_range is not None else (0, torch.iinfo(torch.int32).max)
     block = min(triton.next_power_of_2(D), 512)

@@ -43,6 +43,7 @@ from edgerun.cache.reader import ALIGN, BlockReader, Staged, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
 from edgerun.errors import ChecksumError, StorageError
+from edgerun.kernels.moe_reference import FarTier
 
 
 @dataclass
@@ -54,6 +55,7 @@ class LayerStats:
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time this layer waited for its misses
     tier_copies: int = 0  # misses served from the pinned host tier (a copy, no storage read)
+    far_reads: int = 0  # (token, expert) pairs the GPU served in place from the pinned host tier
     prefetch_issued: int = 0  # reads started before the layer's lookup asked (``ExpertCache.prefetch``)
     prefetch_useful: int = 0  # of them, misses they served (still counted as misses)
     prefetch_wasted: int = 0  # of them, read (or cancelled) and not asked for
@@ -77,6 +79,7 @@ def largest_uniform_quota(bundle: Bundle, budget: int, staging: int) -> int:
 
 
 POOLS = ("host", "device", "mapped")
+TIER_READS = ("in-place", "copy")
 
 
 class ExpertCache:
@@ -190,16 +193,46 @@ class ExpertCache:
         self.host_tier_bytes = 0
         if config.host_quotas:
             self._make_tier(config.host_quotas, quotas)
+        # a tier holding every expert of a layer is read in place: the far tier (``far``)
+        self.far: dict[int, FarTier] = {}
+        self._far_tables: dict[int, torch.Tensor] = {}
+        self._far_counts: torch.Tensor | None = None
+        self._far_mode(config.tier_reads)
         # layer -> slot -> its weights in the CPU kernels' layout (kernels/moe_cpu.py)
         self.packed: dict[int, dict] = {layer: {} for layer in quotas}
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
-        self.slot_scales = {}  # the same by slot ([Q, 2]), kept in step with every fill, for kernels
+        # the same by slot ([Q, 2]; [Q + E, 2] with a far tier: its rows after the device slots'),
+        # kept in step with every fill, for kernels
+        self.slot_scales = {}
         for layer, q in quotas.items():
             s = bundle.global_scales(layer)
             self.scales[layer] = None if s is None else s.to(self.device)
+            rows = q + (self.far[layer].rows.shape[0] if layer in self.far else 0)
             self.slot_scales[layer] = (
-                None if s is None else torch.ones(q, 2, dtype=torch.float32, device=self.device)
+                None if s is None else torch.ones(rows, 2, dtype=torch.float32, device=self.device)
             )
+
+    def _far_mode(self, tier_reads: str | None) -> None:
+        """Each layer whose pinned host tier holds every expert becomes a far tier the GPU reads in
+        place over PCIe (``tier_reads`` in-place, or None where the GPU reads mapped host memory):
+        the device slots hold some experts, every other is read from pinned memory by the same
+        kernels, so all are reachable from one slot table and a decode step stays one graph."""
+        if tier_reads not in (None, *TIER_READS):
+            raise QuotaError(f"tier_reads {tier_reads!r} is not one of {', '.join(TIER_READS)}")
+        E = self.bundle.args.num_experts
+        full = [layer for layer, t in self.tier.items() if t.quota >= E]
+        if tier_reads == "copy" or not full:
+            return
+        why = mapped_unsupported(self.device)
+        if why:
+            if tier_reads == "in-place":
+                raise QuotaError(f"tier_reads in-place: {why}")
+            self._fallbacks["tier_reads"] = f"{why}; the host tier's experts are copied into device slots"
+            return
+        self._far_counts = torch.zeros(len(full), dtype=torch.int64, device=self.device)
+        for k, layer in enumerate(full):
+            rows = torch.as_tensor(_DeviceView(self.tier_mem[layer]), device=self.device)
+            self.far[layer] = FarTier(rows, self._far_counts[k : k + 1])
 
     def _make_tier(self, host_quota: int | Mapping[int, int], quotas: dict[int, int]) -> None:
         args = self.bundle.args
@@ -268,6 +301,8 @@ class ExpertCache:
             )
         if layer in self.tier:
             self._copy_from_tier(layer, fills)
+            if layer in self._far_tables:  # the moved experts' entries, after their copies completed
+                self._far_tables[layer].copy_(self._far_table(layer))
             return
         host = self.host_slots.get(layer)
 
@@ -425,11 +460,24 @@ class ExpertCache:
     def slot_table(self, layer: int) -> torch.Tensor | None:
         """expert -> slot (int64 [E] on the device) when every expert of ``layer`` is held, so a
         step can find its slots on the device without a host round trip; else None. Valid until
-        the next eviction, which cannot happen while every expert is held."""
+        the next eviction, which cannot happen while every expert is held. With a far tier every
+        expert is reachable: a device slot, or slot Q + its row in the tier; that table is one
+        tensor, updated in place when a lookup moves experts into device slots."""
+        if layer in self.far:
+            if layer not in self._far_tables:
+                self._far_tables[layer] = self._far_table(layer).to(self.device)
+            return self._far_tables[layer]
         table = self.slots[layer].slot_of
         if len(table) < self.bundle.args.num_experts:
             return None
         return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
+
+    def _far_table(self, layer: int) -> torch.Tensor:
+        Q, tier = self.slots[layer].quota, self.tier[layer].slot_of
+        table = [Q + tier[e] for e in range(self.bundle.args.num_experts)]
+        for e, s in self.slots[layer].slot_of.items():
+            table[e] = s
+        return torch.tensor(table, dtype=torch.int64)
 
     def pack_held(self) -> int:
         """Repack now, for the CPU expert kernels, every slot of each layer that holds all its
@@ -474,8 +522,28 @@ class ExpertCache:
 
         E = self.bundle.args.num_experts
         full = [layer for layer, table in self.slots.items() if table.quota >= E and len(table.slot_of) < E]
-        for layer in iterate(full, len(full), "read experts", "layer"):
-            self._preload(layer, list(range(E)))
+        far = [layer for layer in self.far if len(self.tier[layer].slot_of) < E]
+        for layer in iterate(full + far, len(full + far), "read experts", "layer"):
+            if layer in self.far:
+                self._hold_far(layer)
+            else:
+                self._preload(layer, list(range(E)))
+
+    def _hold_far(self, layer: int) -> None:
+        """Read every expert of a far layer into its pinned tier, with each one's global scales
+        at its far slot, and the device slots' first experts (ids 0..Q-1 until a warm set or the
+        lookups choose others) copied in."""
+        E, Q = self.bundle.args.num_experts, self.slots[layer].quota
+        reads = self.io[layer].bytes_read
+        self._tier_get(layer, list(range(E)), count=False)
+        scales = self.slot_scales[layer]
+        if scales is not None:
+            tier = self.tier[layer].slot_of
+            rows = torch.tensor([Q + tier[e] for e in range(E)], device=self.device)
+            scales.index_copy_(0, rows, self.scales[layer])
+        _, fills = self.slots[layer].assign(list(range(Q)), count=False)
+        self._fill(layer, fills)
+        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[layer].block_bytes
 
     def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
         """Preload each layer's most used experts (up to its quota); they stay evictable."""
@@ -500,13 +568,27 @@ class ExpertCache:
 
     # ---- reporting ----------------------------------------------------------------------
 
-    def layer_stats(self, layer: int) -> LayerStats:
+    def far_reads(self) -> dict[int, int]:
+        """(token, expert) pairs each far layer's kernels served from its pinned tier (one device
+        sync for all layers); empty without a far tier."""
+        if self._far_counts is None:
+            return {}
+        return dict(zip(self.far, self._far_counts.tolist(), strict=True))
+
+    def layer_stats(self, layer: int, far: dict[int, int] | None = None) -> LayerStats:
+        """One layer's counters. A far layer's slot-table steps count every pair as a hit; the
+        pairs read from the far tier are taken out of the hits and given as ``far_reads``."""
         c = self.slots[layer].counters
-        return replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions)
+        stats = replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions)
+        if layer in self.far:
+            stats.far_reads = (far if far is not None else self.far_reads())[layer]
+            stats.hits -= stats.far_reads
+        return stats
 
     def totals(self) -> LayerStats:
         t = LayerStats()
-        for s in map(self.layer_stats, self.slots):
+        far = self.far_reads()
+        for s in (self.layer_stats(layer, far) for layer in self.slots):
             for f in fields(LayerStats):
                 setattr(t, f.name, getattr(t, f.name) + getattr(s, f.name))
         return t
@@ -545,6 +627,8 @@ class ExpertCache:
         self.pools.clear()
         self.host_slots.clear()
         self.tier_mem.clear()
+        self.far.clear()
+        self._far_tables.clear()
         self._host.clear()
 
 

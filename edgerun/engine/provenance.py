@@ -12,6 +12,7 @@ def cache_line(cache, tokens: int) -> str:
         f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
         f"{t.evictions} evictions, {t.warm_reads} warm reads, "
         + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
+        + (f"{t.far_reads} read in place from it over PCIe, " if cache.far else "")
         + f"{t.bytes_read / 2**20:.1f} MiB read "
         f"at {t.read_bandwidth / 1e9:.2f} GB/s"
         + (
@@ -32,8 +33,15 @@ def experts_text(runner) -> str:
     modes = {r.mode for r in cache.readers.values()}
     depths = "/".join(str(r.depth) for r in cache.readers.values())
     tier = sorted({t.quota for t in cache.tier.values()})
+    far = len(cache.far)
     tier_text = (
-        f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB), "
+        f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB"
+        + (
+            f", read in place over PCIe in {far} of {len(cache.tier)} layers: every expert reachable, no misses"
+            if far
+            else ", misses copied to device slots"
+        )
+        + "), "
         if tier
         else ""
     )

@@ -119,6 +119,7 @@ def cache_config(
     read_depth: int | None = None,
     prefetch: bool | None = None,
     pool: str | None = None,
+    tier_reads: str | None = None,
     warm: Mapping[int, Any] | None = None,
     trace: Path | None = None,
     providers=None,
@@ -141,6 +142,7 @@ def cache_config(
         for flag, value in (
             ("--host-quota", host_quota),
             ("--slot-pool", pool),
+            ("--tier-reads", tier_reads),
             ("--read-mode", read_mode),
             ("--read-depth", read_depth),
             ("--prefetch" if prefetch else "--no-prefetch", prefetch),
@@ -175,6 +177,7 @@ def cache_config(
         read_depth=read_depth,
         prefetch=prefetch,
         pool=pool,
+        tier_reads=tier_reads,
         unified_memory=unified,
         warm=warm,
         draft_tokens=draft_tokens,

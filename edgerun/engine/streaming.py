@@ -60,6 +60,7 @@ def run_experts(
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
+        far=cache.far.get(layer),
     )  # fmt: skip
 
 

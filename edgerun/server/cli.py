@@ -13,7 +13,7 @@ from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import add_device_arguments, add_model_argument, add_speculative_arguments, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.options import DEFAULT_BATCH, SLOT_POOLS, ServeOptions, load_serve_config
+from edgerun.server.options import DEFAULT_BATCH, SLOT_POOLS, TIER_READS, ServeOptions, load_serve_config
 
 # flag dest -> ServeOptions field
 _FLAGS = (
@@ -30,6 +30,7 @@ _FLAGS = (
     "graphs",
     "dense_kernel",
     "slot_pool",
+    "tier_reads",
     "device",
     "dtype",
     "context",
@@ -164,6 +165,14 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         help="CUDA expert slots in VRAM (device) or pinned host memory the GPU reads (mapped); "
         "default: mapped on unified-memory profiles",
     )
+    p.add_argument(
+        "--tier-reads",
+        choices=TIER_READS,
+        default=None,
+        help="a pinned host tier holding every expert (discrete GPUs): the GPU reads the experts its "
+        "device slots lack in place over PCIe, the step staying one CUDA graph (in-place), or copies "
+        "each miss into a slot first (copy); default: in-place where the GPU reads mapped memory",
+    )
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -213,6 +222,7 @@ def cache_plan(opts: ServeOptions):
         read_depth=opts.read_depth,
         prefetch=opts.prefetch,
         pool=opts.slot_pool,
+        tier_reads=opts.tier_reads,
         warm=read_warm(opts.warm),
         trace=opts.trace,
         providers=opts.providers,

@@ -194,8 +194,9 @@ class RunnerEngine:
         if self.runner.device.type == "cuda":
             resident += torch.cuda.memory_allocated(self.runner.device)
         layers = {}
+        far = cache.far_reads() if cache else {}  # one device sync for every layer's far counter
         for layer in self.runner.args.moe_layers:
-            st = cache.layer_stats(layer) if cache else None
+            st = cache.layer_stats(layer, far) if cache else None
             layers[layer] = {
                 "hits": st.hits if st else 0,
                 "misses": st.misses if st else 0,
@@ -210,6 +211,8 @@ class RunnerEngine:
                         "prefetch_bytes",
                         "verify_windows",
                         "window_experts",
+                        "tier_copies",
+                        "far_reads",
                     )
                 },
             }

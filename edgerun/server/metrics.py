@@ -178,6 +178,17 @@ def render(
     ):
         t.family(name, "counter", help_, [({"layer": i, "experts": mode}, s[key]) for i, s in layers])
     t.family(
+        "edgerun_expert_host_tier_total",
+        "counter",
+        "Expert uses the pinned host tier served (discrete GPUs), per layer: copied into a device slot "
+        "(a miss of the device slots), or read in place by the GPU over PCIe (every expert in the tier).",
+        [
+            ({"layer": i, "experts": mode, "how": how}, s.get(key, 0))
+            for i, s in layers
+            for how, key in (("copied", "tier_copies"), ("in_place", "far_reads"))
+        ],
+    )
+    t.family(
         "edgerun_expert_prefetch_total",
         "counter",
         "Expert reads issued before the router asked (the next layer's predicted experts, a prefill's "

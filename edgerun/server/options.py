@@ -21,6 +21,7 @@ from edgerun.flags import RENAMED_KEYS, TORCH_DEVICES, deprecated
 from edgerun.models.providers import ProviderPolicy
 
 SLOT_POOLS = ("device", "mapped")
+TIER_READS = ("in-place", "copy")
 DEFAULT_BATCH = 4  # requests decoding together on the CPU unless serve's batch says
 
 
@@ -47,6 +48,7 @@ class ServeOptions:
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
+    tier_reads: str | None = None  # pinned host tier -> GPU: in-place | copy; None: in-place where it can
     device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
@@ -106,6 +108,7 @@ class ServeOptions:
             ("graphs", GRAPH_MODES),
             ("dense_kernel", DENSE_KERNELS),
             ("slot_pool", SLOT_POOLS),
+            ("tier_reads", TIER_READS),
         ):
             value = getattr(self, name)
             if value is not None and value not in valid:

@@ -28,8 +28,11 @@ def _load(bundle, setup, graphs):
         kw["kernels"] = KernelPolicy(experts="reference", graphs=graphs)
     cache = CacheConfig(
         {"table": 16}.get(setup, 2),  # table: every expert held (read in at load), one graph a step
-        host_quotas=5 if setup == "tiered" else None,  # device slots behind a page-locked host tier
+        # device slots behind a page-locked host tier; far: the tier holds every expert and the GPU
+        # reads the ones its 2 slots lack in place (one graph a step); far-copy: the same tier, misses copied
+        host_quotas={"tiered": 5, "far": 16, "far-copy": 16}.get(setup),
         pool="mapped" if setup == "mapped" else None,
+        tier_reads="copy" if setup == "far-copy" else None,
     )
     return Runner.load(bundle, cache=cache, **kw)
 
@@ -44,12 +47,12 @@ def _decode(runner):
     return out
 
 
-@pytest.mark.parametrize("setup", ["stacked", "table", "routed", "reference", "mapped", "tiered"])
+@pytest.mark.parametrize("setup", ["stacked", "table", "routed", "reference", "mapped", "tiered", "far"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
     b = bundles[(arch, "int4")]
     eager, graph = _load(b, setup, "off"), _load(b, setup, "on")
-    want = {"stacked": "stacked", "table": "table", "reference": "eager"}.get(setup, "routed")
+    want = {"stacked": "stacked", "table": "table", "far": "table", "reference": "eager"}.get(setup, "routed")
     a, g = _decode(eager), _decode(graph)
     assert set(graph.decoder.modes.values()) == {want}
     if setup != "reference" and setup != "stacked":
@@ -60,7 +63,7 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
     counts = graph.decode_counts()
     replayed = counts["graph"] + counts["mixed"]
     assert replayed == STEPS - 1 and counts["eager"] == 1  # the warm-up step; the rest replayed
-    if setup in ("stacked", "table"):
+    if setup in ("stacked", "table", "far"):
         assert counts["mixed"] == 0  # nothing needs the host: whole steps are graphs
     else:
         assert counts["mixed"] == replayed
@@ -83,6 +86,24 @@ def test_mapped_and_tiered_slots_equal_device_slots(bundles, arch):
     assert mapped.fallbacks() == {}
     for x, y, z in zip(_decode(dev), _decode(mapped), _decode(tiered)):
         assert torch.equal(x, y) and torch.equal(x, z)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_far_tier_reads_in_place_the_bits_device_slots_hold(bundles, arch):
+    """A host tier holding every expert behind 2 device slots: the GPU reads the other experts in
+    place from pinned memory, with no miss, no host sync (one graph a step) and the same logits,
+    bit for bit, as every expert in device slots; with tier_reads=copy the same tier serves
+    misses by copies (graph segments), again the same logits. The far pairs are counted."""
+    b = bundles[(arch, "int4")]
+    held, far, copy = _load(b, "table", "on"), _load(b, "far", "on"), _load(b, "far-copy", "on")
+    layer = far.args.moe_layers[0]
+    assert layer in far.cache.far and not copy.cache.far and far.cache.tier_mem[layer].is_pinned()
+    assert set(copy.decoder.modes.values()) == {"routed"}
+    for x, y, z in zip(_decode(held), _decode(far), _decode(copy)):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    t = far.cache.totals()
+    assert t.misses == 0 and t.evictions == 0 and t.far_reads > 0 and t.hits > 0
+    assert copy.cache.totals().tier_copies > 0 and copy.cache.totals().far_reads == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

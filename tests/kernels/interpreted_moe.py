@@ -142,3 +142,35 @@ def test_rotation_kernel_is_the_bundle_rotation(g):
     v = torch.randn(3, 512)
     got = K.rotate_activations(v.bfloat16(), g)
     torch.testing.assert_close(got, rotate_groups(v.bfloat16(), g), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("int8", None, "none"), ("bf16", None, "none")], ids=fmt_id)
+def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
+    """Slots from S on live in another allocation (the pinned host tier a discrete GPU reads in
+    place): the kernels read the same blocks, so the same bits come out as from one pool holding
+    them all, and every (token, expert) pair served from the far tier is counted."""
+    from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
+
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(7)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 6, 2, 8, gen)
+    S = 3  # slots 0-2 on the "device", 3-7 in the far tier
+    near, rows = pool[:S].clone(), pool[S:].clone()
+    reads = torch.zeros(1, dtype=torch.int64)
+    far = FarTier(rows, reads)
+    far_pairs = int((slots >= S).sum())
+    assert 0 < far_pairs < slots.numel()
+    assert torch.equal(K.moe_gemv(x, near, slots, ids, w, layout, gs, far=far), K.moe_gemv(x, pool, slots, ids, w, layout, gs))
+    assert int(reads) == far_pairs
+    table = torch.empty(8, dtype=torch.int64)
+    table[ids.flatten()] = slots.flatten()
+    got = K.moe_gemv(x, near, slots, ids, w, layout, gs, table=table, far=far)
+    assert torch.equal(got, K.moe_gemv(x, pool, slots, ids, w, layout, gs))
+    small = K.GroupedConfig(block_m=16, block_n=16, block_k=16)
+    reads.zero_()
+    xb = x.bfloat16()
+    want = K.moe_grouped(xb, pool, slots, ids, w, layout, gs, config=small)
+    assert torch.equal(K.moe_grouped(xb, near, slots, ids, w, layout, gs, config=small, far=far), want)
+    assert int(reads) == far_pairs
+    ref = moe_experts_ref(x, near, slots, ids, w, layout, gs, far=FarTier(rows))
+    assert torch.equal(ref, moe_experts_ref(x, pool, slots, ids, w, layout, gs))
