@@ -69,7 +69,10 @@ def layout_dims(layout: BlockLayout) -> tuple[int, int]:
 
 
 def check_pool(
-    pool: torch.Tensor, layout: BlockLayout, global_scales: torch.Tensor | None, far: torch.Tensor | None = None
+    pool: torch.Tensor,
+    layout: BlockLayout,
+    global_scales: torch.Tensor | None,
+    far: torch.Tensor | None = None,
 ) -> int:
     """Refuse a pool (and its far tier) that is not uint8 [rows, block_bytes], or int4 global
     scales that are not fp32 [slots, 2]; returns the slots addressable (device rows + far rows)."""
@@ -80,7 +83,9 @@ def check_pool(
             )
     slots = pool.shape[0] + (far.shape[0] if far is not None else 0)
     if layout.quant == "int4" and (
-        global_scales is None or global_scales.dtype != torch.float32 or tuple(global_scales.shape) != (slots, 2)
+        global_scales is None
+        or global_scales.dtype != torch.float32
+        or tuple(global_scales.shape) != (slots, 2)
     ):
         got = None if global_scales is None else f"{global_scales.dtype} {list(global_scales.shape)}"
         raise ValueError(f"an int4 pool needs global scales fp32 [S={slots}, 2], got {got}")

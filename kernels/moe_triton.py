@@ -626,7 +626,9 @@ def _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far=No
         raise ValueError("the slot pool and its far tier must be contiguous")
     named = (("x", x), ("slot_idx", slot_idx), ("expert_ids", expert_ids), ("weights", weights))
     if far is not None:
-        named += (("the far tier", far.rows),) + ((("far_reads", far.reads),) if far.reads is not None else ())
+        named += (("the far tier", far.rows),) + (
+            (("far_reads", far.reads),) if far.reads is not None else ()
+        )
     for name, t in named:
         if t.device != pool.device:
             raise ValueError(f"{name} is on {t.device}, the slot pool on {pool.device}")

@@ -159,6 +159,7 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         out["bytes_read"] = after.bytes_read - before.bytes_read
         out["read_gbs"] = out["bytes_read"] / stats.decode_s / 1e9 if stats.decode_s else 0.0
         out["read_wait_s"] = after.read_seconds - before.read_seconds
+        out["far_per_token"] = (after.far_reads - before.far_reads) / steps
     return out
 
 
@@ -191,13 +192,15 @@ def med(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth) -> dict:
+def run_config(
+    name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth, host_quota=None
+) -> dict:
     t0 = time.perf_counter()
     runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
         dtype=torch.bfloat16,
-        cache=cache_config(Path(bundle_dir), quota=quota, read_depth=depth),
+        cache=cache_config(Path(bundle_dir), quota=quota, read_depth=depth, host_quota=host_quota),
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
         prefill_chunk=len(prompt),
@@ -219,7 +222,7 @@ def run_config(name, bundle_dir, bundle, quota, capacity, prompt, decode, repeat
     rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
     rec["decode_tps"] = med([r["decode_tps"] for r in graph_runs])
     if runner.cache is not None:
-        for key in ("misses_per_token", "read_gbs", "read_wait_s"):
+        for key in ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token"):
             rec[key] = med([r[key] for r in graph_runs])
     if warm_all:
         rec["profile"] = profile_steps(runner, capacity)
@@ -260,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--budgets", default="resident,16,8", help="resident and/or device budgets in GiB")
+    ap.add_argument(
+        "--budgets",
+        default="resident,16,8",
+        help="resident, device budgets in GiB, and/or hostN: N device slots a layer, every expert in "
+        "a pinned host tier the GPU reads in place (a discrete GPU whose VRAM holds N)",
+    )
     ap.add_argument(
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
     )
@@ -325,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     _, rec_tok, kv_pos = state_bytes(bundle, capacity)
     records = []
     for spec in ns.budgets.split(","):
+        host = None
         if spec == "resident":
             name, quota, budget = "resident", a.num_experts, None
+        elif spec.startswith("host"):
+            quota, host, budget = int(spec[4:]), a.num_experts, None
+            name = f"{quota} device slots + pinned host tier"
         else:
             name, budget = f"{float(spec):g} GiB", int(float(spec) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity)
@@ -335,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
-            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats, budget is None, depth
-        )
+            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats,
+            budget is None and host is None, depth, host,
+        )  # fmt: skip
         rec["budget_bytes"] = budget
+        rec["prefill_tps"] = ns.prompt / rec["ttft_s"]["median"] if "ttft_s" in rec else None
         mean_pos = ns.prompt + ns.decode / 2
         if budget is None:
             per_token = (
@@ -346,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
             rec["bound_kind"] = "memory"
             rec["bytes_per_token"] = per_token
             rec["bound_tps"] = device_bw / per_token
+            if host is not None and "far_per_token" in rec:
+                # the far pairs' blocks cross PCIe instead of VRAM, overlapped at best: the slower bounds
+                far = rec["far_per_token"]["median"] * block
+                pcie = copy["h2d_pinned_gb_per_s"] * 1e9
+                rec["bound_kind"] = "memory | PCIe"
+                rec["bound_tps"] = 1 / max((per_token - far) / device_bw, far / pcie)
         else:
             mpt = rec["misses_per_token"]["median"]
             rec["bound_kind"] = "storage"
@@ -383,6 +403,8 @@ def markdown(result: dict) -> str:
             continue
         d, t = r["decode_tps"], r["ttft_s"]
         mpt = f"{r['misses_per_token']['median']:.1f}" if "misses_per_token" in r else "-"
+        if r.get("far_per_token", {}).get("median"):
+            mpt += f" (+{r['far_per_token']['median']:.1f} read in place)"
         rgb = f"{r['read_gbs']['median']:.2f}" if "read_gbs" in r else "-"
         lines.append(
             f"| {r['config']} | {r['quota']} | {r['tokens_identical']} | {t['median']:.2f} | "

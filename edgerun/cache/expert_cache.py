@@ -543,7 +543,9 @@ class ExpertCache:
             scales.index_copy_(0, rows, self.scales[layer])
         _, fills = self.slots[layer].assign(list(range(Q)), count=False)
         self._fill(layer, fills)
-        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[layer].block_bytes
+        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[
+            layer
+        ].block_bytes
 
     def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
         """Preload each layer's most used experts (up to its quota); they stay evictable."""

@@ -144,7 +144,9 @@ def test_rotation_kernel_is_the_bundle_rotation(g):
     torch.testing.assert_close(got, rotate_groups(v.bfloat16(), g), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("int8", None, "none"), ("bf16", None, "none")], ids=fmt_id)
+@pytest.mark.parametrize(
+    "fmt", [("int4", 16, "none"), ("int8", None, "none"), ("bf16", None, "none")], ids=fmt_id
+)
 def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     """Slots from S on live in another allocation (the pinned host tier a discrete GPU reads in
     place): the kernels read the same blocks, so the same bits come out as from one pool holding
@@ -160,7 +162,10 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     far = FarTier(rows, reads)
     far_pairs = int((slots >= S).sum())
     assert 0 < far_pairs < slots.numel()
-    assert torch.equal(K.moe_gemv(x, near, slots, ids, w, layout, gs, far=far), K.moe_gemv(x, pool, slots, ids, w, layout, gs))
+    assert torch.equal(
+        K.moe_gemv(x, near, slots, ids, w, layout, gs, far=far),
+        K.moe_gemv(x, pool, slots, ids, w, layout, gs),
+    )
     assert int(reads) == far_pairs
     table = torch.empty(8, dtype=torch.int64)
     table[ids.flatten()] = slots.flatten()
