@@ -98,6 +98,39 @@ def where_memory_goes(runner, prompt: list[int]) -> dict:
     return out
 
 
+def peak_owners(snapshot: dict, top: int = 15) -> dict:
+    """From a CUDA memory-history snapshot (recording from before load): the allocations live at
+    the moment the recorded allocations peaked, in MiB, by the innermost frame of edgerun's own
+    code that made each (file:line function)."""
+    mine = ("edgerun/", "kernels/", "benchmarks/")
+    live: dict[int, tuple[int, str]] = {}
+    cur = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for ev in snapshot["device_traces"][0]:
+        if ev["action"] == "alloc":
+            frames = ev.get("frames") or []
+            where = next(
+                (f"{f['filename'].split('/edgerun/')[-1]}:{f['line']} {f['name']}" for f in frames
+                 if any(m in f["filename"] for m in mine)),
+                "(no edgerun frame)",
+            )  # fmt: skip
+            live[ev["addr"]] = (ev["size"], where)
+            cur += ev["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])[0]
+    by: dict[str, int] = {}
+    for size, where in at_peak.values():
+        by[where] = by.get(where, 0) + size
+    ranked = sorted(by.items(), key=lambda kv: -kv[1])
+    return {
+        "recorded_peak_mib": round(peak / 2**20, 1),
+        "owners_mib": {w: round(n / 2**20, 1) for w, n in ranked[:top]},
+        "other_mib": round(sum(n for _, n in ranked[top:]) / 2**20, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "edgerun" / "demo")
@@ -114,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CUDA: also each module kind's largest transient over another, eager prefill",
     )
+    ap.add_argument(
+        "--owners",
+        action="store_true",
+        help="CUDA: record allocation history from before load and name the code holding memory at the peak",
+    )
     ns = ap.parse_args(argv)
 
     from edgerun.engine.policy import KernelPolicy
@@ -127,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     bundle = (ns.model / "manifest.json").exists()
     plan = planned(ns.model, bundle, profile, context, ns.prefill_chunk, ns.quota)
     cache = cache_config(ns.model, quota=ns.quota or min(plan["quotas"])) if bundle else None
+    if ns.owners and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     t0 = time.perf_counter()
     runner = Runner.load(
         ns.model,
@@ -164,8 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         plan["engine_bytes"] = sum(
             plan["items"].get(k, 0) for k in ("kv_cache", "deltanet_state", "activation_workspace")
         )
+    owners = None
+    if ns.owners and cuda:
+        owners = peak_owners(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
     phases = where_memory_goes(runner, prompt) if ns.phases and cuda else None
     rec = {
+        "owners": owners,
         "phases": phases,
         "model": str(ns.model),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
