@@ -98,37 +98,41 @@ def where_memory_goes(runner, prompt: list[int]) -> dict:
     return out
 
 
-def peak_owners(snapshot: dict, top: int = 15) -> dict:
-    """From a CUDA memory-history snapshot (recording from before load): the allocations live at
-    the moment the recorded allocations peaked, in MiB, by the innermost frame of edgerun's own
-    code that made each (file:line function)."""
+def peak_owners(snapshot: dict, start: int, top: int = 12) -> dict:
+    """From a CUDA memory-history snapshot recording since before load, whose first ``start``
+    events came before the request: the allocations live when the request began, and those live
+    when the request's allocations peaked, in MiB, each by the innermost three frames of edgerun's
+    own code that made it."""
     mine = ("edgerun/", "kernels/", "benchmarks/")
     live: dict[int, tuple[int, str]] = {}
     cur = peak = 0
+    before: dict[int, tuple[int, str]] = {}
     at_peak: dict[int, tuple[int, str]] = {}
-    for ev in snapshot["device_traces"][0]:
+    for n, ev in enumerate(snapshot["device_traces"][0]):
+        if n == start:
+            before, peak = dict(live), cur
         if ev["action"] == "alloc":
-            frames = ev.get("frames") or []
-            where = next(
-                (f"{f['filename'].split('/edgerun/')[-1]}:{f['line']} {f['name']}" for f in frames
-                 if any(m in f["filename"] for m in mine)),
-                "(no edgerun frame)",
-            )  # fmt: skip
-            live[ev["addr"]] = (ev["size"], where)
+            frames = [f for f in ev.get("frames") or [] if any(m in f["filename"] for m in mine)]
+            where = " < ".join(
+                f"{f['filename'].split('/edgerun/')[-1]}:{f['line']} {f['name']}" for f in frames[:3]
+            )
+            live[ev["addr"]] = (ev["size"], where or "(no edgerun frame)")
             cur += ev["size"]
-            if cur > peak:
+            if n >= start and cur > peak:
                 peak, at_peak = cur, dict(live)
         elif ev["action"] == "free_requested" and ev["addr"] in live:
             cur -= live.pop(ev["addr"])[0]
-    by: dict[str, int] = {}
-    for size, where in at_peak.values():
-        by[where] = by.get(where, 0) + size
-    ranked = sorted(by.items(), key=lambda kv: -kv[1])
-    return {
-        "recorded_peak_mib": round(peak / 2**20, 1),
-        "owners_mib": {w: round(n / 2**20, 1) for w, n in ranked[:top]},
-        "other_mib": round(sum(n for _, n in ranked[top:]) / 2**20, 1),
-    }
+
+    def owners(blocks: dict[int, tuple[int, str]]) -> dict:
+        by: dict[str, int] = {}
+        for size, where in blocks.values():
+            by[where] = by.get(where, 0) + size
+        ranked = sorted(by.items(), key=lambda kv: -kv[1])
+        out = {w: round(n / 2**20, 1) for w, n in ranked[:top]}
+        out["(the rest)"] = round(sum(n for _, n in ranked[top:]) / 2**20, 1)
+        return out
+
+    return {"live_before_request_mib": owners(before), "live_at_request_peak_mib": owners(at_peak)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+        start = len(torch.cuda.memory._snapshot()["device_traces"][0]) if ns.owners else 0
     rss0 = rss_peak_bytes()
     t0 = time.perf_counter()
     first = None
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     owners = None
     if ns.owners and cuda:
-        owners = peak_owners(torch.cuda.memory._snapshot())
+        owners = peak_owners(torch.cuda.memory._snapshot(), start)
         torch.cuda.memory._record_memory_history(enabled=None)
     phases = where_memory_goes(runner, prompt) if ns.phases and cuda else None
     rec = {
