@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-buffers", type=int, default=None, help="pinned read buffers (2 x top_k)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill forward (512)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="plan no CUDA graph pool")
+    parser.add_argument(
+        "--tier-reads",
+        choices=("in-place", "copy"),
+        default="in-place",
+        help="discrete GPUs: a pinned host tier holding every expert is read in place over PCIe (in-place), "
+        "or its experts are copied into VRAM slots on a miss (copy)",
+    )
     add_speculative_arguments(parser)
     add_provider_arguments(parser)
 
@@ -129,6 +136,7 @@ def run(ns: argparse.Namespace) -> int:
             cuda_graphs=not ns.no_cuda_graphs,
             quota=ns.quota,
             draft_tokens=spec.draft_tokens if spec is not None else 0,
+            tier_reads=ns.tier_reads,
         )
         trace = read_trace(ns.trace) if ns.trace else None
         result = plan(
@@ -164,6 +172,7 @@ def plan_for_bundle(
     quota: int | None = None,
     trace: str | Path | None = None,
     draft_tokens: int = 0,
+    tier_reads: str | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
@@ -183,7 +192,12 @@ def plan_for_bundle(
         profile if isinstance(profile, DeviceProfile) else load_device_profile(profile),
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
-        PlanOptions(dense=model.dense or DenseScheme(), quota=quota, draft_tokens=draft_tokens),
+        PlanOptions(
+            dense=model.dense or DenseScheme(),
+            quota=quota,
+            draft_tokens=draft_tokens,
+            tier_reads=tier_reads or PlanOptions.tier_reads,
+        ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,
         resident=resident,

@@ -85,6 +85,9 @@ class PlanOptions:
     cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
     quota: int | None = None  # exact per-layer quota; None: the largest that fits
     draft_tokens: int = 0  # speculative decoding: a verify window of K + 1 rows needs k x (K + 1) experts
+    # discrete: a pinned host tier that holds every expert is read in place by the GPU over PCIe
+    # (in-place: the far tier, every expert reachable from one slot table) or copied into VRAM slots
+    tier_reads: str = "in-place"
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class Prediction:
     tok_s: float  # the smallest bound: reads fully overlapped with compute
     tok_s_serial: float  # nothing overlapped: every read stalls the step
     trace_tokens: int = 0
+    far_reads_per_token: float = 0.0  # (discrete, far tier) expert blocks the GPU reads in place over PCIe
 
 
 @dataclass(frozen=True)
@@ -527,7 +531,7 @@ class _Sizer:
             "prefill_graph_pool",
             self.main_pool,
             graphed * per_token + extra,
-            f"prefill graphs (every expert held): {graphed} tok x {per_token} B"
+            f"prefill graphs (every expert held or read in place): {graphed} tok x {per_token} B"
             + (f" + {how}" if how else ""),
         )
 
@@ -823,7 +827,26 @@ def plan(
     else:
         quotas = _uniform_quotas(free[main], sizer.slot_costs, floors, E)
     assert quotas is not None  # the overflow check passed at the floor
-    graph_pool = sizer.prefill_graph_item(context, batch) if L and all(q == E for q in quotas) else None
+    far = _far_tier(sizer, free, options, L, E)
+    graph_pool = (
+        sizer.prefill_graph_item(context, batch) if L and (far or all(q == E for q in quotas)) else None
+    )
+    if far and graph_pool is not None and options.quota is None:
+        # every expert reachable (VRAM slots or the far tier): prompts replay prefill graphs, whose
+        # pool comes out of VRAM before the slots are sized
+        room = free[main] - graph_pool.nbytes
+        sized = (
+            _traced_quotas(room, sizer.slot_costs, floors, E, curves)
+            if curves is not None
+            else _uniform_quotas(room, sizer.slot_costs, floors, E)
+        )
+        if sized is not None:
+            quotas = sized
+        else:
+            graph_pool = None  # not even the floor beside it: prompts run eagerly
+            notes.append(
+                "the prefill graphs' pool does not fit beside the minimum VRAM quota: prompts run eagerly"
+            )
     if (
         graph_pool is not None
         and options.quota is None
@@ -843,7 +866,17 @@ def plan(
     items = fixed + [sizer.slot_item(quotas)] + ([graph_pool] if graph_pool is not None else [])
 
     host_quotas: tuple[int, ...] = ()
-    if device.discrete and L:
+    if far:
+        host_quotas = (E,) * L
+        items.append(
+            Item(
+                "host_expert_tier",
+                HOST_POOL,
+                sizer.slot_bytes(host_quotas),
+                f"every expert of {L} layers, read in place by the GPU over PCIe where VRAM slots lack them",
+            )
+        )
+    elif device.discrete and L:
         budget = free[HOST_POOL]
         if curves is not None:
             host = _traced_quotas(budget, sizer.blocks, quotas, E, curves)
@@ -864,7 +897,7 @@ def plan(
                     _quota_detail(host, sizer.blocks) + " (inclusive of the VRAM tier)",
                 )
             )
-    prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace)
+    prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace, far)
     return Plan(
         **base,
         quotas=quotas,
@@ -976,6 +1009,82 @@ def _refused(
     )
 
 
+def _far_tier(sizer: _Sizer, free: Mapping[str, int], options: PlanOptions, L: int, E: int) -> bool:
+    """A discrete device whose pinned host budget holds every expert of every layer reads the
+    ones its VRAM slots lack in place over PCIe (``cache.expert_cache``'s far tier)."""
+    return (
+        sizer.device.discrete
+        and L > 0
+        and options.tier_reads == "in-place"
+        and sizer.slot_bytes((E,) * L) <= free[HOST_POOL]
+    )
+
+
+def _predict_far(
+    sizer: _Sizer,
+    context: int,
+    batch: int,
+    quotas: Sequence[int],
+    resident: Mapping[str, int],
+    steps: list[list[tuple[int, ...]]] | None,
+    trace: RouteTrace | None,
+) -> Prediction:
+    """Decode with a far tier: each layer's VRAM slots hold its most used experts (by the trace;
+    uniform routing otherwise), every other (token, expert) pair reads its block from pinned
+    host memory over PCIe, with no storage reads and no misses. VRAM and PCIe reads overlap at
+    best (the bound), not at all (serial)."""
+    args, dev, opt = sizer.args, sizer.device, sizer.options
+    E, k, B = args.num_experts, args.num_experts_per_tok, batch
+    blocks = sizer.blocks
+    if steps is not None:
+        n_tok = len(trace.tokens)
+        far = []
+        for s, q in zip(steps, quotas):
+            counts: dict[int, int] = {}
+            for step in s:
+                for e in step:
+                    counts[e] = counts.get(e, 0) + 1
+            hot = sum(sorted(counts.values(), reverse=True)[:q])
+            far.append(k * (1 - hot / max(sum(counts.values()), 1)))
+        model = "trace"
+        desc = (
+            f"route trace {trace.source or ''} ({n_tok} tokens): each layer's VRAM slots hold its {min(quotas)}+ "
+            "most used experts, the other pairs read in place from the pinned host tier over PCIe"
+        )
+    else:
+        far = [k * (1 - q / E) for q in quotas]
+        model, n_tok = "uniform", 0
+        desc = (
+            "uniform routing: a token's top_k experts are in VRAM slots with probability quota/E, else "
+            "read in place from the pinned host tier over PCIe (every expert there: no storage reads)"
+        )
+    a = DTYPE_BYTES[opt.dense_dtype]
+    embed = resident.get(A.EMBED, 0)
+    dense_read = (
+        sum(resident.values()) - embed + (embed if args.tie_word_embeddings else B * args.hidden_size * a)
+    )
+    near_read = sum((k - f) * b for f, b in zip(far, blocks)) * B
+    kv_read = B * context * kv_bytes_per_token(args, opt.kv_dtype)
+    step_bytes = dense_read + near_read + kv_read + 2 * deltanet_state_bytes(args, B, opt.dense_dtype)
+    t_mem = step_bytes / dev.memory_bandwidth
+    t_pcie = sum(f * b for f, b in zip(far, blocks)) * B / dev.pcie_bandwidth
+    return Prediction(
+        model=model,
+        description=desc,
+        misses_per_token=0.0,
+        device_misses_per_token=0.0,
+        misses_per_layer=(0.0,) * len(quotas),
+        memory_bytes_per_token=int(step_bytes / B),
+        memory_bound_tok_s=B / t_mem,
+        storage_bound_tok_s=None,
+        pcie_bound_tok_s=B / t_pcie if t_pcie > 0 else None,
+        tok_s=B / max(t_mem, t_pcie),
+        tok_s_serial=B / (t_mem + t_pcie),
+        trace_tokens=n_tok,
+        far_reads_per_token=sum(far),
+    )
+
+
 def _predict(
     sizer: _Sizer,
     context: int,
@@ -985,10 +1094,13 @@ def _predict(
     resident: Mapping[str, int],
     steps: list[list[tuple[int, ...]]] | None,
     trace: RouteTrace | None,
+    far: bool = False,
 ) -> Prediction:
     args, dev, opt = sizer.args, sizer.device, sizer.options
     E, k, B = args.num_experts, args.num_experts_per_tok, batch
     blocks = sizer.blocks
+    if far:
+        return _predict_far(sizer, context, batch, quotas, resident, steps, trace)
     # storage tier: what the unified slots (or, discrete, the inclusive host tier) lack
     storage_q = host_quotas if host_quotas else quotas
     if steps is not None:

@@ -77,12 +77,22 @@ def to_table(plan: Plan) -> str:
         f"expert quota: {_quotas(plan.quotas, plan.moe_layers)} "
         f"(of {plan.num_experts} experts; top_k {plan.top_k}, minimum {plan.min_quota})"
     )
-    if plan.host_quotas:
-        out.append(f"pinned host tier: {_quotas(plan.host_quotas, plan.moe_layers)}")
     p = plan.prediction
+    far = p is not None and p.far_reads_per_token > 0
+    if far:
+        out.append(
+            f"expert tiers: VRAM slots {_quotas(plan.quotas, plan.moe_layers)}; every other expert in the pinned "
+            "host tier, read in place by the GPU over PCIe (no misses, one graph a step); NVMe: read once at load"
+        )
+    elif plan.host_quotas:
+        out.append(
+            f"pinned host tier: {_quotas(plan.host_quotas, plan.moe_layers)} (misses copied to VRAM slots)"
+        )
     if p is not None:
         misses = f"{p.misses_per_token:.2f} storage reads/token"
-        if plan.memory_kind == "discrete":
+        if far:
+            misses += f", {p.far_reads_per_token:.2f} expert blocks read in place over PCIe/token"
+        elif plan.memory_kind == "discrete":
             misses += f", {p.device_misses_per_token:.2f} PCIe copies/token"
         out.append(f"prediction ({p.model} model): {misses}")
         bounds = f"memory {_rate(p.memory_bound_tok_s)}, storage {_rate(p.storage_bound_tok_s)}"

@@ -306,6 +306,7 @@ def _planned(
         quota=fixed,
         trace=config.trace,
         draft_tokens=config.draft_tokens,
+        tier_reads=config.tier_reads,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)
@@ -318,7 +319,9 @@ def _planned(
         + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
     )
     host = dict(zip(p.moe_layers, p.host_quotas)) if p.host_quotas else None
-    if host:
+    if host and pred.far_reads_per_token:
+        summary += f", every expert in the pinned host tier, {pred.far_reads_per_token:.2f} read in place over PCIe/token"
+    elif host:
         summary += f", pinned host tier {'/'.join(map(str, sorted(set(p.host_quotas))))} per layer"
     return dataclasses.replace(
         config,

@@ -403,13 +403,15 @@ def expected(m, dev, context, batch):
     staging = 16 * m["block"]
     if not dev.discrete:
         fixed += staging
+    host = (
+        min(m["experts"], (dev.pinned_limit - staging) // (m["layers"] * m["block"])) if dev.discrete else 0
+    )
+    if host == m["experts"]:  # the far tier: every expert reachable, prompts replay prefill graphs from VRAM
+        fixed += min(max(batch, min(512, context)), 2048) * m["ws_per_token"] + m["chunk_extra"]
     slot = m["block"] + (0 if dev.has_cuda else m["packed"])
     quota = min(m["experts"], (dev.memory_cap - fixed) // (m["layers"] * slot))
     if quota < min(m["experts"], 8 * batch):
         return None
-    host = (
-        min(m["experts"], (dev.pinned_limit - staging) // (m["layers"] * m["block"])) if dev.discrete else 0
-    )
     return quota, host if host >= quota else 0
 
 
@@ -439,6 +441,13 @@ def test_real_models_fit_or_refuse_as_the_arithmetic_says(model_inputs, profiles
             assert p.quotas == (quota,) * m["layers"]
             assert p.host_quotas == ((host,) * m["layers"] if host else ())
             pr = p.prediction
+            if host == m["experts"]:  # the far tier: no misses; the pairs VRAM slots lack cross PCIe
+                far = m["layers"] * 8 * (1 - quota / m["experts"])
+                assert pr.misses_per_token == pr.device_misses_per_token == 0
+                assert pr.far_reads_per_token == pytest.approx(far)
+                assert pr.pcie_bound_tok_s == pytest.approx(dev.pcie_bandwidth / (far * m["block"]))
+                assert pr.tok_s == pytest.approx(min(pr.memory_bound_tok_s, pr.pcie_bound_tok_s))
+                continue
             d = m["experts"] * (1 - (1 - 8 / m["experts"]) ** batch)
             storage_q = host or quota
             assert pr.misses_per_token == pytest.approx(
@@ -487,12 +496,21 @@ def test_prefill_graphs_are_planned_only_where_they_replay():
     (prompts then run eagerly, no pool); streamed plans and the CPU hold no such pool."""
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
-    roomy = plan(args, specs, experts, discrete(2 * 10**6, 10**6), 64, 1)
+    roomy = plan(args, specs, experts, discrete(2 * 10**6, 10**6), 64, 1, PlanOptions(tier_reads="copy"))
     pool = next(it for it in roomy.items if it.name == "prefill_graph_pool")
     assert roomy.quotas == (6,) * 4 and pool.nbytes > 0
     used = sum(it.nbytes for it in roomy.items if it.pool == pool.pool)
-    tight = plan(args, specs, experts, discrete(used - pool.nbytes // 2, 10**6), 64, 1)
+    tight = plan(
+        args, specs, experts, discrete(used - pool.nbytes // 2, 10**6), 64, 1, PlanOptions(tier_reads="copy")
+    )
     assert tight.fits and min(tight.quotas) < 6
     assert not any(it.name == "prefill_graph_pool" for it in tight.items)
     cpu = profile(10**7, compute_capability=None, cuda_context=0)
     assert not any(it.name == "prefill_graph_pool" for it in plan(args, specs, experts, cpu, 64).items)
+    # a pinned host tier holding every expert (read in place): every expert is reachable, so the
+    # prefill graphs replay whatever the VRAM quota, and their pool comes before the slots
+    E = args.num_experts
+    far = plan(args, specs, experts, discrete(used, 8 * 10**6), 64, 1)
+    assert far.fits and far.host_quotas == (E,) * 4 and far.prediction.far_reads_per_token >= 0
+    assert any(it.name == "prefill_graph_pool" for it in far.items)
+    assert sum(it.nbytes for it in far.items if it.pool == pool.pool) <= used

@@ -3,7 +3,7 @@ import json
 import yaml
 
 from edgerun.budget import report
-from edgerun.budget.planner import Plan, plan
+from edgerun.budget.planner import Plan, PlanOptions, plan
 from edgerun.tools.routes import RouteTrace, TraceHeader
 
 
@@ -14,9 +14,14 @@ def some_plans(model_inputs, profiles):
     return [
         plan(q36.args, q36.specs, q36.experts, profiles["orin"], 4096, model_name=q36.name, notes=q36.notes),
         plan(q36.args, q36.specs, q36.experts, profiles["cpu"], 32768),  # streams: misses > 0
-        plan(q3.args, q3.specs, q3.experts, profiles["rtx5070"], 32768),  # two tiers
+        plan(
+            q3.args, q3.specs, q3.experts, profiles["rtx5070"], 32768, 1, PlanOptions(tier_reads="copy")
+        ),  # two tiers
         plan(q3.args, q3.specs, q3.experts, profiles["rtx5070"], 32768, 4),  # refused
         plan(q3.args, q3.specs, q3.experts, profiles["rtx5070"], 4096, trace=trace),  # trace model
+        plan(
+            q36.args, q36.specs, q36.experts, profiles["rtx5070"], 4096
+        ),  # far tier: every expert in pinned RAM
     ]
 
 
@@ -31,7 +36,9 @@ def test_json_and_yaml_round_trip(model_inputs, profiles):
 
 
 def test_table(model_inputs, profiles):
-    fits, streams, tiers, refused, traced = (report.to_table(p) for p in some_plans(model_inputs, profiles))
+    fits, streams, tiers, refused, traced, far = (
+        report.to_table(p) for p in some_plans(model_inputs, profiles)
+    )
     for row in ("embeddings", "lm_head", "attention", "deltanet", "norms", "routers", "shared_experts"):
         assert f"  {row} " in fits
     for row in ("kv_cache", "deltanet_state", "activation_workspace", "cuda_graph_pool", "pinned_staging"):
@@ -44,3 +51,5 @@ def test_table(model_inputs, profiles):
     assert "PCIe copies/token" in tiers
     assert "OVER BY" in refused and "REFUSED: does not fit" in refused and "prediction" not in refused
     assert "prediction (trace model)" in traced
+    assert "expert tiers: VRAM slots" in far and "read in place by the GPU over PCIe" in far
+    assert "expert blocks read in place over PCIe/token" in far and "prefill_graph_pool" in far
