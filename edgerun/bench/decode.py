@@ -100,11 +100,21 @@ def state_bytes(bundle: Bundle, capacity: int) -> tuple[int, int, int]:
 LIBRARY_WORKSPACE = 256 * 2**20
 
 
-def quota_for(budget: int, bundle_dir: Path, context: int, prefill_chunk: int = 512) -> tuple[int, str]:
+def quota_for(
+    budget: int,
+    bundle_dir: Path,
+    context: int,
+    prefill_chunk: int = 512,
+    far: bool = False,
+    bandwidths: tuple[float, float] = (4.8e12, 50e9),
+) -> tuple[int, str]:
     """The planner's quota per layer for ``budget`` bytes of device memory, as torch counts it
     (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
     every planned item (dense weights, KV and DeltaNet state at ``context``, the prefill and graph
-    workspaces, the slots). (quota, how: the plan's refusal when not even top_k fits)."""
+    workspaces, the slots). (quota, how: the plan's refusal when not even top_k fits). ``far``:
+    every expert in a pinned host tier the GPU reads in place (a discrete GPU whose host RAM
+    holds them), else VRAM slots behind storage; ``bandwidths`` (device memory, PCIe, B/s) are
+    what the plan's prediction, in ``how``, assumes."""
     from edgerun.budget import inputs
     from edgerun.budget.planner import PlanOptions, plan
     from edgerun.bundle.dense_layout import DenseScheme
@@ -123,18 +133,30 @@ def quota_for(budget: int, bundle_dir: Path, context: int, prefill_chunk: int = 
             "pinned_limit": 64 * GiB,
             "host_memory_cap": 128 * GiB,
             "host_reserve": 8 * GiB,
-            "memory_bandwidth": 4.8e12,
+            "memory_bandwidth": bandwidths[0],
             "storage_read_bandwidth": 2e9,
-            "pcie_bandwidth": 50e9,
+            "pcie_bandwidth": bandwidths[1],
             "compute_capability": "9.0",
         }
     )
-    options = PlanOptions(dense=model.dense or DenseScheme(), prefill_chunk=prefill_chunk)
+    options = PlanOptions(
+        dense=model.dense or DenseScheme(),
+        prefill_chunk=prefill_chunk,
+        tier_reads="in-place" if far else "copy",
+    )
     p = plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
     if not p.fits:
         return 0, p.refusal.message
     quota = min(p.quotas)
-    return quota, f"planned: {quota} slots a layer in {budget / GiB:g} GiB"
+    how = f"planned: {quota} slots a layer in {budget / GiB:g} GiB"
+    if far:
+        pr = p.prediction
+        how += (
+            f", every other expert read in place over PCIe ({pr.far_reads_per_token:.1f} blocks/token); predicted "
+            f"{pr.tok_s:.1f} tok/s bound (memory {pr.memory_bound_tok_s:.1f}, PCIe {pr.pcie_bound_tok_s:.1f}), "
+            f"{pr.tok_s_serial:.1f} with no overlap"
+        )
+    return quota, how
 
 
 def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
@@ -266,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--budgets",
         default="resident,16,8",
-        help="resident, device budgets in GiB, and/or hostN: N device slots a layer, every expert in "
-        "a pinned host tier the GPU reads in place (a discrete GPU whose VRAM holds N)",
+        help="resident, device budgets in GiB (slots behind storage), hostN: N device slots a layer and "
+        "every expert in a pinned host tier the GPU reads in place, and/or farG: a G GiB device budget "
+        "planned with that tier (a discrete GPU such as the 12 GB RTX 5070: far12)",
     )
     ap.add_argument(
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
@@ -339,6 +362,18 @@ def main(argv: list[str] | None = None) -> int:
         elif spec.startswith("host"):
             quota, host, budget = int(spec[4:]), a.num_experts, None
             name = f"{quota} device slots + pinned host tier"
+        elif spec.startswith("far"):
+            host, budget = a.num_experts, int(float(spec[3:]) * GiB)
+            bw = (
+                device_bw,
+                copy["h2d_pinned_gb_per_s"] * 1e9,
+            )  # the plan predicts with this run's bandwidths
+            quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bw)
+            name = f"{float(spec[3:]):g} GiB + pinned host tier"
+            if quota < a.num_experts_per_tok:
+                records.append({"config": name, "refused": how})
+                continue
+            print(how, flush=True)
         else:
             name, budget = f"{float(spec):g} GiB", int(float(spec) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity)
@@ -351,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             budget is None and host is None, depth, host,
         )  # fmt: skip
         rec["budget_bytes"] = budget
+        rec["planned"] = how if spec.startswith("far") else None
         rec["prefill_tps"] = ns.prompt / rec["ttft_s"]["median"] if "ttft_s" in rec else None
         mean_pos = ns.prompt + ns.decode / 2
-        if budget is None:
+        if budget is None or host is not None:
             per_token = (
                 dense_tok + a.num_experts_per_tok * len(a.moe_layers) * block + rec_tok + kv_pos * mean_pos
             )
@@ -411,4 +447,5 @@ def markdown(result: dict) -> str:
             f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {mpt} | {rgb} | "
             f"{r['bound_tps']:.1f} ({r['bound_kind']}) | {100 * r['ratio']:.0f}% |"
         )
+    lines += [f"\n{r['config']}: {r['planned']}" for r in result["configs"] if r.get("planned")]
     return "\n".join(lines) + "\n"
