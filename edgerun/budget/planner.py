@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -377,6 +378,22 @@ def _dtype_bytes(name: str, key: str) -> int:
 # Sizing
 
 
+def library_workspace_bytes(compute_capability: str | None) -> int:
+    """What cuBLAS keeps per stream as torch sizes it (``CUBLAS_WORKSPACE_CONFIG``, ``:KiB:count``
+    pairs; by default 4096 KiB x 8 from compute capability 9.0, else 4096 KiB x 2 + 16 KiB x 8),
+    for the two streams the engine runs cuBLAS on (compute; warm-up and capture)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if not config:
+        major = int(str(compute_capability or "0").removeprefix("sm_").split(".")[0][:2] or 0)
+        config = ":4096:8" if major >= 9 else ":4096:2:16:8"
+    try:
+        nums = [int(v) for v in config.split(":")[1:]]
+        per_stream = sum(kib * 1024 * n for kib, n in zip(nums[::2], nums[1::2], strict=True))
+    except ValueError as exc:
+        raise ConfigError(f"CUBLAS_WORKSPACE_CONFIG {config!r} is not :KiB:count pairs") from exc
+    return 2 * per_stream
+
+
 @dataclass(frozen=True)
 class _Sizer:
     """Everything the plan's arithmetic needs, with the context and batch left free so the
@@ -422,8 +439,20 @@ class _Sizer:
                 dev.os_reserve,
                 "display and other processes" if dev.discrete else "OS and other processes",
             ),
-            Item("cuda_context", main, dev.cuda_context, "CUDA context and library workspaces"),
         ]
+        ws = library_workspace_bytes(dev.compute_capability) if dev.has_cuda else 0
+        if ws and dev.cuda_context >= ws:  # the workspaces are torch allocations: the engine's own bytes
+            items.append(Item("cuda_context", main, dev.cuda_context - ws, "CUDA context (the driver's)"))
+            items.append(
+                Item(
+                    "library_workspaces",
+                    main,
+                    ws,
+                    f"cuBLAS workspaces of the compute and the capture streams, 2 x {format_bytes(ws // 2)}",
+                )
+            )
+        else:
+            items.append(Item("cuda_context", main, dev.cuda_context, "CUDA context and library workspaces"))
         for cat in RESIDENT_CATEGORIES:
             if self.resident.get(cat, 0):
                 items.append(Item(cat, main, self.resident[cat], self.details[cat]))

@@ -42,6 +42,21 @@ from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
 from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream per device that warm-up steps run on and graphs are captured on:
+    cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it has run on, for the process's
+    life, so a new stream per capture would leave one more behind each time (the planner counts
+    two: the compute stream's and this one's, ``library_workspaces``)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
 
 @dataclass
 class DecodeCounters:
@@ -348,7 +363,7 @@ class DecodeGraphs:
     def _warm_up(self) -> None:
         """The first step runs eagerly on a side stream (library handles, Triton compiles), then
         every segment is captured; a failed capture leaves the engine eager, recorded."""
-        stream = torch.cuda.Stream(self.device)
+        stream = side_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._run_eager()
@@ -368,7 +383,7 @@ class DecodeGraphs:
             if not isinstance(seg, list):
                 continue
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, stream=side_stream(self.device)):
                 for fn in seg:
                     fn()
             graphs.append(g)
@@ -485,7 +500,7 @@ class PrefillGraphs:
         logits = torch.zeros(1, d.args.vocab_size, dtype=d.dtype, **kw)
         table = [i for i, mode in d.modes.items() if mode == "table"]
         hits = {i: d.cache.slots[i].counters.hits for i in table}  # the two runs below serve no request
-        stream = torch.cuda.Stream(d.device)
+        stream = side_stream(d.device)
         stream.wait_stream(torch.cuda.current_stream(d.device))
         try:
             with torch.cuda.stream(stream):
@@ -495,7 +510,7 @@ class PrefillGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self._forward(tokens, n_valid, logits)
             torch.cuda.synchronize(d.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this length runs eagerly, say why
