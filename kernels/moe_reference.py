@@ -97,10 +97,12 @@ class FarTier:
     """A layer's far tier: expert blocks in pinned host memory that the GPU reads in place over
     PCIe (a discrete GPU's host tier holding every expert), addressed as slots S.. after the
     device pool's S. ``reads`` (int64 [1] on the device): the Triton kernels add the (token,
-    expert) pairs they served from here."""
+    expert) pairs they served from here; ``uses``: the decode kernel counts every pair by expert
+    id, near or far (what the cache ranks experts by to choose the device slots' set)."""
 
     rows: torch.Tensor  # uint8 [R, block_bytes], as the device sees it
     reads: torch.Tensor | None = None
+    uses: torch.Tensor | None = None  # int32 [E] on the device: the decode kernel's pairs per expert id
 
 
 def slot_block(pool: torch.Tensor, far: FarTier | None, slot: int) -> torch.Tensor:

@@ -145,6 +145,7 @@ def _gate_up_kernel(
     gscales,
     h,
     far_reads,
+    uses,
     w_block,
     s_block,
     w_off,
@@ -171,6 +172,7 @@ def _gate_up_kernel(
     if FAR:
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
             tl.atomic_add(far_reads, (slot >= split).to(tl.int64))
+            tl.atomic_add(uses + tl.load(ids + p), 1)  # and every pair by its expert
     w = wpool + _at(slot, split, w_block, w_far) + w_off
     s = spool + _at(slot, split, s_block, s_far) + s_off
     xt = x + (p // A) * D
@@ -637,15 +639,17 @@ def _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far=No
 def _far_args(pool: torch.Tensor, far: FarTier | None, wv: torch.Tensor, sv: torch.Tensor) -> tuple:
     """(far_reads, split, w_far, s_far, FAR): the kernels' view of a far tier: slots from
     ``split`` on are its rows, ``w_far`` / ``s_far`` elements of the weight / scale view from the
-    pool's start (device and pinned host memory share one virtual address space)."""
+    pool's start (device and pinned host memory share one virtual address space). Counting (FAR)
+    needs both counters."""
     if far is None:
         return pool, pool.shape[0], 0, 0, False  # placeholder counter: never written
     delta = far.rows.data_ptr() - pool.data_ptr()
     we, se = wv.element_size(), sv.element_size()
     if delta % we or delta % se:
         raise ValueError(f"the far tier starts {delta} bytes from the pool: not a whole number of elements")
-    reads = far.reads if far.reads is not None else pool
-    return reads, pool.shape[0], delta // we, delta // se, far.reads is not None
+    counting = far.reads is not None and far.uses is not None
+    reads = far.reads if counting else pool
+    return reads, pool.shape[0], delta // we, delta // se, counting
 
 
 def moe_gemv(
@@ -686,6 +690,7 @@ def moe_gemv(
     rotated = layout.rotation == "hadamard"
     wv, sv = _views(pool, layout)
     reads, split, w_far, s_far, count = _far_args(pool, far, wv, sv)
+    uses = far.uses if count else reads
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
     tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
@@ -693,7 +698,7 @@ def moe_gemv(
     br = _pow2_divisor(I, config.block_r)
     bk = _block_k(D, layout, config.row_bytes)
     _gate_up_kernel[(T * A, I // br)](
-        xin, wv, sv, slots, tab, ids, gs, h, reads, *_component_args(layout, "gate_up", wv, sv),
+        xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0,
         D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None, FAR=count,
         num_warps=config.num_warps, **pdl_kwargs(x.device),

@@ -197,6 +197,7 @@ class ExpertCache:
         self.far: dict[int, FarTier] = {}
         self._far_tables: dict[int, torch.Tensor] = {}
         self._far_counts: torch.Tensor | None = None
+        self._far_scores: dict[int, list[float]] = {}  # decayed uses by expert, what the device set follows
         self._far_mode(config.tier_reads)
         # layer -> slot -> its weights in the CPU kernels' layout (kernels/moe_cpu.py)
         self.packed: dict[int, dict] = {layer: {} for layer in quotas}
@@ -230,9 +231,11 @@ class ExpertCache:
             self._fallbacks["tier_reads"] = f"{why}; the host tier's experts are copied into device slots"
             return
         self._far_counts = torch.zeros(len(full), dtype=torch.int64, device=self.device)
+        self._far_uses = torch.zeros(len(full), E, dtype=torch.int32, device=self.device)
         for k, layer in enumerate(full):
             rows = torch.as_tensor(_DeviceView(self.tier_mem[layer]), device=self.device)
-            self.far[layer] = FarTier(rows, self._far_counts[k : k + 1])
+            self.far[layer] = FarTier(rows, self._far_counts[k : k + 1], self._far_uses[k])
+            self._far_scores[layer] = [0.0] * E
 
     def _make_tier(self, host_quota: int | Mapping[int, int], quotas: dict[int, int]) -> None:
         args = self.bundle.args
@@ -472,6 +475,33 @@ class ExpertCache:
             return None
         return torch.tensor([table[e] for e in range(self.bundle.args.num_experts)], device=self.device)
 
+    def rebalance_far(self, decay: float = 0.5, max_swaps: int | None = None) -> int:
+        """Move each far layer's device slots toward its most used experts: the decode kernel's
+        per-expert counts since the last call (one device sync for every layer) are added to
+        decayed scores, and up to ``max_swaps`` (default Q/8) of the most used experts the slots
+        lack replace the least used they hold (``far_swaps``), copied from the pinned tier on the
+        copy stream after every queued kernel, the slot table updated in place before the next
+        launch. Call between decode steps. Returns the experts moved (counted as tier copies)."""
+        if not self.far:
+            return 0
+        used = self._far_uses.tolist()
+        self._far_uses.zero_()
+        moved = 0
+        for layer, row in zip(self.far, used, strict=True):
+            scores = self._far_scores[layer]
+            for e, n in enumerate(row):
+                scores[e] = scores[e] * decay + n
+            table = self.slots[layer]
+            swaps = far_swaps(scores, table.slot_of, max_swaps or max(table.quota // 8, 1))
+            if not swaps:
+                continue
+            for victim, _ in swaps:
+                table.release(victim)
+            _, fills = table.assign([p for _, p in swaps], count=False)
+            self._fill(layer, fills)
+            moved += len(fills)
+        return moved
+
     def _far_table(self, layer: int) -> torch.Tensor:
         Q, tier = self.slots[layer].quota, self.tier[layer].slot_of
         table = [Q + tier[e] for e in range(self.bundle.args.num_experts)]
@@ -632,6 +662,24 @@ class ExpertCache:
         self.far.clear()
         self._far_tables.clear()
         self._host.clear()
+
+
+def far_swaps(
+    scores: list[float], held: Iterable[int], max_swaps: int, margin: float = 1.25
+) -> list[tuple[int, int]]:
+    """(victim, promoted) pairs moving a far layer's device slots toward its most used experts:
+    the highest-scored experts not ``held`` replace the lowest-scored held ones, best against
+    worst, while a promoted expert's score is above ``margin`` times its victim's plus one use
+    (so equal or noisy scores move nothing), at most ``max_swaps``. Ties go to the lower id."""
+    held = set(held)
+    outside = sorted((e for e in range(len(scores)) if e not in held), key=lambda e: (-scores[e], e))
+    inside = sorted(held, key=lambda e: (scores[e], e))
+    swaps = []
+    for promoted, victim in zip(outside, inside):
+        if len(swaps) >= max_swaps or scores[promoted] <= margin * scores[victim] + 1:
+            break
+        swaps.append((victim, promoted))
+    return swaps
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

@@ -88,10 +88,15 @@ class LayerSlots:
     def abandon(self, fill: Fill) -> None:
         """A fill failed: the slot holds nothing valid; forget the expert so it is read again."""
         if self.slot_of.get(fill.expert) == fill.slot:
-            del self.slot_of[fill.expert]
-            self.held.discard(fill.expert)
-            self.generation[fill.slot] += 1
-            self.free.append(fill.slot)
+            self.release(fill.expert)
+
+    def release(self, expert: int) -> None:
+        """Forget ``expert`` and free its slot (its generation moves on, so a reference to it is
+        stale); the next miss takes the slot."""
+        slot = self.slot_of.pop(expert)
+        self.held.discard(expert)
+        self.generation[slot] += 1
+        self.free.append(slot)
 
     def check(self, ref: SlotRef) -> None:
         if self.generation[ref.slot] != ref.generation or self.slot_of.get(ref.expert) != ref.slot:

@@ -43,6 +43,9 @@ from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
 from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# decode steps between two moves of a far tier's device slots toward its most used experts
+# (``ExpertCache.rebalance_far``: a device sync and up to Q/8 copies a layer, between steps)
+FAR_REBALANCE_STEPS = 64
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -159,6 +162,7 @@ class DecodeGraphs:
         self.prefill: PrefillGraphs | None = None  # the runner's, made on its first prompt
         self.fallbacks: dict[str, str] = {}
         self._warm = False
+        self._far_steps = 0  # decode steps since load: a far tier's device set follows its use
 
     # ---- planning ---------------------------------------------------------------------
 
@@ -347,6 +351,10 @@ class DecodeGraphs:
             self._replay()
         self.count_table_hits(1)
         self.state.pos += 1
+        if self.cache is not None and self.cache.far:
+            self._far_steps += 1
+            if self._far_steps % FAR_REBALANCE_STEPS == 0:
+                self.cache.rebalance_far()
 
     def count_table_hits(self, tokens: int) -> None:
         """The hits of ``tokens`` tokens' expert steps in table mode, which ran on the device (a

@@ -41,3 +41,27 @@ def test_abandoned_fill_is_read_again():
 def test_quota_below_top_k_is_refused():
     with pytest.raises(QuotaError, match=r"layer 3: expert quota 7 is below top_k 8"):
         LayerSlots(3, 7, 8)
+
+
+def test_released_expert_frees_its_slot_for_the_next_miss():
+    t = LayerSlots(layer=0, quota=2, top_k=1)
+    refs, _ = t.assign([4, 5])
+    t.release(4)
+    assert 4 not in t.slot_of and 4 not in t.held
+    with pytest.raises(StaleSlotError):
+        t.check(refs[0])
+    _, fills = t.assign([9], count=False)
+    assert fills == [Fill(9, refs[0].slot)] and t.slot_of[5] == refs[1].slot  # no eviction: the freed slot
+
+
+def test_far_swaps_follow_use_with_a_margin():
+    """A far tier's device set moves toward the most used experts: the best outside replace the
+    worst inside, only by a clear margin (equal or noisy scores move nothing), capped."""
+    from edgerun.cache.expert_cache import far_swaps
+
+    scores = [0.0, 50.0, 3.0, 40.0, 0.0, 2.0]
+    assert far_swaps(scores, {0, 2, 4}, max_swaps=8) == [(0, 1), (4, 3)]  # 2 (3 uses) beats 5 (2): stays
+    assert far_swaps(scores, {0, 2, 4}, max_swaps=1) == [(0, 1)]
+    assert far_swaps(scores, {1, 3, 2}, max_swaps=8) == []  # the held are the most used
+    assert far_swaps([10.0, 12.0, 11.0], {0}, max_swaps=8) == []  # 12 <= 1.25 x 10 + 1: within the margin
+    assert far_swaps([0.0, 1.0], {0}, max_swaps=8) == []  # one use is noise

@@ -103,6 +103,19 @@ def test_far_tier_reads_in_place_the_bits_device_slots_hold(bundles, arch):
     assert set(far.decoder.modes.values()) == {"table"} and set(copy.decoder.modes.values()) == {"routed"}
     t = far.cache.totals()
     assert t.misses == 0 and t.evictions == 0 and t.far_reads > 0 and t.hits > 0
+    # the device set follows use: experts the kernels counted most move into the device slots
+    # (copied from the pinned tier between steps), and the logits stay bit for bit the same
+    cache, k = far.cache, 0
+    layer = next(iter(cache.far))
+    cache.rebalance_far()  # fold in what decoding counted so far
+    cold = [e for e in range(far.args.num_experts) if e not in cache.slots[layer].slot_of][:2]
+    cache._far_uses[k, cold] = 1000
+    copies = cache.totals().tier_copies
+    assert cache.rebalance_far(max_swaps=2) >= 2
+    table = cache.slot_table(layer).tolist()
+    assert all(table[e] < cache.slots[layer].quota for e in cold) and cache.totals().tier_copies >= copies + 2
+    for x, y in zip(_decode(held), _decode(far)):
+        assert torch.equal(x, y)
     assert copy.cache.totals().tier_copies > 0 and copy.cache.totals().far_reads == 0
 
 

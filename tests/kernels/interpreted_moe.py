@@ -150,7 +150,8 @@ def test_rotation_kernel_is_the_bundle_rotation(g):
 def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     """Slots from S on live in another allocation (the pinned host tier a discrete GPU reads in
     place): the kernels read the same blocks, so the same bits come out as from one pool holding
-    them all, and every (token, expert) pair served from the far tier is counted."""
+    them all, and every (token, expert) pair served from the far tier is counted (and, in
+    decode, every pair by its expert)."""
     from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
 
     layout = layout_for(fmt)
@@ -158,8 +159,8 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     x, pool, slots, ids, w, _, gs = random_step(layout, 6, 2, 8, gen)
     S = 3  # slots 0-2 on the "device", 3-7 in the far tier
     near, rows = pool[:S].clone(), pool[S:].clone()
-    reads = torch.zeros(1, dtype=torch.int64)
-    far = FarTier(rows, reads)
+    reads, uses = torch.zeros(1, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    far = FarTier(rows, reads, uses)
     far_pairs = int((slots >= S).sum())
     assert 0 < far_pairs < slots.numel()
     assert torch.equal(
@@ -167,6 +168,7 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
         K.moe_gemv(x, pool, slots, ids, w, layout, gs),
     )
     assert int(reads) == far_pairs
+    assert torch.equal(uses, torch.bincount(ids.flatten(), minlength=8).int())  # every pair, by expert
     table = torch.empty(8, dtype=torch.int64)
     table[ids.flatten()] = slots.flatten()
     got = K.moe_gemv(x, near, slots, ids, w, layout, gs, table=table, far=far)
