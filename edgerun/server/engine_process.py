@@ -316,7 +316,11 @@ def child_main(conn: Connection, load: Callable, ping_every: float, parent: int)
             send(("ping",))
 
     def snapshot(key: int) -> None:
-        stats = engine[0].stats() if engine else None
+        try:
+            stats = engine[0].stats() if engine else None
+        except Exception:  # /metrics goes on without them; the engine is not failed for it
+            log.exception("the engine's statistics could not be taken")
+            stats = None
         send(("stats", key, stats, worker.counters, worker.dropped))
 
     def ready(e: Engine, probe: str, info: dict[str, Any]) -> None:
