@@ -7,7 +7,8 @@ streams greedy completions (``ignore_eos``, ``--tokens`` each) while /health is 
 100 ms: first alone (unloaded), then for ``--seconds`` beside the attackers, run from another
 process: a flood of ``--flood`` connections that never complete a request (half idle, half
 dribbling a header byte a second; each reopened as soon as the daemon closes it, or with
-``--hold`` opened once), and a loop posting 1 MiB prompts back to back. Reports daemon deaths, /health's worst latency and any
+``--hold`` opened once), and a loop posting 1 MiB prompts back to back. ``--engine-process off``
+serves with the engine in the daemon's process. Reports daemon deaths, /health's worst latency and any
 answer but 200, what the 1 MiB prompts got, and for the normal stream, unloaded and loaded: its
 decode rate, its gap between tokens (p50 / p99) and its longest silences, and whether its tokens
 were the same every time.
@@ -186,12 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-big", dest="big", action="store_false", help="no 1 MiB prompt loop")
     p.add_argument("--tokens", type=int, default=64, help="tokens per normal streamed request")
     p.add_argument("--threads", type=int, default=1, help="the daemon's torch threads")
+    p.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        default=None,
+        help="serve's --engine-process (default: its own)",
+    )
     ns = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-hostile-"))
     sock = tmp / "edgerun.sock"
     cmd = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu"]
     cmd += ["--threads", str(ns.threads)] + (["--model", str(ns.model)] if ns.model else [])
+    cmd += ["--engine-process", ns.engine_process] if ns.engine_process else []
     log = open(tmp / "daemon.log", "wb")
     daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -234,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         attacks = [f"{ns.flood}-connection flood ({flood_kind})"] * bool(ns.flood) + [
             "1 MiB prompt loop"
         ] * ns.big
-        print(f"edgerun hostile_serve: {' + '.join(attacks)}, {ns.seconds:g} s")
+        engine = next(
+            (line for line in (tmp / "daemon.log").read_text().splitlines() if " engine " in line), ""
+        )
+        print(
+            f"edgerun hostile_serve: {' + '.join(attacks)}, {ns.seconds:g} s; {engine.removeprefix('edgerun serve: ')}"
+        )
         print(f"daemon deaths: {deaths}")
         reference = results["unloaded"]["outputs"][0]
         wrong = sum(ids != reference for r in results.values() for ids in r["outputs"])

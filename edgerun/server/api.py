@@ -179,7 +179,7 @@ class App:
             await ex.send_json(503, {"status": self.state, "message": hide_dirs(self.message)})
 
     async def metrics_text(self, req: Request, ex: Exchange) -> None:
-        stats = self.engine.stats() if self.engine is not None else None
+        stats = await self.worker.engine_stats(self.engine)
         text = render(self.metrics, self.worker, len(self.active), stats, self.state, self.info)
         await ex.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 

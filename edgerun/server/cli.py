@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
@@ -47,6 +49,7 @@ _FLAGS = (
     "max_body_bytes",
     "speculative",
     "draft_tokens",
+    "engine_process",
 )
 
 
@@ -99,6 +102,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--default-max-tokens", type=int)
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        help="on (default): the model and its decode loop in a child process, so clients keeping the "
+        "event loop busy cannot slow generation; off: in a thread of the daemon's process",
+    )
     p.add_argument(
         "-v",
         "--verbose",
@@ -180,6 +189,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     if ns.config is not None:
         opts = opts.merged(load_serve_config(ns.config))
     flags = {name: getattr(ns, name, None) for name in _FLAGS}
+    if flags["engine_process"] is not None:
+        flags["engine_process"] = flags["engine_process"] == "on"
     if any(getattr(ns, k, None) for k in ("allow_provider", "provider", "allow_override")):
         flags["providers"] = ProviderPolicy.from_namespace(ns)
     return opts.merged(flags)
@@ -230,14 +241,22 @@ def cache_plan(opts: ServeOptions):
     )
 
 
-def engine_loader(opts: ServeOptions, profile: str | None, cache=None, plan: str | None = None) -> Callable:
+@dataclass(frozen=True)
+class EngineLoader:
     """The engine factory the daemon's engine thread calls: the model with its experts resident,
-    or streamed through the expert cache ``cache`` configures."""
+    or streamed through the expert cache ``cache`` configures. Plain data, so it pickles to the
+    engine's own process."""
 
-    def load(status: Callable[[str], None]):
+    opts: ServeOptions
+    profile: str | None = None
+    cache: Any = None
+    plan: str | None = None
+
+    def __call__(self, status: Callable[[str], None]):
         from edgerun.engine.setup import runtime
         from edgerun.server.engine_worker import RunnerEngine
 
+        opts = self.opts
         rt = runtime(
             opts.device,
             opts.dtype,
@@ -253,16 +272,14 @@ def engine_loader(opts: ServeOptions, profile: str | None, cache=None, plan: str
         runner = rt.load(
             source,
             providers=opts.providers,
-            cache=cache,
+            cache=self.cache,
             log=status,
             max_context=opts.context,
             prefill_chunk=opts.prefill_chunk,
             speculative=opts.speculative_config(),
         )
         runner.enable_batch(serve_batch(opts, runner.device.type))
-        return RunnerEngine(runner, source, name, profile, plan)
-
-    return load
+        return RunnerEngine(runner, source, name, self.profile, self.plan)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -284,7 +301,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
         profile = load_device_profile(opts.profile).name
     cache, plan = cache_plan(opts)
-    daemon.hard_exit(daemon.run(opts, engine_loader(opts, profile, cache, plan)))
+    daemon.hard_exit(daemon.run(opts, EngineLoader(opts, profile, cache, plan)))
     return 0  # not reached
 
 

@@ -6,7 +6,8 @@ If the engine cannot continue, ``/health`` answers ``failed`` for a moment and t
 non-zero, so systemd restarts it; after a storage fault (an expert block that cannot be read
 intact) it stays up, failed and saying why, and stops feeding the watchdog, whose timeout
 restarts it. Threads: one asyncio loop (uvloop) for every connection, one
-engine thread that owns the model (:mod:`edgerun.server.engine_worker`).
+engine thread that owns the model (:mod:`edgerun.server.engine_worker`), by default in a child
+process of its own (:mod:`edgerun.server.engine_process`), else in this one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from edgerun.errors import EdgerunError, StorageError
 from edgerun.server.api import FAILED, STOPPING, ApiOptions, App
+from edgerun.server.engine_process import ProcessWorker
 from edgerun.server.engine_worker import Engine, EngineWorker, WorkerHooks
 from edgerun.server.http import Connection, Limits
 from edgerun.server.metrics import Metrics
@@ -129,7 +131,8 @@ class Daemon:
             ping_every=every,
             log=say,
         )
-        self.worker = EngineWorker(load_engine, opts.queue_size, hooks)
+        worker = ProcessWorker if opts.engine_process else EngineWorker
+        self.worker = worker(load_engine, opts.queue_size, hooks)
         api_opts = ApiOptions(opts.default_max_tokens, opts.request_timeout, opts.retry_after)
         self.app = App(self.worker, self.metrics, api_opts)
         self.conns: dict[Connection, None] = {}  # in the order they were accepted
@@ -151,7 +154,7 @@ class Daemon:
         server = await asyncio.start_unix_server(
             self._accept, sock=self.listener, limit=self.limits.max_line, backlog=BACKLOG
         )
-        self.worker.thread.start()  # inherits the blocked signals: they go to this thread
+        self.worker.start()  # a thread inherits the blocked signals (they go to this one); a child ignores them
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         say(f"listening on {self.where}; loading the model")
         heartbeat = asyncio.ensure_future(self._heartbeat())
@@ -170,9 +173,8 @@ class Daemon:
         await self._drain()
         heartbeat.cancel()
         self.worker.stop()
-        await loop.run_in_executor(None, self.worker.thread.join, 1.0)
-        if self.worker.thread.is_alive():
-            say("the engine thread did not stop within 1 s; exiting without it")
+        if not await loop.run_in_executor(None, self.worker.join, 1.0):
+            say("the engine did not stop within 1 s; exiting without it")
         self._unlink()
         say(f"stopped in {time.monotonic() - t_stop:.1f} s (exit status {code})")
         return code
@@ -260,8 +262,10 @@ class Daemon:
     def _on_ready(self, engine: Engine, probe: str, info: dict[str, Any]) -> None:
         if self.stopping:
             return
+        info = {**info, "engine_process": self.worker.pid}
         self.app.set_ready(engine, info)
         say(info.get("provenance", f"model {engine.model_id}").removeprefix("edgerun: "))
+        say(f"engine {self.worker.describe()}")
         say(probe)
         self.app.message = f"serving {engine.model_id} on {self.where}"
         self.notifier.notify("READY=1", f"STATUS={self.app.message}")

@@ -320,6 +320,12 @@ def _ms(seconds: float | None) -> float:
 class JobFailed:
     status: int
     message: str
+    engine: bool = False  # the engine failed, not only this request
+
+
+def engine_failed(exc: BaseException) -> JobFailed:
+    """What each running request gets when ``exc`` ends the engine."""
+    return JobFailed(500, f"engine failed: {type(exc).__name__}: {exc}", engine=True)
 
 
 class QueueFull(Exception):
@@ -345,6 +351,13 @@ class Histogram:
         with self._lock:
             self._counts[bisect.bisect_left(self.bounds, value)] += 1
             self._sum += value
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy for another process: counts, not the lock
+        with self._lock:
+            return {"bounds": self.bounds, "_counts": list(self._counts), "_sum": self._sum}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def snapshot(self) -> tuple[list[tuple[float, int]], float, int]:
         """Cumulative (upper bound, count) pairs ending at +inf, the sum, and the count."""
@@ -387,6 +400,8 @@ class WorkerHooks:
     ping: Callable[[], None] = lambda: None  # watchdog
     ping_every: float = 1.0
     log: Callable[[str], None] = lambda line: None  # one line per request the engine took
+    start: Callable[[Job], None] = lambda job: None  # the engine took the job (its prefill begins)
+    end: Callable[[Job], None] = lambda job: None  # the job is over (finished, failed, or cancelled)
 
 
 class EngineWorker:
@@ -396,6 +411,7 @@ class EngineWorker:
         self.hooks = hooks
         self.counters = Counters()
         self.dropped = 0  # jobs cancelled while still queued (the loop's count; the engine never saw them)
+        self.pid: int | None = None  # the engine's own process: none, it is this one
         self.batch = 1  # the engine's, once loaded
         self.running: list[Job] = []  # taken by the engine (prefill or decode), in the order taken
         self._queue: deque[Job] = deque()
@@ -409,6 +425,21 @@ class EngineWorker:
     def depth(self) -> int:
         return len(self._queue)
 
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the engine to stop; whether it did."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def describe(self) -> str:
+        return "in the daemon's process (engine_process off: clients busying the event loop slow it through the GIL)"
+
+    async def engine_stats(self, engine: Engine | None) -> dict[str, Any] | None:
+        """The engine's ``stats()``, for /metrics; this worker's ``counters`` are current."""
+        return engine.stats() if engine is not None else None
+
     def submit(self, job: Job) -> None:
         with self._cond:
             if len(self._queue) >= self.capacity:
@@ -419,9 +450,11 @@ class EngineWorker:
     def cancel(self, job: Job) -> None:
         job.cancelled = True
         with self._cond:
-            if job in self._queue:
-                self._queue.remove(job)
-                self.dropped += 1
+            if job not in self._queue:
+                return
+            self._queue.remove(job)
+            self.dropped += 1
+        self.hooks.end(job)
 
     def stop(self) -> None:
         with self._cond:
@@ -466,6 +499,7 @@ class EngineWorker:
         for job in taken:
             if job.cancelled:  # cancelled between leaving the queue and here
                 self.counters.cancelled[QUEUED] += 1
+                self.hooks.end(job)
                 continue
             self._start(engine, job)
         for job in list(self.running):
@@ -473,7 +507,7 @@ class EngineWorker:
                 done = self._advance(job)
             except BaseException as exc:
                 for other in self.running:
-                    other.deliver(JobFailed(500, f"engine failed: {type(exc).__name__}: {exc}"))
+                    other.deliver(engine_failed(exc))
                 self.hooks.fatal(exc, False)
                 return False
             self.hooks.ping()
@@ -485,6 +519,7 @@ class EngineWorker:
         self.counters.requests += 1
         job.started, job.phase = time.monotonic(), PREFILL
         self.counters.queue.observe(job.queue_s)
+        self.hooks.start(job)
         job.events = engine.generate(job.request)
         self.running.append(job)
 
@@ -493,6 +528,7 @@ class EngineWorker:
         if close is not None:
             close()  # a generator: stops its generation, and its state (its batch slot) goes with it
         self.running.remove(job)
+        self.hooks.end(job)
 
     def _advance(self, job: Job) -> bool:
         """The job's next event, delivered; True when the job is over (finished, failed or

@@ -76,6 +76,9 @@ class ServeOptions:
     header_timeout: float = 10.0  # a new connection's first request's head; any request's head
     retry_after: int = 1  # seconds, in 429 / 503 answers
     providers: ProviderPolicy | None = None  # which external architecture providers may load the model
+    # the engine (model + decode loop) in a spawned child process, so a busy event loop cannot
+    # slow generation through the GIL; False: a thread of the daemon's process
+    engine_process: bool = True
     speculative: str | None = None  # "mtp": draft with the model's MTP head, verify in one step; None: off
     draft_tokens: int | None = None  # with speculative: tokens drafted a step, 1..4 (default 1)
 

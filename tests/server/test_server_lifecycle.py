@@ -5,6 +5,7 @@ activation and stale sockets."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -14,13 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_engine import DIE, FATAL, HANG, RAISE, SLOW
 from server_helpers import Daemon, get, post, serve_argv
 
 from edgerun.engine.runner import DEMO_MODEL
 from edgerun.server.client import UnixHTTPConnection
 
 FAKE = Path(__file__).with_name("fake_daemon.py")
-RAISE, FATAL, SLOW, HANG = 90, 91, 92, 93
 
 
 class NotifySocket:
@@ -300,10 +301,12 @@ def test_prompts_are_measured_before_and_tokenized_off_the_event_loop(tmp_path):
         daemon.stop()
 
 
-def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
+@pytest.mark.parametrize("engine_process", ["on", "off"])
+def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path, engine_process):
     notify = NotifySocket(tmp_path / "notify")
     sock = tmp_path / "fatal.sock"
-    daemon = Daemon(fake_argv(sock), sock, {"NOTIFY_SOCKET": str(notify.path)})
+    argv = fake_argv(sock, "--engine-process", engine_process)
+    daemon = Daemon(argv, sock, {"NOTIFY_SOCKET": str(notify.path)})
     try:
         daemon.wait_health(200)
         status, body = post(sock, "/v1/completions", {"prompt": [FATAL], "max_tokens": 3})
@@ -317,13 +320,68 @@ def test_dead_engine_reports_failed_and_exits_nonzero(tmp_path):
         daemon.stop()
 
 
-def test_a_hung_engine_stops_the_watchdog_pings(tmp_path):
+def test_a_killed_engine_process_fails_the_engine_and_stops_the_watchdog(tmp_path):
+    """The engine's process killed (SIGKILL, as the OOM killer does) mid-request: the request
+    fails with 500, /health says failed and why, the watchdog pings stop, and the daemon exits
+    1 (restarted) within a second or two, never hanging on the dead child."""
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "die.sock"
+    daemon = Daemon(fake_argv(sock), sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    try:
+        daemon.wait_health(200)
+        notify.wait_for("WATCHDOG=1", timeout=5)
+        child = re.search(r"engine in a process of its own \(pid (\d+)", daemon.log())
+        assert child is not None, daemon.log()
+        status, body = post(sock, "/v1/completions", {"prompt": [DIE], "max_tokens": 3})
+        assert status == 500 and "died: killed by SIGKILL" in body["error"]["message"], body
+        pings = notify.poll().count("WATCHDOG=1")
+        status, body = get(sock, "/health")
+        assert status == 503 and body["status"] == "failed", body
+        assert f"the engine process (pid {child.group(1)}) died: killed by SIGKILL" in body["message"]
+        assert daemon.proc.wait(10) == 1
+        assert notify.poll().count("WATCHDOG=1") == pings, "pinged after the engine died"
+        notify.wait_for("STOPPING=1")
+    finally:
+        daemon.stop()
+
+
+def test_the_engine_process_dies_with_the_daemon(tmp_path):
+    """A daemon killed outright (SIGKILL: no drain, no stop message) leaves no engine process."""
+    sock = tmp_path / "orphan.sock"
+    daemon = Daemon(fake_argv(sock), sock)
+    try:
+        daemon.wait_health(200)
+        child = int(re.search(r"engine in a process of its own \(pid (\d+)", daemon.log()).group(1))
+        os.kill(child, 0)  # alive
+        daemon.proc.kill()
+        daemon.proc.wait(5)
+        deadline = time.monotonic() + 5
+        while _alive(child):
+            assert time.monotonic() < deadline, f"engine process {child} outlived its daemon"
+            time.sleep(0.05)
+    finally:
+        daemon.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (killed, not yet reaped by init) counts as gone
+        return open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("engine_process", ["on", "off"])
+def test_a_hung_engine_stops_the_watchdog_pings(tmp_path, engine_process):
     """WATCHDOG=1 comes from the engine thread (and only while the loop is alive too), so an
     engine stuck in a step stops the pings and systemd's WatchdogSec restarts the service; the
     pings resume once the step returns."""
     notify = NotifySocket(tmp_path / "notify")
     sock = tmp_path / "hang.sock"
-    daemon = Daemon(fake_argv(sock), sock, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    daemon = Daemon(
+        fake_argv(sock, "--engine-process", engine_process),
+        sock,
+        {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"},
+    )
     try:
         daemon.wait_health(200)
         notify.wait_for("WATCHDOG=1", timeout=5)

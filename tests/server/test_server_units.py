@@ -14,6 +14,7 @@ import pytest
 
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.server import client, paths
+from edgerun.server.cli import serve_options
 from edgerun.server.client import UnixHTTPConnection
 from edgerun.server.metrics import _escape
 from edgerun.server.options import ServeOptions, load_serve_config
@@ -202,6 +203,23 @@ def test_serve_config(tmp_path):
         load_serve_config(cfg)
     with pytest.raises(ConfigError, match="grace_period"):
         ServeOptions(grace_period=0)
+
+
+def test_engine_process_is_on_by_default_and_off_by_flag_or_key(tmp_path):
+    from edgerun.cli import build_parser
+
+    def opts(*argv: str) -> ServeOptions:
+        return serve_options(build_parser().parse_args(["serve", *argv]))
+
+    assert opts().engine_process is True
+    assert opts("--engine-process", "off").engine_process is False
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("engine_process: false\n")
+    assert opts("--config", str(cfg)).engine_process is False
+    assert opts("--config", str(cfg), "--engine-process", "on").engine_process is True
+    cfg.write_text("engine_process: maybe\n")
+    with pytest.raises(ConfigError, match="'engine_process' must be bool"):
+        load_serve_config(cfg)
 
 
 def test_metric_labels_are_escaped():
