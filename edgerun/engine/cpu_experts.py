@@ -11,10 +11,10 @@ runs, then the two fp32 partial sums are added and the caller rounds once.
 
 Tolerance against the all-GPU path. Both sum the same A router-weighted terms per element in fp32
 and round once to the activations' dtype; the split only regroups the sum (G + C instead of one
-pass) and computes C's terms with the CPU kernels. Regrouping an fp32 sum of A terms moves it by
-at most (A - 1) * 2^-24 * sum |terms| (the standard bound for recursive summation, applied to both
-orders), which the final rounding to bf16 (2^-9 relative) can turn into at most one unit in the
-last place. The CPU kernels' terms differ from the reference's within their probe's tolerance
+pass) and computes C's terms with the CPU kernels. Each order of an fp32 sum of A terms is within
+(A - 1) * 2^-24 * sum |terms| of the exact sum (the standard bound for recursive summation), so
+the two are within twice that of each other, which the final rounding to bf16 (2^-9 relative)
+can turn into at most one unit in the last place. The CPU kernels' terms differ from the reference's within their probe's tolerance
 (kernels/probe.py: 2e-2 of the output's scale; they round x and h to bf16). So the split's output
 is within TOLERANCE * max |ref| + one bf16 ulp of the all-GPU output; with the reference on both
 halves (the fp32 test) only the regrouping bound remains (tests/engine/test_cpu_expert_split.py).
@@ -75,9 +75,9 @@ def split_experts(
 ) -> torch.Tensor:
     """One step's routed experts, split: x [T, D], slots and weights [T, A] on x's device; ``host``
     (ids, weights) [T, A] on the host, and ``on_cpu`` bool [T, A] there, the pairs the CPU
-    computes (whole experts: every pair of an expert alike). ``gpu(slots, weights)`` -> fp32 [T, D] (the GPU's kernels over its slots), called
-    with the CPU pairs at slot ``filler`` (a device slot) and weight 0; ``cpu(x, ids, weights)``
-    -> fp32 [Tc, D] for ``cpu_pairs``' rows. Returns the fp32 sum [T, D] on x's device, for the
+    computes (whole experts: every pair of an expert alike). ``gpu(slots, weights)`` -> fp32
+    [T, D] (the GPU's kernels over its slots), called with the CPU pairs at slot ``filler`` (a
+    device slot) and weight 0; ``cpu(x, ids, weights)`` -> fp32 [Tc, D] for ``cpu_pairs``' rows. Returns the fp32 sum [T, D] on x's device, for the
     caller to round once."""
     ids_h, weights_h = host
     if set(ids_h[on_cpu].tolist()) & set(ids_h[~on_cpu].tolist()):
@@ -159,17 +159,23 @@ class CpuExperts:
 
 def calibrate(cache, layer: int, device: torch.device, repeats: int = 5) -> SplitCosts:
     """Layer ``layer``'s costs measured here: the CPU kernels on its layout for a one-token step
-    of top_k experts; a block's PCIe read as a pinned host->device copy of top_k of its tier's
-    rows; the split's fixed cost as a hidden-size round trip host<->device with its syncs. The
-    GPU's device-slot part is taken as 0 (the CPU must beat the PCIe reads alone)."""
-    from edgerun.tools.calibrate import cpu_expert_seconds
+    (``CALIBRATION_EXPERTS`` distinct experts, more than a CPU cache holds); a block's PCIe read
+    as a pinned host->device copy of top_k of its tier's rows; the split's fixed cost as its
+    transfers (routing and activations back, mask and result up) with their syncs. Not counted:
+    the GPU's device-slot part (the CPU must beat the PCIe reads alone) and what the layer's
+    step loses by leaving its CUDA graph."""
+    from edgerun.tools.calibrate import CALIBRATION_EXPERTS, cpu_expert_seconds
 
-    layout = cache.bundle.layouts[layer]
-    k = cache.bundle.args.num_experts_per_tok
-    per_expert = cpu_expert_seconds(layout, tokens=1, experts=k, repeats=repeats)["seconds_per_expert"]
+    layout, args = cache.bundle.layouts[layer], cache.bundle.args
+    k = args.num_experts_per_tok
+    per_expert = cpu_expert_seconds(layout, 1, CALIBRATION_EXPERTS, repeats)["seconds_per_expert"]
     rows = cache.tier_mem[layer][:k]
     dst = torch.empty_like(rows, device=device)
-    x = torch.zeros(1, cache.bundle.args.hidden_size, device=device)
+    ids, x = (
+        torch.zeros(1, k, dtype=torch.int64, device=device),
+        torch.zeros(1, args.hidden_size, device=device),
+    )
+    mask, part = torch.zeros(1, k, dtype=torch.bool), torch.zeros(1, args.hidden_size)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -183,8 +189,14 @@ def calibrate(cache, layer: int, device: torch.device, repeats: int = 5) -> Spli
         return statistics.median(out)
 
     pair = timed(lambda: dst.copy_(rows, non_blocking=True)) / k
-    fixed = timed(lambda: x.cpu().to(device))
+    fixed = timed(lambda: (ids.cpu(), x.cpu(), mask.to(device), part.to(device)))
     return SplitCosts(far_pair_seconds=pair, cpu_expert_seconds=per_expert, cpu_fixed_seconds=fixed)
+
+
+def _why_none(costs: SplitCosts) -> str:
+    if costs.cpu_expert_seconds >= costs.far_pair_seconds:
+        return "PCIe outruns the CPU"
+    return "the split's fixed cost outweighs what the CPU saves"
 
 
 def attach(model, cache, mode: str, calibrated: Callable[[int], SplitCosts] | None = None) -> str:
@@ -218,14 +230,11 @@ def attach(model, cache, mode: str, calibrated: Callable[[int], SplitCosts] | No
                 measured[layout] = calibrate(cache, layer, torch.device(cache.device))
             return measured[layout]
 
-    chosen, rates = {}, ""
+    chosen, first = {}, None
     for layer in far:
         costs = calibrated(layer) if mode == "auto" else None
         if costs is not None:
-            rates = rates or (
-                f" (layer {layer}: CPU {costs.cpu_expert_seconds * 1e6:.0f} us an expert, "
-                f"PCIe {costs.far_pair_seconds * 1e6:.0f} us a block)"
-            )
+            first = first or (layer, costs)
             if not decode_share(k, E, cache.slots[layer].quota, costs)[1]:
                 continue
         chosen[layer] = CpuExperts(cache, layer, mode, costs)
@@ -233,8 +242,13 @@ def attach(model, cache, mode: str, calibrated: Callable[[int], SplitCosts] | No
     cache.cpu_split = chosen
     if mode == "on":
         return f"CPU experts on: every far expert of a decode step on the CPU in {len(chosen)} layers (eager steps)"
+    layer, c = first
+    rates = (
+        f" (layer {layer}: CPU {c.cpu_expert_seconds * 1e6:.0f} us an expert, PCIe {c.far_pair_seconds * 1e6:.0f} "
+        f"us a block, {c.cpu_fixed_seconds * 1e6:.0f} us to split)"
+    )
     if not chosen:
-        return f"CPU experts auto: none, PCIe outruns the CPU{rates}"
+        return f"CPU experts auto: none, {_why_none(c)}{rates}"
     return (
         f"CPU experts auto: decode steps split between CPU and GPU in {len(chosen)} of {len(far)} far layers"
         f"{rates} (eager steps)"

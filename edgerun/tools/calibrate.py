@@ -238,7 +238,12 @@ def device_copy_bandwidth(device: Any = "cuda", nbytes: int = 1 << 30, repeats: 
     }
 
 
-def cpu_expert_seconds(layout: Any, tokens: int = 1, experts: int = 8, repeats: int = 5) -> dict[str, Any]:
+CALIBRATION_EXPERTS = 32  # distinct experts a timed CPU step reads: 50 MiB of int4 blocks, past CPU caches
+
+
+def cpu_expert_seconds(
+    layout: Any, tokens: int = 1, experts: int = CALIBRATION_EXPERTS, repeats: int = 5
+) -> dict[str, Any]:
     """The CPU expert kernels (kernels/moe_cpu.py) on ``layout``'s experts, on this machine's
     cores at torch's thread count: a step of ``tokens`` tokens, each routed to the same
     ``experts`` random experts (host memory, repacked once before timing), timed ``repeats`` times

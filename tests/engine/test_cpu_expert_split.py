@@ -161,7 +161,7 @@ class _Cache(SimpleNamespace):
 
 
 def _cache(L):
-    args = SimpleNamespace(num_experts=E, num_experts_per_tok=A)
+    args = SimpleNamespace(num_experts=E, num_experts_per_tok=A, hidden_size=64)
     return _Cache(
         bundle=SimpleNamespace(args=args, layouts={0: L.layout}),
         tier={0: SimpleNamespace(slot_of={e: int(L.row_of[e]) for e in range(E)})},
@@ -211,6 +211,8 @@ def test_attach_says_what_it_chose_and_refuses_what_cannot_run():
     text = C.attach(model, cache, "auto", lambda i: fast)
     assert "split between CPU and GPU in 1 of 1 far layers" in text
     assert isinstance(layer.mlp.experts.split, C.CpuExperts)
+    costly = SplitCosts(far_pair_seconds=1e-4, cpu_expert_seconds=5e-5, cpu_fixed_seconds=1e-3)
+    assert "none, the split's fixed cost outweighs" in C.attach(model, _cache(L), "auto", lambda i: costly)
     assert C.attach(model, _cache(L), "off") == "CPU experts off"
     with pytest.raises(ConfigError, match="not one of"):
         C.attach(model, cache, "sometimes")
@@ -233,3 +235,9 @@ def test_calibrate_cpu_experts_prints_the_profile_line(cpu_kernel_bundles, capsy
     assert main(["cpu-experts", str(bundle), "--experts", "2"]) == 0
     out = capsys.readouterr().out
     assert '"seconds_per_expert"' in out and "cpu_expert_bandwidth: " in out
+
+
+def test_calibrate_measures_positive_costs_here():
+    c = C.calibrate(_cache(_layer()), 0, torch.device("cpu"), repeats=1)
+    assert c.far_pair_seconds > 0 and c.cpu_expert_seconds > 0 and c.cpu_fixed_seconds >= 0
+    assert c.gpu_seconds == 0
