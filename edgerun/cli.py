@@ -204,7 +204,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "warm", "trace",
+    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
 )  # fmt: skip
 
@@ -244,6 +244,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, 
         prefetch=ns.prefetch,
         pool=ns.slot_pool,
         tier_reads=ns.tier_reads,
+        cpu_experts=ns.cpu_experts,
         warm=warm,
         trace=trace,
         providers=providers,

@@ -119,6 +119,9 @@ class DeviceProfile:
     host_memory_cap: int = 0  # discrete only: host RAM
     host_reserve: int = 0  # discrete only: host RAM kept for the OS and other processes
     pcie_bandwidth: float = 0.0  # discrete only: bytes/s host -> device from pinned memory
+    # discrete only, optional: expert bytes/s the host's CPU kernels compute for a one-token step
+    # (edgerun/tools/calibrate.py cpu_expert_seconds); the planner's CPU-experts estimate, 0: none
+    cpu_expert_bandwidth: float = 0.0
     description: str = ""
     source: str = ""  # the file it came from
 
@@ -132,7 +135,7 @@ class DeviceProfile:
 
 
 _SIZE_KEYS = ("memory_cap", "os_reserve", "cuda_context", "pinned_limit", "host_memory_cap", "host_reserve")
-_RATE_KEYS = ("memory_bandwidth", "storage_read_bandwidth", "pcie_bandwidth")
+_RATE_KEYS = ("memory_bandwidth", "storage_read_bandwidth", "pcie_bandwidth", "cpu_expert_bandwidth")
 _REQUIRED = (
     "name",
     "memory_kind",
@@ -144,6 +147,7 @@ _REQUIRED = (
     "storage_read_bandwidth",
 )
 _DISCRETE_ONLY = ("host_memory_cap", "host_reserve", "pcie_bandwidth")
+_DISCRETE_OPTIONAL = ("cpu_expert_bandwidth",)  # discrete only, but may be left out
 
 
 def device_profile_from_dict(raw: Any, source: str = "device profile") -> DeviceProfile:
@@ -209,7 +213,7 @@ def _check(p: DeviceProfile, raw: dict[str, Any], source: str) -> None:
                 f"({format_bytes(p.host_memory_cap - p.host_reserve)})"
             )
     else:
-        for key in _DISCRETE_ONLY:
+        for key in _DISCRETE_ONLY + _DISCRETE_OPTIONAL:
             if raw.get(key):
                 bad(f"key {key!r} applies only to memory_kind 'discrete' (this profile is 'unified')")
         if p.pinned_limit > p.memory_cap:
@@ -263,6 +267,10 @@ class CacheConfig:
     # sync: the step stays one graph); "copy", misses are copied into device slots first.
     # None: in-place where the GPU can read mapped host memory
     tier_reads: str | None = None
+    # a far tier's experts computed on the CPU from host memory beside the GPU's reads (decode
+    # steps): "auto", as many as the start-up calibration says finish with the GPU (often none);
+    # "on", every far expert of a step; "off", none (edgerun/engine/cpu_experts.py)
+    cpu_experts: str = "auto"
     unified_memory: bool = False  # the device profile's memory is unified: CUDA slots default to mapped
     staging: int | None = None
     warm: Mapping[int, Any] | None = None

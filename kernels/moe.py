@@ -93,6 +93,12 @@ def moe_experts(
         from edgerun.kernels import moe_triton
 
         routed = moe_triton.moe_grouped(*args, **part, far=far)
+    return add_into(routed, into)
+
+
+def add_into(routed: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
+    """``routed`` added into ``into``'s residual in place with the shared expert's output, as
+    ``moe_experts`` rounds it (``routed`` itself without ``into``)."""
     if into is None:
         return routed
     resid, shared = into

@@ -228,6 +228,8 @@ def run_config(
         prefill_chunk=len(prompt),
     )
     rec = {"config": name, "quota": quota, "load_s": time.perf_counter() - t0}
+    if runner.cache is not None and runner.cache.cpu_split_text:  # --cpu-experts auto's choice (far tier)
+        rec["cpu_experts"] = runner.cache.cpu_split_text
     eager = one_run(runner, prompt, decode)
     runner.set_kernels(KernelPolicy(graphs="on"))
     state = runner.new_state(capacity)  # the decoder at the runs' size: warm-up step + capture, untimed

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from edgerun.budget.cpu_split import plan_note
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, dense_targets, quantized_nbytes, scheme_label
 from edgerun.bundle.layout import expert_block_layout
 from edgerun.config import DeviceProfile, format_bytes
@@ -926,6 +927,11 @@ def plan(
                     _quota_detail(host, sizer.blocks) + " (inclusive of the VRAM tier)",
                 )
             )
+    if far:  # CPU experts beside the far tier (budget/cpu_split.py)
+        cpu_note = plan_note(
+            k, E, quotas, host_quotas, sizer.blocks, device.pcie_bandwidth, device.cpu_expert_bandwidth
+        )
+        notes += [cpu_note] if cpu_note else []
     prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace, far)
     return Plan(
         **base,

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class LayerStats:
     read_seconds: float = 0.0  # wall time this layer waited for its misses
     tier_copies: int = 0  # misses served from the pinned host tier (a copy, no storage read)
     far_reads: int = 0  # (token, expert) pairs the GPU served in place from the pinned host tier
+    cpu_pairs: int = 0  # (token, expert) pairs of a far tier computed on the CPU (engine/cpu_experts.py)
     prefetch_issued: int = 0  # reads started before the layer's lookup asked (``ExpertCache.prefetch``)
     prefetch_useful: int = 0  # of them, misses they served (still counted as misses)
     prefetch_wasted: int = 0  # of them, read (or cancelled) and not asked for
@@ -199,6 +201,8 @@ class ExpertCache:
         self._far_counts: torch.Tensor | None = None
         self._far_scores: dict[int, list[float]] = {}  # decayed uses by expert, what the device set follows
         self._far_mode(config.tier_reads)
+        self.cpu_split: dict[int, Any] = {}  # far layer -> its CpuExperts (engine/cpu_experts.attach)
+        self.cpu_split_text = ""  # what attach chose, for the start-up line
         # layer -> slot -> its weights in the CPU kernels' layout (kernels/moe_cpu.py)
         self.packed: dict[int, dict] = {layer: {} for layer in quotas}
         self.scales = {}  # int4: fp32 [E, 2] global scales by expert; None for other formats
@@ -541,6 +545,10 @@ class ExpertCache:
 
         return sum(q * packed_bytes(self.bundle.layouts[layer]) for layer, q in self.quotas.items())
 
+    def count_cpu_pairs(self, layer: int, n: int) -> None:
+        """``n`` pairs of a far layer's step were computed on the CPU (counted among its hits)."""
+        self.io[layer].cpu_pairs += n
+
     def count_hits(self, layer: int, n: int) -> None:
         """Hits a step served on the device through :meth:`slot_table` (no host bookkeeping ran)."""
         self.slots[layer].counters.hits += n
@@ -609,12 +617,13 @@ class ExpertCache:
 
     def layer_stats(self, layer: int, far: dict[int, int] | None = None) -> LayerStats:
         """One layer's counters. A far layer's slot-table steps count every pair as a hit; the
-        pairs read from the far tier are taken out of the hits and given as ``far_reads``."""
+        pairs read from the far tier are taken out of the hits and given as ``far_reads``, those
+        computed on the CPU as ``cpu_pairs``."""
         c = self.slots[layer].counters
         stats = replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions)
         if layer in self.far:
             stats.far_reads = (far if far is not None else self.far_reads())[layer]
-            stats.hits -= stats.far_reads
+            stats.hits -= stats.far_reads + stats.cpu_pairs
         return stats
 
     def totals(self) -> LayerStats:

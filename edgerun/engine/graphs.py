@@ -40,6 +40,7 @@ from edgerun.budget.planner import PREFILL_GRAPH_TOKENS  # longer first chunks r
 from edgerun.cache.slots import SlotRef
 from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
+from edgerun.kernels.moe import add_into
 from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -173,7 +174,7 @@ class DecodeGraphs:
             return "stacked", None
         if self.cache is None:
             self.cache = experts.cache
-        if self.policy.moe.impl != "triton":
+        if self.policy.moe.impl != "triton" or experts.split is not None:  # CPU experts: host work
             return "eager", None
         table = self.cache.slot_table(i)
         return ("table" if table is not None else "routed"), table
@@ -271,6 +272,11 @@ class DecodeGraphs:
 
     def _experts_eager(self, i: int) -> None:
         buf = self.moe[i]
+        experts = self.layers[i].mlp.experts
+        if experts.split is not None:  # the layer's forward splits the step with the CPU
+            self._prefetch(i)
+            add_into(experts(self.h, buf.ids, buf.weights), self._into(i))
+            return
         slots, refs = lookup(self.cache, i, buf.ids.tolist(), self.device)
         self._prefetch(i)
         run_experts(

@@ -13,6 +13,7 @@ def cache_line(cache, tokens: int) -> str:
         f"{t.evictions} evictions, {t.warm_reads} warm reads, "
         + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
         + (f"{t.far_reads} read in place from it over PCIe, " if cache.far else "")
+        + (f"{t.cpu_pairs} computed from it on the CPU, " if cache.cpu_split else "")
         + f"{t.bytes_read / 2**20:.1f} MiB read "
         f"at {t.read_bandwidth / 1e9:.2f} GB/s"
         + (
@@ -38,6 +39,7 @@ def experts_text(runner) -> str:
         f"pinned host tier {'/'.join(map(str, tier))} ({cache.host_tier_bytes / 2**20:.1f} MiB"
         + (
             f", read in place over PCIe in {far} of {len(cache.tier)} layers: every expert reachable, no misses"
+            + (f"; {cache.cpu_split_text}" if cache.cpu_split_text else "")
             if far
             else ", misses copied to device slots"
         )

@@ -44,11 +44,12 @@ def run_experts(
     expert_range: tuple[int, int] | None = None,
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
     slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
     step run in parts; ``table``: slots looked up from the layer's device slot table; ``into``:
-    added into a residual in place; see ``moe_experts``).
+    added into a residual in place; ``out_dtype``: the result's, default x's; see ``moe_experts``).
 
     ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
     against the slot table first, so a slot refilled since its lookup is refused
@@ -58,7 +59,7 @@ def run_experts(
     cache.check(layer, refs)
     pool, layout, scales = cache.pools[layer], cache.bundle.layouts[layer], cache.slot_scales[layer]
     return moe_experts(
-        x, pool, slots, ids, weights, layout, scales, policy,
+        x, pool, slots, ids, weights, layout, scales, policy, out_dtype,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
         far=cache.far.get(layer),
     )  # fmt: skip
@@ -142,6 +143,7 @@ class StreamingExperts(nn.Module):
         self.quota = cache.slots[layer].quota
         self.policy = policy
         self.prefetcher: Prefetcher | None = None  # set by a Prefetcher (decode prediction)
+        self.split = None  # a far layer's CpuExperts (engine/cpu_experts.attach): decode steps split
         self._table: torch.Tensor | None = None
 
     def held(self) -> torch.Tensor | None:
@@ -163,6 +165,14 @@ class StreamingExperts(nn.Module):
         if table is not None:
             c.count_hits(i, ids.numel())
             self._prefetch_next()
+            if self.split is not None and self._splits(x):
+
+                def gpu(slots: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                    return run_experts(c, i, x, slots, ids, w, self.policy, out_dtype=out_dtype)
+
+                out = self.split.step(x, ids, weights, table, gpu)
+                if out is not None:
+                    return out
             return run_experts(c, i, x, ids, ids, weights, self.policy, table=table)
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
@@ -187,6 +197,12 @@ class StreamingExperts(nn.Module):
             acc = run_experts(c, i, x, slots, ids, weights, self.policy, refs, acc=acc, expert_range=part)
         return acc.to(x.dtype)
 
+    def _splits(self, x: torch.Tensor) -> bool:
+        """A step the CPU experts split: a decode step (at most the GEMV kernel's tokens), not
+        being captured into a CUDA graph (the split reads the routing back to the host)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return x.shape[0] <= self.policy.gemv_max_tokens and not capturing
+
     def _prefetch_next(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.issue(self.layer)
@@ -203,6 +219,7 @@ def load_streaming_model(
     """(model, args, cache, report): dense weights resident, routed experts streamed through
     an :class:`ExpertCache` built from ``config`` (a :class:`CacheConfig`, or a quota per layer). A planned config is re-planned against the dense bytes actually
     loaded before the cache is sized (``log`` gets the difference)."""
+    from edgerun.engine.cpu_experts import attach as attach_cpu_experts
     from edgerun.engine.setup import measured_resident, replan
 
     if not isinstance(config, CacheConfig):
@@ -216,6 +233,7 @@ def load_streaming_model(
         if isinstance(layer.mlp, SparseMoe):
             layer.mlp.experts = StreamingExperts(i, cache)
     cache.hold_complete_layers()
+    cache.cpu_split_text = attach_cpu_experts(model, cache, config.cpu_experts)
     if config.warm:
         cache.warm(config.warm)
     if cache.prefetch_depth:

@@ -15,7 +15,14 @@ from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import add_device_arguments, add_model_argument, add_speculative_arguments, parse_context
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.options import DEFAULT_BATCH, SLOT_POOLS, TIER_READS, ServeOptions, load_serve_config
+from edgerun.server.options import (
+    CPU_EXPERTS,
+    DEFAULT_BATCH,
+    SLOT_POOLS,
+    TIER_READS,
+    ServeOptions,
+    load_serve_config,
+)
 
 # flag dest -> ServeOptions field
 _FLAGS = (
@@ -33,6 +40,7 @@ _FLAGS = (
     "dense_kernel",
     "slot_pool",
     "tier_reads",
+    "cpu_experts",
     "device",
     "dtype",
     "context",
@@ -182,6 +190,15 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         "device slots lack in place over PCIe, the step staying one CUDA graph (in-place), or copies "
         "each miss into a slot first (copy); default: in-place where the GPU reads mapped memory",
     )
+    p.add_argument(
+        "--cpu-experts",
+        choices=CPU_EXPERTS,
+        default=None,
+        help="with a far tier (--tier-reads in-place): compute some of a decode step's far experts on the "
+        "CPU from host memory beside the GPU's PCIe reads: as many as the start-up calibration says "
+        "finish with the GPU (auto, often none), every one (on), or none (off); such layers' steps run "
+        "eagerly; default: auto",
+    )
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -234,6 +251,7 @@ def cache_plan(opts: ServeOptions):
         prefetch=opts.prefetch,
         pool=opts.slot_pool,
         tier_reads=opts.tier_reads,
+        cpu_experts=opts.cpu_experts,
         warm=read_warm(opts.warm),
         trace=opts.trace,
         providers=opts.providers,

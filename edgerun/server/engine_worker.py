@@ -213,6 +213,7 @@ class RunnerEngine:
                         "window_experts",
                         "tier_copies",
                         "far_reads",
+                        "cpu_pairs",
                     )
                 },
             }

@@ -181,11 +181,12 @@ def render(
         "edgerun_expert_host_tier_total",
         "counter",
         "Expert uses the pinned host tier served (discrete GPUs), per layer: copied into a device slot "
-        "(a miss of the device slots), or read in place by the GPU over PCIe (every expert in the tier).",
+        "(a miss of the device slots), read in place by the GPU over PCIe (every expert in the tier), "
+        "or computed from it on the CPU (--cpu-experts).",
         [
             ({"layer": i, "experts": mode, "how": how}, s.get(key, 0))
             for i, s in layers
-            for how, key in (("copied", "tier_copies"), ("in_place", "far_reads"))
+            for how, key in (("copied", "tier_copies"), ("in_place", "far_reads"), ("cpu", "cpu_pairs"))
         ],
     )
     t.family(

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
 from edgerun.config import SpeculativeConfig, parse_bytes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
@@ -49,6 +50,7 @@ class ServeOptions:
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     tier_reads: str | None = None  # pinned host tier -> GPU: in-place | copy; None: in-place where it can
+    cpu_experts: str | None = None  # far tier experts on the CPU: auto | off | on; None: auto when streaming
     device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
@@ -112,6 +114,7 @@ class ServeOptions:
             ("dense_kernel", DENSE_KERNELS),
             ("slot_pool", SLOT_POOLS),
             ("tier_reads", TIER_READS),
+            ("cpu_experts", CPU_EXPERTS),
         ):
             value = getattr(self, name)
             if value is not None and value not in valid:

@@ -236,3 +236,82 @@ def device_copy_bandwidth(device: Any = "cuda", nbytes: int = 1 << 30, repeats: 
         "h2d_pinned_gb_per_s": statistics.median(h2d),
         "h2d_pinned_gb_per_s_range": [min(h2d), max(h2d)],
     }
+
+
+CALIBRATION_EXPERTS = 32  # distinct experts a timed CPU step reads: 50 MiB of int4 blocks, past CPU caches
+
+
+def cpu_expert_seconds(
+    layout: Any, tokens: int = 1, experts: int = CALIBRATION_EXPERTS, repeats: int = 5
+) -> dict[str, Any]:
+    """The CPU expert kernels (kernels/moe_cpu.py) on ``layout``'s experts, on this machine's
+    cores at torch's thread count: a step of ``tokens`` tokens, each routed to the same
+    ``experts`` random experts (host memory, repacked once before timing), timed ``repeats`` times
+    after one warm-up: seconds per expert (median and range) and ``gb_per_s``, the expert bytes
+    per second computed (block_bytes / seconds per expert: the device profile's
+    cpu_expert_bandwidth when ``tokens`` is 1). Refused, with the reason, for a layout the CPU
+    kernels do not take."""
+    import torch
+
+    from edgerun.kernels.cpu_layout import unsupported
+    from edgerun.kernels.moe_cpu import moe_cpu
+    from edgerun.kernels.moe_reference import layout_dims, random_pool
+
+    why = unsupported(layout)
+    if why:
+        raise EdgerunError(f"CPU expert time: {why}")
+    if tokens < 1 or experts < 1 or repeats < 1:
+        raise ValueError(f"tokens, experts and repeats must be positive, got {tokens}, {experts}, {repeats}")
+    g = torch.Generator().manual_seed(0)
+    pool, gscales = random_pool(layout, experts, generator=g)
+    D, _ = layout_dims(layout)
+    x = torch.randn(tokens, D, generator=g).to(torch.bfloat16)
+    ids = torch.arange(experts).expand(tokens, experts)
+    weights = torch.full((tokens, experts), 1.0 / experts)
+    packed: dict = {}
+    times = []
+    for r in range(repeats + 1):  # the first repacks and warms up
+        start = time.perf_counter()
+        moe_cpu(x, pool, ids, ids, weights, layout, gscales, packed, out_dtype=torch.float32)
+        if r:
+            times.append((time.perf_counter() - start) / experts)
+    per = statistics.median(times)
+    return {
+        "tokens": tokens,
+        "experts": experts,
+        "threads": torch.get_num_threads(),
+        "block_bytes": layout.block_bytes,
+        "seconds_per_expert": per,
+        "seconds_per_expert_range": [min(times), max(times)],
+        "gb_per_s": layout.block_bytes / per / 1e9,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m edgerun.tools.calibrate cpu-experts BUNDLE_DIR``: the CPU expert kernels on the
+    bundle's first MoE layer's layout here, as JSON, and the device profile line it gives."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m edgerun.tools.calibrate")
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("cpu-experts", help="the CPU expert kernels' time per expert on this machine")
+    c.add_argument("bundle", type=Path)
+    c.add_argument("--tokens", type=int, default=1)
+    c.add_argument(
+        "--experts", type=int, default=32, help="distinct experts a step reads (more than fit a CPU cache)"
+    )
+    ns = p.parse_args(argv)
+    from edgerun.bundle.reader import Bundle
+
+    bundle = Bundle.open(ns.bundle)
+    result = cpu_expert_seconds(bundle.layouts[bundle.args.moe_layers[0]], ns.tokens, ns.experts)
+    print(json.dumps(result, indent=1))
+    print(
+        f"cpu_expert_bandwidth: {result['gb_per_s']:.1f}GB/s   # device profile (discrete), tokens {ns.tokens}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

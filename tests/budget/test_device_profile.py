@@ -96,6 +96,8 @@ def test_shipped_profile_values():
     assert (orin.memory_bandwidth, orin.compute_capability) == (204.8e9, "8.7")
     assert (rtx.memory_bandwidth, rtx.compute_capability, rtx.discrete) == (672e9, "12.0", True)
     assert rtx.memory_cap <= 12 * 2**30 and rtx.host_memory_cap > 0 and rtx.pcie_bandwidth > 0
+    assert rtx.cpu_expert_bandwidth == 30e9  # an estimate input, optional (0 without it)
+    assert device_profile_from_dict({**DISCRETE}).cpu_expert_bandwidth == 0
     assert not cpu.has_cuda and cpu.cuda_context == 0
 
 
@@ -135,6 +137,10 @@ def test_missing_key():
         ({"memory_bandwidth": 0}, "key 'memory_bandwidth' must be positive"),
         ({"pinned_limit": "9GiB"}, "pinned_limit .* exceeds memory_cap"),
         ({"pcie_bandwidth": "25GB/s"}, "key 'pcie_bandwidth' applies only to memory_kind 'discrete'"),
+        (
+            {"cpu_expert_bandwidth": "9GB/s"},
+            "key 'cpu_expert_bandwidth' applies only to memory_kind 'discrete'",
+        ),
         ({"compute_capability": None}, "'cuda_context' must be 0 when compute_capability is null"),
         ({"name": 5}, "key 'name' must be a string"),
     ],
@@ -148,6 +154,8 @@ def test_impossible_unified_values(change, message):
     "change, message",
     [
         ({"pcie_bandwidth": None}, "key 'pcie_bandwidth' is required"),
+        ({"cpu_expert_bandwidth": "30GiB"}, "key 'cpu_expert_bandwidth' must be a rate"),
+        ({"cpu_expert_bandwidth": -1}, "key 'cpu_expert_bandwidth' must not be negative"),
         ({"host_reserve": "32GiB"}, "host_reserve .* leaves nothing of host_memory_cap"),
         ({"pinned_limit": "30GiB"}, "pinned_limit .* exceeds host_memory_cap - host_reserve"),
         ({"compute_capability": None, "cuda_context": 0}, "a discrete GPU needs key 'compute_capability'"),

@@ -125,3 +125,20 @@ def test_device_copy_bandwidth():
         assert 0 < low <= r[key] <= high
     with pytest.raises(C.DeviceUnavailable, match="measures a CUDA device, got 'cpu'"):
         C.device_copy_bandwidth("cpu")
+
+
+def test_cpu_expert_seconds_times_the_cpu_kernels_on_a_layout():
+    from edgerun.bundle.layout import expert_block_layout
+    from hf_fixtures import tiny_moe_args
+
+    layout = expert_block_layout(tiny_moe_args(64, 32, experts=8, top_k=2), "int4", 32, "none")
+    r = C.cpu_expert_seconds(layout, tokens=2, experts=3, repeats=2)
+    assert (r["tokens"], r["experts"], r["block_bytes"]) == (2, 3, layout.block_bytes)
+    lo, hi = r["seconds_per_expert_range"]
+    assert 0 < lo <= r["seconds_per_expert"] <= hi
+    assert r["gb_per_s"] == pytest.approx(layout.block_bytes / r["seconds_per_expert"] / 1e9)
+    rotated = expert_block_layout(tiny_moe_args(64, 32, experts=8, top_k=2), "int4", 16, "hadamard")
+    with pytest.raises(C.EdgerunError, match="CPU expert time: .*unrotated"):
+        C.cpu_expert_seconds(rotated)
+    with pytest.raises(ValueError, match="must be positive"):
+        C.cpu_expert_seconds(layout, tokens=0)

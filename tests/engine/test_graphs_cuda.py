@@ -7,6 +7,8 @@ A prompt's first chunk replays from a prefill graph captured for its padded leng
 the eager prefill at a bucket's own length, the same greedy tokens at other lengths.
 Skipped without CUDA (CI has none); run on the GPU machine before resolving."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,8 @@ def _load(bundle, setup, graphs):
         pool="mapped" if setup == "mapped" else None,
         tier_reads="copy" if setup == "far-copy" else None,
     )
+    if setup in ("far", "far-cpu"):  # all on the GPU, or every far expert of a decode step on the CPU
+        cache = dataclasses.replace(cache, host_quotas=16, cpu_experts="on" if setup == "far-cpu" else "off")
     return Runner.load(bundle, cache=cache, **kw)
 
 
@@ -237,3 +241,36 @@ def test_prefill_graphs_equal_the_eager_prefill(bundles, dense_bundles, arch, ki
     assert "prefill_graphs" not in graph.fallbacks(), graph.fallbacks()
     assert graph.cache.totals().hits == eager.cache.totals().hits
     assert "prefill: first chunks" in graph.kernel_summary()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_experts_split_decodes_the_all_gpu_far_tiers_tokens(cpu_kernel_bundles, arch):
+    """--cpu-experts on: every far expert of a decode step is computed on the CPU from the pinned
+    tier (torch's int4 CPU kernel) while the GPU runs the device slots' experts, the layer an
+    eager host op. Fed the all-GPU far tier's greedy tokens, every step picks the same token and
+    its logits are within 5e-2 of their scale: the CPU kernels round x and h to bf16 (about 0.5%
+    of a layer's routed output, under the probe's 2e-2; engine/cpu_experts.py states the bound)
+    and two tiny layers carry that to the logits. 16 steps, the claim test_cpu_experts.py makes
+    for the same kernels (a random tiny model's near-tied routers). The prompt (32 tokens, past
+    the GEMV's 8) runs all-GPU: its logits are bit for bit. Decode reads no far block over PCIe;
+    the CPU pairs are counted and the start-up line says so."""
+    from edgerun.engine.provenance import experts_text
+
+    b = cpu_kernel_bundles[(arch, "int4")]
+    gpu, split = _load(b, "far", "on"), _load(b, "far-cpu", "on")
+    assert split.cache.cpu_split and "CPU experts on" in experts_text(split)
+    states = [r.new_state(len(PROMPT) + 16) for r in (gpu, split)]
+    want, got = gpu.prefill(states[0], PROMPT), split.prefill(states[1], PROMPT)
+    assert torch.equal(want, got)
+    far_after_prompt = split.cache.far_reads()
+    for _ in range(16):
+        token = int(want.argmax())
+        assert int(got.argmax()) == token
+        want, got = gpu.decode_step(states[0], token), split.decode_step(states[1], token)
+        scale = want.float().abs().max()
+        assert float((got.float() - want.float()).abs().max() / scale) <= 5e-2
+    assert set(split.decoder.modes.values()) == {"eager"} and set(gpu.decoder.modes.values()) == {"table"}
+    assert split.cache.far_reads() == far_after_prompt  # decode read no far block: the CPU computed them
+    t = split.cache.totals()
+    assert t.cpu_pairs > 0 and t.misses == 0
+    assert t.cpu_pairs + t.hits + t.far_reads == gpu.cache.totals().hits + gpu.cache.totals().far_reads

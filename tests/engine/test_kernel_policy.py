@@ -59,6 +59,7 @@ def test_policy_refuses_unknown_values(field, value, message):
         ("expert_kernel", "cutlass", "'expert_kernel' must be one of auto, reference, triton, cpu"),
         ("graphs", "yes", "'graphs' must be one of auto, on, off"),
         ("slot_pool", "vram", "'slot_pool' must be one of device, mapped"),
+        ("cpu_experts", "yes", "'cpu_experts' must be one of auto, off, on"),
         ("read_depth", 0, "'read_depth' must be at least 1"),
     ],
 )
@@ -78,6 +79,25 @@ def test_slot_pool_follows_the_profile(bundles):
     assert pool(None, CONFIGS / "jetson_thor.yaml").unified_memory  # unified memory: mapped slots
     assert not pool(None, CONFIGS / "rtx5070.yaml").unified_memory  # discrete: VRAM slots
     assert pool("device", CONFIGS / "jetson_thor.yaml").pool == "device"  # asked for
+
+
+def test_cpu_experts_reaches_the_cache_config_and_needs_streaming(bundles, tmp_path):
+    from edgerun.cli import build_parser
+
+    b = bundles[("qwen3_moe", "bf16")]
+    assert cache_config(b, quota=2).cpu_experts == "auto"  # the default
+    assert cache_config(b, quota=2, cpu_experts="off").cpu_experts == "off"
+    with pytest.raises(ConfigError, match="--cpu-experts sets up expert streaming"):
+        cache_config(b, cpu_experts="on")
+    ns = build_parser().parse_args(["generate", "--model", str(b), "--quota", "2", "--cpu-experts", "on"])
+    assert ns.cpu_experts == "on"
+
+
+def test_cpu_experts_on_without_a_far_tier_is_refused_at_load(bundles):
+    from edgerun.engine.streaming import load_streaming_model
+
+    with pytest.raises(ConfigError, match="--cpu-experts on needs a far tier"):
+        load_streaming_model(bundles[("qwen3_moe", "int4")], CacheConfig(2, cpu_experts="on"))
 
 
 def test_a_mapped_pool_is_refused_on_the_cpu(bundles):

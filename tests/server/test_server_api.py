@@ -469,6 +469,10 @@ def test_metrics_families(daemon, runner):
         assert f"# TYPE {family} " in text, family
     for layer in runner.args.moe_layers:
         assert f'edgerun_expert_cache_misses_total{{layer="{layer}",experts="resident"}} 0' in text
+        for how in ("copied", "in_place", "cpu"):  # the host tier's uses: none without one
+            assert (
+                f'edgerun_expert_host_tier_total{{layer="{layer}",experts="resident",how="{how}"}} 0' in text
+            )
     assert 'edgerun_http_responses_total{endpoint="/v1/completions",status="400"}' in text
     assert metric(daemon.sock, "edgerun_generated_tokens_total") > 0
     # the CPU engine decodes eagerly (no graphs on a CPU), and says so
