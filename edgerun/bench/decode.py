@@ -215,14 +215,17 @@ def med(values: list[float]) -> dict:
 
 
 def run_config(
-    name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth, host_quota=None
-) -> dict:
+    name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth, host_quota=None,
+    cpu_experts=None,
+) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
         dtype=torch.bfloat16,
-        cache=cache_config(Path(bundle_dir), quota=quota, read_depth=depth, host_quota=host_quota),
+        cache=cache_config(
+            Path(bundle_dir), quota=quota, read_depth=depth, host_quota=host_quota, cpu_experts=cpu_experts
+        ),
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
         prefill_chunk=len(prompt),
@@ -292,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         default="resident,16,8",
         help="resident, device budgets in GiB (slots behind storage), hostN: N device slots a layer and "
         "every expert in a pinned host tier the GPU reads in place, and/or farG: a G GiB device budget "
-        "planned with that tier (a discrete GPU such as the 12 GB RTX 5070: far12)",
+        "planned with that tier (a discrete GPU such as the 12 GB RTX 5070: far12); :auto|on|off after "
+        "either sets --cpu-experts (host64:off)",
     )
     ap.add_argument(
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
@@ -357,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     _, dense_tok = dense_bytes(bundle)
     _, rec_tok, kv_pos = state_bytes(bundle, capacity)
     records = []
-    for spec in ns.budgets.split(","):
+    for given in ns.budgets.split(","):
+        spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         host = None
         if spec == "resident":
             name, quota, budget = "resident", a.num_experts, None
         elif spec.startswith("host"):
             quota, host, budget = int(spec[4:]), a.num_experts, None
-            name = f"{quota} device slots + pinned host tier"
+            name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
         elif spec.startswith("far"):
             host, budget = a.num_experts, int(float(spec[3:]) * GiB)
             bw = (
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 copy["h2d_pinned_gb_per_s"] * 1e9,
             )  # the plan predicts with this run's bandwidths
             quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bw)
-            name = f"{float(spec[3:]):g} GiB + pinned host tier"
+            name = f"{float(spec[3:]):g} GiB + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
             if quota < a.num_experts_per_tok:
                 records.append({"config": name, "refused": how})
                 continue
@@ -385,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats,
-            budget is None and host is None, depth, host,
+            budget is None and host is None, depth, host, cpu or None,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how if spec.startswith("far") else None
