@@ -269,8 +269,9 @@ class CacheConfig:
     tier_reads: str | None = None
     # a far tier's experts computed on the CPU from host memory beside the GPU's reads (decode
     # steps): "auto", as many as the start-up calibration says finish with the GPU (often none);
-    # "on", every far expert of a step; "off", none (edgerun/engine/cpu_experts.py)
-    cpu_experts: str = "auto"
+    # "on", every far expert of a step; "off" (the default until the split is measured on a GPU), none
+    # (edgerun/engine/cpu_experts.py)
+    cpu_experts: str = "off"
     unified_memory: bool = False  # the device profile's memory is unified: CUDA slots default to mapped
     staging: int | None = None
     warm: Mapping[int, Any] | None = None

@@ -180,7 +180,7 @@ def cache_config(
         prefetch=prefetch,
         pool=pool,
         tier_reads=tier_reads,
-        cpu_experts=cpu_experts or "auto",
+        cpu_experts=cpu_experts or "off",
         unified_memory=unified,
         warm=warm,
         draft_tokens=draft_tokens,

@@ -197,7 +197,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         help="with a far tier (--tier-reads in-place): compute some of a decode step's far experts on the "
         "CPU from host memory beside the GPU's PCIe reads: as many as the start-up calibration says "
         "finish with the GPU (auto, often none), every one (on), or none (off); such layers' steps run "
-        "eagerly; default: auto",
+        "eagerly; default: off (the split has not been measured on a GPU yet)",
     )
 
 

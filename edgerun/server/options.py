@@ -50,7 +50,7 @@ class ServeOptions:
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     tier_reads: str | None = None  # pinned host tier -> GPU: in-place | copy; None: in-place where it can
-    cpu_experts: str | None = None  # far tier experts on the CPU: auto | off | on; None: auto when streaming
+    cpu_experts: str | None = None  # far tier experts on the CPU: auto | off | on; None: off
     device: str | None = None  # "cpu" | "cuda"; None: cuda if available
     dtype: str = "auto"
     context: int | None = None  # max context per request; None: the model's
