@@ -445,6 +445,9 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(daemon):
 
 
 def test_metrics_families(daemon, runner):
+    # what the families below count, made here so the test stands alone: a generation and a 400
+    assert post(daemon.sock, "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+    assert post(daemon.sock, "/v1/completions", {"prompt": "a", "max_tokens": -1})[0] == 400
     status, text = get(daemon.sock, "/metrics")
     assert status == 200
     for family in (
