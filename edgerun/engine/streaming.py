@@ -87,11 +87,14 @@ class Prefetcher:
         layers = model.model.layers
         E = cache.bundle.args.num_experts
         # a layer whose quota holds every expert never misses (hold_complete_layers read them all
-        # in): nothing to predict for it, and no router run, no host sync on its behalf
+        # in), and a host tier's misses are copies (its prefetch reads nothing): nothing to
+        # predict for either, and no router run, no host sync on their behalf
         streamed = [
             i
             for i, b in enumerate(layers)
-            if isinstance(getattr(b.mlp, "experts", None), StreamingExperts) and cache.slots[i].quota < E
+            if isinstance(getattr(b.mlp, "experts", None), StreamingExperts)
+            and cache.slots[i].quota < E
+            and i not in cache.tier
         ]
         self.next = dict(zip(streamed, streamed[1:], strict=False))
         self._residual: dict[int, torch.Tensor] = {}
