@@ -148,7 +148,12 @@ class DecodeGraphs:
         # decode prefetch: where layer i and the next MoE layer j both serve misses on the host,
         # j's router runs on i's residual stream in i's segment, and i's host op (after its own
         # lookup) prefetches what it predicts, so j's reads overlap i's expert step and j's mixer
-        host = [i for i, m in self.modes.items() if m in ("routed", "eager")]
+        # (a host tier's layers are left out: their misses are copies, their prefetch reads nothing)
+        host = [
+            i
+            for i, m in self.modes.items()
+            if m in ("routed", "eager") and i not in getattr(self.cache, "tier", {})
+        ]
         prefetch = self.cache is not None and self.cache.prefetch_depth > 0
         self.predict = (
             {i: j for i, j in zip(host, host[1:], strict=False) if j == self._next_moe(i)} if prefetch else {}
