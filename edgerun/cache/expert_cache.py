@@ -572,7 +572,7 @@ class ExpertCache:
         at its far slot, and the device slots' first experts (ids 0..Q-1 until a warm set or the
         lookups choose others) copied in."""
         E, Q = self.bundle.args.num_experts, self.slots[layer].quota
-        reads = self.io[layer].bytes_read
+        reads, bb = self.io[layer].bytes_read, self.bundle.layouts[layer].block_bytes
         self._tier_get(layer, list(range(E)), count=False)
         scales = self.slot_scales[layer]
         if scales is not None:
@@ -581,9 +581,7 @@ class ExpertCache:
             scales.index_copy_(0, rows, self.scales[layer])
         _, fills = self.slots[layer].assign(list(range(Q)), count=False)
         self._fill(layer, fills)
-        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // self.bundle.layouts[
-            layer
-        ].block_bytes
+        self.io[layer].warm_reads += (self.io[layer].bytes_read - reads) // bb
 
     def warm(self, frequencies: dict[int, list[float] | dict[int, float]]) -> None:
         """Preload each layer's most used experts (up to its quota); they stay evictable."""
