@@ -1044,6 +1044,18 @@ def _refused(
     )
 
 
+def _non_expert_step_bytes(sizer: _Sizer, context: int, batch: int, resident: Mapping[str, int]) -> int:
+    """What a decode step of ``batch`` tokens reads besides the routed experts: the resident
+    weights (of the embedding only ``batch`` rows unless tied), the KV cache at the full
+    ``context`` and the DeltaNet state, read and written."""
+    args, opt = sizer.args, sizer.options
+    embed = resident.get(A.EMBED, 0)
+    rows = embed if args.tie_word_embeddings else batch * args.hidden_size * DTYPE_BYTES[opt.dense_dtype]
+    dense_read = sum(resident.values()) - embed + rows
+    kv_read = batch * context * kv_bytes_per_token(args, opt.kv_dtype)
+    return dense_read + kv_read + 2 * deltanet_state_bytes(args, batch, opt.dense_dtype)
+
+
 def _far_tier(sizer: _Sizer, free: Mapping[str, int], options: PlanOptions, L: int, E: int) -> bool:
     """A discrete device whose pinned host budget holds every expert of every layer reads the
     ones its VRAM slots lack in place over PCIe (``cache.expert_cache``'s far tier)."""
@@ -1068,7 +1080,7 @@ def _predict_far(
     uniform routing otherwise), every other (token, expert) pair reads its block from pinned
     host memory over PCIe, with no storage reads and no misses. VRAM and PCIe reads overlap at
     best (the bound), not at all (serial)."""
-    args, dev, opt = sizer.args, sizer.device, sizer.options
+    args, dev = sizer.args, sizer.device
     E, k, B = args.num_experts, args.num_experts_per_tok, batch
     blocks = sizer.blocks
     if steps is not None:
@@ -1093,14 +1105,8 @@ def _predict_far(
             "uniform routing: a token's top_k experts are in VRAM slots with probability quota/E, else "
             "read in place from the pinned host tier over PCIe (every expert there: no storage reads)"
         )
-    a = DTYPE_BYTES[opt.dense_dtype]
-    embed = resident.get(A.EMBED, 0)
-    dense_read = (
-        sum(resident.values()) - embed + (embed if args.tie_word_embeddings else B * args.hidden_size * a)
-    )
     near_read = sum((k - f) * b for f, b in zip(far, blocks)) * B
-    kv_read = B * context * kv_bytes_per_token(args, opt.kv_dtype)
-    step_bytes = dense_read + near_read + kv_read + 2 * deltanet_state_bytes(args, B, opt.dense_dtype)
+    step_bytes = _non_expert_step_bytes(sizer, context, B, resident) + near_read
     t_mem = step_bytes / dev.memory_bandwidth
     t_pcie = sum(f * b for f, b in zip(far, blocks)) * B / dev.pcie_bandwidth
     return Prediction(
@@ -1131,7 +1137,7 @@ def _predict(
     trace: RouteTrace | None,
     far: bool = False,
 ) -> Prediction:
-    args, dev, opt = sizer.args, sizer.device, sizer.options
+    args, dev = sizer.args, sizer.device
     E, k, B = args.num_experts, args.num_experts_per_tok, batch
     blocks = sizer.blocks
     if far:
@@ -1164,15 +1170,8 @@ def _predict(
             "; the pinned host tier is inclusive: storage reads are its misses, PCIe copies the VRAM tier's"
         )
 
-    a = DTYPE_BYTES[opt.dense_dtype]
-    embed = resident.get(A.EMBED, 0)
-    dense_read = (
-        sum(resident.values()) - embed + (embed if args.tie_word_embeddings else B * args.hidden_size * a)
-    )
     expert_read = sum(d * b for d, b in zip(distinct, blocks))
-    kv_read = B * context * kv_bytes_per_token(args, opt.kv_dtype)
-    state_rw = 2 * deltanet_state_bytes(args, B, opt.dense_dtype)
-    step_bytes = dense_read + expert_read + kv_read + state_rw
+    step_bytes = _non_expert_step_bytes(sizer, context, B, resident) + expert_read
 
     t_mem = step_bytes / dev.memory_bandwidth
     t_storage = sum(m * b for m, b in zip(storage_misses, blocks)) * B / dev.storage_read_bandwidth
