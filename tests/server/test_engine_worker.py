@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from fake_engine import Event  # runner.Event's shape
 
 from edgerun.engine.request import Limits, Request
 from edgerun.server.engine_worker import DECODE, PREFILL, QUEUED, EngineWorker, Histogram, Job, WorkerHooks
@@ -31,15 +32,6 @@ class Stats:
     generated_tokens: int
     decode_s: float = 0.01
     decode_tps: float = 100.0
-
-
-@dataclass
-class Event:
-    text: str
-    token_id: int | None = None
-    finish_reason: str | None = None
-    stats: Stats | None = None
-    prefilled: int = 0
 
 
 class ChunkedEngine:
