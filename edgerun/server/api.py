@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -29,11 +33,17 @@ if TYPE_CHECKING:  # torch comes with the engine; by the first request it is loa
     from edgerun.engine.runner import Event
     from edgerun.engine.sampler import SamplingParams
 
+log = logging.getLogger(__name__)
+
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
 MAX_STOP = 16
 # A stream writes at most this often: tokens that arrive meanwhile share one write and one chunk.
 # On a small CPU, a loop wake-up, a write and the client's parsing per token cost several percent.
 STREAM_FLUSH_S = 0.02
+# The tokenizer thread's niceness: a client posting long prompts back to back keeps it busy, and
+# under CPU contention that time should come from the attackers' share, not the engine's or the
+# loop's. Raising one's own niceness needs no privilege (Linux: per thread).
+TOKENIZE_NICE = 10
 # Text longer than the context x the longest token's bytes cannot fit; x4 more for normalizers
 # that shorten text (NFC composes up to three code points into one).
 BYTES_MARGIN = 4
@@ -133,8 +143,11 @@ class App:
         self.info: dict[str, Any] = {}
         self.started = int(time.time())
         self.active: set[_Active] = set()
-        # one thread: tokenizing never takes more than one core from the engine
-        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="edgerun-tokenize")
+        # one thread: tokenizing never takes more than one core from the engine, and at a lower
+        # priority (TOKENIZE_NICE)
+        self.tokenizing = ThreadPoolExecutor(
+            1, thread_name_prefix="edgerun-tokenize", initializer=lower_priority, initargs=(TOKENIZE_NICE,)
+        )
         self.routes: dict[str, tuple[str, Callable]] = {
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.metrics_text),
@@ -451,6 +464,21 @@ class _Reply:
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._wrap(self.object + (".chunk" if self.chat else ""), []), "usage": self.usage()}
+
+
+def lower_priority(nice: int) -> int | None:
+    """Raise the calling thread's niceness by ``nice`` (Linux: niceness is per thread); its new
+    niceness, or None where it could not be changed (then said in the log)."""
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id names another process
+        log.warning("the tokenizer thread keeps the daemon's priority: per-thread niceness is Linux only")
+        return None
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError as exc:
+        log.warning("the tokenizer thread keeps the daemon's priority: %s", exc)
+        return None
 
 
 # ---- request parsing: every error names its field --------------------------------------------
