@@ -1,6 +1,6 @@
 """Hostile clients against a real daemon (issue 19), and what they do to a normal client beside it.
 
-    python benchmarks/hostile_serve.py [--model DIR] [--seconds 20] [--flood 300] [--threads 1]
+    python benchmarks/hostile_serve.py [--model DIR] [--seconds 20] [--flood 300] [--threads 1] [--json PATH]
 
 Starts ``edgerun serve`` (the demo model by default) on a socket in a temp dir. A normal client
 streams greedy completions (``ignore_eos``, ``--tokens`` each) while /health is polled every
@@ -11,7 +11,8 @@ dribbling a header byte a second; each reopened as soon as the daemon closes it,
 serves with the engine in the daemon's process. Reports daemon deaths, /health's worst latency and any
 answer but 200, what the 1 MiB prompts got, and for the normal stream, unloaded and loaded: its
 decode rate, its gap between tokens (p50 / p99) and its longest silences, and whether its tokens
-were the same every time.
+were the same every time. ``--json PATH`` writes the same figures (and the machine: CPUs, load
+average around each phase) as one JSON object, to compare machines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import platform
 import signal
 import socket
 import statistics
@@ -32,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
 
 from edgerun.server.client import UnixHTTPConnection  # noqa: E402
 
@@ -174,8 +179,61 @@ def attack(sock: Path, n: int, hold: bool, big: bool, seconds: float, out) -> No
         t.join()
 
 
+def cpu_seconds(daemon: psutil.Process) -> dict[str, float]:
+    """CPU time (user + system) so far of the daemon's process (the loop, HTTP, tokenizing) and
+    of its children (the engine's process)."""
+
+    def used(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    try:
+        return {"daemon": used(daemon), "engine": sum(used(c) for c in daemon.children())}
+    except psutil.Error:
+        return {"daemon": float("nan"), "engine": float("nan")}
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else float("nan")
+
+
+def summary(ns, argv, engine: str, deaths: int, wrong: int, results: dict, ratio: float) -> dict:
+    """The run as one JSON object: what ran, on what, and each phase's figures (times in ms)."""
+    phases = {}
+    for phase, r in results.items():
+        phases[phase] = {
+            "streams": len(r["outputs"]),
+            "tok_s_median": statistics.median(r["rates"] or [0]),
+            "token_gap_ms": {q: 1000 * pct(r["token_gaps"], n) for q, n in (("p50", 50), ("p99", 99))},
+            "silence_ms": {"p99": 1000 * pct(r["silences"], 99), "max": 1000 * max(r["silences"] or [0])},
+            "health_max_ms": 1000 * max(r["health"].latencies),
+            "health_answers": {str(k): v for k, v in r["health"].statuses.items()},
+            "attackers": r["extra"],
+            "loadavg_1m": {"before": r["load"][0][0], "after": r["load"][1][0]},
+            "cpu_cores": r["cpu"],  # CPU seconds per second of the phase: the daemon's, the engine's
+        }
+    return {
+        "command": ["benchmarks/hostile_serve.py", *(sys.argv[1:] if argv is None else argv)],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "flood": {"connections": ns.flood, "reopened": not ns.hold},
+        "big_prompts": ns.big,
+        "seconds": ns.seconds,
+        "engine": engine,
+        "daemon_deaths": deaths,
+        "wrong_streams": wrong,
+        "phases": phases,
+        "token_gap_p99_ratio": ratio,
+        "target_ratio": 2.0,
+        "health_within_1s": all(
+            p["health_max_ms"] < 1000 and set(p["health_answers"]) == {"200"} for p in phases.values()
+        ),
+        "met": ratio <= 2.0 and not deaths and not wrong,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="serve's --engine-process (default: its own)",
     )
+    p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     ns = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-hostile-"))
@@ -219,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 
         results = {}
         for phase in ("unloaded", "loaded"):
+            t0, load_before = time.monotonic(), os.getloadavg()
+            cpu_before = cpu_seconds(psutil.Process(daemon.pid))
             health = HealthPoller(sock)
             health.start()
             attacker, out = None, multiprocessing.Queue()
@@ -230,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             results[phase] = measure(sock, ns.seconds - (1.0 if attacker else 0.0), ns.tokens)
             if attacker:
                 attacker.join()
+            cpu_after, wall = cpu_seconds(psutil.Process(daemon.pid)), time.monotonic() - t0
             health.stop.set()
             health.join()
             results[phase].update(
                 health=health,
                 extra=dict(out.get(timeout=60) for _ in range(bool(ns.flood) + ns.big)) if attacker else {},
+                load=(load_before, os.getloadavg()),
+                cpu={k: (cpu_after[k] - cpu_before[k]) / wall for k in cpu_after},
             )
 
         deaths = 0 if daemon.poll() is None else 1
@@ -258,11 +322,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{phase}: {len(r['outputs'])} streams, {statistics.median(r['rates'] or [0]):.0f} tok/s; "
                 f"token gap p50 {1000 * pct(r['token_gaps'], 50):.1f} ms, p99 {1000 * pct(r['token_gaps'], 99):.1f} ms; "
                 f"silence p99 {1000 * pct(r['silences'], 99):.0f} ms, max {1000 * max(r['silences'] or [0]):.0f} ms; "
-                f"/health max {1000 * max(health.latencies):.0f} ms, answers {dict(health.statuses)}"
+                f"/health max {1000 * max(health.latencies):.0f} ms, answers {dict(health.statuses)}; "
+                f"CPU: daemon {r['cpu']['daemon']:.2f}, engine {r['cpu']['engine']:.2f} cores; "
+                f"load average {r['load'][0][0]:.1f} -> {r['load'][1][0]:.1f}"
                 + "".join(f"; {k}: {v}" for k, v in r["extra"].items())
             )
         ratio = pct(results["loaded"]["token_gaps"], 99) / pct(results["unloaded"]["token_gaps"], 99)
         print(f"token gap p99 loaded / unloaded: {ratio:.2f}x")
+        if ns.json:
+            ns.json.write_text(
+                json.dumps(summary(ns, argv, engine, deaths, wrong, results, ratio), indent=2) + "\n"
+            )
         return 1 if deaths or wrong else 0
     finally:
         if daemon.poll() is None:
