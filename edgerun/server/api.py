@@ -470,14 +470,16 @@ def lower_priority(nice: int) -> int | None:
     """Raise the calling thread's niceness by ``nice`` (Linux: niceness is per thread); its new
     niceness, or None where it could not be changed (then said in the log)."""
     if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id names another process
-        log.warning("the tokenizer thread keeps the daemon's priority: per-thread niceness is Linux only")
+        log.warning(
+            "thread %s keeps its priority: per-thread niceness is Linux only", threading.current_thread().name
+        )
         return None
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError as exc:
-        log.warning("the tokenizer thread keeps the daemon's priority: %s", exc)
+        log.warning("thread %s keeps its priority: %s", threading.current_thread().name, exc)
         return None
 
 

@@ -54,8 +54,8 @@ if sys.version_info >= (3, 11):
 
     async def within(aw: Awaitable[Any], seconds: float) -> Any:
         """``await aw`` for at most ``seconds`` (``TimeoutError``), in the calling task:
-        ``wait_for`` on 3.10 wraps ``aw`` in a task of its own, and a flood of connections that
-        never finish their heads pays for that (and its timers) on every one."""
+        ``asyncio.wait_for`` before 3.12 wraps ``aw`` in a task of its own, and a flood of
+        connections that never finish their heads paid for that (and its timer) on every one."""
         async with asyncio.timeout(seconds):
             return await aw
 
