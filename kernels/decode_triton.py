@@ -168,19 +168,29 @@ def _attend_tile(
 
 @triton.jit
 def _attend_kernel(
-    qkv, q_norm_w, k_norm_w, inv_freq, pos_ptr, k_cache, v_cache, m_part, l_part, acc_part,
+    qkv, q_norm_w, k_norm_w, inv_freq, pos_ptr, slots, k_cache, v_cache, m_part, l_part, acc_part,
     eps, qk_scale,
     S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
     DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
-    PDL: tl.constexpr,
+    SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     _grid_sync(PDL)
     QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
     half: tl.constexpr = R // 2
     kh = tl.program_id(0)
     split = tl.program_id(1)
-    pos = tl.load(pos_ptr)
+    row = tl.program_id(2).to(tl.int64)  # a sequence of the step: its own position and cache slot
+    qkv += row * (G * HK * QW + 2 * HK * DH)
+    m_part += row * (G * HK * NSPLIT)
+    l_part += row * (G * HK * NSPLIT)
+    acc_part += row * (G * HK * NSPLIT * DH)
+    pos = tl.load(pos_ptr + row)
+    slot = row
+    if SLOTS:
+        slot = tl.load(slots + row)
+    k_cache += slot * (HK * S_MAX * DH)  # 64-bit: a pool's offsets pass 2^31
+    v_cache += slot * (HK * S_MAX * DH)
     c = tl.arange(0, DP)[None, :]
     cmask = c < DH
     start = split * _split_len(pos, NSPLIT, BLOCK_S)
@@ -243,11 +253,17 @@ def _combine_kernel(
     qkv, pos_ptr, m_part, l_part, acc_part, out,
     NSPLIT: tl.constexpr, DH: tl.constexpr, GATED: tl.constexpr, PP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CODE: tl.constexpr,
-    PDL: tl.constexpr,
+    QKV_W: tl.constexpr, H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     _grid_sync(PDL)
     h = tl.program_id(0)
-    pos = tl.load(pos_ptr)
+    row = tl.program_id(2).to(tl.int64)
+    qkv += row * QKV_W
+    m_part += row * (H * NSPLIT)
+    l_part += row * (H * NSPLIT)
+    acc_part += row * (H * NSPLIT * DH)
+    out += row * (H * DH)
+    pos = tl.load(pos_ptr + row)
     active = (pos + _split_len(pos, NSPLIT, BLOCK_S)) // _split_len(pos, NSPLIT, BLOCK_S)
     rows = h * NSPLIT
     j = tl.arange(0, PP)
@@ -375,11 +391,16 @@ def attention_decode(
     n_kv: int,
     head_dim: int,
     gated: bool,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention_decode_ref`` in two launches (same arguments, same in-place cache writes).
-    qkv [1, Q + 2·Hk·Dh], the norm weights, the caches [1, Hk, S, Dh] and out [1, H·Dh] share
-    the model dtype (fp32, bf16 or fp16); inv_freq fp32 [R/2]; pos int64 [1], read only on the
-    device. Every tensor contiguous, on one device."""
+    """``attention_decode_ref`` in two launches (same arguments, same in-place cache writes), for
+    N rows at once: row n is a sequence of its own at position ``pos[n]``, its keys and values
+    in entry ``slots[n]`` of the caches (``slots`` None: entry n). qkv [N, Q + 2·Hk·Dh], the
+    norm weights, the caches [B, Hk, S, Dh] and out [N, H·Dh] share the model dtype (fp32, bf16
+    or fp16); inv_freq fp32 [R/2]; pos int64 [N] and slots int64 [N], read only on the device
+    (distinct slots: rows of one step must not share a sequence). Every tensor contiguous, on
+    one device. A row's programs are the one-row call's, offset: its bits do not depend on the
+    other rows."""
     H, Hk, Dh = n_heads, n_kv, head_dim
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be [R/2], got {list(inv_freq.shape)}")
@@ -391,42 +412,49 @@ def attention_decode(
     if dtype not in DTYPE_CODE:
         raise ValueError(f"qkv must be one of {list(DTYPE_CODE)}, got {dtype}")
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [1, Hk, S, Dh], got {list(k_cache.shape)}")
-    S = k_cache.shape[2]
+        raise ValueError(f"k_cache must be [B, Hk, S, Dh], got {list(k_cache.shape)}")
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be [N, columns], got {list(qkv.shape)}")
+    N, B, S = qkv.shape[0], k_cache.shape[0], k_cache.shape[2]
+    if slots is None and B != N:
+        raise ValueError(f"without slots the caches hold one entry a row: {B} entries for {N} rows")
     act = (dtype,)
-    _check(
-        {
-            "qkv": (qkv, (1, H * Dh * (2 if gated else 1) + 2 * Hk * Dh), act),
-            "q_norm_w": (q_norm_w, (Dh,), act),
-            "k_norm_w": (k_norm_w, (Dh,), act),
-            "inv_freq": (inv_freq, (R // 2,), (torch.float32,)),
-            "pos": (pos, (1,), (torch.int64,)),
-            "k_cache": (k_cache, (1, Hk, S, Dh), act),
-            "v_cache": (v_cache, (1, Hk, S, Dh), act),
-            "out": (out, (1, H * Dh), act),
-        },
-        qkv.device,
-    )
+    width = H * Dh * (2 if gated else 1) + 2 * Hk * Dh
+    expected = {
+        "qkv": (qkv, (N, width), act),
+        "q_norm_w": (q_norm_w, (Dh,), act),
+        "k_norm_w": (k_norm_w, (Dh,), act),
+        "inv_freq": (inv_freq, (R // 2,), (torch.float32,)),
+        "pos": (pos, (N,), (torch.int64,)),
+        "k_cache": (k_cache, (B, Hk, S, Dh), act),
+        "v_cache": (v_cache, (B, Hk, S, Dh), act),
+        "out": (out, (N, H * Dh), act),
+    }
+    if slots is not None:
+        expected["slots"] = (slots, (N,), (torch.int64,))
+    _check(expected, qkv.device)
     plan = attention_plan(Hk, Dh, S)
     nsplit, dp = plan.nsplit, triton.next_power_of_2(Dh)
-    m_part = torch.empty(H, nsplit, dtype=torch.float32, device=qkv.device)
+    m_part = torch.empty(N, H, nsplit, dtype=torch.float32, device=qkv.device)
     l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(H, nsplit, Dh, dtype=torch.float32, device=qkv.device)
+    acc_part = torch.empty(N, H, nsplit, Dh, dtype=torch.float32, device=qkv.device)
     code = DTYPE_CODE[dtype]
     G = H // Hk
-    _attend_kernel[(Hk, nsplit)](
-        qkv, q_norm_w, k_norm_w, inv_freq, pos, k_cache, v_cache, m_part, l_part, acc_part,
-        eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R, GATED=gated,
-        GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s, UNIT_OFFSET=unit_offset,
-        CODE=code, EMULATE=qkv.device.type == "cpu", num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **pdl_kwargs(qkv.device),
+    if N == 0:
+        return out
+    _attend_kernel[(Hk, nsplit, N)](
+        qkv, q_norm_w, k_norm_w, inv_freq, pos, pos if slots is None else slots, k_cache, v_cache,
+        m_part, l_part, acc_part, eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R,
+        GATED=gated, GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s,
+        UNIT_OFFSET=unit_offset, CODE=code, EMULATE=qkv.device.type == "cpu", SLOTS=slots is not None,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)
     block_d = min(dp, 64)  # a program per (head, 64 channels): its [splits, 64] partials in one tile
     block_p = min(pp, MAX_TILE // block_d)
-    _combine_kernel[(H, triton.cdiv(Dh, block_d))](
+    _combine_kernel[(H, triton.cdiv(Dh, block_d), N)](
         qkv, pos, m_part, l_part, acc_part, out, NSPLIT=nsplit, DH=Dh, GATED=gated, PP=pp,
-        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, num_warps=_warps(block_p * block_d, 16),
-        **pdl_kwargs(qkv.device),
+        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, QKV_W=width, H=H,
+        num_warps=_warps(block_p * block_d, 16), **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return out

@@ -83,9 +83,19 @@ def _conv_silu(x, cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.c
 
 
 @triton.jit
+def _state_row(slots, bi, SLOTS: tl.constexpr):
+    """The state entry of row ``bi``: ``slots[bi]`` (a pool's), or the row itself."""
+    if SLOTS:
+        return tl.load(slots + bi)
+    return bi
+
+
+@triton.jit
 def _delta_conv_kernel(
     qkv,
+    qkv_row,
     conv_state,
+    slots,
     conv_w,
     act,
     C: tl.constexpr,
@@ -93,6 +103,7 @@ def _delta_conv_kernel(
     KP2: tl.constexpr,
     ACT: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SLOTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Launch 1 of the step: the causal conv + SiLU of BLOCK_C channels (values rounded as the
@@ -100,9 +111,10 @@ def _delta_conv_kernel(
     program's alone, so reading its history before the shift needs no other program."""
     _grid_sync(PDL)
     bi = tl.program_id(0).to(tl.int64)
+    si = _state_row(slots, bi, SLOTS)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = c < C
-    y = _conv_silu(qkv + bi * C, conv_state + bi * (C * (K - 1)), conv_w, c, m, K, KP2, ACT)
+    y = _conv_silu(qkv + bi * qkv_row, conv_state + si * (C * (K - 1)), conv_w, c, m, K, KP2, ACT)
     tl.store(act + bi * C + c, y, mask=m)
 
 
@@ -112,13 +124,18 @@ def _delta_decode_kernel(
     z,
     a,
     b,
+    z_row,
+    a_row,
+    b_row,
     A_log,
     dt_bias,
     state,
+    slots,
     norm_w,
     out,
     eps,
     q_scale,
+    SLOTS: tl.constexpr,
     NK: tl.constexpr,
     R: tl.constexpr,
     DK: tl.constexpr,
@@ -145,7 +162,7 @@ def _delta_decode_kernel(
     tile = ik[:, None] * DV + iv[None, :]
     tmask = mk[:, None] & mv[None, :]
     # the state was last written by this layer's previous step, kernels ago: read before the sync
-    s_ptr = state + (bi * HV + h) * (DK * DV) + tile
+    s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
     _grid_sync(PDL)
     q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
@@ -155,8 +172,8 @@ def _delta_decode_kernel(
 
     nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
     v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
-    beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * HV + h).to(tl.float32))), ACT)
-    sp = tl.load(a + bi * HV + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * b_row + h).to(tl.float32))), ACT)
+    sp = tl.load(a + bi * a_row + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
     e = tl.exp(sp)
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
@@ -173,7 +190,7 @@ def _delta_decode_kernel(
     y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
     if ROUND_NORM:
         y = _round(y, ACT)
-    zz = tl.load(z + bi * (HV * DV) + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+    zz = tl.load(z + bi * z_row + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
     y = _round(y * _silu(zz), ACT)
     tl.store(out + bi * (HV * DV) + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
 
@@ -199,6 +216,20 @@ def unsupported_delta(dims: DeltaDims) -> str | None:
     if tile > MAX_TILE:
         return f"a head's padded [Dk, Dv] = [{dims.dk}, {dims.dv}] state tile ({tile}) is over {MAX_TILE}"
     return None
+
+
+def _check_rows(expected: dict, device: torch.device) -> None:
+    """``_check`` for row inputs [N, X] or [X] whose rows may be strided (views of one
+    projection's output): each row's columns contiguous."""
+    for name, (t, shape, dtypes) in expected.items():
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous columns")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
 def _check(expected: dict, device: torch.device) -> None:
@@ -230,11 +261,17 @@ def delta_decode(
     n_v: int,
     dk: int,
     dv: int,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``delta_decode_ref`` in two launches (same arguments, same in-place updates of conv_state
     and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
-    bf16 or fp16); A_log, dt_bias and norm_weight may be any of those; state is fp32. Every
-    tensor contiguous, on one device."""
+    bf16 or fp16); A_log, dt_bias and norm_weight may be any of those; state is fp32.
+
+    Rows: mixed_qkv [C] or [N, C] (z, a, b alike), each row a sequence of its own; its states
+    are entry n of conv_state [N, C, K - 1] and state [N, Hv, Dk, Dv], or, with ``slots`` (int64
+    [N], distinct), entry ``slots[n]`` of a pool's [B, ...]. The rows of mixed_qkv, z, a and b
+    may be strided (views of one projection's output); everything else contiguous, on one
+    device. A row's programs are the one-row call's: its bits do not depend on the other rows."""
     if conv_weight.dim() != 2:
         raise ValueError(f"conv_weight must be [C, K], got {list(conv_weight.shape)}")
     dims = DeltaDims(n_k, n_v, dk, dv, conv_weight.shape[1])
@@ -242,41 +279,50 @@ def delta_decode(
     if why:
         raise ValueError(f"delta_decode cannot run this layer: {why}")
     if mixed_qkv.dim() not in (1, 2):
-        raise ValueError(f"mixed_qkv must be [C] or [B, C], got {list(mixed_qkv.shape)}")
+        raise ValueError(f"mixed_qkv must be [C] or [N, C], got {list(mixed_qkv.shape)}")
     dtype = mixed_qkv.dtype
     if dtype not in DTYPE_CODE:
         raise ValueError(f"mixed_qkv must be one of {list(DTYPE_CODE)}, got {dtype}")
     lead = tuple(mixed_qkv.shape[:-1])
     C, K, Hv = dims.conv_dim, dims.kernel, n_v
-    act, floats = (dtype,), tuple(DTYPE_CODE)
-    _check(
-        {
-            "mixed_qkv": (mixed_qkv, (*lead, C), act),
-            "z": (z, (*lead, Hv * dv), act),
-            "a": (a, (*lead, Hv), act),
-            "b": (b, (*lead, Hv), act),
-            "conv_state": (conv_state, (*lead, C, K - 1), act),
-            "conv_weight": (conv_weight, (C, K), act),
-            "A_log": (A_log, (Hv,), floats),
-            "dt_bias": (dt_bias, (Hv,), floats),
-            "state": (state, (*lead, Hv, dk, dv), (torch.float32,)),
-            "norm_weight": (norm_weight, (dv,), floats),
-        },
-        mixed_qkv.device,
-    )
-    out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
     batch = lead[0] if lead else 1
+    pool = (conv_state.shape[0],) if slots is not None and conv_state.dim() == 3 else lead
+    act, floats = (dtype,), tuple(DTYPE_CODE)
+    rows = {
+        "mixed_qkv": (mixed_qkv, (*lead, C), act),
+        "z": (z, (*lead, Hv * dv), act),
+        "a": (a, (*lead, Hv), act),
+        "b": (b, (*lead, Hv), act),
+    }
+    expected = {
+        "conv_state": (conv_state, (*pool, C, K - 1), act),
+        "conv_weight": (conv_weight, (C, K), act),
+        "A_log": (A_log, (Hv,), floats),
+        "dt_bias": (dt_bias, (Hv,), floats),
+        "state": (state, (*pool, Hv, dk, dv), (torch.float32,)),
+        "norm_weight": (norm_weight, (dv,), floats),
+    }
+    if slots is not None:
+        if not lead:
+            raise ValueError("slots need rows: mixed_qkv [N, C]")
+        expected["slots"] = (slots, (batch,), (torch.int64,))
+    _check(expected, mixed_qkv.device)
+    _check_rows(rows, mixed_qkv.device)
+    out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
     if batch:
+        row = [t.stride(0) if lead else 0 for t in (mixed_qkv, z, a, b)]
+        idx = slots if slots is not None else state  # placeholder when unused (never read)
         act = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
         _delta_conv_kernel[(batch, triton.cdiv(C, CONV_BLOCK))](
-            mixed_qkv, conv_state, conv_weight, act, C=C, K=K, KP2=triton.next_power_of_2(K),
-            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4, **pdl_kwargs(mixed_qkv.device),
+            mixed_qkv, row[0], conv_state, idx, conv_weight, act, C=C, K=K, KP2=triton.next_power_of_2(K),
+            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4,
+            **pdl_kwargs(mixed_qkv.device),
         )  # fmt: skip
         bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
         _delta_decode_kernel[(batch, Hv)](
-            act, z, a, b, A_log, dt_bias, state, norm_weight, out,
-            eps, dk**-0.5, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv,
-            ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64),
-            **pdl_kwargs(mixed_qkv.device),
+            act, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
+            eps, dk**-0.5, SLOTS=slots is not None, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk,
+            BLOCK_DV=bdv, ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype,
+            num_warps=_warps(bdk * bdv, 64), **pdl_kwargs(mixed_qkv.device),
         )  # fmt: skip
     return out

@@ -184,3 +184,30 @@ def probe_cases(
         for name, got, want in checks:
             worst = max(worst, compare(name, got, want, tol))
     return worst
+
+
+def rows_alone_mismatch(gemv, w: QWeight, rows: int, gen: torch.Generator, device, dtype) -> str | None:
+    """``gemv`` (``qgemv``) with ``alone`` on N = 1..rows random rows, with every
+    epilogue and a norm prologue: each row must equal that row run alone (N = 1), bit for bit
+    (a batch's step, engine/graphs.RowSteps). None, or what differs."""
+    C = w.cols
+    for epilogue in (
+        ("none", "silu_mul", "residual", "gated") if w.rows % 2 == 0 else ("none", "residual", "gated")
+    ):
+        norm = random_norm("unit", C, gen, device, dtype)
+        x = torch.randn(rows, C, generator=gen, device=device).to(dtype)
+        out, gate = epilogue_inputs(epilogue, w, rows, gen, device, dtype)
+        width = w.rows // 2 if epilogue == "silu_mul" else w.rows
+        for n in range(1, rows + 1):
+            nout = torch.empty(n, C, dtype=dtype, device=device)
+            got = gemv(x[:n], w, None, epilogue, None if out is None else out[:n].clone(), None if gate is None else gate[:n],
+                       norm=norm, norm_out=nout, alone=True)  # fmt: skip
+            for r in range(n):
+                one_out = torch.empty(1, C, dtype=dtype, device=device)
+                alone = gemv(x[r : r + 1], w, None, epilogue, None if out is None else out[r : r + 1].clone(),
+                             None if gate is None else gate[r : r + 1], norm=norm, norm_out=one_out, alone=True)  # fmt: skip
+                if not torch.equal(got[r], alone[0]) or not torch.equal(nout[r], one_out[0]):
+                    return f"{w.scheme} {list(w.weight.shape)} {epilogue}: row {r} of {n} differs from the row alone"
+            if got.shape != (n, width):
+                return f"{epilogue}: output {list(got.shape)}, expected {[n, width]}"
+    return None

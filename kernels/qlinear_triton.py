@@ -21,8 +21,10 @@ bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and on
 subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic: the bits repeat (and, as seen on an H200, a token's row does not depend on
-the other tokens of the call). No host syncs, no allocation but the output's, one launch: a call
+nothing is atomic: the bits repeat. A token's row may differ by an ulp now and then with the
+call's token count (seen on an H200 at Qwen3.6's in_proj: the kernel compiled for 3 tokens sums
+a row in another order than for 1); ``alone`` computes each row by the one-row kernel's programs
+instead (a batch's step). No host syncs, no allocation but the output's, one launch: a call
 can be captured in a CUDA graph.
 """
 
@@ -239,7 +241,14 @@ def _qgemv_kernel(
     unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``). NORM: x is RMS-normalised
     with ``norm_w`` on the way in (every program computes the rows' rms itself), and with
     NORM_OUT program p also stores columns [p * NO_BLOCK, (p + 1) * NO_BLOCK) of the normalised
-    rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py."""
+    rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py.
+    Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
+    program p of the one-row call on row j, its pointers offset to that row."""
+    j = tl.program_id(1)
+    x += j * x_row
+    out += j * out_row
+    gate += j * gate_row
+    norm_out += j * C
     i = tl.arange(0, BLOCK_R)
     if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
         OUT_R: tl.constexpr = BLOCK_R // 2
@@ -414,10 +423,17 @@ def qgemv(
     config: GemvConfig | None = None,
     norm: tuple[torch.Tensor, float, bool] | None = None,
     norm_out: torch.Tensor | None = None,
+    alone: bool = False,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
     overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits.
+
+    ``alone``: each row is computed as a one-row call computes it, by programs of its own (the
+    one-row kernel over a grid of rows: its weights read again for each row, mostly from L2), so
+    its bits do not depend on the call's other rows: a batch's step, whose row count varies
+    (several rows in one program sum them in a layout that depends on the row count: on an H200
+    a row then differs from the row alone by an ulp now and then).
 
     ``norm`` (weight [C] in x's dtype, eps, unit_offset): x is RMS-normalised on the way in, as
     ``rms_norm_ref`` would (one launch fewer than a separate norm); ``norm_out`` [N, C] then also
@@ -432,7 +448,8 @@ def qgemv(
     cfg = config or gemv_config(w.scheme, w.rows, C)
     block_k, sub, grouped = _tile(w, cfg)
     block_r = cfg.block_r
-    grid = (triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r),)
+    grid = (triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r), N if alone else 1)
+    n = 1 if alone else N
     _qgemv_kernel[grid](
         x, w.weight, w.scales if w.scales is not None else x,
         w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
@@ -440,7 +457,7 @@ def qgemv(
         norm[0] if norm is not None else x, norm_out if norm_out is not None else x,
         norm[1] if norm is not None else 0.0,
         width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0,
-        N=N, NP2=triton.next_power_of_2(N), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
+        N=n, NP2=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
         GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
         HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,

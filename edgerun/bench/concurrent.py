@@ -1,8 +1,9 @@
 """Concurrent clients over the daemon's Unix socket: aggregate tok/s, inter-token latency, TTFT.
 
     edgerun bench concurrent [--model DIR] [--clients 1,4,8] [--batch 8] [--tokens 64] [--rounds 3]
+                             [--device cpu|cuda] [--serve-args '--quota 64 --context 2048']
 
-Starts ``edgerun serve --batch B`` on the CPU, then, for each client count N, ``--rounds`` rounds
+Starts ``edgerun serve --batch B`` on ``--device``, then, for each client count N, ``--rounds`` rounds
 of N clients that each stream one greedy request (a prompt of its own, ``ignore_eos``, exactly
 ``--tokens`` tokens), all sent at once; and the same against a daemon at batch 1 (one request at
 a time, the baseline; ``--no-baseline`` skips it), both up at once and their rounds interleaved
@@ -14,7 +15,9 @@ Per configuration: aggregate tok/s (all tokens of a round over the round's wall 
 sends to the last token; median and range over rounds), TTFT (send to first token), and the
 inter-token latency as clients see it: a stream chunk of k tokens arriving t after the previous
 one counts k gaps of t / k (the daemon gathers tokens for up to 20 ms into one chunk). TTFT and
-inter-token p50 / p99 pool every request of every round.
+inter-token p50 / p99 pool every request of every round. With streamed experts, the expert
+misses per generated token (from /metrics, around each round): a batch's step reads the union
+of its rows' experts.
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ def round_of(sock: Path, bodies: list[dict]) -> tuple[float, list[tuple[list[int
     return time.perf_counter() - t0, out
 
 
+def misses(sock: Path) -> float:
+    """The daemon's expert-cache misses so far (/metrics; 0 without an expert cache)."""
+    conn = UnixHTTPConnection(sock, 60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("edgerun_expert_cache_misses_total")
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
@@ -95,12 +111,14 @@ def measure(socks: dict[int, Path], prompts: list[list[int]], clients: list[int]
     alone = [stream(first, b)[0] for b in bodies[: max(clients)]]
     for sock in socks.values():
         stream(sock, bodies[0])  # warm-up
-    out = {b: {n: {"rates": [], "ttft": [], "gaps": []} for n in clients} for b in socks}
+    out = {b: {n: {"rates": [], "ttft": [], "gaps": [], "misses": 0.0} for n in clients} for b in socks}
     for n in clients:
         for _ in range(rounds):
             for batch, sock in socks.items():
+                m0 = misses(sock)
                 wall, got = round_of(sock, bodies[:n])
                 r = out[batch][n]
+                r["misses"] += misses(sock) - m0
                 for i, (ids, ttft, g) in enumerate(got):
                     if ids != alone[i]:
                         return (
@@ -127,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="the daemon's torch threads (default: serve's)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the batch-1 daemon")
+    p.add_argument("--device", default="cpu", help="the daemons' device (default cpu)")
+    p.add_argument(
+        "--serve-args", default="", help="more `edgerun serve` options, one string (e.g. '--quota 64')"
+    )
     ns = p.parse_args(argv)
     clients = [int(c) for c in ns.clients.split(",")]
     from edgerun.engine.runner import DEMO_MODEL
@@ -136,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tok.encode(f"{PROMPT} {i}: ") for i in range(max(clients))]  # a prompt of its own each
     print(
         f"model {ns.model or 'demo'}: {ns.tokens} tokens a request, {ns.rounds} rounds, "
-        f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tok, CPU"
+        f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tok, {ns.device}"
+        + (f", serve {ns.serve_args}" if ns.serve_args else "")
     )
     batches = [ns.batch] + ([1] if ns.baseline and ns.batch != 1 else [])
     daemons = {}
     try:
         for batch in batches:
-            daemon, sock = start_daemon(ns.model, ns.threads, "--batch", str(batch))
+            extra = ("--batch", str(batch), *ns.serve_args.split())
+            daemon, sock = start_daemon(ns.model, ns.threads, *extra, device=ns.device, wait=600)
             if daemon is None:
                 return 1
             daemons[batch] = (daemon, sock)
@@ -165,5 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"({min(rates):.1f}-{max(rates):.1f}), inter-token p50 {1e3 * pct(r['gaps'], 0.5):6.1f} ms "
                 f"p99 {1e3 * pct(r['gaps'], 0.99):6.1f} ms, TTFT p50 {1e3 * pct(r['ttft'], 0.5):6.1f} ms "
                 f"p99 {1e3 * pct(r['ttft'], 0.99):6.1f} ms"
+                + (
+                    f", expert misses {r['misses'] / (n * ns.tokens * ns.rounds):.1f}/token"
+                    if r["misses"]
+                    else ""
+                )
             )
     return 0

@@ -1,6 +1,6 @@
 """Tokens/s through the daemon's Unix socket against the same generation in-process.
 
-    edgerun bench socket [--model DIR] [--tokens 128] [--rounds 7]
+    edgerun bench socket [--model DIR] [--tokens 128] [--rounds 7] [--device cpu|cuda] [--quota Q]
 
 Starts ``edgerun serve`` on a socket in a temp dir, then alternates rounds: one in-process
 ``Runner.generate`` and one streamed ``/v1/completions`` of the same greedy request
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) ho
 
 import torch  # noqa: E402
 
+from edgerun.config import CacheConfig  # noqa: E402
 from edgerun.engine.runner import Runner  # noqa: E402
 from edgerun.engine.sampler import SamplingParams  # noqa: E402
 from edgerun.server.client import UnixHTTPConnection  # noqa: E402
@@ -58,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
+    p.add_argument("--device", default="cpu", help="both sides' device (default cpu)")
+    p.add_argument("--quota", type=int, default=None, help="a bundle's expert slots per layer, both sides")
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
 
-    runner = Runner.load(ns.model, device="cpu")
+    runner = Runner.load(ns.model, device=ns.device, cache=CacheConfig(ns.quota) if ns.quota else None)
     prompt_ids = runner.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=ns.tokens, ignore_eos=True)
     body = {
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         "return_token_ids": True,
     }
 
-    daemon, sock = start_daemon(ns.model, ns.threads)
+    extra = ("--quota", str(ns.quota)) if ns.quota else ()
+    daemon, sock = start_daemon(ns.model, ns.threads, *extra, device=ns.device, wait=600)
     if daemon is None:
         return 1
     try:
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = statistics.median(local), statistics.median(remote)
     print(
         f"model {ns.model or 'demo'}: {ns.tokens} tokens, {ns.rounds} rounds (median), "
-        f"prompt {len(prompt_ids)} tok, {torch.get_num_threads()} threads"
+        f"prompt {len(prompt_ids)} tok, {ns.device}, {torch.get_num_threads()} threads"
     )
     print(f"  in-process   {a:8.1f} tok/s   (rounds: {', '.join(f'{x:.0f}' for x in local)})")
     print(f"  over socket  {b:8.1f} tok/s   (rounds: {', '.join(f'{x:.0f}' for x in remote)})")
@@ -127,19 +131,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def start_daemon(model: Path | None, threads: int | None, *extra: str):
-    """(``edgerun serve`` on the CPU on a socket in a temp dir, ready; its socket), or (None, None)
-    with its log printed when it did not come up within 120 s."""
+def start_daemon(
+    model: Path | None, threads: int | None, *extra: str, device: str = "cpu", wait: float = 120
+):
+    """(``edgerun serve`` on ``device`` on a socket in a temp dir, ready; its socket), or (None,
+    None) with its log printed when it did not come up within ``wait`` seconds."""
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-bench-"))
     sock = tmp / "edgerun.sock"
-    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", "cpu", *extra]
+    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", device, *extra]
     argv += ["--model", str(model)] if model else []
     argv += ["--threads", str(threads)] if threads else []
     log = open(tmp / "serve.log", "wb")
     daemon = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        },
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + wait
     while not sock.exists() or over_health(sock) != 200:
         if daemon.poll() is not None or time.monotonic() > deadline:
             print((tmp / "serve.log").read_text(), file=sys.stderr)

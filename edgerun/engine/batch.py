@@ -13,11 +13,11 @@ between. A sequence leaves (its slot free at once) when its generator ends or is
 Each row is computed as the sequence's one-row step computes it (``exact_rows``), so a
 request's tokens do not depend on its neighbours (tests/engine/test_batch.py).
 
-The step here is the CPU's: eager, the token mixer a Python loop over rows with host positions.
-What a CUDA step per batch bucket would capture is already fixed-shape: the pool's ``[B, ...]``
-buffers and a slot per row; it needs positions as a device tensor per row (as
-``StaticStep.pos`` for one), the rows' experts through the device slot table, and no host read
-inside the step (not built: runner.enable_batch refuses CUDA).
+On the CPU the step is eager, the token mixer a Python loop over rows with host positions. On
+CUDA it is ``engine/graphs.RowSteps``: a CUDA graph per row count over the pool, the rows' slots
+and positions device tensors, the fused kernels indexing the pool by slot; its greedy tokens are
+chosen on the device and read back with the step (``Row.pick``), so a greedy row costs no
+sampling of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Row:
     state: DecodeState  # views of the pool's slot
     token: int | None = None  # fed: the next step's input
     logits: torch.Tensor | None = None  # the step's output for it, not yet taken
+    pick: tuple[int, float] | None = None  # the step's greedy token and its logit, where it chose one
 
 
 @dataclass
@@ -46,8 +47,8 @@ class BatchStats:
 
 
 class DecodeBatch:
-    """``size`` slots of ``max_len`` tokens each; the step runs ``step(states, tokens)``
-    (``Runner.decode_rows``)."""
+    """``size`` slots of ``max_len`` tokens each; the step runs ``step(slots, states, tokens)``
+    -> (logits [N, V], the rows' greedy (token, logit) picks or None) (``Runner.batch_step``)."""
 
     def __init__(self, model, size: int, max_len: int, device, step) -> None:
         if size < 1:
@@ -99,22 +100,23 @@ class DecodeBatch:
     def feed(self, row: Row, token: int) -> None:
         row.token = token
 
-    def logits(self, row: Row) -> torch.Tensor:
-        """The row's logits [V] for its fed token: from the step that already ran, or one run
-        now over every fed row."""
+    def logits(self, row: Row) -> tuple[torch.Tensor, tuple[int, float] | None]:
+        """The row's logits [V] for its fed token and the step's greedy pick for it (None where
+        the step chose none): from the step that already ran, or one run now over every fed row."""
         if row.logits is None:
             if row.token is None:
                 raise EdgerunError("a batch row asked for logits without feeding a token")
             self.step()
-        out, row.logits = row.logits, None
-        return out
+        out, row.logits, pick, row.pick = row.logits, None, row.pick, None
+        return out, pick
 
     @torch.inference_mode()
     def step(self) -> None:
         fed = [r for r in self.rows if r.token is not None and r.logits is None]
-        logits = self._step([r.state for r in fed], [r.token for r in fed])
+        logits, picks = self._step([r.slot for r in fed], [r.state for r in fed], [r.token for r in fed])
         for i, r in enumerate(fed):
             r.logits, r.token = logits[i], None
+            r.pick = picks[i] if picks is not None else None
         s = self.stats
         s.steps += 1
         s.rows += len(fed)

@@ -40,8 +40,9 @@ from edgerun.budget.planner import PREFILL_GRAPH_TOKENS  # longer first chunks r
 from edgerun.cache.slots import SlotRef
 from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
+from edgerun.errors import EdgerunError
 from edgerun.kernels.moe import add_into
-from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep
+from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep, exact_rows
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # decode steps between two moves of a far tier's device slots toward its most used experts
@@ -86,6 +87,13 @@ class _MoeBuffers:
 
 
 class DecodeGraphs:
+    """One decode step over static buffers: of one sequence (its own static state, ``pool``
+    None), or of ``rows`` sequences of a batch's state pool at once (``pool``: row n's state
+    is the pool's entry ``slots[n]``, written before each step with the rows' positions and
+    tokens; ``run_rows``). Rows never meet: every kernel computes a row as a one-row step
+    does, so a batch's row is its sequence's step whichever rows share it (the engine's
+    start-up probe checks it, ``Runner.probe_batch``)."""
+
     def __init__(
         self,
         model,
@@ -95,6 +103,8 @@ class DecodeGraphs:
         device: torch.device,
         capacity: int,
         counters: DecodeCounters | None = None,
+        rows: int = 1,
+        pool: DecodeState | None = None,
     ) -> None:
         self.model, self.args, self.cache, self.policy = model, args, cache, policy
         self.device = torch.device(device)
@@ -102,31 +112,36 @@ class DecodeGraphs:
         self.layers = model.model.layers
         ref = model.model.embed_tokens.weight
         self.dtype = ref.dtype
-        D, K = args.hidden_size, args.num_experts_per_tok
+        D, K, N = args.hidden_size, args.num_experts_per_tok, rows
+        self.rows = N
         kw = dict(device=self.device)
-        self.state = model.new_state(1, capacity, device=self.device)
-        self.token = torch.zeros(1, 1, dtype=torch.long, **kw)
-        self.pos = torch.zeros(1, dtype=torch.long, **kw)
-        self.x = torch.zeros(1, D, dtype=self.dtype, **kw)
+        self.state = pool if pool is not None else model.new_state(1, capacity, device=self.device)
+        # slots, positions and tokens of the rows: one buffer, written by one copy a step
+        self.indices = torch.zeros(3, N, dtype=torch.long, **kw)
+        self.slots = self.indices[0] if pool is not None else None
+        self.pos = self.indices[1]
+        self.token = self.indices[2].view(N, 1)
+        self.x = torch.zeros(N, D, dtype=self.dtype, **kw)
         self.h = torch.zeros_like(self.x)
         self.shared = torch.zeros_like(self.x)
         R = args.rotary_dim
         self.static = StaticStep(
-            cos=torch.zeros(1, R, dtype=self.dtype, **kw),
-            sin=torch.zeros(1, R, dtype=self.dtype, **kw),
+            cos=torch.zeros(N, R, dtype=self.dtype, **kw),
+            sin=torch.zeros(N, R, dtype=self.dtype, **kw),
             pos=self.pos,
             kv_index=torch.arange(capacity, **kw),
             fused=policy.dense == "triton",
             inv_freq=model.rotary.inv_freq,
+            slots=self.slots,
         )
-        self.logits = torch.zeros(1, args.vocab_size, dtype=self.dtype, **kw)
-        self.chosen = torch.zeros(1, 1, dtype=self.dtype, **kw)  # the greedy token's logit
+        self.logits = torch.zeros(N, args.vocab_size, dtype=self.dtype, **kw)
+        self.chosen = torch.zeros(N, 1, dtype=self.dtype, **kw)  # the greedy token's logit
         # the greedy token of each step and its logit, read back through two host slots (see
         # ``launch``): argmax takes a NaN as the largest value, so a finite chosen logit means
         # there is no NaN and no +inf among the step's logits, at the cost of one tiny gather
         cuda = self.device.type == "cuda"
-        self.token_host = torch.zeros(2, 1, dtype=torch.long, pin_memory=cuda)
-        self.chosen_host = torch.zeros(2, 1, dtype=self.dtype, pin_memory=cuda)
+        self.token_host = torch.zeros(2, N, dtype=torch.long, pin_memory=cuda)
+        self.chosen_host = torch.zeros(2, N, dtype=self.dtype, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._slot = 0
         self.modes: dict[int, str] = {}
@@ -136,15 +151,19 @@ class DecodeGraphs:
                 mode, table = self._expert_mode(i)
                 self.modes[i] = mode
                 self.moe[i] = _MoeBuffers(
-                    ids=torch.zeros(1, K, dtype=torch.long, **kw),
-                    weights=torch.zeros(1, K, dtype=self.dtype, **kw),
-                    slots=torch.zeros(1, K, dtype=torch.long, **kw),
-                    slots_host=torch.zeros(1, K, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                    ids=torch.zeros(N, K, dtype=torch.long, **kw),
+                    weights=torch.zeros(N, K, dtype=self.dtype, **kw),
+                    slots=torch.zeros(N, K, dtype=torch.long, **kw),
+                    slots_host=torch.zeros(N, K, dtype=torch.long, pin_memory=self.device.type == "cuda")
                     if mode == "routed"
                     else None,
                     table=table,
                     refs=[],
                 )
+        if pool is not None:
+            why = rows_unsupported(self.static.fused, self.modes, self.layers)
+            if why:
+                raise EdgerunError(f"a batch's decode step on {self.device.type}: {why}")
         # decode prefetch: where layer i and the next MoE layer j both serve misses on the host,
         # j's router runs on i's residual stream in i's segment, and i's host op (after its own
         # lookup) prefetches what it predicts, so j's reads overlap i's expert step and j's mixer
@@ -175,14 +194,9 @@ class DecodeGraphs:
     def _expert_mode(self, i: int) -> tuple[str, torch.Tensor | None]:
         """(mode, the device slot table in table mode)."""
         experts = self.layers[i].mlp.experts
-        if not isinstance(experts, StreamingExperts):
-            return "stacked", None
-        if self.cache is None:
+        if self.cache is None and isinstance(experts, StreamingExperts):
             self.cache = experts.cache
-        if self.policy.moe.impl != "triton" or experts.split is not None:  # CPU experts: host work
-            return "eager", None
-        table = self.cache.slot_table(i)
-        return ("table" if table is not None else "routed"), table
+        return expert_mode(experts, self.policy)
 
     def _next_moe(self, i: int) -> int | None:
         return next((j for j in sorted(self.modes) if j > i), None)
@@ -227,7 +241,7 @@ class DecodeGraphs:
     # ---- the operations ---------------------------------------------------------------
 
     def _embed(self) -> None:
-        torch.index_select(self.model.model.embed_tokens.weight, 0, self.token[0], out=self.x)
+        torch.index_select(self.model.model.embed_tokens.weight, 0, self.indices[2], out=self.x)
         if not self.static.fused:  # the fused attention kernel computes its rope from the position
             cos, sin = self.model.rotary(self.pos, self.dtype)
             self.static.cos.copy_(cos)
@@ -262,8 +276,9 @@ class DecodeGraphs:
 
     def _prefetch(self, i: int) -> None:
         """After layer i's lookup: start the reads of the next layer's predicted experts."""
-        if i in self.predict:
-            self.cache.prefetch(self.predict[i], self.moe[i].predicted[0].tolist())
+        if i in self.predict:  # the rows' predictions, each expert once, in the rows' order
+            rows = self.moe[i].predicted.tolist()
+            self.cache.prefetch(self.predict[i], list(dict.fromkeys(e for row in rows for e in row)))
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
@@ -328,8 +343,8 @@ class DecodeGraphs:
         i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
         self._run(token)
         k, self._slot = self._slot, self._slot ^ 1
-        self.token_host[k].copy_(self.token[0], non_blocking=True)
-        self.chosen_host[k].copy_(self.chosen[0], non_blocking=True)
+        self.token_host[k].copy_(self.indices[2], non_blocking=True)
+        self.chosen_host[k].copy_(self.chosen[:, 0], non_blocking=True)
         if self.events is not None:
             self.events[k].record()
         return k
@@ -352,6 +367,37 @@ class DecodeGraphs:
         if token is not None:
             self.token.fill_(token)
         self.pos.fill_(self.state.pos)
+        self._execute()
+        self.state.pos += 1
+
+    def run_rows(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
+        """Queue one step of the rows (pool mode): row n consumes ``tokens[n]`` at
+        ``positions[n]`` of the pool's entry ``slots[n]``; its logits land in row n of
+        :attr:`logits`, its greedy token and that token's logit in :attr:`token` and
+        :attr:`chosen` (:meth:`read_rows`)."""
+        if self.slots is None:
+            raise ValueError("run_rows steps a batch's pool; this decoder holds one sequence")
+        if not len(slots) == len(positions) == len(tokens) == self.rows:
+            raise ValueError(f"a step of {self.rows} rows takes {self.rows} slots, positions and tokens")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"rows of one step share a pool entry: slots {slots}")
+        if max(positions) >= self.capacity:
+            raise ValueError(
+                f"the pool's entries hold {self.capacity} positions; position {max(positions)} is past it"
+            )
+        self.indices.copy_(torch.tensor([slots, positions, tokens], dtype=torch.long))
+        self._execute()
+
+    def read_rows(self) -> tuple[list[int], list[float]]:
+        """The rows' greedy tokens and their logits, after :meth:`run_rows` (waits for the step)."""
+        self.token_host[0].copy_(self.indices[2], non_blocking=True)
+        self.chosen_host[0].copy_(self.chosen[:, 0], non_blocking=True)
+        if self.events is not None:
+            self.events[0].record()
+            self.events[0].synchronize()
+        return self.token_host[0].tolist(), self.chosen_host[0].float().tolist()
+
+    def _execute(self) -> None:
         if not self.policy.graphs:
             self._run_eager()
         elif not self._warm:
@@ -360,8 +406,7 @@ class DecodeGraphs:
             self._run_eager()  # capture failed: recorded in fallbacks
         else:
             self._replay()
-        self.count_table_hits(1)
-        self.state.pos += 1
+        self.count_table_hits(self.rows)
         if self.cache is not None and self.cache.far:
             self._far_steps += 1
             if self._far_steps % FAR_REBALANCE_STEPS == 0:
@@ -435,6 +480,69 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def expert_mode(experts, policy) -> tuple[str, torch.Tensor | None]:
+    """How a decode step runs a MoE layer's ``experts`` under the kernel ``policy`` (the module
+    docstring's modes), with the device slot table in table mode."""
+    if not isinstance(experts, StreamingExperts):
+        return "stacked", None
+    if policy.moe.impl != "triton" or experts.split is not None:  # CPU experts: host work
+        return "eager", None
+    table = experts.cache.slot_table(experts.layer)
+    return ("table" if table is not None else "routed"), table
+
+
+def rows_unsupported(fused: bool, modes: dict[int, str], layers) -> str | None:
+    """Why a step of a batch's rows cannot run over these kernels and expert steps; None when
+    it can (rows of a pool need the fused attention and DeltaNet kernels, which index it by
+    slot, and an expert step that takes several rows)."""
+    if not fused:
+        return "the rows of a pool need the Triton dense kernels (attention and DeltaNet by slot), not in use"
+    if "stacked" in modes.values():
+        return "resident stacked experts (a checkpoint, not a bundle) step one row at a time; serve a bundle"
+    split = [i for i, m in modes.items() if m == "eager" and layers[i].mlp.experts.split is not None]
+    if split:
+        return f"layers {split} split their experts with the CPU (--cpu-experts), one row at a time"
+    return None
+
+
+class RowSteps:
+    """A batch's decode steps on CUDA: a :class:`DecodeGraphs` per row count 1..B over
+    the batch's state pool, each captured on its first step (the start-up probe takes them
+    all). Every step runs within ``exact_rows``: the GEMVs, like every other kernel of the step,
+    compute a row by programs of their own (the one-row call's), so a row's bits do not depend on
+    the step's other rows."""
+
+    def __init__(self, model, args, cache, policy, device, pool: DecodeState, counters: DecodeCounters):
+        self.make = partial(
+            DecodeGraphs, model, args, cache, policy, device, pool.max_len, counters, pool=pool
+        )
+        self.by_rows: dict[int, DecodeGraphs] = {}
+
+    def step(self, slots: list[int], positions: list[int], tokens: list[int]):
+        """(logits [N, V], a copy; the rows' greedy tokens; their logits) for one step."""
+        n = len(slots)
+        if n not in self.by_rows:
+            self.by_rows[n] = self.make(rows=n)
+        g = self.by_rows[n]
+        with exact_rows():
+            g.run_rows(slots, positions, tokens)
+        logits = g.logits.clone()
+        return (logits, *g.read_rows())
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for g in self.by_rows.values():
+            out.update(g.fallbacks)
+        return out
+
+    def describe(self) -> str:
+        if not self.by_rows:
+            return "batch steps: none yet"
+        any_g = next(iter(self.by_rows.values()))
+        return f"batch steps of {sorted(self.by_rows)} rows: {any_g.describe()}"
 
 
 def prefill_buckets(limit: int) -> list[int]:

@@ -8,6 +8,7 @@ watchdog, or stop (closing the generator) without waiting for the rest of the pr
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -21,7 +22,15 @@ import torch
 from edgerun.cache.reader import READ_FALLBACKS
 from edgerun.config import CacheConfig
 from edgerun.engine.batch import DecodeBatch, Row
-from edgerun.engine.graphs import PREFILL_GRAPH_TOKENS, DecodeCounters, DecodeGraphs, PrefillGraphs
+from edgerun.engine.graphs import (
+    PREFILL_GRAPH_TOKENS,
+    DecodeCounters,
+    DecodeGraphs,
+    PrefillGraphs,
+    RowSteps,
+    expert_mode,
+    rows_unsupported,
+)
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
@@ -30,7 +39,7 @@ from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, Speculativ
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
-from edgerun.models.layers import DecodeState, exact_rows
+from edgerun.models.layers import MAX_GEMV_ROWS, DecodeState, SparseMoe, exact_rows
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
@@ -124,6 +133,7 @@ class Runner:
         self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
         self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
+        self.row_steps: RowSteps | None = None  # the batch's steps on CUDA
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
         self.spec_totals = SpeculativeStats()  # across requests
         self.row_step_s = 0.0  # a plain one-row decode step's time, probed by enable_speculative
@@ -135,16 +145,97 @@ class Runner:
         request decoding; refused, saying why, where it cannot run. 1: one request at a time."""
         if size < 1:
             raise EdgerunError(f"batch must be >= 1, got {size}")
-        if size > 1 and self.device.type != "cpu":
-            raise EdgerunError(
-                f"batched decoding runs on the CPU only so far (its multi-row step on {self.device.type}, "
-                "CUDA graphs per batch bucket, is not built yet, issue 18); serve with batch 1"
-            )
         if size > 1 and self.speculative is not None:
             raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
-        self.batch = None
+        if size > 1 and self.device.type == "cuda":
+            why = rows_unsupported(
+                self.kernels.dense == "triton", self._expert_modes(), self.model.model.layers
+            )
+            if why:
+                raise EdgerunError(f"batched decoding on {self.device}: {why}; serve with batch 1")
+        if size > MAX_GEMV_ROWS and self.kernels.dense == "triton":
+            raise EdgerunError(
+                f"batch {size}: a step's GEMVs take at most {MAX_GEMV_ROWS} rows; --batch {MAX_GEMV_ROWS} is the most"
+            )
+        fits = self._rows_fit(size) if size > 1 and self.kernels.dense == "triton" else None
+        if fits is not None:  # a step's lookup holds every row's experts at once
+            self._refuse_rows(f"batch {size}: a step of {size} rows", size, "B", f"--batch {fits} fits")
+        self.batch, self.row_steps = None, None
         if size > 1:
-            self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.decode_rows)
+            self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.batch_step)
+            if self.kernels.dense == "triton":  # the fused kernels: static steps over the pool
+                self.row_steps = RowSteps(
+                    self.model, self.args, self.cache, self.kernels, self.device, self.batch.pool, self.steps
+                )
+
+    @torch.inference_mode()
+    def probe_batch(self) -> str:
+        """The batch's promise, checked before serving: n = min(B, 3) sequences at different
+        positions, each one's step alone against its row of one n-row step, bit for bit, twice
+        (on CUDA the first pass captures, the second replays); then, on CUDA, every other row
+        count's graphs captured and replayed once, so no request pays for a capture. Raises
+        :class:`EdgerunError` naming what differs; returns the line to log."""
+        b = self.batch
+        n = min(b.size, 3)
+        prompts = [list(range(1, r + 2)) for r in range(n)]  # lengths 1..n: each row its own position
+        tokens = [r + 3 for r in range(n)]
+        for _ in range(2):
+            alone = [self._probe_rows([p], [t])[0] for p, t in zip(prompts, tokens, strict=True)]
+            together = self._probe_rows(prompts, tokens)
+            for r in range(n):
+                if not bool(torch.isfinite(alone[r]).all()):
+                    raise EdgerunError("batch probe: a decode step's logits are not finite")
+                if not torch.equal(alone[r], together[r]):
+                    raise EdgerunError(
+                        f"batch probe: row {r} of a {n}-row decode step differs from its sequence's "
+                        "one-row step; serve with batch 1"
+                    )
+        if self.row_steps is not None:
+            for m in range(1, b.size + 1):
+                if m not in self.row_steps.by_rows:
+                    self._probe_rows([[1]] * m, [2] * m, steps=2)
+        return f"a {n}-row batch step equals its rows' one-row steps, bit for bit (batch {b.size})"
+
+    def _probe_rows(self, prompts: list[list[int]], tokens: list[int], steps: int = 1) -> torch.Tensor:
+        """Sequences joined to the batch, prefilled with ``prompts``, stepped together ``steps``
+        times (first with ``tokens``, then each row's greedy token), then freed: the last step's
+        logits [N, V]."""
+        rows = []
+        try:
+            for p in prompts:
+                rows.append(self.batch.join(len(p) + steps))
+                self.prefill(rows[-1].state, p)
+            for _ in range(steps):
+                logits, _ = self.batch_step([r.slot for r in rows], [r.state for r in rows], tokens)
+                tokens = logits.argmax(-1).tolist()
+            return logits
+        finally:
+            for r in rows:
+                self.batch.leave(r)
+
+    def _expert_modes(self) -> dict[int, str]:
+        """How a decode step would run each MoE layer's experts (``DecodeGraphs``' modes)."""
+        layers = self.model.model.layers
+        return {
+            i: expert_mode(layer.mlp.experts, self.kernels)[0]
+            for i, layer in enumerate(layers)
+            if isinstance(layer.mlp, SparseMoe)
+        }
+
+    @torch.inference_mode()
+    def batch_step(self, slots: list[int], states: list[DecodeState], tokens: list[int]):
+        """One step of the batch's fed rows (row n: ``tokens[n]`` continues ``states[n]``, the
+        pool's entry ``slots[n]``): (logits [N, V], greedy picks or None), each row bit for bit
+        the sequence's own step whichever rows share it. CUDA: ``RowSteps``, whose graphs also
+        choose each row's greedy token (the fused kernels under Triton's interpreter too);
+        the CPU's torch kernels: :meth:`decode_rows`."""
+        if self.row_steps is None:
+            return self.decode_rows(states, tokens), None
+        logits, picked, chosen = self.row_steps.step(slots, [s.pos for s in states], tokens)
+        for s in states:
+            s.pos += 1
+        self._count_step()
+        return logits, list(zip(picked, chosen, strict=True))
 
     def enable_speculative(self, config: SpeculativeConfig | None) -> None:
         """Decode by drafting with the model's MTP head (loaded before: ``load_mtp``) and verifying
@@ -167,19 +258,29 @@ class Runner:
         """A verify window of K + 1 rows may route to top_k x (K + 1) distinct experts per layer;
         a streamed layer's quota must hold them all (as it holds one step's top_k), else refused,
         naming the draft count that fits."""
+        fits = self._rows_fit(draft_tokens + 1)
+        if fits is not None:
+            hint = f"--draft-tokens {min(fits - 1, 4)} fits" if fits >= 2 else "no draft count fits"
+            what = f"speculative mtp with {draft_tokens} draft token(s): a verify window"
+            self._refuse_rows(what, draft_tokens + 1, "(K + 1)", hint)
+
+    def _rows_fit(self, rows: int) -> int | None:
+        """None where a streamed layer's quota holds every expert a step of ``rows`` rows may
+        route to (top_k x rows, at most E); else the most rows it holds."""
         if self.cache is None:
-            return
+            return None
         k, E = self.args.num_experts_per_tok, self.args.num_experts
-        need = min(E, k * (draft_tokens + 1))
         quota = min(self.cache.quotas.values())
-        if quota < need:
-            fits = quota // k - 1
-            hint = f"--draft-tokens {min(fits, 4)} fits" if fits >= 1 else "no draft count fits"
-            raise ConfigError(
-                f"speculative mtp with {draft_tokens} draft token(s): a verify window needs up to top_k x "
-                f"(K + 1) = {need} experts per layer, the expert cache's quota is {quota}: {hint} "
-                f"(or raise the quota to {need})"
-            )
+        return None if quota >= min(E, k * rows) else quota // k
+
+    def _refuse_rows(self, what: str, rows: int, label: str, hint: str) -> None:
+        k, E = self.args.num_experts_per_tok, self.args.num_experts
+        need = min(E, k * rows)
+        quota = min(self.cache.quotas.values())
+        raise ConfigError(
+            f"{what} needs up to top_k x {label} = {need} experts per layer, the expert cache's quota is "
+            f"{quota}: {hint} (or raise the quota to {need})"
+        )
 
     @torch.inference_mode()
     def _probe_row_step(self, steps: int = 8) -> float:
@@ -229,6 +330,8 @@ class Runner:
             out.update(self.cache.fallbacks())
         if self.decoder is not None:
             out.update(self.decoder.fallbacks)
+        if self.row_steps is not None:
+            out.update(self.row_steps.fallbacks)
         return out
 
     def fallback_counts(self) -> dict[str, int]:
@@ -254,7 +357,8 @@ class Runner:
 
     def kernel_summary(self) -> str:
         text = self.kernels.describe()
-        return text + (f"; {self.decoder.describe()}" if self.decoder is not None else "")
+        text += f"; {self.decoder.describe()}" if self.decoder is not None else ""
+        return text + (f"; {self.row_steps.describe()}" if self.row_steps is not None else "")
 
     @classmethod
     def load(
@@ -536,7 +640,15 @@ class Runner:
         token = sampler(logits)
         yield token
         for _ in range(n - 1):
-            token = sampler(self.batch.logits(row))
+            logits, pick = self.batch.logits(row)
+            if pick is not None and sampler.params.greedy:  # chosen by the step on the device
+                token, chosen = pick
+                if not math.isfinite(chosen):
+                    raise NonFiniteLogits(
+                        f"the greedy step's logits hold NaN or +inf (its largest is {chosen})"
+                    )
+            else:
+                token = sampler(logits)
             yield token
 
     @torch.inference_mode()

@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         if self.kind == A.FULL_ATTENTION:
             self.self_attn.decode_static(x, step, state, residual=x, norm=norm)
         else:
-            self.linear_attn.decode(x, state, step.fused, residual=x, norm=norm)
+            self.linear_attn.decode(x, state, step.fused, residual=x, norm=norm, slots=step.slots)
 
 
 class _Body(nn.Module):

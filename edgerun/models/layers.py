@@ -24,14 +24,17 @@ from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.models.args import ModelArgs
 
-# set within a speculative verify window (``exact_rows``): every row computed as a one-row step
+# set within a speculative verify window or a batch's step (``exact_rows``): every row computed
+# as a one-row step
 EXACT_ROWS: ContextVar[bool] = ContextVar("edgerun_exact_rows", default=False)
 
 
 @contextmanager
 def exact_rows():
     """Within the block, a projection's rows are each computed as a one-row call computes them
-    (``QLinear._reference``): a verify window's rows equal the decode steps' bit for bit."""
+    (``QLinear._reference``: the CPU's BLAS one row at a time; the GEMV's rows by programs of
+    their own, ``qgemv``'s ``alone``): a verify window's or a batch step's rows equal the
+    one-row steps' bit for bit."""
     token = EXACT_ROWS.set(True)
     try:
         yield
@@ -43,6 +46,7 @@ def exact_rows():
 # for a plain weight cuBLAS is faster from 3 rows on; for int8 / int4 the GEMV still beats an exact
 # dequantization then cuBLAS at 8 (benchmarks/bench_dense_gemv.py on an H200, docs/benchmarks.md)
 GEMV_ROWS = {"plain": 2, "int8": 8, "int4": 8}
+MAX_GEMV_ROWS = 8  # rows the GEMV takes at most (kernels/qlinear_triton.MAX_TOKENS; no Triton import here)
 
 
 def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -113,17 +117,29 @@ class QLinear(nn.Module):
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
-        few = x.dim() > 2 and x.numel() // x.shape[-1] <= GEMV_ROWS[self.scheme]
+        exact = EXACT_ROWS.get()
+        # within exact_rows every row count a GEMV takes runs it, each row by programs of its
+        # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call
+        limit = MAX_GEMV_ROWS if exact else GEMV_ROWS[self.scheme]
+        few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
             # GEMV too, not a dequantized copy of the whole weight (1 GB for Qwen3.6's lm_head)
             flat = self(x.reshape(-1, x.shape[-1]), epilogue)
             return flat.reshape(*x.shape[:-1], flat.shape[-1])
-        if self.gemv and x.dim() == 2 and x.shape[0] <= GEMV_ROWS[self.scheme]:
+        if self.gemv and x.dim() == 2 and x.shape[0] <= limit:
             from edgerun.kernels import qlinear_triton
 
             return qlinear_triton.qgemv(
-                x, self.qweight(), self.bias, epilogue, out, gate, norm=nrm, norm_out=norm_out
+                x,
+                self.qweight(),
+                self.bias,
+                epilogue,
+                out,
+                gate,
+                norm=nrm,
+                norm_out=norm_out,
+                alone=exact,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
@@ -276,12 +292,15 @@ class StaticStep:
     the position, the position itself as a device tensor (no shape depends on it), the KV
     buffer's index, and whether the fused Triton dense kernels run."""
 
-    cos: torch.Tensor  # [1, R]
+    cos: torch.Tensor  # [N, R]
     sin: torch.Tensor
-    pos: torch.Tensor  # [1] int64
+    pos: torch.Tensor  # [N] int64: each row's position
     kv_index: torch.Tensor  # [S_max] int64
     fused: bool = False
     inv_freq: torch.Tensor | None = None  # Rotary's, for the fused attention kernel (rope from pos)
+    # [N] int64: each row's entry of the state pool (a batch's step, fused kernels only); None:
+    # row n is entry n (one sequence, batch 1)
+    slots: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,15 +425,18 @@ class Attention(nn.Module):
         fused path normalises x in the q/k/v GEMV's prologue."""
         B = x.shape[0]
         H, Hk, Dh = self.n_heads, self.n_kv, self.head_dim
-        if step.fused and B == 1:
+        if step.fused:
             from edgerun.kernels import decode_triton
 
             out = decode_triton.attention_decode(
                 self.qkv(x, norm=norm), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
-                step.inv_freq, step.pos, cache.k, cache.v, x.new_empty(1, H * Dh), H, Hk, Dh, self.gated,
+                step.inv_freq, step.pos, cache.k, cache.v, x.new_empty(B, H * Dh), H, Hk, Dh, self.gated,
+                step.slots,
             )  # fmt: skip
             self.o_proj(out, "residual", out=residual)
             return
+        if B != 1 or step.slots is not None:
+            raise ValueError("a static decode step of several rows needs the fused attention kernel")
         q, gate, k, v = self._project(norm(x)[:, None])
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k).transpose(1, 2)
@@ -596,23 +618,32 @@ class GatedDeltaNet(nn.Module):
         return out.to(dtype)  # [B, T, Hv, Dv]
 
     def decode(
-        self, x: torch.Tensor, state: DeltaState, fused: bool, residual: torch.Tensor, norm: RMSNorm
+        self,
+        x: torch.Tensor,
+        state: DeltaState,
+        fused: bool,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        slots: torch.Tensor | None = None,
     ) -> None:
-        """One token on norm(x), x [1, D], its output added into ``residual`` [1, D] in place:
-        :meth:`forward`, or (``fused``, CUDA only) the two-launch Triton step
-        (``kernels/dense_triton.py``) between the fused projection (which normalises x in its
-        prologue) and out_proj."""
+        """One token of each of N sequences on norm(x), x [N, D], the output added into
+        ``residual`` [N, D] in place: :meth:`forward` (N = 1), or (``fused``, CUDA only) the
+        two-launch Triton step (``kernels/dense_triton.py``) between the fused projection (which
+        normalises x in its prologue) and out_proj; row n's states are entry n of ``state``, or
+        entry ``slots[n]`` (a batch's pool)."""
         if not fused:
+            if x.shape[0] != 1 or slots is not None:
+                raise ValueError("a static decode step of several rows needs the fused DeltaNet kernel")
             residual.add_(self(norm(x)[None], state)[0])
             return
         from edgerun.kernels import dense_triton
 
-        qkv, z, b, a = (p[0] for p in self._project(x, norm))  # x stays [1, D]: the GEMV's input
+        qkv, z, b, a = self._project(x, norm)  # [N, *] views of one GEMV's output
         out = dense_triton.delta_decode(
-            qkv, z, a, b, state.conv[0], self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent[0],
-            self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv,
+            qkv, z, a, b, state.conv, self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent,
+            self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv, slots,
         )  # fmt: skip
-        self.out_proj(out[None], "residual", out=residual)
+        self.out_proj(out, "residual", out=residual)
 
 
 # --------------------------------------------------------------------------------------------

@@ -92,3 +92,31 @@ def test_fused_decode_step_matches_torch(sources, tmp_path, arch, dense, monkeyp
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
         assert float((g - w).abs().max() / w.abs().max()) < 1e-4
+
+
+def test_batch_rows_are_the_one_sequence_step(sources, tmp_path):
+    """A batch's step over its state pool (``RowSteps``: the fused kernels index the pool by
+    slot, the GEMVs' tiles hold a fixed row count): a sequence's logits as a row beside another
+    at another position equal its step as the one sequence of a decoder, bit for bit, with the
+    experts streamed (routed: the rows' experts looked up together). One small case: the
+    interpreter is slow."""
+    bundle = tmp_path / "b"
+    convert(sources["qwen3_5_moe"], bundle, ConvertOptions("int4", 16, dense="int4", dense_group=16))
+    runner = Runner.load(bundle, device="cpu", dtype=torch.float32, cache=CacheConfig(4))  # 6 experts, top 2
+    fused = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
+    runner.kernels = fused
+    runner.model.use_kernels(True)
+    runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, fused, CPU, 16)
+    state = runner.decoder.reset()
+    with torch.no_grad():
+        runner.prefill(state, PROMPT[:2])
+        single = runner.decode_step(state, 5).clone()
+    runner.decoder = None
+    runner.enable_batch(2)
+    rows = [runner.batch.join(16) for _ in range(2)]
+    for row, p in zip(rows, (PROMPT[:2], [1])):
+        runner.prefill(row.state, p)
+    logits, picks = runner.batch_step([r.slot for r in rows], [r.state for r in rows], [5, 9])
+    assert torch.equal(logits[0], single)
+    assert picks[0][0] == int(single.argmax()) and [r.state.pos for r in rows] == [3, 2]
+    assert set(runner.row_steps.by_rows[2].modes.values()) == {"routed"}

@@ -162,6 +162,37 @@ def test_attention_splits_share_long_histories():
         check_attention(*run_attention(inputs, K.attention_decode), TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_by_slot_are_one_row_calls(dtype):
+    """A batch's step: N rows, each at its own position in its own entry of a cache pool (by
+    slot); each row's output and the key and value it writes are the one-row call's bit for bit,
+    and the entry no row names is untouched."""
+    dims = AttnDims(4, 2, 32, 16, True)
+    gen = torch.Generator().manual_seed(11)
+    pool = random_attention_inputs(dims, 64, 0, gen, dtype=dtype)
+    pool["k_cache"] = torch.randn(3, 2, 64, 32, generator=gen).to(dtype)
+    pool["v_cache"] = torch.randn(3, 2, 64, 32, generator=gen).to(dtype)
+    qkv = torch.randn(2, dims.qkv_width, generator=gen).mul(2).to(dtype)
+    slots, pos = torch.tensor([2, 0]), torch.tensor([5, 40])
+    got = {**pool, "qkv": qkv, "pos": pos, "slots": slots, "out": torch.empty(2, 128, dtype=dtype)}
+    got["k_cache"], got["v_cache"] = pool["k_cache"].clone(), pool["v_cache"].clone()
+    K.attention_decode(**got)
+    for r, e in enumerate(slots.tolist()):
+        one = {**pool, "qkv": qkv[r : r + 1], "pos": pos[r : r + 1], "out": torch.empty(1, 128, dtype=dtype)}
+        one["k_cache"], one["v_cache"] = (
+            pool["k_cache"][e : e + 1].clone(),
+            pool["v_cache"][e : e + 1].clone(),
+        )
+        K.attention_decode(**one)
+        assert torch.equal(got["out"][r], one["out"][0]), r
+        assert torch.equal(got["k_cache"][e], one["k_cache"][0]) and torch.equal(
+            got["v_cache"][e], one["v_cache"][0]
+        )
+    assert torch.equal(got["k_cache"][1], pool["k_cache"][1])
+    with pytest.raises(ValueError, match="without slots the caches hold one entry a row"):
+        K.attention_decode(**{**got, "slots": None})
+
+
 def test_attention_refusals_name_the_tensor():
     dims = AttnDims(4, 2, 32, 16, True)
     inputs = random_attention_inputs(dims, 64, 3, torch.Generator().manual_seed(3))

@@ -92,6 +92,38 @@ def test_delta_decode_repeats_and_is_batch_invariant():
     assert torch.equal(one["state"], runs[0]["state"][1])
 
 
+def test_delta_decode_rows_by_slot_are_one_row_calls():
+    """A batch's step: rows' states are entries of a pool, by slot; each row (its output, its
+    entries' conv and recurrent state) is the one-row call's bit for bit, the row inputs strided
+    views of one projection, and the entries no row names are untouched."""
+    dims = GEOMETRIES[0]
+    pool = random_delta_inputs(dims, 4, torch.Generator().manual_seed(6), dtype=torch.bfloat16)
+    rows = random_delta_inputs(dims, 2, torch.Generator().manual_seed(7), dtype=torch.bfloat16)
+    names = ("mixed_qkv", "z", "a", "b")
+    proj = torch.cat([rows[n] for n in names], dim=-1)  # one [N, width] output, split as the layer does
+    views = dict(zip(names, torch.split(proj, [rows[n].shape[-1] for n in names], dim=-1), strict=True))
+    slots = torch.tensor([3, 1])
+    got = clone_inputs(pool)
+    out = K.delta_decode(**{**got, **views, "slots": slots})
+    for r, e in enumerate(slots.tolist()):
+        one = clone_inputs(pool)
+        one.update({n: rows[n][r : r + 1] for n in names})
+        one["conv_state"], one["state"] = (
+            pool["conv_state"][e : e + 1].clone(),
+            pool["state"][e : e + 1].clone(),
+        )
+        assert torch.equal(out[r : r + 1], K.delta_decode(**one)), r
+        assert torch.equal(got["state"][e], one["state"][0]) and torch.equal(
+            got["conv_state"][e], one["conv_state"][0]
+        )
+    for e in (0, 2):
+        assert torch.equal(got["state"][e], pool["state"][e]) and torch.equal(
+            got["conv_state"][e], pool["conv_state"][e]
+        )
+    with pytest.raises(ValueError, match=r"slots must be \[2\]"):
+        K.delta_decode(**{**clone_inputs(pool), **views, "slots": slots[:1]})
+
+
 def test_delta_decode_refusals_name_the_tensor():
     inputs = random_delta_inputs(GEOMETRIES[1], None, torch.Generator().manual_seed(5))
     cases = [
@@ -99,7 +131,7 @@ def test_delta_decode_refusals_name_the_tensor():
         ("state", inputs["state"].bfloat16(), "state must be torch.float32"),
         ("a", inputs["a"].float(), "a must be torch.bfloat16"),
         ("conv_state", inputs["conv_state"].t().contiguous().t(), "conv_state must be contiguous"),
-        ("mixed_qkv", inputs["mixed_qkv"][None, None], r"mixed_qkv must be \[C\] or \[B, C\]"),
+        ("mixed_qkv", inputs["mixed_qkv"][None, None], r"mixed_qkv must be \[C\] or \[N, C\]"),
         ("conv_weight", inputs["conv_weight"][:, None], r"conv_weight must be \[C, K\]"),
         ("n_v", 5, "not a multiple of key heads"),
     ]

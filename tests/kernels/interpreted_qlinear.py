@@ -130,6 +130,15 @@ def test_probe_refuses_a_wrong_kernel(monkeypatch):
         probe_cases([("int4", 64, 128, 32, "none")], "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("scheme", [("plain", None), ("int4", 32)], ids=scheme_id)
+def test_rows_alone_are_the_one_row_calls(scheme):
+    from edgerun.kernels.qlinear_reference import random_qweight, rows_alone_mismatch
+
+    gen = torch.Generator().manual_seed(21)
+    w = random_qweight(scheme[0], 64, 128, scheme[1] or 128, gen, "cpu", torch.bfloat16)
+    assert rows_alone_mismatch(K.qgemv, w, 3, gen, "cpu", torch.bfloat16) is None
+
+
 def test_bad_inputs_name_the_tensor():
     g = torch.Generator().manual_seed(4)
     w = random_qweight("int4", 16, 64, 32, g)

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 
-FLAGS = {"QUANT", "EPILOGUE", "CODE", "NORM", "ACT", "G", "FAR"}  # constexprs that pick code paths, not sizes
+FLAGS = {
+    "QUANT",
+    "EPILOGUE",
+    "CODE",
+    "NORM",
+    "ACT",
+    "G",
+    "FAR",
+    "SLOTS",
+}  # constexprs that pick code paths, not sizes
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")

@@ -139,3 +139,16 @@ def test_probe_cases(dtype):
         ("plain", 248320, 2048, 0, "none"),
     ]
     assert probe_cases(cases, "cuda", dtype) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("shape", [(12352, 2048), (257, 2048), (1024, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("scheme", [("int4", 32), ("plain", None)], ids=lambda s: s[0])
+def test_rows_alone_are_the_one_row_calls(shape, scheme):
+    """A batch's step: with ``alone`` each row of a call of N rows is computed by programs of its
+    own, so it equals the row alone, bit for bit (in one program, one ulp now and then differs)."""
+    from edgerun.kernels.qlinear_reference import rows_alone_mismatch
+    from edgerun.kernels.qlinear_triton import qgemv
+
+    R, C = shape
+    w = random_qweight(scheme[0], R, C, scheme[1] or C, gen(R), "cuda", torch.bfloat16)
+    assert rows_alone_mismatch(qgemv, w, 4, gen(7), "cuda", torch.bfloat16) is None

@@ -1,0 +1,92 @@
+"""Batched decoding on CUDA (issue 18): a batch's step is a CUDA graph per row count over the
+batch's state pool (engine/graphs.RowSteps). A request's greedy tokens among 1, 3 and B-1
+neighbours (joining and leaving at other steps, other positions) equal its tokens alone in the
+same batch, torch.equal on the ids, on both architectures, bf16 and int4 dense, every expert held
+(table) and streamed (routed: the union of the rows' experts looked up together), graphs on and
+off; the start-up probe passes and leaves every row count captured.
+Skipped without CUDA (CI has none; the CPU twin is tests/engine/test_batch.py, and the kernels'
+rows are checked under Triton's interpreter); run on the GPU machine before resolving."""
+
+import pytest
+import torch
+from test_batch import MAX_TOKENS, PROMPTS, together
+
+from edgerun.config import CacheConfig
+from edgerun.engine.policy import KernelPolicy
+from edgerun.engine.runner import Runner
+from edgerun.engine.sampler import SamplingParams
+from edgerun.errors import EdgerunError
+from hf_fixtures import ARCHS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+B = 4
+
+
+def _load(bundle, quota, graphs="on"):
+    return Runner.load(
+        bundle,
+        device="cuda",
+        dtype=torch.bfloat16,
+        cache=CacheConfig(quota),
+        kernels=KernelPolicy(graphs=graphs),
+    )
+
+
+def _invariance(runner: Runner, batch: int = B) -> None:
+    if runner.batch is None or runner.batch.size != batch:
+        runner.enable_batch(batch)
+    prompts, max_tokens = PROMPTS[:batch], MAX_TOKENS[:batch]
+    alone = [
+        runner.generate_ids(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, max_tokens)
+    ]
+    for neighbours in sorted({1, 2, batch - 1} & set(range(1, batch))):
+        group = list(range(neighbours + 1))
+        joins = [0] + [1 + j // 2 for j in range(neighbours)]
+        got = together(runner, [prompts[i] for i in group], [max_tokens[i] for i in group], joins)
+        for i in group:
+            assert torch.equal(torch.tensor(got[i]), torch.tensor(alone[i])), (neighbours, i)
+    sizes = runner.batch.stats.sizes
+    assert sizes[1] > 0 and sizes[batch] > 0, sizes
+    assert runner.batch.running == 0
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+@pytest.mark.parametrize("quota, batch", [(16, B), (4, 2)])  # every expert held; streamed (6 experts, top 2)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_among_neighbours_equals_alone(bundles, arch, quota, batch, graphs):
+    runner = _load(bundles[(arch, "int4")], quota, graphs)
+    _invariance(runner, batch)
+    modes = {m for g in runner.row_steps.by_rows.values() for m in g.modes.values()}
+    assert modes == ({"table"} if quota == 16 else {"routed"}), modes
+    counts = runner.decode_counts()
+    if graphs == "on":
+        assert counts["graph" if quota == 16 else "mixed"] > 0 and "graphs" not in runner.fallbacks(), counts
+    else:
+        assert counts["graph"] == counts["mixed"] == 0
+    if quota != 16:
+        assert runner.cache.totals().evictions > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_dense_rows_and_the_probe(dense_bundles, arch):
+    runner = _load(dense_bundles[arch], 16)
+    runner.enable_batch(B)
+    line = runner.probe_batch()
+    assert "bit for bit" in line and sorted(runner.row_steps.by_rows) == list(range(1, B + 1)), line
+    captures = runner.steps.captures
+    _invariance(runner)
+    assert runner.steps.captures == captures  # the probe captured every row count: no request did
+
+
+def test_refusals(bundles):
+    runner = _load(bundles[("qwen3_moe", "int4")], 3)  # top 2: a 2-row step may need 4 experts
+    with pytest.raises(
+        EdgerunError, match=r"batch 2: a step of 2 rows needs up to top_k x B = 4 .*--batch 1 fits"
+    ):
+        runner.enable_batch(2)
+    with pytest.raises(EdgerunError, match="at most 8 rows"):
+        _load(bundles[("qwen3_moe", "int4")], 16).enable_batch(9)
+    stacked = Runner.load(bundles[("qwen3_moe", "int4")], device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(EdgerunError, match="resident stacked experts"):
+        stacked.enable_batch(2)
