@@ -29,13 +29,9 @@ from concurrent.futures import Future
 from functools import partial
 from types import SimpleNamespace
 
-from edgerun.cache import policy_reference
 from edgerun.cache.expert_cache import ExpertCache
-from edgerun.cache.policy import LFUSet, LRUSet
 from edgerun.cache.slots import LayerSlots
 from edgerun.config import CacheConfig
-from edgerun.tools.routes import read_trace
-from edgerun.tools.simulate import DECAYS, layer_accesses
 
 LAYERS, EXPERTS, TOP_K = 40, 256, 8  # Qwen3.6-35B-A3B: MoE layers, routed experts, active
 
@@ -73,11 +69,11 @@ class _NullReader:
 
     def __init__(self) -> None:
         self.stats = SimpleNamespace(fallbacks={}, fallback_reads={}, rereads=0, wasted_faults=0)
+        self._future: Future = Future()  # one done read for all: making futures is the reader's cost
+        self._future.set_result(None)
 
     def _done(self, *args, **kwargs) -> Future:
-        f: Future = Future()
-        f.set_result(None)
-        return f
+        return self._future
 
     submit = stage = _done
 
@@ -146,6 +142,13 @@ def time_cache(routes, preds, quota: int, policy: str, warm: int) -> tuple[float
 
 def check(path: str, quotas: list[int]) -> bool:
     """Whether the books decide every lookup of the trace at path as the reference does."""
+    # imported here: the timings also run against a checkout from before the reference existed
+    # (PYTHONPATH=that checkout), for a before/after in one sitting
+    from edgerun.cache import policy_reference
+    from edgerun.cache.policy import LFUSet, LRUSet
+    from edgerun.tools.routes import read_trace
+    from edgerun.tools.simulate import DECAYS, layer_accesses
+
     trace = read_trace(path)
     same = True
     for quota in quotas:
