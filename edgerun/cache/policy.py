@@ -39,17 +39,22 @@ class Access(NamedTuple):
 _new = tuple.__new__  # a NamedTuple without its Python-level __new__ (the lookups' hot path)
 
 
+def checked_pins(quota: int, pinned: Iterable[int]) -> frozenset[int]:
+    """``pinned`` as a set, refused unless ``quota`` (>= 1) leaves a slot to the others."""
+    if quota < 1:
+        raise ValueError(f"quota must be >= 1, got {quota}")
+    pins = frozenset(pinned)
+    if len(pins) >= quota:
+        raise ValueError(f"{len(pins)} pinned experts leave none of the quota {quota} to the LRU")
+    return pins
+
+
 class LRUSet:
     """The experts one layer holds, oldest first, at most ``quota`` of them. ``pinned`` experts
     (a warm set) are never evicted once held; the others share the remaining slots as an LRU."""
 
     def __init__(self, quota: int, pinned: Iterable[int] = ()) -> None:
-        if quota < 1:
-            raise ValueError(f"quota must be >= 1, got {quota}")
-        self.quota = quota
-        self.pinned = frozenset(pinned)
-        if len(self.pinned) >= quota:
-            raise ValueError(f"{len(self.pinned)} pinned experts leave none of the quota {quota} to the LRU")
+        self.quota, self.pinned = quota, checked_pins(quota, pinned)
         self._at: dict[int, int] = {}  # held expert -> its last use on the clock (larger: more recent)
         self._clock = 0  # ids touched so far: a step's ids take the next numbers in router order
         # (key, last use, expert) of every held unpinned expert: at most one live entry each (its

@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from edgerun.cache.policy import Access
+from edgerun.cache.policy import Access, checked_pins
 
 
 class LRUSet:
@@ -24,12 +24,7 @@ class LRUSet:
     (a warm set) are never evicted once held; the others share the remaining slots as an LRU."""
 
     def __init__(self, quota: int, pinned: Iterable[int] = ()) -> None:
-        if quota < 1:
-            raise ValueError(f"quota must be >= 1, got {quota}")
-        self.quota = quota
-        self.pinned = frozenset(pinned)
-        if len(self.pinned) >= quota:
-            raise ValueError(f"{len(self.pinned)} pinned experts leave none of the quota {quota} to the LRU")
+        self.quota, self.pinned = quota, checked_pins(quota, pinned)
         self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
