@@ -7,6 +7,9 @@ not have, and for oracles that read the scored fold itself, which no online poli
     python benchmarks/policy_bounds.py heldout.jsonl [--quota 4 5 6] [--folds 4]
     python benchmarks/policy_bounds.py --cost  # bookkeeping time per token at 40 layers x 256 experts, top-8
 
+The policies here extend ``cache.policy_reference`` (the definition, one pass per eviction), so
+``--cost`` times those; the cache's own books are timed by ``benchmarks/cache_books.py``.
+
 Online (fitted on the other folds, by their misses; the same classes' interface as ``LRUSet``):
 - ``lfu+next``: LFU with decay, plus ``beta`` x the probability, learned online per layer, that
   the held expert is used within the next ``H`` lookups after each of the current lookup's
@@ -34,7 +37,8 @@ import statistics
 import time
 from collections import defaultdict
 
-from edgerun.cache.policy import LFUSet, LRUSet, replay_misses
+from edgerun.cache.policy import replay_misses
+from edgerun.cache.policy_reference import LFUSet, LRUSet
 from edgerun.tools.routes import read_trace
 from edgerun.tools.simulate import DECAYS, _belady_misses, folds_of, layer_accesses, replay_set
 

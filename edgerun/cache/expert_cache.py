@@ -137,6 +137,11 @@ class ExpertCache:
             )
         self.bundle = bundle
         self.device = device
+        # each layer's expert file and whether its blocks carry checksums, found once (a lookup's hot path)
+        self._files = {
+            layer: (bundle.expert_path(layer), bundle.manifest.layer(layer).block_xxh3 is not None)
+            for layer in quotas
+        }
         self._fallbacks: dict[str, str] = {}
         if bundle.unchecked:
             self._fallbacks["unchecked_blocks"] = bundle.unchecked
@@ -343,15 +348,15 @@ class ExpertCache:
         re-raised once all settled."""
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
-        path = self.bundle.expert_path(layer)
+        path, checked = self._files[layer]
         n = self.bundle.args.num_experts
-        checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
+        rows = None if dest is None else dest.numpy()  # a slot's memory: rows[slot], no torch indexing
         staged = staged or {}
 
         def submit(f: Fill):
             check = partial(self.bundle.check_block, layer, f.expert) if checked else None
             if dest is not None:
-                return reader.submit(path, f.expert, None, n, dest=dest[f.slot].numpy().data, check=check)
+                return reader.submit(path, f.expert, None, n, dest=rows[f.slot].data, check=check)
             return reader.submit(path, f.expert, partial(place, f.slot), n, check=check)
 
         t0 = time.perf_counter()
@@ -404,8 +409,7 @@ class ExpertCache:
         held, staged = self.slots[layer].slot_of, self._staged.setdefault(layer, {})
         room = max(self.prefetch_depth - sum(map(len, self._staged.values())), 0)
         todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
-        path, n = self.bundle.expert_path(layer), self.bundle.args.num_experts
-        checked = self.bundle.manifest.layer(layer).block_xxh3 is not None
+        (path, checked), n = self._files[layer], self.bundle.args.num_experts
         for e in todo:
             check = partial(self.bundle.check_block, layer, e) if checked else None
             staged[e] = reader.stage(path, e, n, check)

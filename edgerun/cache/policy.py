@@ -10,14 +10,21 @@ the step; :class:`LFUSet` (the cache's default, :data:`DEFAULT_POLICY`) the leas
 weighted down by ``decay`` per lookup since, the oldest first among equals. LFU with decay 0.99
 had the fewest misses of the policies measured on the demo model's held-out routing
 (docs/benchmarks.md, "Expert cache policy").
+
+The books cost a few microseconds a lookup (``benchmarks/cache_books.py``): per held expert its
+last use on a clock of ids touched (recency is a number) and, for LFU, its (score, lookup) as
+of that use; the eviction order is a heap of (key, last use, expert) entries that are lower
+bounds (a key only grows with use): a hit costs nothing there, and a popped entry that is out of
+date is pushed again with its current key. :mod:`edgerun.cache.policy_reference` is the same
+policies as one pass over the held experts per eviction, the definition these are tested
+against (identical hits, misses and evictions).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections import OrderedDict
 from collections.abc import Iterable
+from heapq import heappop, heappush
+from math import log
 from typing import NamedTuple
 
 
@@ -29,99 +36,146 @@ class Access(NamedTuple):
     evictions: tuple[int, ...]  # oldest first: the slots the misses may take once free slots run out
 
 
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (the lookups' hot path)
+
+
+def checked_pins(quota: int, pinned: Iterable[int]) -> frozenset[int]:
+    """``pinned`` as a set, refused unless ``quota`` (>= 1) leaves a slot to the others."""
+    if quota < 1:
+        raise ValueError(f"quota must be >= 1, got {quota}")
+    pins = frozenset(pinned)
+    if len(pins) >= quota:
+        raise ValueError(f"{len(pins)} pinned experts leave none of the quota {quota} to the LRU")
+    return pins
+
+
 class LRUSet:
     """The experts one layer holds, oldest first, at most ``quota`` of them. ``pinned`` experts
     (a warm set) are never evicted once held; the others share the remaining slots as an LRU."""
 
     def __init__(self, quota: int, pinned: Iterable[int] = ()) -> None:
-        if quota < 1:
-            raise ValueError(f"quota must be >= 1, got {quota}")
-        self.quota = quota
-        self.pinned = frozenset(pinned)
-        if len(self.pinned) >= quota:
-            raise ValueError(f"{len(self.pinned)} pinned experts leave none of the quota {quota} to the LRU")
-        self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.quota, self.pinned = quota, checked_pins(quota, pinned)
+        self._at: dict[int, int] = {}  # held expert -> its last use on the clock (larger: more recent)
+        self._clock = 0  # ids touched so far: a step's ids take the next numbers in router order
+        # (key, last use, expert) of every held unpinned expert: at most one live entry each (its
+        # last use in _entry), a lower bound of its current pair; others are dropped when popped
+        self._heap: list[tuple[float, int, int]] = []
+        self._entry: dict[int, int] = {}
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._at)
 
     def __contains__(self, expert: int) -> bool:
-        return expert in self._order
+        return expert in self._at
 
     def order(self) -> list[int]:
         """Held ids, oldest first."""
-        return list(self._order)
+        return sorted(self._at, key=self._at.__getitem__)
 
     def discard(self, expert: int) -> None:
         """Forget ``expert`` if held (its slot's fill failed), so the next access misses on it."""
-        self._order.pop(expert, None)
+        self._at.pop(expert, None)  # its heap entry is dropped when popped
 
     def access(self, ids: Iterable[int]) -> Access:
-        step = list(dict.fromkeys(ids))
+        return self._access(list(dict.fromkeys(ids)))
+
+    def _access(self, step: list[int]) -> Access:
+        """:meth:`access` of ``step``: ids already deduplicated, in router order."""
         if len(step) > self.quota:
             raise ValueError(
                 f"a step routes to {len(step)} distinct experts but the quota is {self.quota}: "
                 "one step's experts would evict each other"
             )
-        hits = tuple(e for e in step if e in self._order)
-        misses = tuple(e for e in step if e not in self._order)
-        evictions = self._victims(step, len(misses))
-        for e in evictions:
-            del self._order[e]
-        for e in step:
-            self._order[e] = None
-            self._order.move_to_end(e)
-        return Access(hits, misses, tuple(evictions))
+        at = self._at
+        misses = [e for e in step if e not in at]
+        hits = [e for e in step if e in at] if misses else step
+        victims = self._victims(step, len(misses)) if len(at) + len(misses) > self.quota else ()
+        for e in victims:
+            del at[e]
+        self._use(step)
+        n = self._clock
+        at.update(zip(step, range(n, n + len(step))))
+        self._clock = n + len(step)
+        if misses:
+            heap, entry, pinned = self._heap, self._entry, self.pinned
+            for e in misses:
+                if e not in pinned:
+                    heappush(heap, (self._key(e), at[e], e))
+                    entry[e] = at[e]
+        return _new(Access, (tuple(hits), tuple(misses), victims))
+
+    def _use(self, step: list[int]) -> None:
+        """Count one lookup of ``step`` (LFU's scores)."""
+
+    def _key(self, expert: int) -> float:
+        """What ranks ``expert`` for eviction before its last use (lowest first); never falls."""
+        return 0.0
 
     def _victims(self, step: list[int], new: int) -> tuple[int, ...]:
-        """The oldest held ids outside the step (and unpinned) that ``new`` misses displace."""
-        excess = len(self._order) + new - self.quota
-        if excess <= 0:
-            return ()
-        keep = self.pinned.union(step)
-        victims = [e for e in self._order if e not in keep][:excess]
+        """The held ids outside the step (and unpinned) that ``new`` misses displace, lowest
+        (key, last use) first."""
+        excess = len(self._at) + new - self.quota
+        heap, at, entry = self._heap, self._at, self._entry
+        keep = set(step)
+        victims: list[tuple[float, int, int]] = []
+        aside: list[tuple[float, int, int]] = []  # the step's own entries, pushed back
+        while len(victims) < excess and heap:
+            item = heappop(heap)
+            _, a, e = item
+            if entry.get(e) != a:  # an entry of an expert dropped and taken in again since
+                continue
+            now = at.get(e)
+            if now is None:  # dropped (discard)
+                del entry[e]
+            elif now != a:  # used since: its entry moves up to its current key
+                entry[e] = now
+                heappush(heap, (self._key(e), now, e))
+            else:
+                (aside if e in keep else victims).append(item)
         if len(victims) < excess:
+            for item in aside + victims:
+                heappush(heap, item)
             raise ValueError(
-                f"a step routes to {len(step)} experts, {len(keep) - len(victims)} held ones pinned or in "
-                f"the step: the quota {self.quota} cannot take its misses"
+                f"a step routes to {len(step)} experts, {len(self.pinned.union(step)) - len(victims)} held ones "
+                f"pinned or in the step: the quota {self.quota} cannot take its misses"
             )
-        return tuple(victims)
+        for item in aside:
+            heappush(heap, item)
+        for _, _, e in victims:
+            del entry[e]
+        return tuple([e for _, _, e in victims])
 
 
 class LFUSet(LRUSet):
     """LFU with decay: each expert's score is its uses, each weighted ``decay`` ** (lookups since);
     the lowest-scoring held ids outside the step are evicted (ties: the least recent). ``decay``
-    1 is plain LFU over the whole history, near 0 is LRU. Scores are ranked by a key that does not
-    change between an expert's uses (``log score - at * log decay``), so an eviction is one pass."""
+    1 is plain LFU over the whole history, near 0 is LRU.
+
+    An expert's (score, lookup of its last use) is updated only when it is used; it is ranked by
+    ``log score - at * log decay``, the log of its score at any later lookup up to a factor
+    common to all, computed only when its heap entry is (the same float operations as the
+    reference's, so the same ranks and ties). Each use raises it by at least ``log(2 - decay)``
+    (``log(1 + 1 / uses)`` at decay 1), so a held expert's entry stays a lower bound."""
 
     def __init__(self, quota: int, decay: float) -> None:
         super().__init__(quota)
         if not 0 < decay <= 1:
             raise ValueError(f"LFU decay must be in (0, 1], got {decay}")
         self.decay = decay
-        self._log_decay = math.log(decay)
+        self._log_decay = log(decay)
         self._score: dict[int, tuple[float, int]] = {}  # expert -> (score, at lookup), held or not
-        self._key: dict[int, float] = {}  # expert -> its rank key, valid at every later lookup
         self._now = 0
 
-    def access(self, ids: Iterable[int]) -> Access:
-        step = list(dict.fromkeys(ids))
-        out = super().access(step)  # the step's own scores never decide its evictions
-        self._now += 1
-        for e in step:
-            s, t = self._score.get(e, (0.0, self._now))
-            s = s * self.decay ** (self._now - t) + 1.0
-            self._score[e] = (s, self._now)
-            self._key[e] = math.log(s) - self._now * self._log_decay
-        return out
+    def _key(self, expert: int) -> float:
+        s, t = self._score[expert]
+        return log(s) - t * self._log_decay
 
-    def _victims(self, step: list[int], new: int) -> tuple[int, ...]:
-        excess = len(self._order) + new - self.quota
-        if excess <= 0:
-            return ()
-        keep, key = set(step), self._key
-        held = ((key[e], age, e) for age, e in enumerate(self._order) if e not in keep)  # oldest first
-        return tuple(e for _, _, e in heapq.nsmallest(excess, held))
+    def _use(self, step: list[int]) -> None:
+        now = self._now = self._now + 1
+        score, decay = self._score, self.decay
+        for e in step:
+            st = score.get(e)
+            score[e] = (1.0, now) if st is None else (st[0] * decay ** (now - st[1]) + 1.0, now)
 
 
 CACHE_POLICIES = ("lfu", "lru")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from edgerun.cache.policy import DEFAULT_POLICY, expert_set
 from edgerun.errors import EdgerunError
@@ -25,20 +26,21 @@ class QuotaError(EdgerunError, ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class SlotRef:
+class SlotRef(NamedTuple):  # immutable, and made without a Python call on the lookups' hot path
     layer: int
     expert: int
     slot: int
     generation: int
 
 
-@dataclass(frozen=True)
-class Fill:
+class Fill(NamedTuple):
     """A miss: read ``expert`` into ``slot`` (whose generation is already bumped)."""
 
     expert: int
     slot: int
+
+
+_new = tuple.__new__
 
 
 @dataclass
@@ -66,23 +68,24 @@ class LayerSlots:
         """One step's experts (router order, duplicates allowed) -> (refs in the deduplicated
         router order, fills for the misses). The caller must complete every fill, or call
         :meth:`abandon` for the ones it could not, before using the refs."""
-        access = self.held.access(ids)
-        for e in access.evictions:
-            self.free.append(self.slot_of.pop(e))
+        step = list(dict.fromkeys(ids))
+        hits, misses, evictions = self.held._access(step)
+        slot_of, free, generation = self.slot_of, self.free, self.generation
+        for e in evictions:
+            free.append(slot_of.pop(e))
         fills = []
-        for e in access.misses:
-            slot = self.free.pop()
-            self.generation[slot] += 1
-            self.slot_of[e] = slot
-            fills.append(Fill(e, slot))
+        for e in misses:
+            slot = free.pop()
+            generation[slot] += 1
+            slot_of[e] = slot
+            fills.append(_new(Fill, (e, slot)))
         if count:
             c = self.counters
-            c.hits += len(access.hits)
-            c.misses += len(access.misses)
-            c.evictions += len(access.evictions)
-        step = dict.fromkeys(access.hits + access.misses)
-        order = [e for e in dict.fromkeys(ids) if e in step]
-        refs = [SlotRef(self.layer, e, self.slot_of[e], self.generation[self.slot_of[e]]) for e in order]
+            c.hits += len(hits)
+            c.misses += len(misses)
+            c.evictions += len(evictions)
+        layer = self.layer
+        refs = [_new(SlotRef, (layer, e, s, generation[s])) for e in step for s in (slot_of[e],)]
         return refs, fills
 
     def abandon(self, fill: Fill) -> None:

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from edgerun.cache import policy_reference as reference
 from edgerun.cache.policy import LFUSet, LRUSet, expert_set
 
 
@@ -119,3 +120,52 @@ def test_pinned_experts_are_never_evicted():
     assert 1 in pinned
     with pytest.raises(ValueError, match="2 pinned experts leave none of the quota 2"):
         LRUSet(2, pinned=[1, 2])
+
+
+def _skewed_steps(rng, n, experts, widest):
+    """Steps of 1..widest ids (duplicates allowed) drawn Zipf-like, so hot experts recur."""
+    weights = [1.0 / (i + 1) for i in range(experts)]
+    return [rng.choices(range(experts), weights, k=rng.randint(1, widest)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("decay", [None, 0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0])
+def test_books_decide_as_the_reference_on_random_steps(decay):
+    """The fast books (flat tables, a lazy heap, LFU's global scale) make the reference's
+    decisions: the same hits, misses and victims in the same order, the same held order, with
+    discards (failed fills) between steps, over enough lookups to rescale LFU's weights
+    (decay 0.5: every 256 lookups)."""
+    rng = random.Random(str(decay))
+    for quota, experts, widest in ((2, 6, 2), (5, 12, 3), (8, 40, 8), (16, 64, 8)):
+        steps = _skewed_steps(rng, 1500, experts, widest)
+        fast, ref = (
+            (LRUSet(quota), reference.LRUSet(quota))
+            if decay is None
+            else (
+                LFUSet(quota, decay),
+                reference.LFUSet(quota, decay),
+            )
+        )
+        for i, ids in enumerate(steps):
+            assert fast.access(ids) == ref.access(ids), f"step {i} of quota {quota}"
+            if i % 97 == 0:
+                gone = rng.randrange(experts)
+                fast.discard(gone)
+                ref.discard(gone)
+            assert fast.order() == ref.order()
+
+
+def test_pinned_books_decide_as_the_reference():
+    rng = random.Random(7)
+    steps = _skewed_steps(rng, 2000, 30, 3)
+    fast, ref = LRUSet(6, pinned=[0, 5]), reference.LRUSet(6, pinned=[0, 5])
+    for ids in steps:
+        assert fast.access(ids) == ref.access(ids)
+    assert fast.order() == ref.order()
+    for books in (LRUSet(3, pinned=[1, 2]), reference.LRUSet(3, pinned=[1, 2])):
+        books.access([1, 2])
+        books.access([3])
+        with pytest.raises(ValueError, match="the quota 3 cannot take its misses"):
+            books.access([4, 5])  # 1 and 2 pinned: only 3 to evict for 2 misses
+        assert books.order() == [1, 2, 3] and books.access([3]).hits == (
+            3,
+        )  # the refused step changed nothing
