@@ -41,7 +41,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="compute dtype (auto: float32 on cpu, the checkpoint's dtype on cuda)",
+        help="compute dtype (auto: on cpu bfloat16 with AMX, else float32; on cuda the checkpoint's)",
     )
     p.add_argument(
         "--context",

@@ -1,12 +1,7 @@
 """What this CPU offers the CPU path, from ``/proc/cpuinfo``'s flags: AVX512-BF16 (bf16 dot
 products) and AMX (``amx_tile`` + ``amx_bf16``: bf16 matrix tiles, which oneDNN uses for bf16
-matmuls), named in the start-up line with the compute dtype and kernels chosen, so no choice is
-silent.
-
-The CPU default stays fp32 compute whatever the flags say: on AVX512-BF16 without AMX (this
-project's dev VM) ``--dtype bfloat16`` measured no faster with the quantized kernels, which take
-bf16 activations either way (docs/benchmarks.md, CPU peer); on AMX it is not measured yet, and
-the line says so instead of choosing for the user.
+matmuls), and the compute dtype the CPU path takes when none is asked for (:data:`DEFAULT_DTYPE`),
+named with the reason in the start-up line, so no choice is silent. ``--dtype`` overrides it.
 """
 
 from __future__ import annotations
@@ -16,6 +11,16 @@ from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+HARDWARE = {"amx": "AMX", "avx512_bf16": "AVX512-BF16, no AMX", "none": "no bf16 hardware found"}
+# The CPU default compute dtype by bf16 hardware, and why. AVX512-BF16 without AMX: bf16 measured
+# no faster than fp32 (docs/benchmarks.md, CPU peer, 2-core dev VM). AMX: bf16, pending a
+# measurement (benchmarks/cpu_dtype.py on an AMX host); if it is no faster, this row is the one
+# line to change.
+DEFAULT_DTYPE = {
+    "amx": ("bfloat16", "bf16 matrix tiles"),
+    "avx512_bf16": ("float32", "bf16 measured no faster without AMX"),
+    "none": ("float32", "bf16 would be emulated"),
+}
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,24 @@ class CpuFeatures:
     def avx512_bf16(self) -> bool:
         return "avx512_bf16" in self.flags
 
+    @property
+    def bf16_hardware(self) -> str:
+        """A key of :data:`DEFAULT_DTYPE`: "amx", "avx512_bf16" or "none"."""
+        return "amx" if self.amx else "avx512_bf16" if self.avx512_bf16 else "none"
+
+    def default_dtype(self) -> str:
+        """The compute dtype (a torch dtype's name) the CPU path takes when none is asked for."""
+        return DEFAULT_DTYPE[self.bf16_hardware][0]
+
     def describe(self, dtype: str) -> str:
-        """This CPU's bf16 hardware and, under the fp32 default (``dtype`` "float32"), why it is not
-        bf16; short: the start-up line shows it after the dtype and threads."""
-        hw = "AMX" if self.amx else "AVX512-BF16, no AMX" if self.avx512_bf16 else "no bf16 hardware"
-        if dtype == "float32" and self.amx:
-            return f"{hw} (bf16 not measured there)"
-        if dtype == "float32" and self.avx512_bf16:
-            return f"{hw} (bf16 no faster)"
-        return hw
+        """This CPU's bf16 hardware and how ``dtype`` (the compute dtype's name) came about: the
+        default here and why, or asked for over another default; short: the start-up line shows
+        it after the dtype and threads."""
+        default, why = DEFAULT_DTYPE[self.bf16_hardware]
+        hw = HARDWARE[self.bf16_hardware]
+        if dtype == default:
+            return f"{hw}: {dtype} by default ({why})"
+        return f"{hw}: {dtype} as asked (the default here is {default}: {why})"
 
 
 def read(text: str | None = None) -> CpuFeatures:

@@ -31,8 +31,9 @@ Fields and what they decide:
   torch reference; within that probe's tolerance of each other.
 - ``graphs``: capture the decode step's device work in CUDA graphs (``engine/graphs.py``), or
   run exactly the same operations eagerly. Both emit identical tokens (tested).
-- ``cpu`` (shown, not chosen; in the start-up line's device line): the CPU's bf16 hardware
-  (AVX512-BF16, AMX) and, under the fp32 default, why not bf16 (``kernels/cpu_features.py``).
+- ``cpu`` (shown, not chosen here; in the start-up line's device line): the CPU's bf16 hardware
+  (AVX512-BF16, AMX), the compute dtype it calls for when none is asked (``engine/setup.py``'s
+  ``runtime`` takes it) and why, or that another was asked for (``kernels/cpu_features.py``).
 - ``launches`` (shown, not chosen): the Triton decode kernels use programmatic dependent launch
   on sm_90+ (``kernels/launch.py``); it overlaps a kernel's weight reads with the previous
   kernel's tail and does not change a bit.
@@ -80,7 +81,7 @@ class Resolved:
     cpu_dense: bool = (
         False  # int4 / int8 projections through the CPU weight-only kernels (kernels/qlinear_cpu.py)
     )
-    cpu: str = ""  # on the CPU: its bf16 hardware and, under the fp32 default, why not bf16
+    cpu: str = ""  # on the CPU: its bf16 hardware, the compute dtype, and its default here and why
     choices: dict[str, str] = field(default_factory=dict)  # field -> what runs and why
     fallbacks: dict[str, str] = field(default_factory=dict)  # field -> why the fast path is not used
 

@@ -26,7 +26,7 @@ SMALL_MODEL_PARAMS = 100_000_000
 @dataclass(frozen=True)
 class Runtime:
     device: str  # cpu | cuda
-    dtype: Any  # torch.dtype, or None: float32 on cpu, the checkpoint's on cuda
+    dtype: Any  # torch.dtype, or None: the checkpoint's (cuda; on cpu runtime() names one)
     kernels: KernelPolicy
     threads: int | None = None  # as asked; None: chosen at load (SMALL_MODEL_PARAMS)
 
@@ -49,6 +49,17 @@ class Runtime:
         return runner
 
 
+def default_dtype(device: str) -> str:
+    """``--dtype auto``'s compute dtype on ``device``: on the cpu the one this CPU's bf16 hardware
+    calls for (``kernels/cpu_features.py``, which the start-up line quotes with its reason); on
+    cuda "auto", the checkpoint's own. Pure: no torch."""
+    if device != "cpu":
+        return "auto"
+    from edgerun.kernels import cpu_features
+
+    return cpu_features.read().default_dtype()
+
+
 def default_device() -> str:
     import torch
 
@@ -64,7 +75,8 @@ def runtime(
     graphs: str | None = "auto",
     profile: Path | None = None,
 ) -> Runtime:
-    """Resolve the device (cuda when available), the compute dtype, torch's CPU threads (set
+    """Resolve the device (cuda when available), the compute dtype (``auto``: on the cpu by this
+    CPU's bf16 hardware, :func:`default_dtype`; on cuda the checkpoint's), torch's CPU threads (set
     here, process-wide) and the kernel request, refusing what cannot run: a CUDA-only kernel or
     graph request on the CPU, or a device ``profile`` of another kind of device (its plan would
     size memory this process does not have)."""
@@ -99,6 +111,7 @@ def runtime(
     dtype = dtype or "auto"
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = default_dtype(device) if dtype == "auto" else dtype
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
@@ -231,9 +244,9 @@ def plan_experts(
         return cache, cache.summary
     if profile is None:
         return None, None
-    # Runner.load's dtype: float32 on the cpu, the checkpoint's (planned as bf16) on cuda
-    auto = "fp32" if device == "cpu" else "bf16"
-    planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype or "auto", auto)
+    # runtime()'s dtype: on the cpu by this CPU's hardware, the checkpoint's (planned as bf16) on cuda
+    name = default_dtype(device) if (dtype or "auto") == "auto" else dtype
+    planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "bf16")
     draft = streaming.get("draft_tokens", 0)
     return None, resident_plan(model, profile, context, device, planned, providers, batch, draft)
 

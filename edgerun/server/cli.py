@@ -87,7 +87,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", type=Path, help="Unix socket path (default: see docs/serving.md)")
     p.add_argument("--config", type=Path, help="serve.yaml; flags given here override it")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model dir's name)")
-    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (auto: float32 on cpu)")
+    p.add_argument(
+        "--dtype", choices=DTYPES, help="compute dtype (auto: cpu bfloat16 with AMX, else float32)"
+    )
     p.add_argument(
         "--context", type=parse_context, help="max context per request: 4096 or 32k (default: the model's)"
     )

@@ -19,20 +19,43 @@ def test_flags_parsed_from_cpuinfo():
     assert not cpu_features.read(OLD).avx512_bf16
 
 
-def test_describe_names_hardware_and_dtype_choice():
+def test_default_dtype_is_bf16_with_amx_only():
     epyc, amx, old = (cpu_features.read(t) for t in (EPYC, SAPPHIRE, OLD))
-    assert epyc.describe("float32") == "AVX512-BF16, no AMX (bf16 no faster)"
-    assert amx.describe("float32") == "AMX (bf16 not measured there)"
-    assert old.describe("float32") == "no bf16 hardware"
-    assert epyc.describe("bfloat16") == "AVX512-BF16, no AMX"
+    assert amx.default_dtype() == "bfloat16"
+    assert epyc.default_dtype() == "float32"
+    assert old.default_dtype() == "float32"
+    only_tile = cpu_features.read("flags\t: avx512_bf16 amx_tile\n")  # AMX without its bf16 unit
+    assert only_tile.default_dtype() == "float32"
+
+
+def test_describe_names_hardware_dtype_and_why():
+    epyc, amx, old = (cpu_features.read(t) for t in (EPYC, SAPPHIRE, OLD))
+    assert (
+        epyc.describe("float32")
+        == "AVX512-BF16, no AMX: float32 by default (bf16 measured no faster without AMX)"
+    )
+    assert amx.describe("bfloat16") == "AMX: bfloat16 by default (bf16 matrix tiles)"
+    assert old.describe("float32") == "no bf16 hardware found: float32 by default (bf16 would be emulated)"
+    assert epyc.describe("bfloat16") == (
+        "AVX512-BF16, no AMX: bfloat16 as asked (the default here is float32: bf16 measured no faster without AMX)"
+    )
+    assert (
+        amx.describe("float32") == "AMX: float32 as asked (the default here is bfloat16: bf16 matrix tiles)"
+    )
 
 
 def test_no_cpuinfo_is_said():
     assert cpu_features.read("").model == "unknown CPU"
 
 
-def test_resolve_on_cpu_names_the_cpu_choice():
-    r = resolve(KernelPolicy(), torch.device("cpu"), dtype=torch.bfloat16)
-    assert not r.cpu.endswith("faster)")  # bf16 asked for: no reason for fp32 given
-    assert resolve(KernelPolicy(), torch.device("cpu")).cpu == cpu_features.read().describe("float32")
+def test_resolve_on_cpu_names_the_cpu_choice(monkeypatch):
+    monkeypatch.setattr(
+        cpu_features, "read", lambda text=None: cpu_features.CpuFeatures("x", frozenset({"avx512_bf16"}))
+    )
+    assert resolve(KernelPolicy(), torch.device("cpu"), dtype=torch.bfloat16).cpu.startswith(
+        "AVX512-BF16, no AMX: bfloat16 as asked"
+    )
+    assert resolve(KernelPolicy(), torch.device("cpu")).cpu.startswith(
+        "AVX512-BF16, no AMX: float32 by default"
+    )
     assert resolve(KernelPolicy(), torch.device("meta")).cpu == ""
