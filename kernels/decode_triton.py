@@ -1,4 +1,5 @@
-"""Triton kernels for the router and the full-attention layer of a batch-1 decode step.
+"""Triton kernels for the router and the full-attention layer of a decode step (one sequence,
+or the rows of a batch's step, each at its own position in its own entry of a state pool).
 
 Shape legend: N = rows, E = experts, X = extra logit columns, A = active experts (top_k),
 H = query heads, Hk = kv heads, G = H / Hk, Dh = head dim, R = rotary dim, S = S_max (the static
@@ -10,7 +11,9 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
   logits go lowest id first.
 - ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
-  launches. ``_attend_kernel``, a program per (kv head, split): q/k RMSNorm and RoPE at ``pos``
+  launches, each with a grid axis over rows (a row's programs are the one-row call's, offset to
+  its qkv row, position and cache entry). ``_attend_kernel``, a program per (kv head, split): q/k
+  RMSNorm and RoPE at ``pos``
   (read on the device), the new key and value written at ``pos`` by the program whose split
   holds it, then flash-decoding over its split of 0..pos for the kv head's G query heads at once
   (one [G, Dh] x [Dh, BLOCK_S] dot per tile, so K and V are read once per kv head). The split

@@ -470,7 +470,9 @@ class Runner:
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = tokens[:, start : start + self.prefill_chunk]
-            if drafter is None:
+            if drafter is None and start == 0 and self._a_row(state):
+                logits = self._prefill_row(state, chunk)
+            elif drafter is None:
                 logits = self._prefill_graphed(state, chunk, start)
                 if logits is None:
                     self.steps.prefill_eager_chunks += 1
@@ -492,6 +494,24 @@ class Runner:
             yield
         finally:
             self.prefill_graphs = True
+
+    def _a_row(self, state: DecodeState) -> bool:
+        """Whether ``state`` is a sequence of the batch whose steps run the fused kernels."""
+        return self.row_steps is not None and any(r.state is state for r in self.batch.rows)
+
+    def _prefill_row(self, state: DecodeState, chunk: torch.Tensor) -> torch.Tensor:
+        """A batch sequence's first chunk: prefilled on the one-sequence state (on CUDA the
+        decoder's static state, through its prefill graphs where they replay; counted as
+        either), then copied into the sequence's entry of the pool (KV 0..n, the DeltaNet
+        states): a prompt of a batch costs what it costs alone. Its last logits [V], a copy
+        (other sequences prefill before this one samples)."""
+        scratch = self.new_state(min(self.prefill_chunk, self.max_context))
+        logits = self._prefill_graphed(scratch, chunk, 0)
+        if logits is None:
+            self.steps.prefill_eager_chunks += 1
+            logits = self.model(chunk, scratch, last_only=True)[0, -1]
+        scratch.copy_into(state)
+        return logits.clone()  # the graph's output buffer: the next sequence's prefill reuses it
 
     def _prefill_graphed(self, state: DecodeState, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """The chunk through the decoder's prefill graphs (``engine/graphs.PrefillGraphs``): its

@@ -276,6 +276,21 @@ class DecodeState:
                 entry.trail = None
         self.pos = start + kept
 
+    def copy_into(self, other: DecodeState) -> None:
+        """``other`` (a state of the same model, one sequence) becomes this state: its KV at
+        positions 0..pos, every DeltaNet layer's conv and recurrent state, and pos."""
+        n = self.pos
+        if n > other.max_len:
+            raise ValueError(f"a state at position {n} does not fit one of {other.max_len} positions")
+        for src, dst in zip(self.layers, other.layers, strict=True):
+            if isinstance(src, KVCache):
+                dst.k[:, :, :n].copy_(src.k[:, :, :n])
+                dst.v[:, :, :n].copy_(src.v[:, :, :n])
+            elif isinstance(src, DeltaState):
+                dst.conv.copy_(src.conv)
+                dst.recurrent.copy_(src.recurrent)
+        other.pos = n
+
     def nbytes(self) -> int:
         total = 0
         for entry in self.layers:

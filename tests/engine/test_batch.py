@@ -135,3 +135,21 @@ def test_a_streamed_plan_covers_top_k_times_the_batch(bundles):
     assert q >= 6 and min(one.quotas.values()) >= 2 and "batch" not in one.summary
     with pytest.raises(EdgerunError, match=r"Largest batch that fits at context 64: \d+\."):
         cache_config(bundle, profile=profile, context=64, batch=10**9)
+
+
+def test_a_state_copied_into_a_pool_entry_continues_as_itself(bundles):
+    """``DecodeState.copy_into`` (a batch sequence's first chunk is prefilled on the one-sequence
+    state and copied into its pool entry): the entry then decodes as the original, bit for bit."""
+    runner = Runner.load(bundles[("qwen3_5_moe", "bf16")], device="cpu")
+    runner.enable_batch(2)
+    src = runner.new_state(16)
+    runner.prefill(src, PROMPTS[0])
+    row = runner.batch.join(16)
+    try:
+        src.copy_into(row.state)
+        assert row.state.pos == src.pos == len(PROMPTS[0])
+        assert torch.equal(runner.decode_step(row.state, 7), runner.decode_step(src, 7))
+        with pytest.raises(ValueError, match="does not fit one of 3 positions"):
+            src.copy_into(runner.model.new_state(1, 3))
+    finally:
+        runner.batch.leave(row)

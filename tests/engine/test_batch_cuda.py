@@ -33,13 +33,21 @@ def _load(bundle, quota, graphs="on"):
 
 
 def _invariance(runner: Runner, batch: int = B) -> None:
+    prompts, max_tokens = PROMPTS[:batch], MAX_TOKENS[:batch]
+    single = None
+    if runner.batch is None:  # batch 1 first: a batch's sequence is the one-sequence path, bit for bit
+        single = [
+            runner.generate_ids(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, max_tokens)
+        ]
     if runner.batch is None or runner.batch.size != batch:
         runner.enable_batch(batch)
-    prompts, max_tokens = PROMPTS[:batch], MAX_TOKENS[:batch]
     alone = [
         runner.generate_ids(p, SamplingParams(max_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, max_tokens)
     ]
+    if single is not None:
+        assert alone == single
     for neighbours in sorted({1, 2, batch - 1} & set(range(1, batch))):
         group = list(range(neighbours + 1))
         joins = [0] + [1 + j // 2 for j in range(neighbours)]
