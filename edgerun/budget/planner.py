@@ -256,6 +256,12 @@ def _resident(
     return nbytes, details
 
 
+def static_capacity(total_len: int, max_context: int) -> int:
+    """Positions of the one-sequence static decode state (CUDA graphs) for a sequence of
+    ``total_len`` tokens: the next power of two, at least 256, at most the context."""
+    return min(max(256, 1 << (total_len - 1).bit_length()), max(max_context, total_len))
+
+
 def kv_bytes_per_token(args: ModelArgs, kv_dtype: str = "bf16") -> int:
     """K and V of one token over all full-attention layers."""
     width = _dtype_bytes(kv_dtype, "kv_dtype")
@@ -516,12 +522,27 @@ class _Sizer:
             )
         )
         if opt.cuda_graphs and dev.has_cuda:
+            # a batch captures a graph set per row count 1..B (engine/graphs.RowSteps)
+            rows = batch * (batch + 1) // 2
             items.append(
                 Item(
                     "cuda_graph_pool",
                     main,
-                    batch * per_token + logits,
-                    f"decode graphs, batch {batch}: {batch} tok x {per_token} B + logits",
+                    rows * (per_token + args.vocab_size * 4),
+                    f"decode graphs, batch {batch}: {rows} tok x ({per_token} B + fp32 logits {args.vocab_size})"
+                    + (f" over graph sets of 1..{batch} rows" if batch > 1 else ""),
+                )
+            )
+        if batch > 1 and dev.has_cuda:  # a batch's first prompt chunks run on one sequence's state
+            positions = static_capacity(min(opt.prefill_chunk, context), context)
+            items.append(
+                Item(
+                    "batch_prefill_state",
+                    main,
+                    positions * kv_bytes_per_token(args, opt.kv_dtype) * (n_full > 0)
+                    + (deltanet_state_bytes(args, 1, opt.dense_dtype) if n_lin else 0),
+                    f"one sequence's static state ({positions} positions): a batch's first prompt chunks run "
+                    "there, then are copied into their entries",
                 )
             )
         if self.blocks:

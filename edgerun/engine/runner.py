@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from edgerun.budget.planner import static_capacity
 from edgerun.cache.reader import READ_FALLBACKS
 from edgerun.config import CacheConfig
 from edgerun.engine.batch import DecodeBatch, Row
@@ -447,7 +448,7 @@ class Runner:
         if self.device.type != "cuda":
             return self.model.new_state(1, total_len, device=self.device)
         if self.decoder is None or self.decoder.capacity < total_len:
-            capacity = min(max(256, 1 << (total_len - 1).bit_length()), max(self.max_context, total_len))
+            capacity = static_capacity(total_len, self.max_context)
             self.decoder = None  # free the old buffers and graphs first
             self.decoder = DecodeGraphs(
                 self.model, self.args, self.cache, self.kernels, self.device, capacity, self.steps

@@ -73,23 +73,27 @@ TINY35_ITEMS = {
     # step's tile padding 32 rows x 6 experts x 24 x 4 B
     # + K,V of the 64-token context repeated to 4 query heads x 16 x 2 B (chunks of 16 after the first)
     "activation_workspace": 16 * 5192 + 2 * 97 * 4 + 32 * 6 * 24 * 4 + 2 * 4 * 64 * 16 * 2,  # 118664
-    "cuda_graph_pool": 2 * 5192 + 2 * 97 * 4,  # 11160
+    # graph sets of 1 and 2 rows: 3 rows x (per token + fp32 logits)
+    "cuda_graph_pool": 3 * (5192 + 97 * 4),  # 16740
+    # one sequence's static state of 64 positions (the 16-token chunk's capacity, at most the
+    # context): K,V 2 layers x 2 heads x 16 x 2 B a position + one DeltaNet state (8064 / 2)
+    "batch_prefill_state": 64 * 2 * 2 * 2 * 16 * 2 + 4032,  # 20416
     "pinned_staging": 4 * 4096,  # 2 x top_k buffers x int8 block (2304 + 192 + 1152 + 192 -> 4096)
 }
-TINY35_FIXED = sum(TINY35_ITEMS.values())  # 344264
+TINY35_FIXED = sum(TINY35_ITEMS.values())  # 370260
 
 
 def test_tiny_qwen3_5_every_category_byte_exact():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     assert experts.block_bytes == (4096,) * 4
-    p = plan(args, specs, experts, profile(436_384), 64, 2, PlanOptions(prefill_chunk=16))
-    assert TINY35_FIXED == 344_264
-    # slots: (436384 - 344264) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
+    p = plan(args, specs, experts, profile(462_380), 64, 2, PlanOptions(prefill_chunk=16))
+    assert TINY35_FIXED == 370_260
+    # slots: (462380 - 370260) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
     assert p.fits and p.min_quota == 4 and p.quotas == (5, 5, 5, 5)
     assert {it.name: it.nbytes for it in p.items} == {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096}
     (pool,) = p.pools
-    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 436_384, 426_184, 10_200)
+    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 462_380, 452_180, 10_200)
 
 
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
@@ -128,19 +132,20 @@ def test_refusal_names_the_smallest_over_budget_item_and_what_fits():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     opts = PlanOptions(prefill_chunk=16)
-    p = plan(args, specs, experts, profile(396_384), 64, 2, opts)
-    # needs 344264 + 4 slots x 4 layers x 4096 = 409800: over by 13416; the smallest item at least
-    # that large is the staging (16384). A context token costs 768 B: KV 512 B at batch 2 and the
-    # GQA expansion 256 B (chunks of 16 after the first): 18 fewer tokens fit.
+    p = plan(args, specs, experts, profile(422_380), 64, 2, opts)
+    # needs 370260 + 4 slots x 4 layers x 4096 = 435796: over by 13416; the smallest item at least
+    # that large is the staging (16384). A context token costs 1024 B: KV 512 B at batch 2, the
+    # GQA expansion 256 B (chunks of 16 after the first) and the batch's one-sequence prefill
+    # state 256 B (its positions are the context's, under 256): 14 fewer tokens fit.
     r = p.refusal
     assert not p.fits and p.prediction is None
     assert (r.pool, r.overflow, r.item, r.item_bytes) == ("unified", 13_416, "pinned_staging", 16_384)
-    assert (r.max_context, r.max_batch, r.max_quota) == (46, 1, None)
-    assert "Largest context that fits at batch 2 with 4 slots per layer: 46 tokens" in r.message
+    assert (r.max_context, r.max_batch, r.max_quota) == (50, 1, None)
+    assert "Largest context that fits at batch 2 with 4 slots per layer: 50 tokens" in r.message
     assert "Largest batch that fits at context 64: 1" in r.message
     assert p.pools[0].headroom == -13_416 and p.quotas == (4, 4, 4, 4)
-    assert plan(args, specs, experts, profile(396_384), 46, 2, opts).fits
-    assert not plan(args, specs, experts, profile(396_384), 47, 2, opts).fits
+    assert plan(args, specs, experts, profile(422_380), 50, 2, opts).fits
+    assert not plan(args, specs, experts, profile(422_380), 51, 2, opts).fits
 
 
 def test_staging_over_the_pinned_limit_is_refused():
@@ -167,10 +172,10 @@ def test_requested_quota():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     opts = PlanOptions(prefill_chunk=16, quota=6)
-    p = plan(args, specs, experts, profile(436_384), 64, 2, opts)
+    p = plan(args, specs, experts, profile(462_380), 64, 2, opts)
     assert not p.fits and p.refusal.max_quota == 5
     assert "Largest quota that fits at context 64, batch 2: 5 per layer" in p.refusal.message
-    p = plan(args, specs, experts, profile(516_384), 64, 2, opts)
+    p = plan(args, specs, experts, profile(542_380), 64, 2, opts)
     assert p.fits and p.quotas == (6, 6, 6, 6)
     for bad in (3, 7):  # below top_k x batch, above num_experts
         with pytest.raises(ConfigError, match=f"quota {bad} must be in 4..6"):
@@ -398,8 +403,11 @@ def expected(m, dev, context, batch):
         fixed += m["chunk_extra"]
     if context > 512:  # later chunks repeat the context's K and V to the query heads (16 KiB a token both)
         fixed += context * 16384
-    if dev.has_cuda:
-        fixed += batch * m["ws_per_token"] + batch * m["vocab"] * 4  # graph pool
+    if dev.has_cuda:  # graph pool: a graph set per row count 1..batch
+        fixed += batch * (batch + 1) // 2 * (m["ws_per_token"] + m["vocab"] * 4)
+    if dev.has_cuda and batch > 1:  # one sequence's static state for a batch's first prompt chunks
+        positions = min(max(256, 1 << (min(512, context) - 1).bit_length()), context)
+        fixed += positions * m["kv_per_token"] + m["state_per_seq"]
     staging = 16 * m["block"]
     if not dev.discrete:
         fixed += staging
