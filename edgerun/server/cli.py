@@ -106,7 +106,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int,
         help=f"requests decoded together (default {DEFAULT_BATCH} on the CPU, 1 on CUDA or with --speculative; "
-        "with --profile the plan is made for it)",
+        "at most 8 on CUDA; with --profile the plan is made for it)",
     )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
