@@ -14,7 +14,6 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from edgerun.budget.planner import static_capacity
 from edgerun.cache.reader import READ_FALLBACKS
 from edgerun.config import CacheConfig
 from edgerun.engine.batch import DecodeBatch, Row
+from edgerun.engine.events import Event, GenerationStats, SpeculativeStats
 from edgerun.engine.graphs import (
     PREFILL_GRAPH_TOKENS,
     DecodeCounters,
@@ -36,7 +36,7 @@ from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
-from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, SpeculativeStats, accept, draft_chooser
+from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, accept, draft_chooser
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
@@ -45,56 +45,6 @@ from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # from the request to its first token: state set-up, prefill, first sample
-    prefill_s: float = 0.0  # from the first prefill chunk to the first token
-    decode_s: float = 0.0
-    peak_memory_bytes: int = 0
-    speculative: SpeculativeStats | None = None  # with speculative decoding: its verify steps
-    row_step_s: float = 0.0  # with speculative decoding: a plain one-row step's time (the start-up probe)
-
-    @property
-    def speedup(self) -> float:
-        """Speculative decoding's rate over plain decoding's, as the probe timed a one-row step."""
-        return self.decode_tps * self.row_step_s
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        # the first generated token comes out of prefill; the rest each cost one decode step
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_s if self.decode_s else 0.0
-
-    def line(self) -> str:
-        return (
-            f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok, "
-            f"TTFT {self.ttft_s * 1e3:.0f} ms, prefill {self.prefill_tps:.1f} tok/s, "
-            f"decode {self.decode_tps:.1f} tok/s, "
-            + (
-                f"{self.speculative.line()}, speed-up {self.speedup:.2f}x (one-row step "
-                f"{self.row_step_s * 1e3:.2f} ms, probed), "
-                if self.speculative
-                else ""
-            )
-            + f"peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
-        )
-
-
-@dataclass
-class Event:
-    text: str  # text delta; "" while held back (a partial character, or a possible stop string)
-    token_id: int | None = None
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
-    stats: GenerationStats | None = None
-    prefilled: int = 0  # on a prefill chunk's event: the prompt tokens through the model so far
 
 
 def peak_memory(device: torch.device) -> int:

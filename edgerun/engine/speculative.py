@@ -21,44 +21,12 @@ verify has produced them, so the head's cache always holds what the kept sequenc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from edgerun.config import SpeculativeConfig  # noqa: F401  (re-exported: the engine's setting)
+from edgerun.engine.events import SpeculativeStats  # noqa: F401  (re-exported)
 from edgerun.models.layers import DecodeState
-
-
-@dataclass
-class SpeculativeStats:
-    steps: int = 0  # verify steps
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
-    windows: int = 0  # streamed experts: (verify window, MoE layer) pairs
-    window_experts: int = 0  # streamed experts: the distinct experts those needed, summed
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
-
-    def add(self, other: SpeculativeStats) -> None:
-        self.steps += other.steps
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.emitted += other.emitted
-        self.windows += other.windows
-        self.window_experts += other.window_experts
-
-    def line(self) -> str:
-        text = f"MTP acceptance {self.acceptance:.0%} ({self.accepted}/{self.drafted}), {self.tokens_per_step:.2f} tok/step"
-        if self.windows:
-            text += f", {self.window_experts / self.windows:.1f} experts/layer a verify window"
-        return text
 
 
 class MtpDrafter:

@@ -30,8 +30,8 @@ from edgerun.server.http import Exchange, HTTPError, Request, error_body, hide_d
 from edgerun.server.metrics import Metrics, render
 
 if TYPE_CHECKING:  # torch comes with the engine; by the first request it is loaded
+    from edgerun.engine.params import SamplingParams
     from edgerun.engine.runner import Event
-    from edgerun.engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -642,7 +642,7 @@ def _sampling(
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise HTTPError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed")
     top_k = _field(body, "top_k", int, 0)
-    from edgerun.engine.sampler import SamplingError, SamplingParams
+    from edgerun.engine.params import SamplingError, SamplingParams
 
     kw = dict(
         max_tokens=max_tokens,

@@ -244,8 +244,6 @@ class ProcessWorker:
             h.status(args[0])
         elif kind == "ready":
             spec, probe, info = args
-            import edgerun.engine.sampler  # noqa: F401  (torch: here, not on the loop at the first request)
-
             self.batch, self._ready = spec.batch, True
             h.ready(spec, probe, info)
         elif kind == "fatal":

@@ -121,3 +121,41 @@ def test_a_loader_that_cannot_cross_fails_loading_by_name():
         assert h.worker.join(1.0)
 
     asyncio.run(run())
+
+
+def test_the_daemons_process_checks_requests_without_torch():
+    """The daemon's process (socket, loop, request checks) never imports torch: the engine's
+    process samples. A request's sampling parameters are built and refused there all the same,
+    and what the engine's process sends back (events with their stats, a non-finite-logits
+    error) unpickles there without torch."""
+    import pickle
+    import subprocess
+    import sys
+
+    from edgerun.engine.runner import Event, GenerationStats
+    from edgerun.engine.sampler import NonFiniteLogits
+    from edgerun.engine.speculative import SpeculativeStats
+
+    sent = pickle.dumps(
+        [
+            Event("x", 5, "length", GenerationStats(3, 1, speculative=SpeculativeStats(1))),
+            NonFiniteLogits("nan"),
+        ]
+    )
+    code = (
+        "import pickle, sys\n"
+        "import edgerun.server.daemon, edgerun.server.engine_process\n"
+        "event, error = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert event.stats.speculative.steps == 1 and 'nan' in str(error), (event, error)\n"
+        "from edgerun.server.api import ApiOptions, HTTPError, _sampling\n"
+        "params, _ = _sampling({'max_tokens': 5, 'temperature': 0.5, 'top_k': 3}, False, 3, 100, ApiOptions())\n"
+        "try:\n"
+        "    _sampling({'top_p': 0}, False, 3, 100, ApiOptions())\n"
+        "except HTTPError as exc:\n"
+        "    refused = exc.status\n"
+        "print(params.max_tokens, params.top_k, refused, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=sent, capture_output=True, check=True
+    ).stdout.decode()
+    assert out.split() == ["5", "3", "400", "False"]
