@@ -218,28 +218,18 @@ def unsupported_delta(dims: DeltaDims) -> str | None:
     return None
 
 
-def _check_rows(expected: dict, device: torch.device) -> None:
-    """``_check`` for row inputs [N, X] or [X] whose rows may be strided (views of one
-    projection's output): each row's columns contiguous."""
+def _check(expected: dict, device: torch.device, strided_rows: bool = False) -> None:
+    """expected: name -> (tensor, shape, allowed dtypes). Errors name the tensor. ``strided_rows``:
+    row inputs [N, X] or [X] whose rows may be strided (views of one projection's output), each
+    row's columns contiguous; otherwise every tensor contiguous."""
     for name, (t, shape, dtypes) in expected.items():
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
         if t.dtype not in dtypes:
             raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-        if t.numel() and t.stride(-1) != 1:
+        if strided_rows and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have contiguous columns")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def _check(expected: dict, device: torch.device) -> None:
-    """expected: name -> (tensor, shape, allowed dtypes). Errors name the tensor."""
-    for name, (t, shape, dtypes) in expected.items():
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
-        if t.dtype not in dtypes:
-            raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-        if not t.is_contiguous():
+        if not strided_rows and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
@@ -307,7 +297,7 @@ def delta_decode(
             raise ValueError("slots need rows: mixed_qkv [N, C]")
         expected["slots"] = (slots, (batch,), (torch.int64,))
     _check(expected, mixed_qkv.device)
-    _check_rows(rows, mixed_qkv.device)
+    _check(rows, mixed_qkv.device, strided_rows=True)
     out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
     if batch:
         row = [t.stride(0) if lead else 0 for t in (mixed_qkv, z, a, b)]

@@ -343,21 +343,27 @@ class DecodeGraphs:
         i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
         self._run(token)
         k, self._slot = self._slot, self._slot ^ 1
-        self.token_host[k].copy_(self.indices[2], non_blocking=True)
-        self.chosen_host[k].copy_(self.chosen[:, 0], non_blocking=True)
-        if self.events is not None:
-            self.events[k].record()
+        self._read_back(k)
         return k
 
     def result(self, handle: int) -> int:
         """The greedy token the step behind ``handle`` chose (waits for that step only); refused
         when its logits were not all finite."""
+        tokens, chosen = self._picks(handle)
+        return greedy_pick(tokens[0], chosen[0])
+
+    def _read_back(self, k: int) -> None:
+        """Queue the copy of the step's greedy tokens and their logits into host slot ``k``."""
+        self.token_host[k].copy_(self.indices[2], non_blocking=True)
+        self.chosen_host[k].copy_(self.chosen[:, 0], non_blocking=True)
         if self.events is not None:
-            self.events[handle].synchronize()
-        chosen = float(self.chosen_host[handle, 0])
-        if not math.isfinite(chosen):
-            raise NonFiniteLogits(f"the greedy step's logits hold NaN or +inf (its largest is {chosen})")
-        return int(self.token_host[handle, 0])
+            self.events[k].record()
+
+    def _picks(self, k: int) -> tuple[list[int], list[float]]:
+        """Host slot ``k``'s greedy tokens and their logits, one a row (waits for them)."""
+        if self.events is not None:
+            self.events[k].synchronize()
+        return self.token_host[k].tolist(), self.chosen_host[k].float().tolist()
 
     def _run(self, token: int | None) -> None:
         if self.state.pos >= self.capacity:
@@ -390,12 +396,8 @@ class DecodeGraphs:
 
     def read_rows(self) -> tuple[list[int], list[float]]:
         """The rows' greedy tokens and their logits, after :meth:`run_rows` (waits for the step)."""
-        self.token_host[0].copy_(self.indices[2], non_blocking=True)
-        self.chosen_host[0].copy_(self.chosen[:, 0], non_blocking=True)
-        if self.events is not None:
-            self.events[0].record()
-            self.events[0].synchronize()
-        return self.token_host[0].tolist(), self.chosen_host[0].float().tolist()
+        self._read_back(0)
+        return self._picks(0)
 
     def _execute(self) -> None:
         if not self.policy.graphs:
@@ -480,6 +482,14 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def greedy_pick(token: int, chosen: float) -> int:
+    """A step's greedy token, given its logit (argmax takes a NaN as the largest value, so a
+    finite chosen logit means no NaN and no +inf among the step's logits); refused otherwise."""
+    if not math.isfinite(chosen):
+        raise NonFiniteLogits(f"the greedy step's logits hold NaN or +inf (its largest is {chosen})")
+    return token
 
 
 def expert_mode(experts, policy) -> tuple[str, torch.Tensor | None]:

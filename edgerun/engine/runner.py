@@ -8,7 +8,6 @@ watchdog, or stop (closing the generator) without waiting for the rest of the pr
 
 from __future__ import annotations
 
-import math
 import resource
 import statistics
 import time
@@ -30,6 +29,7 @@ from edgerun.engine.graphs import (
     PrefillGraphs,
     RowSteps,
     expert_mode,
+    greedy_pick,
     rows_unsupported,
 )
 from edgerun.engine.policy import KernelPolicy, Resolved, resolve
@@ -613,11 +613,7 @@ class Runner:
         for _ in range(n - 1):
             logits, pick = self.batch.logits(row)
             if pick is not None and sampler.params.greedy:  # chosen by the step on the device
-                token, chosen = pick
-                if not math.isfinite(chosen):
-                    raise NonFiniteLogits(
-                        f"the greedy step's logits hold NaN or +inf (its largest is {chosen})"
-                    )
+                token = greedy_pick(*pick)
             else:
                 token = sampler(logits)
             yield token
