@@ -333,6 +333,31 @@ def run_attention(inputs: dict, kernel) -> tuple[list[dict], dict, dict]:
     return runs, ref, before
 
 
+def capacity_mismatch(
+    kernel, dims: AttnDims, pos: int, capacities: list[int], gen, device, dtype
+) -> str | None:
+    """``kernel`` (``attention_decode``) on one history at ``pos`` held in caches of each
+    capacity: the output and the cache rows 0..pos must be the same bits whatever the capacity
+    (a static decode state's size follows the request's length; its tokens must not). None, or
+    the capacity that differs."""
+    base = random_attention_inputs(dims, capacities[0], pos, gen, device=device, dtype=dtype)
+    first = None
+    for cap in capacities:
+        inputs = clone_inputs(base)
+        for name in ("k_cache", "v_cache"):
+            t = base[name]
+            big = torch.full((*t.shape[:2], cap, t.shape[3]), float("nan"), dtype=t.dtype, device=t.device)
+            big[:, :, : pos + 1] = t[:, :, : pos + 1]
+            inputs[name] = big
+        kernel(**inputs)
+        got = (inputs["out"], inputs["k_cache"][:, :, : pos + 1], inputs["v_cache"][:, :, : pos + 1])
+        if first is None:
+            first = got
+        elif not all(same_bits(a, b) for a, b in zip(got, first, strict=True)):
+            return f"pos {pos}: a cache of {cap} positions gives other bits than one of {capacities[0]}"
+    return None
+
+
 def run_router(inputs: dict, kernel) -> tuple[list[dict], dict]:
     """``kernel`` (``router_topk``) twice and the reference once: (runs, ref) for check_router."""
     ref = clone_inputs(inputs)

@@ -371,12 +371,14 @@ class AttnPlan:
     num_stages: int = 3
 
 
-def attention_plan(n_kv: int, head_dim: int, s_max: int) -> AttnPlan:
-    """The plan for a geometry (never for a position): tiles of 32 positions at Dh > 128, else
-    64; at most TARGET_PROGRAMS programs over the kv heads at the longest contexts."""
+def attention_plan(n_kv: int, head_dim: int) -> AttnPlan:
+    """The plan for a geometry, never for a position nor for the cache's capacity (a split's
+    length follows the position and the split count alone, so a row's bits do not depend on the
+    state's size: a request's tokens would otherwise change with its max_tokens, which sizes the
+    static state, or with the requests before it): tiles of 32 positions at Dh > 128, else 64;
+    TARGET_PROGRAMS programs over the kv heads (those past the position return at once)."""
     block = 32 if head_dim > 128 else 64
-    block = max(16, min(block, triton.next_power_of_2(s_max)))
-    return AttnPlan(block, max(1, min(triton.cdiv(s_max, block), TARGET_PROGRAMS // n_kv)))
+    return AttnPlan(block, max(1, TARGET_PROGRAMS // n_kv))
 
 
 def attention_decode(
@@ -436,7 +438,7 @@ def attention_decode(
     if slots is not None:
         expected["slots"] = (slots, (N,), (torch.int64,))
     _check(expected, qkv.device)
-    plan = attention_plan(Hk, Dh, S)
+    plan = attention_plan(Hk, Dh)
     nsplit, dp = plan.nsplit, triton.next_power_of_2(Dh)
     m_part = torch.empty(N, H, nsplit, dtype=torch.float32, device=qkv.device)
     l_part = torch.empty_like(m_part)

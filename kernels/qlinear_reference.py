@@ -186,10 +186,13 @@ def probe_cases(
     return worst
 
 
-def rows_alone_mismatch(gemv, w: QWeight, rows: int, gen: torch.Generator, device, dtype) -> str | None:
-    """``gemv`` (``qgemv``) with ``alone`` on N = 1..rows random rows, with every
-    epilogue and a norm prologue: each row must equal that row run alone (N = 1), bit for bit
-    (a batch's step, engine/graphs.RowSteps). None, or what differs."""
+def rows_alone_mismatch(
+    gemv, w: QWeight, rows: int, gen: torch.Generator, device, dtype, alone: bool = True
+) -> str | None:
+    """``gemv`` (``qgemv``) on N = 1..rows random rows (``alone``: each row by programs of its
+    own; else one pass over all rows, each in accumulators of its own), with every epilogue and
+    a norm prologue: each row must equal that row run alone (N = 1), bit for bit (a batch's
+    step, engine/graphs.RowSteps). None, or what differs."""
     C = w.cols
     for epilogue in (
         ("none", "silu_mul", "residual", "gated") if w.rows % 2 == 0 else ("none", "residual", "gated")
@@ -201,12 +204,12 @@ def rows_alone_mismatch(gemv, w: QWeight, rows: int, gen: torch.Generator, devic
         for n in range(1, rows + 1):
             nout = torch.empty(n, C, dtype=dtype, device=device)
             got = gemv(x[:n], w, None, epilogue, None if out is None else out[:n].clone(), None if gate is None else gate[:n],
-                       norm=norm, norm_out=nout, alone=True)  # fmt: skip
+                       norm=norm, norm_out=nout, alone=alone)  # fmt: skip
             for r in range(n):
                 one_out = torch.empty(1, C, dtype=dtype, device=device)
-                alone = gemv(x[r : r + 1], w, None, epilogue, None if out is None else out[r : r + 1].clone(),
+                one = gemv(x[r : r + 1], w, None, epilogue, None if out is None else out[r : r + 1].clone(),
                              None if gate is None else gate[r : r + 1], norm=norm, norm_out=one_out, alone=True)  # fmt: skip
-                if not torch.equal(got[r], alone[0]) or not torch.equal(nout[r], one_out[0]):
+                if not torch.equal(got[r], one[0]) or not torch.equal(nout[r], one_out[0]):
                     return f"{w.scheme} {list(w.weight.shape)} {epilogue}: row {r} of {n} differs from the row alone"
             if got.shape != (n, width):
                 return f"{epilogue}: output {list(got.shape)}, expected {[n, width]}"

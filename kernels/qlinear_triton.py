@@ -136,13 +136,27 @@ def _normed(xf, inv, wf, NORM: tl.constexpr, CODE: tl.constexpr):
 
 
 @triton.jit
-def _inv_rms(x, x_row, eps, N: tl.constexpr, NP2: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    """[NP2] fp32: 1 / rms of each of the N rows of x (C columns), as ``rms_norm`` computes it."""
+def _inv_rms(x, x_row, n, NT, eps, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """fp32: 1 / rms of row n of x (C columns; a row n >= NT, past the call's rows, reads as
+    zeros), as ``rms_norm`` computes it; one row at a time, so its bits do not depend on how many
+    rows the call has."""
     c = tl.arange(0, BLOCK_C)
-    tok = tl.arange(0, NP2)
-    xf = tl.load(x + tok[:, None] * x_row + c[None, :], mask=(tok[:, None] < N) & (c[None, :] < C), other=0.0)
-    xf = xf.to(tl.float32)
-    return tl.rsqrt(tl.sum(xf * xf, axis=1) / C + eps)
+    xf = tl.load(x + n * x_row + c, mask=(c < C) & (n < NT), other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, axis=0) / C + eps)
+
+
+@triton.jit
+def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
+          CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_R, BLOCK_K // SUM]: one step's group sums of token n (x RMS-normalised first
+    when NORM, ``inv`` its 1 / rms; a token n >= NT reads zeros), group scales applied."""
+    xn = tl.load(x + n * x_row + cols, mask=n < NT, other=0.0).to(tl.float32)
+    if NORM:
+        xn = _normed(xn, inv, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
+    part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
+    if GROUPED:
+        part = part * scale
+    return part
 
 
 @triton.jit
@@ -156,7 +170,8 @@ def _accumulate(
     wd0,
     scale0,
     norm_w,
-    inv,
+    eps,
+    NT,
     N: tl.constexpr,
     NP2: tl.constexpr,
     C: tl.constexpr,
@@ -168,14 +183,51 @@ def _accumulate(
     SUM: tl.constexpr,
     NORM: tl.constexpr,
     CODE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x (RMS-normalised
     first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
     ``scale0``: the first step's words and scales, read already. Every step is unrolled, so all
     of a row's loads can be in flight.
-    Tokens are the accumulator's last dim: it then keeps the group sums' layout (no shuffles)."""
-    tok = tl.arange(0, NP2)[None, None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_K // SUM, NP2], dtype=tl.float32)
+
+    Each token has an accumulator of its own, [BLOCK_R, BLOCK_K // SUM] whatever N is, updated
+    and summed by the same operations as in a one-token call: a token's bits do not depend on
+    the call's other tokens (a batch's step, a verify window; checked on the device at start-up,
+    ``rows_alone_mismatch``), while each step's weights are decoded once for all N. N is the
+    call's row count rounded up to a power of two (fewer kernels to compile); the NT rows of
+    the call are the first, the others read zeros and are not stored."""
+    inv0 = 0.0
+    inv1 = 0.0
+    inv2 = 0.0
+    inv3 = 0.0
+    inv4 = 0.0
+    inv5 = 0.0
+    inv6 = 0.0
+    inv7 = 0.0
+    if NORM:
+        inv0 = _inv_rms(x, x_row, 0, NT, eps, C, BLOCK_C)
+        if N > 1:
+            inv1 = _inv_rms(x, x_row, 1, NT, eps, C, BLOCK_C)
+        if N > 2:
+            inv2 = _inv_rms(x, x_row, 2, NT, eps, C, BLOCK_C)
+        if N > 3:
+            inv3 = _inv_rms(x, x_row, 3, NT, eps, C, BLOCK_C)
+        if N > 4:
+            inv4 = _inv_rms(x, x_row, 4, NT, eps, C, BLOCK_C)
+        if N > 5:
+            inv5 = _inv_rms(x, x_row, 5, NT, eps, C, BLOCK_C)
+        if N > 6:
+            inv6 = _inv_rms(x, x_row, 6, NT, eps, C, BLOCK_C)
+        if N > 7:
+            inv7 = _inv_rms(x, x_row, 7, NT, eps, C, BLOCK_C)
+    a0 = tl.zeros([BLOCK_R, BLOCK_K // SUM], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
     for k0 in tl.static_range(0, C, BLOCK_K):
         if k0 == 0:  # read before the grid sync
             q = _values(wd0, zero, QUANT)
@@ -185,16 +237,52 @@ def _accumulate(
             if GROUPED:
                 scale = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
-        for n in tl.static_range(N):
-            xn = tl.load(x + n * x_row + cols).to(tl.float32)
-            if NORM:
-                inv_n = tl.sum(tl.where(tl.arange(0, NP2) == n, inv, 0.0), axis=0)
-                xn = _normed(xn, inv_n, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
-            part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
-            if GROUPED:
-                part = part * scale
-            acc = tl.where(tok == n, acc + part[:, :, None], acc)
-    return tl.sum(acc, axis=1)
+        a0 += _part(x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        if N > 1:
+            a1 += _part(
+                x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 2:
+            a2 += _part(
+                x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 3:
+            a3 += _part(
+                x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 4:
+            a4 += _part(
+                x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 5:
+            a5 += _part(
+                x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 6:
+            a6 += _part(
+                x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+        if N > 7:
+            a7 += _part(
+                x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
+            )
+    tok = tl.arange(0, NP2)[None, :]
+    y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, NP2], dtype=tl.float32))
+    if N > 1:
+        y = tl.where(tok == 1, tl.sum(a1, axis=1)[:, None], y)
+    if N > 2:
+        y = tl.where(tok == 2, tl.sum(a2, axis=1)[:, None], y)
+    if N > 3:
+        y = tl.where(tok == 3, tl.sum(a3, axis=1)[:, None], y)
+    if N > 4:
+        y = tl.where(tok == 4, tl.sum(a4, axis=1)[:, None], y)
+    if N > 5:
+        y = tl.where(tok == 5, tl.sum(a5, axis=1)[:, None], y)
+    if N > 6:
+        y = tl.where(tok == 6, tl.sum(a6, axis=1)[:, None], y)
+    if N > 7:
+        y = tl.where(tok == 7, tl.sum(a7, axis=1)[:, None], y)
+    return y
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +306,7 @@ def _qgemv_kernel(
     out_row,
     gate_row,
     zero,
+    NT,
     N: tl.constexpr,
     NP2: tl.constexpr,
     C: tl.constexpr,
@@ -264,41 +353,18 @@ def _qgemv_kernel(
     if GROUPED:
         scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
     _grid_sync(PDL)
-    inv = tl.zeros([NP2], dtype=tl.float32)
-    if NORM:
-        inv = _inv_rms(x, x_row, eps, N, NP2, C, BLOCK_C)
-        if NORM_OUT:
-            c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
-            cm = c < C
-            for n in tl.static_range(N):
-                inv_n = tl.sum(tl.where(tl.arange(0, NP2) == n, inv, 0.0), axis=0)
-                xn = tl.load(x + n * x_row + c, mask=cm, other=0.0).to(tl.float32)
-                wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
-                y = _normed(xn, inv_n, wn, NORM, CODE)
-                tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm)
+    if NORM_OUT:
+        c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
+        cm = c < C
+        for n in tl.static_range(N):
+            xn = tl.load(x + n * x_row + c, mask=cm & (n < NT), other=0.0).to(tl.float32)
+            wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
+            y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
+            tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm & (n < NT))
     y = _accumulate(
-        x,
-        x_row,
-        w,
-        s,
-        wrow,
-        zero,
-        wd0,
-        scale0,
-        norm_w,
-        inv,
-        N,
-        NP2,
-        C,
-        QUANT,
-        G,
-        GROUPED,
-        BLOCK_R,
-        BLOCK_K,
-        SUM,
-        NORM,
-        CODE,
-    )
+        x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, NP2, C, QUANT, G, GROUPED,
+        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C,
+    )  # fmt: skip
     if ROW_SCALED:
         y = y * tl.load(row_scale + wrow)[:, None]
     if HAS_BIAS:
@@ -307,14 +373,14 @@ def _qgemv_kernel(
 
     tok = tl.arange(0, NP2)[None, :]
     dst = out + tok * out_row + ocol[:, None]
-    mask = (tok < N) & (ocol[:, None] < ROWS)
+    mask = (tok < NT) & (ocol[:, None] < ROWS)
     if EPILOGUE == 1:
         g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, NP2]), (0, 2, 1)))
         y = _round(_round(_silu(g), CODE) * u, CODE)
     elif EPILOGUE == 2:
         y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
     elif EPILOGUE == 3:
-        logit = tl.load(gate + tok * gate_row, mask=tok < N, other=0.0).to(tl.float32)
+        logit = tl.load(gate + tok * gate_row, mask=tok < NT, other=0.0).to(tl.float32)
         y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
     tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
 
@@ -456,8 +522,8 @@ def qgemv(
         bias if bias is not None else x, gate if gate is not None else x, out,
         norm[0] if norm is not None else x, norm_out if norm_out is not None else x,
         norm[1] if norm is not None else 0.0,
-        width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0,
-        N=n, NP2=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
+        width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0, n,
+        N=triton.next_power_of_2(n), NP2=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
         GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
         HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,

@@ -166,10 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for batch in batches:
             extra = ("--batch", str(batch), *ns.serve_args.split())
+            t0 = time.monotonic()
             daemon, sock = start_daemon(ns.model, ns.threads, *extra, device=ns.device, wait=600)
             if daemon is None:
                 return 1
             daemons[batch] = (daemon, sock)
+            said = (sock.parent / "serve.log").read_text(errors="replace").splitlines()
+            print(f"daemon --batch {batch} ready in {time.monotonic() - t0:.1f} s")
+            for line in said:  # its start-up probe and fallbacks, as it logged them
+                if "probe passed" in line or "fallbacks:" in line:
+                    print(f"  {line.strip()}")
         results = measure(
             {b: sock for b, (_, sock) in daemons.items()}, prompts, clients, ns.tokens, ns.rounds
         )

@@ -1,6 +1,7 @@
 """Tokens/s through the daemon's Unix socket against the same generation in-process.
 
     edgerun bench socket [--model DIR] [--tokens 128] [--rounds 7] [--device cpu|cuda] [--quota Q]
+                         [--context 2048]
 
 Starts ``edgerun serve`` on a socket in a temp dir, then alternates rounds: one in-process
 ``Runner.generate`` and one streamed ``/v1/completions`` of the same greedy request
@@ -61,11 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     p.add_argument("--device", default="cpu", help="both sides' device (default cpu)")
     p.add_argument("--quota", type=int, default=None, help="a bundle's expert slots per layer, both sides")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=2048,
+        help="both sides' context capacity (default 2048): the attention kernels' tiling follows it, "
+        "so the same greedy tokens need the same capacity",
+    )
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
 
-    runner = Runner.load(ns.model, device=ns.device, cache=CacheConfig(ns.quota) if ns.quota else None)
+    runner = Runner.load(
+        ns.model,
+        device=ns.device,
+        cache=CacheConfig(ns.quota) if ns.quota else None,
+        max_context=ns.context,
+    )
     prompt_ids = runner.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=ns.tokens, ignore_eos=True)
     body = {
@@ -77,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "return_token_ids": True,
     }
 
-    extra = ("--quota", str(ns.quota)) if ns.quota else ()
+    extra = ("--context", str(ns.context)) + (("--quota", str(ns.quota)) if ns.quota else ())
     daemon, sock = start_daemon(ns.model, ns.threads, *extra, device=ns.device, wait=600)
     if daemon is None:
         return 1

@@ -112,40 +112,64 @@ class Runner:
         if fits is not None:  # a step's lookup holds every row's experts at once
             self._refuse_rows(f"batch {size}: a step of {size} rows", size, "B", f"--batch {fits} fits")
         self.batch, self.row_steps = None, None
+        self.model.share_rows(False)
         if size > 1:
             self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.batch_step)
             if self.kernels.dense == "triton":  # the fused kernels: static steps over the pool
-                self.row_steps = RowSteps(
-                    self.model, self.args, self.cache, self.kernels, self.device, self.batch.pool, self.steps
-                )
+                self.model.share_rows(True)  # one GEMV for all rows, unless the probe refuses it
+                self._build_row_steps()
+
+    def _build_row_steps(self) -> None:
+        self.row_steps = RowSteps(
+            self.model, self.args, self.cache, self.kernels, self.device, self.batch.pool, self.steps
+        )
 
     @torch.inference_mode()
     def probe_batch(self) -> str:
-        """The batch's promise, checked before serving: n = min(B, 3) sequences at different
-        positions, each one's step alone against its row of one n-row step, bit for bit, twice
-        (on CUDA the first pass captures, the second replays); then, on CUDA, every other row
-        count's graphs captured and replayed once, so no request pays for a capture. Raises
-        :class:`EdgerunError` naming what differs; returns the line to log."""
+        """The batch's promise, checked before serving: for each row count n (on CUDA every one
+        from 2 to B, each its own graphs and kernels; elsewhere min(B, 3)), n sequences at
+        different positions, each one's step alone against its row of one n-row step, bit for
+        bit, twice (on CUDA the first pass captures, the second replays), so no request pays for
+        a capture either. On CUDA the projections first run each step's rows in one GEMV
+        (``Model.share_rows``); if a row then differs, they run each row by programs of its own
+        (the weight read per row, slower: a fallback, named and counted) and the probe runs
+        again. Raises :class:`EdgerunError` naming what differs; returns the line to log."""
         b = self.batch
-        n = min(b.size, 3)
-        prompts = [list(range(1, r + 2)) for r in range(n)]  # lengths 1..n: each row its own position
-        tokens = [r + 3 for r in range(n)]
-        for _ in range(2):
-            alone = [self._probe_rows([p], [t])[0] for p, t in zip(prompts, tokens, strict=True)]
-            together = self._probe_rows(prompts, tokens)
-            for r in range(n):
-                if not bool(torch.isfinite(alone[r]).all()):
-                    raise EdgerunError("batch probe: a decode step's logits are not finite")
-                if not torch.equal(alone[r], together[r]):
-                    raise EdgerunError(
-                        f"batch probe: row {r} of a {n}-row decode step differs from its sequence's "
-                        "one-row step; serve with batch 1"
-                    )
-        if self.row_steps is not None:
-            for m in range(1, b.size + 1):
-                if m not in self.row_steps.by_rows:
-                    self._probe_rows([[1]] * m, [2] * m, steps=2)
-        return f"a {n}-row batch step equals its rows' one-row steps, bit for bit (batch {b.size})"
+        counts = range(2, b.size + 1) if self.row_steps is not None else [min(b.size, 3)]
+        shared = self.row_steps is not None and self.kernels.dense == "triton"
+        try:
+            self._probe_counts(counts)
+        except EdgerunError as exc:
+            if not shared:
+                raise
+            self.model.share_rows(False)
+            self._build_row_steps()
+            self.row_steps.fallbacks["batch_gemv"] = (
+                f"each row's projections by programs of its own (weights read per row): {exc}"
+            )
+            self._probe_counts(counts)
+            shared = False
+        how = (
+            "projections: one GEMV for all rows" if shared else "projections: each row by its own programs"
+        ) if self.row_steps is not None else "torch kernels"  # fmt: skip
+        n = ", ".join(str(c) for c in counts)
+        return f"a {n}-row batch step equals its rows' one-row steps, bit for bit (batch {b.size}; {how})"
+
+    def _probe_counts(self, counts) -> None:
+        for n in counts:
+            prompts = [list(range(1, r + 2)) for r in range(n)]  # lengths 1..n: each row its own position
+            tokens = [r + 3 for r in range(n)]
+            for _ in range(2):
+                alone = [self._probe_rows([p], [t])[0] for p, t in zip(prompts, tokens, strict=True)]
+                together = self._probe_rows(prompts, tokens)
+                for r in range(n):
+                    if not bool(torch.isfinite(alone[r]).all()):
+                        raise EdgerunError("batch probe: a decode step's logits are not finite")
+                    if not torch.equal(alone[r], together[r]):
+                        raise EdgerunError(
+                            f"batch probe: row {r} of a {n}-row decode step differs from its sequence's "
+                            "one-row step; serve with batch 1"
+                        )
 
     def _probe_rows(self, prompts: list[list[int]], tokens: list[int], steps: int = 1) -> torch.Tensor:
         """Sequences joined to the batch, prefilled with ``prompts``, stepped together ``steps``

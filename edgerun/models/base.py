@@ -176,6 +176,16 @@ class CausalLM(nn.Module):
                 m.chunk_fla = delta_chunk
         return packed
 
+    def share_rows(self, on: bool) -> None:
+        """Within ``exact_rows`` (a batch's step), run each projection's rows in one GEMV
+        (``on``: the weight read once for all rows, each row in accumulators of its own) or each
+        row by programs of its own (the weight read per row). Either way a row's bits are meant
+        to be the one-row call's; the batch's start-up probe checks it on the device
+        (``Runner.probe_batch``) and turns ``on`` off if not."""
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                m.shared_rows = on
+
     def gemv_cases(self) -> list[tuple]:
         """What the dense probe runs the GEMV on for this model: every projection's (scheme,
         rows, cols, group) with no epilogue (rows capped at PROBE_ROWS plus the remainder of a

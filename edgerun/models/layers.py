@@ -82,6 +82,10 @@ class QLinear(nn.Module):
         self.row_scale = _frozen(w.row_scale)
         self.bias = _frozen(bias)
         self.gemv = False
+        # within exact_rows: one GEMV for all rows (each row's bits the one-row call's: its own
+        # accumulators, checked on the device by the batch's start-up probe) rather than each row
+        # by programs of its own, reading the weight again (``Model.share_rows``)
+        self.shared_rows = False
         self.cpu = None  # the stored bytes packed for the CPU kernels (kernels/qlinear_cpu.py), when chosen
 
     @classmethod
@@ -118,7 +122,8 @@ class QLinear(nn.Module):
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         exact = EXACT_ROWS.get()
-        # within exact_rows every row count a GEMV takes runs it, each row by programs of its
+        # within exact_rows every row count a GEMV takes runs it, its rows in one pass where
+        # ``shared_rows`` was probed equal to the rows alone, else each row by programs of its
         # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call
         limit = MAX_GEMV_ROWS if exact else GEMV_ROWS[self.scheme]
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
@@ -139,7 +144,7 @@ class QLinear(nn.Module):
                 gate,
                 norm=nrm,
                 norm_out=norm_out,
-                alone=exact,
+                alone=exact and not self.shared_rows,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:

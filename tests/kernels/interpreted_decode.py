@@ -31,6 +31,7 @@ from edgerun.kernels import decode_triton as K
 from edgerun.kernels.decode_reference import (
     TOLERANCE,
     AttnDims,
+    capacity_mismatch,
     check_attention,
     check_router,
     decisive_rows,
@@ -153,13 +154,26 @@ def test_attention_other_geometries(heads, s_max, pos, dtype):
 
 
 def test_attention_splits_share_long_histories():
-    # a 256-position buffer is 4 splits of a 64-position tile: pos 70 runs on two of them
-    # (70 + 1 positions in shares of 64), pos 255 on all four, its own row in the last
-    assert K.attention_plan(2, 32, 256) == K.AttnPlan(block_s=64, nsplit=4)
+    # 64 splits over 2 kv heads, 64-position tiles: pos 70 runs on two of them (70 + 1 positions
+    # in shares of 64), pos 255 on four, its own row in the last; the rest return at once
+    assert K.attention_plan(2, 32) == K.AttnPlan(block_s=64, nsplit=64)
     dims = AttnDims(4, 2, 32, 32, True)
     for pos in (70, 255):
         inputs = random_attention_inputs(dims, 256, pos, torch.Generator().manual_seed(pos))
         check_attention(*run_attention(inputs, K.attention_decode), TOL[torch.bfloat16])
+
+
+def test_attention_bits_do_not_depend_on_the_cache_capacity():
+    """The same history in caches of 64 to 1024 positions: the same output and cache writes,
+    bit for bit (tests/kernels/test_decode_cuda.py checks the compiled kernel at the real
+    geometry, where the combine over splits is where a capacity-sized plan showed)."""
+    dims = AttnDims(4, 2, 32, 32, True)
+    for pos in (50, 63):
+        gen = torch.Generator().manual_seed(pos)
+        assert (
+            capacity_mismatch(K.attention_decode, dims, pos, [64, 256, 1024], gen, "cpu", torch.bfloat16)
+            is None
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -130,13 +130,21 @@ def test_probe_refuses_a_wrong_kernel(monkeypatch):
         probe_cases([("int4", 64, 128, 32, "none")], "cpu", torch.float32)
 
 
-@pytest.mark.parametrize("scheme", [("plain", None), ("int4", 32)], ids=scheme_id)
-def test_rows_alone_are_the_one_row_calls(scheme):
+@pytest.mark.parametrize(
+    "scheme, alone",
+    [(("plain", None), False), (("int4", 32), False), (("int4", 32), True)],
+    ids=["plain-shared", "int4-shared", "int4-alone"],
+)
+def test_rows_alone_are_the_one_row_calls(scheme, alone):
+    """Each row of an N-row call equals the row alone, bit for bit, whether the rows run by
+    programs of their own (``alone``) or in one pass, each in accumulators of its own (the
+    interpreter checks the arithmetic; the device's compiled code is checked on CUDA and by the
+    batch's start-up probe)."""
     from edgerun.kernels.qlinear_reference import random_qweight, rows_alone_mismatch
 
     gen = torch.Generator().manual_seed(21)
     w = random_qweight(scheme[0], 64, 128, scheme[1] or 128, gen, "cpu", torch.bfloat16)
-    assert rows_alone_mismatch(K.qgemv, w, 3, gen, "cpu", torch.bfloat16) is None
+    assert rows_alone_mismatch(K.qgemv, w, 3, gen, "cpu", torch.bfloat16, alone=alone) is None
 
 
 def test_bad_inputs_name_the_tensor():

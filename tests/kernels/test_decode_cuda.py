@@ -15,6 +15,7 @@ from test_decode_reference import qwen3_30b_args, qwen36_args
 from edgerun.kernels.decode_reference import (
     TOLERANCE,
     AttnDims,
+    capacity_mismatch,
     check_attention,
     check_router,
     clone_inputs,
@@ -64,6 +65,17 @@ def test_attention_at_a_32k_context(pos):
 
     inputs = random_attention_inputs(QWEN36, 32768, pos, gen(1), "cuda", torch.bfloat16)
     check_attention(*run_attention(inputs, K.attention_decode), TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("pos", [5, 200, 1000, 3000])
+def test_attention_bits_do_not_depend_on_the_cache_capacity(pos):
+    """A request's static state is sized by its length (256, 512, ... positions): the same
+    history at the same position gives the same bits in a cache of any capacity."""
+    from edgerun.kernels import decode_triton as K
+
+    caps = [c for c in (256, 1024, 4096, 32768) if c > pos]
+    got = capacity_mismatch(K.attention_decode, QWEN36, pos, caps, gen(pos), "cuda", torch.bfloat16)
+    assert got is None, got
 
 
 def test_graph_replay_equals_eager():

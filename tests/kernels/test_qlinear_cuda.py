@@ -141,14 +141,18 @@ def test_probe_cases(dtype):
     assert probe_cases(cases, "cuda", dtype) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("shape", [(12352, 2048), (257, 2048), (1024, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("scheme", [("int4", 32), ("plain", None)], ids=lambda s: s[0])
-def test_rows_alone_are_the_one_row_calls(shape, scheme):
-    """A batch's step: with ``alone`` each row of a call of N rows is computed by programs of its
-    own, so it equals the row alone, bit for bit (in one program, one ulp now and then differs)."""
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "shared"])
+@pytest.mark.parametrize(
+    "shape", [(12352, 2048), (257, 2048), (1024, 2048), (2048, 4096)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+@pytest.mark.parametrize("scheme", [("int4", 32), ("int8", None), ("plain", None)], ids=lambda s: s[0])
+def test_rows_alone_are_the_one_row_calls(shape, scheme, alone):
+    """A batch's step: each row of a call of N = 1..8 rows equals the row alone, bit for bit,
+    whether computed by programs of its own (``alone``) or in one pass over all rows, each in
+    accumulators of its own (the compiled code must keep a row's operations whatever N is)."""
     from edgerun.kernels.qlinear_reference import rows_alone_mismatch
     from edgerun.kernels.qlinear_triton import qgemv
 
     R, C = shape
     w = random_qweight(scheme[0], R, C, scheme[1] or C, gen(R), "cuda", torch.bfloat16)
-    assert rows_alone_mismatch(qgemv, w, 4, gen(7), "cuda", torch.bfloat16) is None
+    assert rows_alone_mismatch(qgemv, w, 8, gen(7), "cuda", torch.bfloat16, alone=alone) is None
