@@ -91,7 +91,7 @@ class UringReads:
                 raise
         p.done.wait()
         if p.res < 0:
-            raise OSError(-p.res, os.strerror(-p.res))
+            raise OSError(-p.res, self._broken or os.strerror(-p.res))
         return p.res
 
     def _reap(self) -> None:
@@ -104,7 +104,6 @@ class UringReads:
             for p in pending.values():
                 p.res = -errno.EIO
                 p.done.set()
-            raise
 
     def _reap_until_closed(self) -> None:
         L = self._L

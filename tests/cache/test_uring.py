@@ -165,3 +165,29 @@ def test_io_uring_that_cannot_run_is_refused_or_a_counted_fallback(expert_file, 
     r.close()
     with pytest.raises(ReadError, match="reader 'uring' is not one of preadv, io_uring, auto"):
         BlockReader(BB, reader="uring")
+
+
+@needs_uring
+def test_a_failed_completion_thread_fails_reads_instead_of_leaving_them_waiting(expert_file):
+    import errno
+
+    from edgerun.cache.reader import buffer_address
+    from edgerun.cache.uring import UringReads
+
+    path, _ = expert_file
+    ring = UringReads(2)
+    L = ring._L
+    with ring._lock:  # a completion nobody submitted: the completion thread cannot place it
+        sqe = L.io_uring_get_sqe(ring._ring)
+        L.io_uring_prep_nop(sqe)
+        sqe.user_data = 10**9
+        L.io_uring_submit(ring._ring)
+    ring._reaper.join(10)
+    assert not ring._reaper.is_alive()
+    fd, buf = os.open(path, os.O_RDONLY), aligned_buffer(BB)
+    with pytest.raises(OSError, match="io_uring completion thread failed: KeyError") as exc:
+        ring.read(fd, buffer_address(buf), BB, 0)
+    assert exc.value.errno == errno.EIO
+    ring.close()
+    os.close(fd)
+    buf.close()
