@@ -19,7 +19,12 @@ from edgerun.flags import (
     speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
-from edgerun.server.cli import add_kernel_arguments, add_plan_file_arguments, add_prefetch_argument
+from edgerun.server.cli import (
+    add_kernel_arguments,
+    add_plan_file_arguments,
+    add_prefetch_argument,
+    add_reader_argument,
+)
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +89,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
     )
+    add_reader_argument(p)
     add_prefetch_argument(p)
     add_kernel_arguments(p)
     add_provider_arguments(p)
@@ -204,7 +210,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
+    "host_quota", "read_depth", "reader", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
 )  # fmt: skip
 
@@ -241,6 +247,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, 
         host_quota=ns.host_quota,
         read_mode=ns.read_mode,
         read_depth=ns.read_depth,
+        reader=ns.reader,
         prefetch=ns.prefetch,
         pool=ns.slot_pool,
         tier_reads=ns.tier_reads,

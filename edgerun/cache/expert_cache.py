@@ -158,7 +158,8 @@ class ExpertCache:
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
         self.readers = {
-            bb: BlockReader(bb, staging, config.read_mode, config.read_depth) for bb in block_sizes
+            bb: BlockReader(bb, staging, config.read_mode, config.read_depth, config.reader)
+            for bb in block_sizes
         }
         # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads
         prefetch = config.prefetch
@@ -640,6 +641,13 @@ class ExpertCache:
         out: dict[str, str] = dict(self._fallbacks)
         for r in self.readers.values():
             out.update(r.stats.fallbacks)
+        return out
+
+    def reads_by_backend(self) -> dict[str, int]:
+        """Blocks read from storage by each system call in use (preadv, io_uring)."""
+        out: dict[str, int] = {}
+        for r in self.readers.values():
+            out[r.backend] = out.get(r.backend, 0) + r.stats.reads
         return out
 
     def fallback_reads(self) -> dict[str, int]:

@@ -7,6 +7,11 @@ system call, so a misaligned request says which of the three is wrong instead of
 ``mode="auto"`` tries O_DIRECT and falls back to buffered reads, recording the fallback and
 its reason (never silently).
 
+``reader`` picks the system call: ``preadv`` (the default: one blocking read per pool thread) or
+``io_uring`` (the same threads submit to one ring; ``edgerun.cache.uring``, optional dependency
+``liburing``). ``io_uring`` where it cannot run is an error naming why; ``auto`` takes io_uring
+where it runs, else preadv with the reason recorded as the ``io_uring`` fallback, counted per read.
+
 A read given a ``check`` runs it on the bytes before they are handed on (before the sink's copy,
 or before a read into caller memory counts as done). A block that fails it is read once more,
 through a fresh descriptor and past the page cache; failing again, the error propagates. Short
@@ -32,6 +37,7 @@ from edgerun.errors import ChecksumError, EdgerunError, StorageError
 
 ALIGN = 4096
 MODES = ("direct", "buffered", "auto")
+READERS = ("preadv", "io_uring", "auto")
 
 
 class ReadError(EdgerunError, OSError):
@@ -53,6 +59,15 @@ def buffer_address(buf) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def direct_supported(path: Path) -> bool:
+    """Whether ``path``'s filesystem opens it with O_DIRECT (tmpfs, for one, does not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        return True
+    except OSError:
+        return False
+
+
 def check_alignment(offset: int, length: int, address: int, what: str) -> None:
     problems = []
     if offset % ALIGN:
@@ -65,7 +80,9 @@ def check_alignment(offset: int, length: int, address: int, what: str) -> None:
         raise AlignmentError(f"O_DIRECT read of {what}: " + "; ".join(problems))
 
 
-READ_FALLBACKS = ("direct_read", "pageable_staging", "unchecked_blocks")  # counted per read they serve
+# counted per read they serve
+READ_FALLBACKS = ("direct_read", "io_uring", "pageable_staging", "unchecked_blocks")
+_EVERY_READ = ("direct_read", "io_uring")  # the rest count staged reads only
 
 
 @dataclass
@@ -103,10 +120,17 @@ class BlockReader:
     staging buffer is still owned by the read."""
 
     def __init__(
-        self, block_bytes: int, staging: int = 4, mode: str = "auto", depth: int | None = None
+        self,
+        block_bytes: int,
+        staging: int = 4,
+        mode: str = "auto",
+        depth: int | None = None,
+        reader: str = "preadv",
     ) -> None:
         if mode not in MODES:
             raise ReadError(f"read_mode {mode!r} is not one of {', '.join(MODES)}")
+        if reader not in READERS:
+            raise ReadError(f"reader {reader!r} is not one of {', '.join(READERS)}")
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise AlignmentError(f"block_bytes {block_bytes} is not a positive multiple of {ALIGN}")
         if staging < 1:
@@ -123,6 +147,18 @@ class BlockReader:
         # reads in flight: one per staging buffer, or fewer where the disk is faster shallow
         # (calibrate with edgerun.tools.calibrate.read_bandwidth)
         self.depth = min(depth or staging, staging)
+        self.stats = ReadStats()
+        self._uring = None
+        if reader != "preadv":
+            from edgerun.cache.uring import UringReads, UringUnavailable
+
+            try:
+                self._uring = UringReads(self.depth)
+            except UringUnavailable as exc:
+                if reader == "io_uring":
+                    raise ReadError(f"reader io_uring: {exc} (set reader: preadv or auto)") from exc
+                self.stats.fallbacks["io_uring"] = f"{exc}; reading with preadv"
+        self.backend = "preadv" if self._uring is None else "io_uring"  # the system call reads use
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="edgerun-read")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._retired: list[int] = []  # replaced by a fresh open; a read in flight may still use one
@@ -130,11 +166,12 @@ class BlockReader:
         self._inflight = 0
         self._busy_since = 0.0
         self.staged = 0  # staged reads submitted and not yet released (see ``stage``)
-        self.stats = ReadStats()
         # a reader dropped without close() still unregisters its page-locked buffers before they
         # are unmapped (else a later mapping at the same address could not be registered) and
         # closes its files
-        self._finalizer = weakref.finalize(self, _release, self._pinned, self._fds, self._retired)
+        self._finalizer = weakref.finalize(
+            self, _release, self._pinned, self._fds, self._retired, self._uring
+        )
 
     @property
     def staging_bytes(self) -> int:
@@ -276,8 +313,8 @@ class BlockReader:
             st.reads += 1
             st.bytes += n
             st.seconds += dt
-            for kind in st.fallbacks:  # direct_read: this read was buffered; pageable_staging: staged
-                if kind == "direct_read" or staged:
+            for kind in st.fallbacks:  # direct_read / io_uring: every read; pageable_staging: staged
+                if kind in _EVERY_READ or staged:
                     st.fallback_reads[kind] = st.fallback_reads.get(kind, 0) + 1
 
     def _pread(self, path: Path, index: int, view: memoryview, again: bool = False) -> tuple[int, float]:
@@ -292,7 +329,7 @@ class BlockReader:
         try:
             if again and not direct:
                 os.posix_fadvise(fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
-            n = os.preadv(fd, [view], offset)
+            n = self._read_all(fd, view, offset, direct)
         except OSError as exc:
             raise StorageError(f"{path}: reading block {index} at offset {offset}: {exc}") from exc
         finally:
@@ -303,6 +340,24 @@ class BlockReader:
                 f"{path}: short read of block {index} at offset {offset}: {n} of {self.block_bytes} bytes"
             )
         return n, dt
+
+    def _read_all(self, fd: int, view: memoryview, offset: int, direct: bool) -> int:
+        """Bytes read into ``view`` from ``offset``: a short read is continued until the view is
+        full or the file ends (or, with O_DIRECT, until a count that is not aligned: the end)."""
+        got, want = 0, len(view)
+        address = buffer_address(view) if self._uring is not None else 0
+        while got < want:
+            if self._uring is not None:
+                n = self._uring.read(fd, address + got, want - got, offset + got)
+            elif not got:
+                n = os.preadv(fd, [view], offset)
+            else:
+                with view[got:] as rest:
+                    n = os.preadv(fd, [rest], offset + got)
+            got += n
+            if n == 0 or (direct and n % ALIGN):
+                break
+        return got
 
     def submit(
         self,
@@ -345,13 +400,15 @@ class BlockReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._finalizer()
+        self._finalizer()  # after the pool: no read is left in the ring
         for b in self._buffers:
             b.close()
         self._buffers.clear()
 
 
-def _release(pinned: list[mmap.mmap], fds: dict, retired: list[int]) -> None:
+def _release(pinned: list[mmap.mmap], fds: dict, retired: list[int], uring=None) -> None:
+    if uring is not None:
+        uring.close()
     if pinned:
         import torch
 

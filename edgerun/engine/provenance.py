@@ -32,6 +32,7 @@ def experts_text(runner) -> str:
         return "experts resident"
     quotas = sorted(set(cache.quotas.values()))
     modes = {r.mode for r in cache.readers.values()}
+    backends = {r.backend for r in cache.readers.values()}
     depths = "/".join(str(r.depth) for r in cache.readers.values())
     tier = sorted({t.quota for t in cache.tier.values()})
     far = len(cache.far)
@@ -50,7 +51,7 @@ def experts_text(runner) -> str:
     return (
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.policy} eviction, "
         f"{cache.pool_kind} slots, {tier_text}"
-        f"read {'/'.join(modes)} depth {depths}, "
+        f"read {'/'.join(modes)} via {'/'.join(sorted(backends))} depth {depths}, "
         + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
         + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"
         + (

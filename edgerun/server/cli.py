@@ -32,6 +32,7 @@ _FLAGS = (
     "quota",
     "read_mode",
     "read_depth",
+    "reader",
     "prefetch",
     "warm",
     "trace",
@@ -81,6 +82,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--read-mode", choices=("auto", "direct", "buffered"), help="streamed expert reads (default auto)"
     )
     p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
+    add_reader_argument(p)
     add_prefetch_argument(p)
     add_plan_file_arguments(p)
     add_kernel_arguments(p, default=None)
@@ -137,6 +139,20 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
         default=None,
         help="streamed experts: read the next layer's predicted experts (and a prefill's next batch) "
         "before the router asks (default: on for CPU slots; off on CUDA, where it is not measured yet)",
+    )
+
+
+def add_reader_argument(p: argparse.ArgumentParser) -> None:
+    """--reader: shared by serve and generate."""
+    from edgerun.cache.reader import READERS
+
+    p.add_argument(
+        "--reader",
+        choices=READERS,
+        default=None,
+        help="streamed expert reads' system call: preadv threads, or io_uring (extra edgerun[io_uring]: "
+        "an error where it cannot run); auto: io_uring where it runs, else preadv, a counted fallback "
+        "(default: preadv, measured faster or level: docs/benchmarks.md)",
     )
 
 
@@ -250,6 +266,7 @@ def cache_plan(opts: ServeOptions):
         batch=serve_batch(opts, device),
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,
+        reader=opts.reader,
         prefetch=opts.prefetch,
         pool=opts.slot_pool,
         tier_reads=opts.tier_reads,

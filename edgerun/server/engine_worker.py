@@ -210,6 +210,7 @@ class RunnerEngine:
             "prefill_chunks": self.runner.prefill_counts(),
             "batch_steps": self.runner.batch.stats.sizes if self.runner.batch is not None else {},
             "read_faults": cache.read_faults() if cache else {},
+            "reads": cache.reads_by_backend() if cache else {},
             "nonfinite_logits": self.runner.nonfinite_logits,
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),

@@ -213,6 +213,13 @@ def render(
         [({"kind": k}, n) for k, n in sorted(stats.get("fallbacks", {}).items())],
     )
     t.family(
+        "edgerun_expert_reads_total",
+        "counter",
+        "Expert blocks read from storage, by the system call that read them (reader: preadv or io_uring; "
+        "io_uring asked for under reader auto and not runnable is also the io_uring fallback).",
+        [({"reader": k}, n) for k, n in sorted(stats.get("reads", {}).items())],
+    )
+    t.family(
         "edgerun_expert_read_faults_total",
         "counter",
         "Expert blocks read again after failing their checksum (reread), and reads refused: a block "

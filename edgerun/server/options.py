@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
+from edgerun.cache.reader import READERS
 from edgerun.config import SpeculativeConfig, parse_bytes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
@@ -36,6 +37,7 @@ class ServeOptions:
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
+    reader: str | None = None  # the reads' system call: preadv | io_uring | auto; None: preadv
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )
@@ -109,6 +111,7 @@ class ServeOptions:
                 f"serve option 'read_mode' must be auto, direct or buffered, got {self.read_mode!r}"
             )
         for name, valid in (
+            ("reader", READERS),
             ("expert_kernel", EXPERT_KERNELS),
             ("graphs", GRAPH_MODES),
             ("dense_kernel", DENSE_KERNELS),

@@ -13,32 +13,17 @@ from edgerun.cache.reader import (
     aligned_buffer,
     buffer_address,
     check_alignment,
+    direct_supported,
 )
 from edgerun.errors import ChecksumError, StorageError
 
-BB = 8192
-
-
-@pytest.fixture()
-def expert_file(tmp_path):
-    data = os.urandom(BB * 16)
-    p = tmp_path / "L00.bin"
-    p.write_bytes(data)
-    return p, data
-
-
-def _o_direct_supported(path: Path) -> bool:
-    try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-        return True
-    except OSError:
-        return False
+BB = 8192  # expert_file's blocks (conftest.py)
 
 
 @pytest.mark.parametrize("mode", ["direct", "buffered", "auto"])
 def test_concurrent_reads_return_the_right_blocks(expert_file, mode):
     path, data = expert_file
-    if mode == "direct" and not _o_direct_supported(path):
+    if mode == "direct" and not direct_supported(path):
         pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
     r = BlockReader(BB, staging=3, mode=mode)
     got = {}
@@ -91,7 +76,7 @@ def test_tmpfs_direct_refused_auto_falls_back_visibly(tmp_path):
     shm = Path("/dev/shm") / f"edgerun-test-{os.getpid()}.bin"
     shm.write_bytes(os.urandom(BB * 2))
     try:
-        if _o_direct_supported(shm):
+        if direct_supported(shm):
             pytest.skip("this tmpfs accepts O_DIRECT")
         with pytest.raises(ReadError, match=r"does not support O_DIRECT \(set read_mode: buffered or auto\)"):
             BlockReader(BB, 1, "direct").read_into(shm, 0, lambda v: None, 2)
@@ -148,7 +133,7 @@ def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_p
     failure is read again through a fresh descriptor (a file replaced since is seen), and one
     that fails again is raised without the sink ever seeing the bytes."""
     path, data = expert_file
-    if mode == "direct" and not _o_direct_supported(path):
+    if mode == "direct" and not direct_supported(path):
         pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
     good = data[5 * BB : 6 * BB]
     path.write_bytes(data[: 5 * BB] + bytes(BB) + data[6 * BB :])  # block 5 zeroed in place

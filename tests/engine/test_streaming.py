@@ -2,6 +2,7 @@
 with experts streamed through the cache gives identical logits (torch.equal) and greedy tokens,
 at every quota down to top_k (constant eviction), for both architectures, bf16 and int4."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,36 @@ def test_generate_cli_streams_and_reports_the_cache(bundles, capsys):
     assert "expert cache:" in err and "misses" in err
 
 
+@pytest.mark.parametrize("reader", ["io_uring", "auto"])
+def test_generate_reads_through_the_reader_asked_for(bundles, capsys, monkeypatch, reader):
+    """The same tokens through io_uring as through preadv, and the start-up line names the
+    system call; reader auto without io_uring names its fallback there."""
+    import sys
+
+    from edgerun.cache.uring import unavailable
+    from edgerun.cli import main
+
+    argv = ["generate", "--model", str(bundles[("qwen3_5_moe", "int4")]), "--quota", "2", "--token-ids"]
+    argv += ["4,5,6", "--max-tokens", "6", "--device", "cpu", "--reader"]
+    assert main(argv + ["preadv"]) == 0
+    want = capsys.readouterr()
+    fallbacks = lambda err: re.search(r"^  fallbacks: (.*)$", err, re.M).group(1)  # noqa: E731
+    assert " via preadv depth " in want.err and "io_uring" not in fallbacks(want.err)
+    if reader == "io_uring":
+        if why := unavailable():
+            pytest.skip(f"io_uring reads cannot run here: {why}")
+    else:
+        monkeypatch.setitem(sys.modules, "liburing", None)  # the optional package missing
+    assert main(argv + [reader]) == 0
+    got = capsys.readouterr()
+    assert got.out == want.out
+    if reader == "io_uring":
+        assert " via io_uring depth " in got.err and "io_uring" not in fallbacks(got.err)
+    else:
+        assert " via preadv depth " in got.err
+        assert "io_uring: the liburing package is not installed" in fallbacks(got.err)
+
+
 def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):
     from edgerun.cli import main
 
@@ -268,6 +299,7 @@ def test_host_tier_reads_match_the_simulator(bundles, tmp_path):
         (["--host-quota", "4"], "--host-quota sets up expert streaming"),
         (["--slot-pool", "device"], "--slot-pool sets up expert streaming"),
         (["--read-depth", "2"], "--read-depth sets up expert streaming"),
+        (["--reader", "io_uring"], "--reader sets up expert streaming"),
     ],
 )
 def test_streaming_flags_without_streaming_are_refused(bundles, capsys, extra, message):

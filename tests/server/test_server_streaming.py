@@ -1,6 +1,7 @@
 """The daemon serving a bundle with its experts streamed: same tokens as in-process streaming,
 cache counters in /metrics, streaming mode, bundle hash and plan in /v1/models, and a plan that
-does not fit refused before the socket is bound."""
+does not fit refused before the socket is bound. The daemon reads through io_uring where it can
+run (the in-process reference through preadv), so the two backends' tokens are compared too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from server_helpers import Daemon, get, post, serve_argv
 
 from edgerun.bundle.convert import ConvertOptions, convert
+from edgerun.cache.uring import unavailable
 from edgerun.config import CacheConfig
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -28,8 +30,10 @@ def _metric_sum(text: str, name: str) -> float:
 
 def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
     sock = tmp_path / "s.sock"
+    reader = "preadv" if unavailable() else "io_uring"
     d = Daemon(
-        serve_argv("--model", str(bundle), "--quota", "2", "--socket", str(sock), "--device", "cpu"),
+        serve_argv("--model", str(bundle), "--quota", "2", "--socket", str(sock), "--device", "cpu")
+        + ["--reader", reader],
         sock,
     )
     try:
@@ -48,7 +52,9 @@ def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
         _, metrics = get(sock, "/metrics")
         assert _metric_sum(metrics, "edgerun_expert_cache_misses_total") > 0
         assert _metric_sum(metrics, "edgerun_expert_bytes_read_total") > 0
-        assert "experts streamed (quota 2 per layer" in d.log()
+        reads = re.findall(r'^edgerun_expert_reads_total\{reader="(\w+)"\} (\d+)$', metrics, re.M)
+        assert [r for r, _ in reads] == [reader] and int(reads[0][1]) > 0, reads
+        assert "experts streamed (quota 2 per layer" in d.log() and f" via {reader} depth" in d.log()
         from edgerun.cli import main  # the socket client: `edgerun generate --socket`
 
         capsys.readouterr()

@@ -1,0 +1,264 @@
+"""Expert-block reads, preadv threads against io_uring, at the bundle's read pattern: random whole
+blocks of Qwen3.6-35B-A3B's int4 expert (hidden 2048, width 512, groups of 32: the block size the
+bundle layout gives, 1,671,168 bytes), O_DIRECT (the page cache plays no part), queue depths 1..64.
+
+Backends (each a closed loop keeping exactly ``depth`` reads in flight):
+  preadv        the engine's BlockReader, reader preadv: a thread per read in flight
+  io_uring      the engine's BlockReader, reader io_uring: the same threads, one shared ring
+  io_uring-raw  one thread, one ring, ``depth`` reads submitted and reaped in batches, no pool:
+                what a reader built around the ring alone could reach (not an engine path)
+
+Per cell: GB/s (bytes over the cell's wall time), per-block latency (submit to completion)
+median and p99, and the process's CPU seconds per GB read (all threads: what the reads cost the
+cores the engine computes on); interleaved rounds (each starts at the next backend, so none always goes first
+at a depth), GB/s as median (range), latencies pooled over rounds.
+
+    pip install --no-deps --target /tmp/pylib .whl/liburing-*.whl    # io_uring's optional binding
+    PYTHONPATH=$PWD:/tmp/pylib python3 benchmarks/bench_reads.py --dir /tmp/rd [--size-gb 4]
+        [--depths 1,2,4,8,16,32,64] [--seconds 0.8] [--rounds 3] [--json out.json] [--keep]
+
+Writes ``--dir``/bench_reads.bin (``--size-gb``, reused when its size matches; removed unless
+``--keep``); the directory must be on the disk under test and accept O_DIRECT. Needs only the
+standard library and edgerun on PYTHONPATH (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgerun.bundle.layout import expert_block_layout  # noqa: E402
+from edgerun.cache.reader import ALIGN, BlockReader, aligned_buffer, buffer_address  # noqa: E402
+from edgerun.cache.uring import unavailable  # noqa: E402
+
+CONFIG = ROOT / "configs" / "models" / "qwen3.6-35b-a3b.json"
+
+
+def block_bytes() -> int:
+    text = json.loads(CONFIG.read_text())["text_config"]
+    args = SimpleNamespace(
+        hidden_size=text["hidden_size"], moe_intermediate_size=text["moe_intermediate_size"]
+    )
+    return expert_block_layout(args, "int4", 32).block_bytes
+
+
+def make_file(path: Path, nbytes: int) -> None:
+    """A file of ``nbytes`` (random 64 MiB pattern, repeated), flushed and out of the page cache."""
+    if path.exists() and path.stat().st_size == nbytes:
+        print(f"reusing {path} ({nbytes / 2**30:.2f} GiB)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        chunk = os.urandom(64 << 20)
+        with open(path, "wb") as f:
+            left = nbytes
+            while left:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+        dt = time.perf_counter() - t0
+        print(f"wrote {path} ({nbytes / 2**30:.2f} GiB) in {dt:.1f} s", flush=True)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # O_DIRECT skips it anyway; belt and braces
+    os.close(fd)
+
+
+def run_reader(backend: str, path: Path, bb: int, n_blocks: int, depth: int, seconds: float, rng) -> dict:
+    """The engine's BlockReader with ``depth`` reads in flight (a completion submits the next)."""
+    r = BlockReader(bb, staging=depth, mode="direct", depth=depth, reader=backend)
+    lat: list[float] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    state = {"stop": False, "inflight": 0, "reads": 0, "error": None}
+    r.read_into(path, 0, None, n_blocks)  # open the file and start the pool outside the timing
+
+    def issue() -> None:
+        t = time.perf_counter()
+        fut = r.submit(path, rng.randrange(n_blocks), None, n_blocks)
+        fut.add_done_callback(lambda f, t=t: finished(f, t))
+
+    def finished(fut, t) -> None:
+        now = time.perf_counter()
+        with lock:
+            state["inflight"] -= 1
+            if fut.exception() is not None:
+                state["error"], state["stop"] = fut.exception(), True
+            else:
+                lat.append(now - t)
+                state["reads"] += 1
+            again = not state["stop"] and now < deadline
+            if again:
+                state["inflight"] += 1
+            elif state["inflight"] == 0:
+                done.set()
+        if again:
+            issue()
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    deadline = t0 + seconds
+    with lock:
+        state["inflight"] = depth
+    for _ in range(depth):
+        issue()
+    done.wait()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    r.close()
+    if state["error"] is not None:
+        raise state["error"]
+    return {"reads": state["reads"], "bytes": state["reads"] * bb, "wall": wall, "cpu": cpu, "lat": lat}
+
+
+def run_raw_uring(path: Path, bb: int, n_blocks: int, depth: int, seconds: float, rng) -> dict:
+    """One thread: ``depth`` reads in one ring, each completion replaced at once."""
+    import liburing as L
+
+    ring = L.Ring()
+    L.io_uring_queue_init(depth, ring)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    bufs = [aligned_buffer(bb) for _ in range(depth)]
+    # Iovec keeps its buffer exported for good: build each over a ctypes view, once (edgerun/cache/uring.py)
+    import ctypes
+
+    iovs = [L.Iovec([memoryview((ctypes.c_char * bb).from_address(buffer_address(b)))]) for b in bufs]
+    started = [0.0] * depth
+    lat: list[float] = []
+    cqe = L.Cqe()
+
+    def prep(slot: int) -> None:
+        sqe = L.io_uring_get_sqe(ring)
+        L.io_uring_prep_readv(sqe, fd, iovs[slot], rng.randrange(n_blocks) * bb)
+        sqe.user_data = slot
+        started[slot] = time.perf_counter()
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    deadline = t0 + seconds
+    for s in range(depth):
+        prep(s)
+    inflight = L.io_uring_submit(ring)
+    reads = 0
+    while inflight:
+        L.io_uring_wait_cqe(ring, cqe)  # holds the GIL: fine with one thread, not in the engine
+        it, seen, now = L.io_uring_cqe_iter_init(ring), 0, time.perf_counter()
+        while L.io_uring_cqe_iter_next(it, cqe):
+            c = cqe[0]
+            slot = c.user_data
+            if c.res != bb:
+                raise OSError(f"{path}: read of {bb} bytes returned {c.res}")
+            lat.append(now - started[slot])
+            reads += 1
+            seen += 1
+            if now < deadline:
+                prep(slot)
+            else:
+                inflight -= 1
+        L.io_uring_cq_advance(ring, seen)
+        if inflight:
+            L.io_uring_submit(ring)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    L.io_uring_queue_exit(ring)
+    os.close(fd)
+    for b in bufs:
+        b.close()
+    return {"reads": reads, "bytes": reads * bb, "wall": wall, "cpu": cpu, "lat": lat}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, required=True, help="scratch directory on the disk under test")
+    p.add_argument("--size-gb", type=float, default=4.0, help="test file size, GiB (default 4)")
+    p.add_argument("--depths", default="1,2,4,8,16,32,64")
+    p.add_argument("--seconds", type=float, default=0.8, help="per cell (default 0.8)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved, each starting at another backend")
+    p.add_argument("--backends", default="preadv,io_uring,io_uring-raw")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--keep", action="store_true", help="keep the test file for another run")
+    ns = p.parse_args()
+    bb = block_bytes()
+    depths = [int(d) for d in ns.depths.split(",")]
+    backends = ns.backends.split(",")
+    why = unavailable()
+    if why and any(b.startswith("io_uring") for b in backends):
+        print(f"io_uring backends skipped: {why}", flush=True)
+        backends = [b for b in backends if not b.startswith("io_uring")]
+    ns.dir.mkdir(parents=True, exist_ok=True)
+    path = ns.dir / "bench_reads.bin"
+    n_blocks = int(ns.size_gb * 2**30) // bb
+    if n_blocks < 64:
+        raise SystemExit(f"--size-gb {ns.size_gb} holds {n_blocks} blocks of {bb}; give at least 64")
+    make_file(path, n_blocks * bb)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        raise SystemExit(f"{path}: no O_DIRECT on this filesystem ({exc}); give a --dir on the NVMe") from exc
+    assert bb % ALIGN == 0
+    print(
+        f"block {bb:,} bytes (Qwen3.6-35B-A3B int4 g32 expert), {n_blocks} blocks, O_DIRECT, "
+        f"{ns.rounds} rounds x {ns.seconds} s per cell; backends {', '.join(backends)}",
+        flush=True,
+    )
+    cells: dict[tuple[str, int], list[dict]] = {}
+    rng = random.Random(0)
+    try:
+        for k in range(ns.rounds):
+            for depth in depths:
+                for backend in backends[k % len(backends) :] + backends[: k % len(backends)]:
+                    run = run_raw_uring if backend == "io_uring-raw" else None
+                    res = (
+                        run(path, bb, n_blocks, depth, ns.seconds, rng)
+                        if run
+                        else run_reader(backend, path, bb, n_blocks, depth, ns.seconds, rng)
+                    )
+                    cells.setdefault((backend, depth), []).append(res)
+    finally:
+        if not ns.keep:
+            path.unlink()
+    rows = []
+    print(
+        f"\n{'depth':>5} {'backend':<13} {'GB/s median (range)':<22} {'lat med ms':>10} {'p99 ms':>8} "
+        f"{'CPU s/GB':>8}"
+    )
+    for depth in depths:
+        for backend in backends:
+            runs = cells[backend, depth]
+            gbs = [r["bytes"] / r["wall"] / 1e9 for r in runs]
+            lat = [x for r in runs for x in r["lat"]]
+            row = {
+                "backend": backend,
+                "depth": depth,
+                "gb_per_s": statistics.median(gbs),
+                "gb_per_s_range": [min(gbs), max(gbs)],
+                "lat_median_ms": statistics.median(lat) * 1e3,
+                "lat_p99_ms": pct(lat, 0.99) * 1e3,
+                "reads": sum(r["reads"] for r in runs),
+                # CPU time of this process (every thread) per GB read: what the reads cost the cores
+                "cpu_s_per_gb": sum(r["cpu"] for r in runs) / (sum(r["bytes"] for r in runs) / 1e9),
+            }
+            rows.append(row)
+            print(
+                f"{depth:>5} {backend:<13} {row['gb_per_s']:6.2f} ({min(gbs):.2f}-{max(gbs):.2f}){'':<8} "
+                f"{row['lat_median_ms']:10.2f} {row['lat_p99_ms']:8.2f} {row['cpu_s_per_gb']:8.3f}",
+                flush=True,
+            )
+    if ns.json:
+        meta = {"block_bytes": bb, "blocks": n_blocks, "seconds": ns.seconds, "rounds": ns.rounds}
+        ns.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""io_uring reads (reader: io_uring): the same bytes as preadv on a bundle's expert files, the same
+errors (file and offset named), short reads continued, and io_uring that cannot run refused or,
+under reader auto, a counted fallback to preadv."""
+
+import os
+import sys
+
+import pytest
+
+from edgerun.bundle.reader import Bundle
+from edgerun.cache.reader import BlockReader, ReadError, aligned_buffer, direct_supported
+from edgerun.cache.uring import unavailable
+from edgerun.errors import StorageError
+from edgerun.tools.synth_bundle import synth_bundle, tiny_config
+
+WHY = unavailable()
+needs_uring = pytest.mark.skipif(WHY is not None, reason=f"io_uring reads cannot run here: {WHY}")
+BB = 8192  # expert_file's blocks (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return Bundle.open(synth_bundle(tmp_path_factory.mktemp("uring") / "b", tiny_config(), threads=1))
+
+
+def _read_all(bundle, reader: str, mode: str, into: str) -> dict:
+    """Every block of every expert file, read concurrently (depth 4) by one backend."""
+    out = {}
+    bbs = {lay.block_bytes for lay in bundle.layouts.values()}
+    readers = {bb: BlockReader(bb, staging=4, mode=mode, reader=reader) for bb in bbs}
+    dests = []
+    try:
+        futures = []
+        for layer, lay in bundle.layouts.items():
+            r, n = readers[lay.block_bytes], bundle.args.num_experts
+            path = bundle.expert_path(layer)
+            for e in reversed(range(n)):  # not in file order
+                if into == "dest":
+                    buf = aligned_buffer(lay.block_bytes)
+                    dests.append(buf)
+                    fut = r.submit(path, e, None, n, dest=memoryview(buf)[: lay.block_bytes])
+                    futures.append((layer, e, fut, buf))
+                else:
+                    sink = lambda v, k=(layer, e): out.__setitem__(k, bytes(v))  # noqa: E731
+                    futures.append((layer, e, r.submit(path, e, sink, n), None))
+        for layer, e, fut, buf in futures:
+            fut.result()
+            if buf is not None:
+                out[layer, e] = bytes(buf[: bundle.layouts[layer].block_bytes])
+        assert {r.backend for r in readers.values()} == {reader}
+        assert sum(r.stats.reads for r in readers.values()) == len(out)
+    finally:
+        for r in readers.values():
+            r.close()
+        for b in dests:
+            b.close()
+    return out
+
+
+@needs_uring
+@pytest.mark.parametrize("into", ["staging", "dest"])
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_io_uring_reads_equal_preadv_reads_on_a_bundle(bundle, mode, into):
+    if mode == "direct" and not direct_supported(bundle.expert_path(next(iter(bundle.layouts)))):
+        pytest.skip("no O_DIRECT on the temporary directory's filesystem")
+    want = _read_all(bundle, "preadv", mode, into)
+    got = _read_all(bundle, "io_uring", mode, into)
+    assert len(want) == bundle.args.num_experts * len(bundle.layouts)
+    assert got == want
+    layer = next(iter(bundle.layouts))
+    bb = bundle.layouts[layer].block_bytes
+    with open(bundle.expert_path(layer), "rb") as f:
+        assert want[layer, 3] == f.read(bb * 4)[-bb:]
+
+
+@needs_uring
+@pytest.mark.parametrize("reader", ["preadv", "io_uring"])
+def test_truncated_file_is_a_short_read_naming_file_and_offset(expert_file, tmp_path, reader):
+    path, data = expert_file
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[: BB * 3 + 4096 + 100])  # aligned part, then an unaligned tail
+    for mode in ("direct", "buffered") if direct_supported(short) else ("buffered",):
+        r = BlockReader(BB, staging=1, mode=mode, reader=reader)
+        with pytest.raises(
+            StorageError, match=rf"{short}: short read of block 3 at offset 24576: 4196 of 8192"
+        ):
+            r.read_into(short, 3, lambda v: None, 16)
+        with pytest.raises(StorageError, match=rf"{short}: short read of block 5 at offset 40960: 0 of 8192"):
+            r.read_into(short, 5, lambda v: None, 16)  # wholly past the end
+        r.close()
+
+
+@needs_uring
+def test_a_short_read_is_continued(expert_file):
+    """A read that returns part of a block (as io_uring may) is continued, not refused."""
+    path, data = expert_file
+    fd = os.open(path, os.O_RDONLY)
+    buf = aligned_buffer(BB)
+    calls = []
+    r = BlockReader(BB, staging=1, mode="buffered", reader="io_uring")
+    real = r._uring.read
+
+    def halves(fd, address, length, offset):
+        calls.append((length, offset))
+        return real(fd, address, min(length, 4096), offset)
+
+    r._uring.read = halves
+    view = memoryview(buf)[:BB]
+    assert r._read_all(fd, view, 2 * BB, direct=True) == BB
+    assert bytes(view) == data[2 * BB : 3 * BB] and calls == [(BB, 2 * BB), (4096, 2 * BB + 4096)]
+    view.release()
+    r.close()
+    os.close(fd)
+    buf.close()
+
+
+@needs_uring
+@pytest.mark.parametrize("reader", ["preadv", "io_uring"])
+def test_an_io_error_names_the_file_block_and_offset(tmp_path, reader):
+    """The kernel's error from the read itself (a directory: EISDIR), not from opening the file."""
+    r = BlockReader(BB, staging=1, mode="buffered", reader=reader)
+    with pytest.raises(StorageError, match=rf"{tmp_path}: reading block 2 at offset 16384: .*Is a directory"):
+        r.read_into(tmp_path, 2, lambda v: None, 4)
+    r.close()
+
+
+@needs_uring
+def test_a_misaligned_io_uring_read_is_the_kernels_einval(expert_file):
+    """Below the reader's own alignment check: the ring reports O_DIRECT's EINVAL as an OSError."""
+    import errno
+
+    from edgerun.cache.uring import UringReads
+
+    path, _ = expert_file
+    if not direct_supported(path):
+        pytest.skip("no O_DIRECT on the temporary directory's filesystem")
+    ring = UringReads(1)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = aligned_buffer(BB)
+    from edgerun.cache.reader import buffer_address
+
+    with pytest.raises(OSError) as exc:
+        ring.read(fd, buffer_address(buf), BB, 100)
+    assert exc.value.errno == errno.EINVAL
+    assert ring.read(fd, buffer_address(buf), BB, BB) == BB  # the ring still serves reads
+    ring.close()
+    os.close(fd)
+    buf.close()
+
+
+def test_io_uring_that_cannot_run_is_refused_or_a_counted_fallback(expert_file, monkeypatch):
+    path, data = expert_file
+    monkeypatch.setitem(sys.modules, "liburing", None)  # as if the optional package were missing
+    with pytest.raises(
+        ReadError, match=r"reader io_uring: the liburing package is not installed.*reader: preadv or auto"
+    ):
+        BlockReader(BB, staging=1, reader="io_uring")
+    r = BlockReader(BB, staging=2, mode="buffered", reader="auto")
+    assert r.backend == "preadv" and "liburing package is not installed" in r.stats.fallbacks["io_uring"]
+    got = []
+    for i in (4, 9):
+        r.read_into(path, i, lambda v: got.append(bytes(v)), 16)
+    assert got == [data[4 * BB : 5 * BB], data[9 * BB : 10 * BB]]
+    assert r.stats.fallback_reads["io_uring"] == 2  # every read it served
+    r.close()
+    with pytest.raises(ReadError, match="reader 'uring' is not one of preadv, io_uring, auto"):
+        BlockReader(BB, reader="uring")
+
+
+@needs_uring
+def test_a_failed_completion_thread_fails_reads_instead_of_leaving_them_waiting(expert_file):
+    import errno
+
+    from edgerun.cache.reader import buffer_address
+    from edgerun.cache.uring import UringReads
+
+    path, _ = expert_file
+    ring = UringReads(2)
+    L = ring._L
+    with ring._lock:  # a completion nobody submitted: the completion thread cannot place it
+        sqe = L.io_uring_get_sqe(ring._ring)
+        L.io_uring_prep_nop(sqe)
+        sqe.user_data = 10**9
+        L.io_uring_submit(ring._ring)
+    ring._reaper.join(10)
+    assert not ring._reaper.is_alive()
+    fd, buf = os.open(path, os.O_RDONLY), aligned_buffer(BB)
+    with pytest.raises(OSError, match="io_uring completion thread failed: KeyError") as exc:
+        ring.read(fd, buffer_address(buf), BB, 0)
+    assert exc.value.errno == errno.EIO
+    ring.close()
+    os.close(fd)
+    buf.close()
