@@ -21,11 +21,16 @@ bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and on
 subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic: the bits repeat. A token's row may differ by an ulp now and then with the
-call's token count (seen on an H200 at Qwen3.6's in_proj: the kernel compiled for 3 tokens sums
-a row in another order than for 1); ``alone`` computes each row by the one-row kernel's programs
-instead (a batch's step). No host syncs, no allocation but the output's, one launch: a call
-can be captured in a CUDA graph.
+nothing is atomic: the bits repeat. Each token has accumulators of its own, updated and summed by
+the operations a one-token call runs, so a token's row is the one-token call's bit for bit
+whatever the call's token count (a batch's step; checked on an H200 at Qwen3.6's shapes for
+N = 1..8, and by the batch's start-up probe on the device it runs on). An earlier tile that held
+all tokens in one [rows, groups, tokens] accumulator summed a row in an order that depended on
+the token count: one ulp now and then. ``alone`` runs each row by the one-row kernel's programs
+instead (the fallback when the probe refuses the shared pass). Token counts are compiled in
+power-of-two buckets (1, 2, 4, 8; the tokens past the call's read zeros and are not stored).
+No host syncs, no allocation but the output's, one launch: a call can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -495,11 +500,11 @@ def qgemv(
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
     overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits.
 
-    ``alone``: each row is computed as a one-row call computes it, by programs of its own (the
-    one-row kernel over a grid of rows: its weights read again for each row, mostly from L2), so
-    its bits do not depend on the call's other rows: a batch's step, whose row count varies
-    (several rows in one program sum them in a layout that depends on the row count: on an H200
-    a row then differs from the row alone by an ulp now and then).
+    ``alone``: each row by programs of its own (the one-row kernel over a grid of rows: its
+    weights read again for each row, mostly from L2), rather than one pass over all rows that
+    decodes each step's weights once; both give each row the one-row call's bits by design, the
+    device's compiled code decides (``Runner.probe_batch`` checks the shared pass, this is its
+    fallback).
 
     ``norm`` (weight [C] in x's dtype, eps, unit_offset): x is RMS-normalised on the way in, as
     ``rms_norm_ref`` would (one launch fewer than a separate norm); ``norm_out`` [N, C] then also
