@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,24 @@ FLAGS = {
 }  # constexprs that pick code paths, not sizes
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
-@pytest.mark.parametrize(
-    "script",
-    [
-        "interpreted_moe.py",
-        "interpreted_dense.py",
-        "interpreted_qlinear.py",
-        "interpreted_decode.py",
-        "../engine/interpreted_fused_decode.py",
-    ],
-)
-def test_triton_kernels_under_the_interpreter(script, tmp_path):
-    record = tmp_path / "launches.json"
+# The scripts run as child processes, os.cpu_count() at a time, all started when the first of
+# these tests runs: each is one single-threaded interpreter, so on the 2-core CI machine two run
+# side by side and the suite waits for about half the sum, not for the sum. Longest first, so
+# the pool never ends on a long one started late. The fused decode script, the longest, runs as
+# two halves by -k (a test added to it falls in the second).
+FUSED = "../engine/interpreted_fused_decode.py"
+BATCH = "test_batch_rows_are_the_one_sequence_step"
+SCRIPTS = [
+    (FUSED, BATCH),
+    (FUSED, f"not {BATCH}"),
+    ("interpreted_qlinear.py", None),
+    ("interpreted_moe.py", None),
+    ("interpreted_decode.py", None),
+    ("interpreted_dense.py", None),
+]
+
+
+def _run_script(script: str, select: str | None, record: Path) -> subprocess.CompletedProcess:
     here = Path(__file__).parent
     path = os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")]))  # the plugin
     env = {**os.environ, "TRITON_INTERPRET": "1", "EDGERUN_RECORD_LAUNCHES": str(record), "PYTHONPATH": path}
@@ -59,8 +65,39 @@ def test_triton_kernels_under_the_interpreter(script, tmp_path):
         "-p",
         "launch_recorder",
         str(here / script),
+        *(["-k", select] if select else []),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+    """{(script, select): (future of its child's result, its launch record)} for the scripts this
+    session selected, all submitted at once to a pool of os.cpu_count() workers."""
+    selected = [
+        (item.callspec.params["script"], item.callspec.params["select"])
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and hasattr(item, "callspec")
+    ]
+    runs = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(selected)))) as pool:
+        for case in sorted(selected, key=SCRIPTS.index):
+            record = tmp_path_factory.mktemp("launches") / "launches.json"
+            runs[case] = (pool.submit(_run_script, *case, record), record)
+        yield runs
+        for future, _ in runs.values():
+            future.cancel()  # a test that failed early leaves the rest unstarted
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+@pytest.mark.parametrize(
+    "script, select",
+    SCRIPTS,
+    ids=[Path(s).stem + (f"-k-{k.replace(' ', '-')}" if k else "") for s, k in SCRIPTS],
+)
+def test_triton_kernels_under_the_interpreter(script, select, script_runs):
+    future, record = script_runs[script, select]
+    out = future.result()
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
     compiled = _compile_for_sm90(json.loads(record.read_text()))
