@@ -323,9 +323,14 @@ class DecodeGraphs:
         self._count_window(i, rows)
         slots, refs = lookup(self.cache, i, rows, self.device)
         self._prefetch(i)
-        run_experts(
-            self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs, into=self._into(i)
-        )
+        x, shared = self._into(i)
+        # a verify window's rows one at a time: the reference multiplies an expert's rows together,
+        # and a product's bits may depend on how many rows it takes
+        for r in [slice(j, j + 1) for j in range(self.rows)] if self.hidden is not None else [slice(None)]:
+            run_experts(
+                self.cache, i, self.h[r], slots[r], buf.ids[r], buf.weights[r], self.policy.moe, refs,
+                into=(x[r], None if shared is None else shared[r]),
+            )  # fmt: skip
 
     def _count_window(self, i: int, rows: list[list[int]]) -> None:
         """A verify window's union of its rows' experts, counted where the host sees the ids (a
@@ -547,6 +552,8 @@ class DecodeGraphs:
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
         how += f", dense {self.policy.dense}"
         text = f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+        if self.windows:
+            text += f"; verify windows of {'/'.join(map(str, sorted(self.windows)))} rows"
         if self.prefill is not None:
             p = self.prefill
             text += (

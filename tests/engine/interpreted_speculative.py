@@ -25,6 +25,7 @@ from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig
 from edgerun.kernels.moe import MoeKernelPolicy
+from edgerun.models.layers import KVCache
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_speculative.py"
@@ -54,32 +55,35 @@ def sources(tmp_path_factory):
     return {"bundle": root / "bundle", "hf": fused}
 
 
-def fused_runner(path, cache: CacheConfig | None, k: int = 1) -> Runner:
+def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved = FUSED) -> Runner:
     """A runner whose decode steps and verify windows run the CUDA path's kernels on the CPU (a
     DecodeGraphs over its one-sequence state, graphs off)."""
     runner = Runner.load(
         path, device="cpu", dtype=torch.float32, cache=cache, speculative=SpeculativeConfig("mtp", k)
     )
-    runner.kernels = FUSED
+    runner.kernels = policy
     runner.model.use_kernels(True)
-    runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, FUSED, CPU, 32, runner.steps)
+    runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 32, runner.steps)
     return runner
 
 
 # every expert held (table mode: slots looked up on the device), streamed (routed: the window's
-# union looked up on the host between segments; quota 4 = top_k x 2 rows) and resident stacked
+# union looked up on the host between segments; quota 4 = top_k x 2 rows), resident stacked, and
+# the reference expert step (eager, the rows one at a time)
 @pytest.mark.parametrize(
     ("source", "quota", "rows", "mode"),
     [
         ("bundle", 64, [7, 70, 33], "table"),
         ("bundle", 4, [7, 70], "routed"),
         ("hf", None, [7, 70], "stacked"),
+        ("bundle", 4, [7, 70], "eager"),
     ],
 )
 def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
     sources, source, quota, rows, mode
 ):
-    runner = fused_runner(sources[source], CacheConfig(quota) if quota else None)
+    policy = Resolved(MoeKernelPolicy(), graphs=False, dense="triton") if mode == "eager" else FUSED
+    runner = fused_runner(sources[source], CacheConfig(quota) if quota else None, policy=policy)
     d = runner.decoder
     assert set(d.modes.values()) == {mode}
     with torch.inference_mode():
@@ -89,13 +93,13 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
         for i, t in enumerate(rows):
             steps.append(runner.decode_step(state, t).clone())
             after[i + 1] = copy.deepcopy(state)
-        d.reset()
+        scribble(d.reset())
         runner.prefill(state, PROMPT)
         eager = runner.steps.eager_steps
         windows = runner.cache.totals().verify_windows if runner.cache else 0
         logits, hidden = d.verify(rows)
         assert runner.steps.eager_steps == eager + 1  # a window is one step, counted as it ran
-        if mode == "routed":  # its union of experts counted, per MoE layer
+        if mode in ("routed", "eager"):  # its union of experts counted, per MoE layer
             assert runner.cache.totals().verify_windows - windows == len(runner.args.moe_layers)
         assert logits.shape == (len(rows), runner.args.vocab_size) and hidden.shape == (len(rows), 32)
         for j in range(len(rows)):
@@ -110,6 +114,15 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
         got = runner.decode_step(state, 9).clone()
         after[1].copy_into(state)
         assert torch.equal(got, runner.decode_step(state, 9))
+
+
+def scribble(state) -> None:
+    """Random keys and values at every position: a window row that read a position before the
+    row that writes it (or plain decoding's leftovers there) would not go unnoticed."""
+    for entry in state.layers:
+        if isinstance(entry, KVCache):
+            entry.k.normal_()
+            entry.v.normal_()
 
 
 def oracle_drafts(want: list[int], seed: int):
@@ -138,6 +151,7 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
         if k > 1:
             monkeypatch.setattr(MtpDrafter, "draft", oracle_drafts(want, k))
         runner.speculative = SpeculativeConfig("mtp", k)
+        scribble(runner.decoder.state)
         events = list(runner.generate(runner.request(PROMPT, params)))
         got = [e.token_id for e in events if e.token_id is not None]
         assert torch.equal(torch.tensor(got), torch.tensor(want)), k
