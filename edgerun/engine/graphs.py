@@ -108,6 +108,7 @@ class DecodeGraphs:
         rows: int = 1,
         pool: DecodeState | None = None,
         window: DecodeState | None = None,
+        trail: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model, self.args, self.cache, self.policy = model, args, cache, policy
         self.device = torch.device(device)
@@ -179,10 +180,10 @@ class DecodeGraphs:
             if why:
                 raise EdgerunError(f"a speculative verify step on {self.device.type}: {why}")
             self.hidden = torch.zeros_like(self.x)
-            for i, entry in enumerate(self.state.layers):
-                if isinstance(entry, DeltaState):
-                    self.trail[i] = (entry.conv.new_zeros(N, *entry.conv.shape[1:]),
-                                     entry.recurrent.new_zeros(N, *entry.recurrent.shape[1:]))  # fmt: skip
+            # ``trail``: buffers of at least N states a DeltaNet layer, shared by the windows of
+            # one state (``verify``); else the window's own
+            trail = trail if trail is not None else window_trail(self.state, N)
+            self.trail = {i: (conv[:N], recurrent[:N]) for i, (conv, recurrent) in trail.items()}
         # decode prefetch: where layer i and the next MoE layer j both serve misses on the host,
         # j's router runs on i's residual stream in i's segment, and i's host op (after its own
         # lookup) prefetches what it predicts, so j's reads overlap i's expert step and j's mixer
@@ -205,6 +206,8 @@ class DecodeGraphs:
         self.counters = counters or DecodeCounters()
         self.prefill: PrefillGraphs | None = None  # the runner's, made on its first prompt
         self.windows: dict[int, DecodeGraphs] = {}  # verify windows over this state, by row count
+        self._trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their shared DeltaNet trail
+        self._trail_rows = 0
         self.fallbacks: dict[str, str] = {}
         self._warm = False
         self._far_steps = 0  # decode steps since load: a far tier's device set follows its use
@@ -435,18 +438,24 @@ class DecodeGraphs:
         self.indices.copy_(torch.tensor([slots, positions, tokens], dtype=torch.long))
         self._execute()
 
-    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, tokens: list[int], most: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A speculative verify window over this decoder's state: ``tokens`` at positions
         pos..pos + N - 1, the state advanced by N -> (logits [N, V], the final normed hidden
         states [N, D]; copies), row j bit for bit the one-row step at its position (with the
         KV and DeltaNet state rows < j left). Each DeltaNet layer's state after each row is kept
-        for ``DecodeState.rollback``. Run by a decoder of N rows over this state, made (and, with
-        graphs, captured) on a window of N rows' first use; counted as this decoder's steps are."""
+        for ``DecodeState.rollback``, in buffers the windows share, of ``most`` rows (the longest
+        window the caller asks for, K + 1: the planner's count). Run by a decoder of N rows over
+        this state, made (and, with graphs, captured) on a window of N rows' first use; counted
+        as this decoder's steps are."""
         n = len(tokens)
+        if max(n, most) > self._trail_rows:  # (re)made for the longest window, its windows with it
+            self.windows.clear()
+            self._trail_rows = max(n, most)
+            self._trail = window_trail(self.state, self._trail_rows)
         if n not in self.windows:
             self.windows[n] = DecodeGraphs(
                 self.model, self.args, self.cache, self.policy, self.device, self.capacity,
-                self.counters, rows=n, window=self.state,
+                self.counters, rows=n, window=self.state, trail=self._trail,
             )  # fmt: skip
         w = self.windows[n]
         with exact_rows():
@@ -562,6 +571,15 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def window_trail(state: DecodeState, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Room for ``rows`` conv and recurrent states of each DeltaNet layer of ``state``, by layer."""
+    return {
+        i: (e.conv.new_zeros(rows, *e.conv.shape[1:]), e.recurrent.new_zeros(rows, *e.recurrent.shape[1:]))
+        for i, e in enumerate(state.layers)
+        if isinstance(e, DeltaState)
+    }
 
 
 def greedy_pick(token: int, chosen: float) -> int:

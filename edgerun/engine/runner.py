@@ -683,7 +683,7 @@ class Runner:
         position: on the decoder's state (CUDA) its step's kernels (``DecodeGraphs.verify``),
         counted as its steps are (graph / mixed / eager); else the model's rows mode, eager."""
         if self.decoder is not None and state is self.decoder.state:
-            logits, hidden = self.decoder.verify(tokens)
+            logits, hidden = self.decoder.verify(tokens, self.speculative.draft_tokens + 1)
             hidden = hidden[None]
         else:
             rows = torch.tensor([tokens], dtype=torch.long, device=self.device)
