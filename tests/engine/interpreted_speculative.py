@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 CPU = torch.device("cpu")
 PROMPT = [5, 17, 3, 44, 9]
+V = 48  # vocabulary: the lm_head's rows
 FUSED = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
 
 
@@ -46,9 +47,9 @@ def sources(tmp_path_factory):
     # small as the kernels take it (the interpreter runs a program at a time): few output rows
     build_hf("qwen3_5_moe", root / "hf", seed=7, hidden_size=32, moe_intermediate_size=16,
              shared_expert_intermediate_size=16, num_hidden_layers=2, layer_types=layers,
-             num_attention_heads=2, num_key_value_heads=1, linear_num_value_heads=2)  # fmt: skip
+             num_attention_heads=2, num_key_value_heads=1, linear_num_value_heads=2, vocab_size=V)  # fmt: skip
     fused = add_mtp(root / "hf", root / "fused-mtp", seed=3, fused=True)
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0")).save(
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0")).save(
         str(fused / "tokenizer.json")
     )
     convert(fused, root / "bundle", ConvertOptions("bf16", None, dense="bf16"))
@@ -73,10 +74,10 @@ def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved =
 @pytest.mark.parametrize(
     ("source", "quota", "rows", "mode"),
     [
-        ("bundle", 64, [7, 70, 33], "table"),
-        ("bundle", 4, [7, 70], "routed"),
-        ("hf", None, [7, 70], "stacked"),
-        ("bundle", 4, [7, 70], "eager"),
+        ("bundle", 64, [7, 40, 33], "table"),
+        ("bundle", 4, [7, 40], "routed"),
+        ("hf", None, [7, 40], "stacked"),
+        ("bundle", 4, [7, 40], "eager"),
     ],
 )
 def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
@@ -109,6 +110,8 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
             s = copy.deepcopy(window)
             s.rollback(start, kept)
             assert _states_equal(s, after[kept], start + kept), kept
+        if mode != "table":
+            return
         # decoding on from a rolled-back state is decoding on from plain's
         state.rollback(start, 1)
         got = runner.decode_step(state, 9).clone()
@@ -134,22 +137,21 @@ def oracle_drafts(want: list[int], seed: int):
         i = len(seq) - len(PROMPT)  # seq's next token is want[i]
         out = [want[i + j] if i + j < len(want) else 0 for j in range(n)]
         bad = int(torch.randint(0, n + 1, (), generator=g))
-        return out[:bad] + [(t + 1) % 97 for t in out[bad:]], [torch.zeros(97)] * n
+        return out[:bad] + [(t + 1) % V for t in out[bad:]], [torch.zeros(V)] * n
 
     return draft
 
 
 def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
-    """K = 1 with the MTP head's own drafts (run eagerly through the GEMV), K = 2, 3 with
-    plain greedy's tokens as drafts, corrupted at random (every kept-prefix length occurs)."""
+    """K = 1, 2, 3 with plain greedy's tokens as drafts, corrupted at random (every kept-prefix
+    length occurs; the MTP head's own drafts are the CPU path's code, test_speculative.py)."""
     runner = fused_runner(sources["bundle"], CacheConfig(64))
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)  # the first window may draft 3
     runner.speculative = None
     want = runner.generate_ids(PROMPT, params)
     accepted = 0
     for k in (1, 2, 3):
-        if k > 1:
-            monkeypatch.setattr(MtpDrafter, "draft", oracle_drafts(want, k))
+        monkeypatch.setattr(MtpDrafter, "draft", oracle_drafts(want, k))
         runner.speculative = SpeculativeConfig("mtp", k)
         scribble(runner.decoder.state)
         events = list(runner.generate(runner.request(PROMPT, params)))
@@ -158,5 +160,5 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
         stats = events[-1].stats.speculative
         assert stats.emitted == len(want) - 1 and stats.drafted >= stats.accepted, stats
         accepted += stats.accepted
-    assert accepted > 0
+    assert accepted > 0 and 4 in runner.decoder.windows  # K = 3 drafted 3
     assert runner.steps.graph_steps == runner.steps.mixed_steps == 0 and runner.steps.eager_steps > 0
