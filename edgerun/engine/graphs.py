@@ -25,7 +25,9 @@ this module only plans, captures and replays. Attention reads the whole static K
 a mask (``Attention.decode_static``), so its shapes never change; the position and token are
 device tensors the host writes before each step. Prefill runs the model's own forward on the
 same static state: eagerly, or (:class:`PrefillGraphs`) a prompt's first chunk replayed from a
-graph captured for its length padded up to a bucket.
+graph captured for its length padded up to a bucket. A speculative verify window
+(:meth:`DecodeGraphs.verify`) is a decoder of K + 1 rows over the one sequence's state: the same
+operations, the token mixers a launch per row in position order.
 """
 
 from __future__ import annotations
