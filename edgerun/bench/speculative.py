@@ -1,6 +1,7 @@
-"""Speculative decoding with the MTP head against plain decoding, on this machine's CPU.
+"""Speculative decoding with the MTP head against plain decoding, on this machine's CPU or GPU.
 
     edgerun bench speculative [--model DIR] [--draft-tokens 1,2,3] [--max-tokens 96] [--repeats 5]
+                              [--device cpu|cuda] [--graphs auto|on|off]
 
 One runner decodes plainly, one per K speculatively (``--speculative mtp --draft-tokens K``),
 same model, same threads. Each repeat runs every configuration over the same prompts, in turn
@@ -8,7 +9,9 @@ same model, same threads. Each repeat runs every configuration over the same pro
 ``--temperature`` (seeded). A configuration's decode rate in a repeat is its generated tokens
 after the first over its decode time, summed over the prompts; the table gives the median and
 range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens per verify step,
-and the speed-up: the median rate over plain decoding's median rate in the same run.
+and the speed-up: the median rate over plain decoding's median rate in the same run. On CUDA
+(``--device cuda``) both decode through the decode step's kernels, replayed from CUDA graphs
+(``--graphs``), a verify window of K + 1 rows as one step (``engine/graphs.DecodeGraphs.verify``).
 
 Greedy output must equal plain greedy's token for token: a configuration whose tokens differ
 prints no rate (``MISMATCH``). Sampled output is not compared (drafting draws from the
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' temperature (0: none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as generate picks)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to decode (default cpu)")
+    p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="CUDA graphs (cuda only)")
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args(argv)
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from edgerun.engine.setup import runtime
     from edgerun.engine.speculative import SpeculativeConfig
 
-    rt = runtime("cpu", threads=ns.threads)
+    rt = runtime(ns.device, threads=ns.threads, graphs=ns.graphs)
     plain = rt.load(ns.model, progress=False)
     runners = {"plain": plain}
     for k in ns.draft_tokens:
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[(m, name)].append(run_prompts(runner, prompts, params))
     result = {
         "model": str(ns.model or "demo"),
+        "device": ns.device,
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_tokens": ns.max_tokens,
@@ -157,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         result["modes"][m] = rows
     table = markdown(result)
     print(
-        f"{result['model']}, {result['prompts']} prompts x {ns.max_tokens} tokens, {ns.repeats} repeats, "
-        f"{result['threads']} thread(s)\n{table}",
+        f"{result['model']} on {ns.device}, {result['prompts']} prompts x {ns.max_tokens} tokens, "
+        f"{ns.repeats} repeats, {result['threads']} thread(s)\n{table}",
         end="",
     )
     if ns.out is not None:

@@ -25,7 +25,9 @@ this module only plans, captures and replays. Attention reads the whole static K
 a mask (``Attention.decode_static``), so its shapes never change; the position and token are
 device tensors the host writes before each step. Prefill runs the model's own forward on the
 same static state: eagerly, or (:class:`PrefillGraphs`) a prompt's first chunk replayed from a
-graph captured for its length padded up to a bucket.
+graph captured for its length padded up to a bucket. A speculative verify window
+(:meth:`DecodeGraphs.verify`) is a decoder of K + 1 rows over the one sequence's state: the same
+operations, the token mixers a launch per row in position order.
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class DecodeGraphs:
     is the pool's entry ``slots[n]``, written before each step with the rows' positions and
     tokens; ``run_rows``). Rows never meet: every kernel computes a row as a one-row step
     does, so a batch's row is its sequence's step whichever rows share it (the engine's
-    start-up probe checks it, ``Runner.probe_batch``)."""
+    start-up probe checks it, ``Runner.probe_batch``). Or (``window``, a one-sequence state)
+    a speculative verify window: ``rows`` consecutive tokens of that one sequence, each row
+    computed as the one-row step at its position computes it (``run_window``)."""
 
     def __init__(
         self,
@@ -105,6 +109,8 @@ class DecodeGraphs:
         counters: DecodeCounters | None = None,
         rows: int = 1,
         pool: DecodeState | None = None,
+        window: DecodeState | None = None,
+        trail: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model, self.args, self.cache, self.policy = model, args, cache, policy
         self.device = torch.device(device)
@@ -115,7 +121,9 @@ class DecodeGraphs:
         D, K, N = args.hidden_size, args.num_experts_per_tok, rows
         self.rows = N
         kw = dict(device=self.device)
-        self.state = pool if pool is not None else model.new_state(1, capacity, device=self.device)
+        self.state = pool if pool is not None else window
+        if self.state is None:
+            self.state = model.new_state(1, capacity, device=self.device)
         # slots, positions and tokens of the rows: one buffer, written by one copy a step
         self.indices = torch.zeros(3, N, dtype=torch.long, **kw)
         self.slots = self.indices[0] if pool is not None else None
@@ -133,6 +141,7 @@ class DecodeGraphs:
             fused=policy.dense == "triton",
             inv_freq=model.rotary.inv_freq,
             slots=self.slots,
+            window=window is not None,
         )
         self.logits = torch.zeros(N, args.vocab_size, dtype=self.dtype, **kw)
         self.chosen = torch.zeros(N, 1, dtype=self.dtype, **kw)  # the greedy token's logit
@@ -164,6 +173,19 @@ class DecodeGraphs:
             why = rows_unsupported(self.static.fused, self.modes, self.layers)
             if why:
                 raise EdgerunError(f"a batch's decode step on {self.device.type}: {why}")
+        # a verify window: the DeltaNet layers' states after each row (``DecodeState.rollback``),
+        # and the rows' final normed hidden states (the MTP head's input)
+        self.trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hidden: torch.Tensor | None = None
+        if window is not None:
+            why = rows_unsupported(self.static.fused, self.modes, self.layers, one_sequence=True)
+            if why:
+                raise EdgerunError(f"a speculative verify step on {self.device.type}: {why}")
+            self.hidden = torch.zeros_like(self.x)
+            # ``trail``: buffers of at least N states a DeltaNet layer, shared by the windows of
+            # one state (``verify``); else the window's own
+            trail = trail if trail is not None else window_trail(self.state, N)
+            self.trail = {i: (conv[:N], recurrent[:N]) for i, (conv, recurrent) in trail.items()}
         # decode prefetch: where layer i and the next MoE layer j both serve misses on the host,
         # j's router runs on i's residual stream in i's segment, and i's host op (after its own
         # lookup) prefetches what it predicts, so j's reads overlap i's expert step and j's mixer
@@ -185,6 +207,9 @@ class DecodeGraphs:
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.counters = counters or DecodeCounters()
         self.prefill: PrefillGraphs | None = None  # the runner's, made on its first prompt
+        self.windows: dict[int, DecodeGraphs] = {}  # verify windows over this state, by row count
+        self._trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their shared DeltaNet trail
+        self._trail_rows = 0
         self.fallbacks: dict[str, str] = {}
         self._warm = False
         self._far_steps = 0  # decode steps since load: a far tier's device set follows its use
@@ -249,7 +274,7 @@ class DecodeGraphs:
 
     def _mixer(self, i: int) -> None:
         layer = self.layers[i]
-        layer.mix_static(self.x, self.state.layers[i], self.static)
+        layer.mix_static(self.x, self.state.layers[i], self.static, self.trail.get(i))
         mlp, norm = layer.mlp, layer.post_attention_layernorm
         if not isinstance(mlp, SparseMoe):
             mlp(self.x, "residual", self.x, norm=norm)
@@ -269,7 +294,9 @@ class DecodeGraphs:
 
     def _route(self, i: int) -> None:
         buf = self.moe[i]
-        slots, buf.refs = lookup(self.cache, i, buf.ids.tolist(), "cpu")  # waits for the router
+        rows = buf.ids.tolist()  # waits for the router
+        self._count_window(i, rows)
+        slots, buf.refs = lookup(self.cache, i, rows, "cpu")
         buf.slots_host.copy_(slots)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
         self._prefetch(i)
@@ -297,20 +324,38 @@ class DecodeGraphs:
             self._prefetch(i)
             add_into(experts(self.h, buf.ids, buf.weights), self._into(i))
             return
-        slots, refs = lookup(self.cache, i, buf.ids.tolist(), self.device)
+        rows = buf.ids.tolist()
+        self._count_window(i, rows)
+        slots, refs = lookup(self.cache, i, rows, self.device)
         self._prefetch(i)
-        run_experts(
-            self.cache, i, self.h, slots, buf.ids, buf.weights, self.policy.moe, refs, into=self._into(i)
-        )
+        x, shared = self._into(i)
+        # a verify window's rows one at a time: the reference multiplies an expert's rows together,
+        # and a product's bits may depend on how many rows it takes
+        for r in [slice(j, j + 1) for j in range(self.rows)] if self.hidden is not None else [slice(None)]:
+            run_experts(
+                self.cache, i, self.h[r], slots[r], buf.ids[r], buf.weights[r], self.policy.moe, refs,
+                into=(x[r], None if shared is None else shared[r]),
+            )  # fmt: skip
+
+    def _count_window(self, i: int, rows: list[list[int]]) -> None:
+        """A verify window's union of its rows' experts, counted where the host sees the ids (a
+        layer whose lookup runs on the device, table mode, holds every expert: not counted)."""
+        if self.hidden is not None and self.rows > 1:
+            self.cache.count_window(i, len({e for row in rows for e in row}))
 
     def _experts_stacked(self, i: int) -> None:
         buf = self.moe[i]
         mlp = self.layers[i].mlp
-        routed = mlp.experts.gathered(self.h, buf.ids, buf.weights)
+        # ``gathered`` takes one token: a verify window's rows one at a time, each as its step
+        parts = [
+            mlp.experts.gathered(self.h[r : r + 1], buf.ids[r : r + 1], buf.weights[r : r + 1])
+            for r in range(self.rows)
+        ]
+        routed = parts[0] if self.rows == 1 else torch.cat(parts)
         self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _head(self) -> None:
-        self.model.lm_head(self.x, out=self.logits, norm=self.model.model.norm)
+        self.model.lm_head(self.x, out=self.logits, norm=self.model.model.norm, norm_out=self.hidden)
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
@@ -328,6 +373,7 @@ class DecodeGraphs:
             if isinstance(entry, DeltaState):
                 entry.conv.zero_()
                 entry.recurrent.zero_()
+                entry.trail = None
         self.state.pos = 0
         return self.state
 
@@ -393,6 +439,49 @@ class DecodeGraphs:
             )
         self.indices.copy_(torch.tensor([slots, positions, tokens], dtype=torch.long))
         self._execute()
+
+    def verify(self, tokens: list[int], most: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speculative verify window over this decoder's state: ``tokens`` at positions
+        pos..pos + N - 1, the state advanced by N -> (logits [N, V], the final normed hidden
+        states [N, D]; copies), row j bit for bit the one-row step at its position (with the
+        KV and DeltaNet state rows < j left). Each DeltaNet layer's state after each row is kept
+        for ``DecodeState.rollback``, in buffers the windows share, of ``most`` rows (the longest
+        window the caller asks for, K + 1: the planner's count). Run by a decoder of N rows over
+        this state, made (and, with graphs, captured) on a window of N rows' first use; counted
+        as this decoder's steps are."""
+        n = len(tokens)
+        if max(n, most) > self._trail_rows:  # (re)made for the longest window, its windows with it
+            self.windows.clear()
+            self._trail_rows = max(n, most)
+            self._trail = window_trail(self.state, self._trail_rows)
+        if n not in self.windows:
+            self.windows[n] = DecodeGraphs(
+                self.model, self.args, self.cache, self.policy, self.device, self.capacity,
+                self.counters, rows=n, window=self.state, trail=self._trail,
+            )  # fmt: skip
+        w = self.windows[n]
+        with exact_rows():
+            w.run_window(tokens)
+        self.fallbacks.update(w.fallbacks)
+        return w.logits.clone(), w.hidden.clone()
+
+    def run_window(self, tokens: list[int]) -> None:
+        """Queue the verify window (window mode, see :meth:`verify`): row j consumes
+        ``tokens[j]`` at the state's position + j; within ``exact_rows``."""
+        if self.hidden is None:
+            raise ValueError("run_window steps a verify window; this decoder was not made for one")
+        start, n = self.state.pos, len(tokens)
+        if n != self.rows:
+            raise ValueError(f"a verify window of {self.rows} rows takes {self.rows} tokens, got {n}")
+        if start + n > self.capacity:
+            raise ValueError(
+                f"decode state holds {self.capacity} positions; a window to position {start + n - 1} is past it"
+            )
+        self.indices[1:].copy_(torch.tensor([list(range(start, start + n)), tokens], dtype=torch.long))
+        self._execute()
+        self.state.pos += n
+        for i, (conv, recurrent) in self.trail.items():
+            self.state.layers[i].trail = [(conv[j : j + 1], recurrent[j : j + 1]) for j in range(n)]
 
     def read_rows(self) -> tuple[list[int], list[float]]:
         """The rows' greedy tokens and their logits, after :meth:`run_rows` (waits for the step)."""
@@ -474,6 +563,8 @@ class DecodeGraphs:
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
         how += f", dense {self.policy.dense}"
         text = f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+        if self.windows:
+            text += f"; verify windows of {'/'.join(map(str, sorted(self.windows)))} rows"
         if self.prefill is not None:
             p = self.prefill
             text += (
@@ -482,6 +573,15 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def window_trail(state: DecodeState, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Room for ``rows`` conv and recurrent states of each DeltaNet layer of ``state``, by layer."""
+    return {
+        i: (e.conv.new_zeros(rows, *e.conv.shape[1:]), e.recurrent.new_zeros(rows, *e.recurrent.shape[1:]))
+        for i, e in enumerate(state.layers)
+        if isinstance(e, DeltaState)
+    }
 
 
 def greedy_pick(token: int, chosen: float) -> int:
@@ -503,13 +603,17 @@ def expert_mode(experts, policy) -> tuple[str, torch.Tensor | None]:
     return ("table" if table is not None else "routed"), table
 
 
-def rows_unsupported(fused: bool, modes: dict[int, str], layers) -> str | None:
-    """Why a step of a batch's rows cannot run over these kernels and expert steps; None when
-    it can (rows of a pool need the fused attention and DeltaNet kernels, which index it by
-    slot, and an expert step that takes several rows)."""
+def rows_unsupported(fused: bool, modes: dict[int, str], layers, one_sequence: bool = False) -> str | None:
+    """Why a step of a batch's rows (``one_sequence``: a verify window's rows of one sequence)
+    cannot run over these kernels and expert steps; None when it can (rows of a pool need the
+    fused attention and DeltaNet kernels, which index it by slot, and an expert step that takes
+    several rows; a window's rows run the fused kernels one row at a time, and resident stacked
+    experts too)."""
     if not fused:
+        if one_sequence:
+            return "a verify window's rows need the Triton dense kernels (attention and DeltaNet), not in use"
         return "the rows of a pool need the Triton dense kernels (attention and DeltaNet by slot), not in use"
-    if "stacked" in modes.values():
+    if "stacked" in modes.values() and not one_sequence:
         return "resident stacked experts (a checkpoint, not a bundle) step one row at a time; serve a bundle"
     split = [i for i, m in modes.items() if m == "eager" and layers[i].mlp.experts.split is not None]
     if split:
@@ -581,8 +685,9 @@ class PrefillGraphs:
         self.decoder = decoder
         self.buckets = prefill_buckets(min(limit, decoder.capacity))
         self.graphs: dict[
-            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
         ] = {}
+        self.hidden: torch.Tensor | None = None  # the last replayed chunk's final normed hidden rows
         self.pool = None
         modes = set(decoder.modes.values())
         self.why_eager = (
@@ -610,20 +715,21 @@ class PrefillGraphs:
             self.graphs[b] = self._capture(b)
             if self.graphs[b] is None:
                 return None
-        graph, tokens, n_valid, logits = self.graphs[b]
+        graph, tokens, n_valid, logits, hidden = self.graphs[b]
         tokens[:, :n].copy_(ids)
         tokens[:, n:].zero_()
         n_valid.fill_(n)
         graph.replay()
+        self.hidden = hidden[:, :n]  # the MTP head's input (speculative decoding's prompts)
         d.state.pos = start + n
         d.count_table_hits(n)
         d.counters.prefill_graph_chunks += 1
         return logits[0]
 
-    def _forward(self, tokens: torch.Tensor, n_valid: torch.Tensor, logits: torch.Tensor) -> None:
+    def _forward(self, tokens, n_valid, logits, hidden) -> None:
         model = self.decoder.model
         valid = torch.arange(tokens.shape[1], device=tokens.device) < n_valid
-        hidden = model.hidden(tokens, self.decoder.state, valid=valid)
+        hidden.copy_(model.hidden(tokens, self.decoder.state, valid=valid))
         logits.copy_(model.lm_head(hidden[0].index_select(0, n_valid - 1)))
 
     def _capture(self, b: int):
@@ -635,20 +741,21 @@ class PrefillGraphs:
         tokens = torch.zeros(1, b, dtype=torch.long, **kw)
         n_valid = torch.full((1,), b, dtype=torch.long, **kw)
         logits = torch.zeros(1, d.args.vocab_size, dtype=d.dtype, **kw)
+        hidden = torch.zeros(1, b, d.args.hidden_size, dtype=d.dtype, **kw)
         table = [i for i, mode in d.modes.items() if mode == "table"]
         hits = {i: d.cache.slots[i].counters.hits for i in table}  # the two runs below serve no request
         stream = side_stream(d.device)
         stream.wait_stream(torch.cuda.current_stream(d.device))
         try:
             with torch.cuda.stream(stream):
-                self._forward(tokens, n_valid, logits)
+                self._forward(tokens, n_valid, logits, hidden)
             torch.cuda.current_stream(d.device).wait_stream(stream)
             d.reset()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._forward(tokens, n_valid, logits)
+                self._forward(tokens, n_valid, logits, hidden)
             torch.cuda.synchronize(d.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this length runs eagerly, say why
             d.fallbacks["prefill_graphs"] = (
@@ -660,4 +767,4 @@ class PrefillGraphs:
             for i, n in hits.items():
                 d.cache.slots[i].counters.hits = n
         d.counters.prefill_captures += 1
-        return graph, tokens, n_valid, logits
+        return graph, tokens, n_valid, logits, hidden

@@ -220,11 +220,12 @@ class Runner:
                 raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
             if getattr(self.model, "mtp", None) is None:
                 raise EdgerunError("speculative mtp: the model's MTP head is not loaded")
-            if self.device.type != "cpu":
-                raise EdgerunError(
-                    f"speculative mtp runs on the CPU only so far (its verify step on {self.device.type} "
-                    "is not built yet, issue 17); run without --speculative"
+            if self.device.type == "cuda":  # verify windows run the decode step's kernels (graphs.py)
+                why = rows_unsupported(
+                    self.kernels.dense == "triton", self._expert_modes(), self.model.model.layers, True
                 )
+                if why:
+                    raise EdgerunError(f"speculative mtp on {self.device}: {why}; run without --speculative")
             self._check_window_quota(config.draft_tokens)
             self.row_step_s = self._probe_row_step()
         self.speculative = config
@@ -260,7 +261,24 @@ class Runner:
     @torch.inference_mode()
     def _probe_row_step(self, steps: int = 8) -> float:
         """The median time of a plain one-row decode step (after two warm-up steps), the rate a
-        speculative request's is compared with (``GenerationStats.speedup``)."""
+        speculative request's is compared with (``GenerationStats.speedup``): on CUDA the
+        decoder's step (graphs where they replay), which the probe's steps warm up and capture;
+        not counted among the engine's steps."""
+        if self.device.type == "cuda":
+            c = self.steps
+            counted = (c.graph_steps, c.mixed_steps, c.eager_steps)
+            self.new_state(steps + 3)
+            self.decoder.step(0)
+            times = []
+            for i in range(steps + 2):
+                torch.cuda.synchronize(self.device)
+                t = time.perf_counter()
+                self.decoder.step(i + 1)
+                torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t)
+            c.graph_steps, c.mixed_steps, c.eager_steps = counted
+            self.decoder.reset()
+            return statistics.median(times[2:])
         state = self.model.new_state(1, steps + 3, device=self.device)
         self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), state)
         times = []
@@ -419,7 +437,7 @@ class Runner:
         """A fresh decode state for ``total_len`` tokens. On CUDA it is the decoder's static
         state (graphs replay over fixed buffers), re-sized to the next power of two when a
         request needs more than it holds."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and self.decoder is None:
             return self.model.new_state(1, total_len, device=self.device)
         if self.decoder is None or self.decoder.capacity < total_len:
             capacity = static_capacity(total_len, self.max_context)
@@ -447,17 +465,21 @@ class Runner:
             chunk = tokens[:, start : start + self.prefill_chunk]
             if drafter is None and start == 0 and self._a_row(state):
                 logits = self._prefill_row(state, chunk)
-            elif drafter is None:
+            else:
+                # with a drafter or not, a chunk runs alike (a first chunk from a graph where one
+                # replays): a speculative prompt leaves plain decoding's state, bit for bit
                 logits = self._prefill_graphed(state, chunk, start)
+                hidden = self.decoder.prefill.hidden.clone() if logits is not None and drafter else None
                 if logits is None:
                     self.steps.prefill_eager_chunks += 1
-                    logits = self.model(chunk, state, last_only=True)[0, -1]
-            else:
-                self.steps.prefill_eager_chunks += 1
-                hidden = self.model.hidden(chunk, state)
-                logits = self.model.lm_head(hidden[:, -1:])[0, -1]
-                drafter.extend(hidden)
-                drafter.catch_up(ids)
+                    if drafter is None:  # through the model's forward: its hooks see the chunk
+                        logits = self.model(chunk, state, last_only=True)[0, -1]
+                    else:
+                        hidden = self.model.hidden(chunk, state)
+                        logits = self.model.lm_head(hidden[:, -1:])[0, -1]
+                if drafter is not None:
+                    drafter.extend(hidden)
+                    drafter.catch_up(ids)
             self._count_step()
             yield logits
 
@@ -667,12 +689,7 @@ class Runner:
             k = min(k_max, n - (len(seq) - len(prompt_ids)) - 1)
             drafts, draft_logits = drafter.draft(seq, k, choose) if k else ([], [])
             start = state.pos
-            rows = torch.tensor([[seq[-1], *drafts]], dtype=torch.long, device=self.device)
-            hidden = self.model.hidden(rows, state, rows=True)
-            with exact_rows():
-                verified = self.model.lm_head(hidden)[0]
-            self.steps.eager_steps += 1
-            self._count_step()
+            verified, hidden = self._verify(state, [seq[-1], *drafts])
             emitted = accept(sampler, verified, drafts, draft_logits)
             state.rollback(start, len(emitted))
             drafter.extend(hidden[:, : len(emitted)])
@@ -683,6 +700,23 @@ class Runner:
             for token in emitted:
                 seq.append(token)
                 yield token
+
+    def _verify(self, state: DecodeState, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify window: ``tokens`` at the state's next positions -> (logits [N, V], the final
+        normed hidden states [1, N, D]), row j bit for bit the one-row decode step at its
+        position: on the decoder's state (CUDA) its step's kernels (``DecodeGraphs.verify``),
+        counted as its steps are (graph / mixed / eager); else the model's rows mode, eager."""
+        if self.decoder is not None and state is self.decoder.state:
+            logits, hidden = self.decoder.verify(tokens, self.speculative.draft_tokens + 1)
+            hidden = hidden[None]
+        else:
+            rows = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            hidden = self.model.hidden(rows, state, rows=True)
+            with exact_rows():
+                logits = self.model.lm_head(hidden)[0]
+            self.steps.eager_steps += 1
+        self._count_step()
+        return logits, hidden
 
     @torch.inference_mode()
     def _launch(self, token: int | None) -> int:

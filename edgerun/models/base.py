@@ -67,17 +67,20 @@ class DecoderLayer(nn.Module):
         (self.self_attn if self.kind == A.FULL_ATTENTION else self.linear_attn).fuse()
         self.mlp.fuse()
 
-    def mix_static(self, x: torch.Tensor, state, step: StaticStep) -> None:
+    def mix_static(self, x: torch.Tensor, state, step: StaticStep, trail=None) -> None:
         """The first half of one decode step over static buffers (``engine/graphs.py``): the token
-        mixer on input_layernorm(x), its output added into x [1, D] in place (in its output
+        mixer on input_layernorm(x), its output added into x [N, D] in place (in its output
         projection's epilogue; the norm runs in its input projection's prologue). The MLP half,
         on post_attention_layernorm(x), is the caller's: its routed experts may need the expert
-        cache between the router and the expert kernel."""
+        cache between the router and the expert kernel. ``trail``: a DeltaNet layer's states
+        after each row of a verify window (``GatedDeltaNet.decode``)."""
         norm = self.input_layernorm
         if self.kind == A.FULL_ATTENTION:
             self.self_attn.decode_static(x, step, state, residual=x, norm=norm)
         else:
-            self.linear_attn.decode(x, state, step.fused, residual=x, norm=norm, slots=step.slots)
+            self.linear_attn.decode(
+                x, state, step.fused, residual=x, norm=norm, slots=step.slots, trail=trail
+            )
 
 
 class _Body(nn.Module):

@@ -321,6 +321,9 @@ class StaticStep:
     # [N] int64: each row's entry of the state pool (a batch's step, fused kernels only); None:
     # row n is entry n (one sequence, batch 1)
     slots: torch.Tensor | None = None
+    # the rows are one sequence at consecutive positions (a speculative verify window, fused
+    # kernels only): its one state entry, each row's token mixer launched after the row before
+    window: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,11 +451,17 @@ class Attention(nn.Module):
         if step.fused:
             from edgerun.kernels import decode_triton
 
-            out = decode_triton.attention_decode(
-                self.qkv(x, norm=norm), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset,
-                step.inv_freq, step.pos, cache.k, cache.v, x.new_empty(B, H * Dh), H, Hk, Dh, self.gated,
-                step.slots,
+            attend = partial(
+                decode_triton.attention_decode, q_norm_w=self.q_norm.weight, k_norm_w=self.k_norm.weight,
+                eps=self.q_norm.eps, unit_offset=self.q_norm.unit_offset, inv_freq=step.inv_freq,
+                k_cache=cache.k, v_cache=cache.v, n_heads=H, n_kv=Hk, head_dim=Dh, gated=self.gated,
             )  # fmt: skip
+            qkv, out = self.qkv(x, norm=norm), x.new_empty(B, H * Dh)
+            if step.window:  # row j reads the keys rows < j wrote: one launch a row, in order
+                for j in range(B):
+                    attend(qkv=qkv[j : j + 1], pos=step.pos[j : j + 1], out=out[j : j + 1])
+            else:
+                attend(qkv=qkv, pos=step.pos, out=out, slots=step.slots)
             self.o_proj(out, "residual", out=residual)
             return
         if B != 1 or step.slots is not None:
@@ -645,24 +654,39 @@ class GatedDeltaNet(nn.Module):
         residual: torch.Tensor,
         norm: RMSNorm,
         slots: torch.Tensor | None = None,
+        trail: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """One token of each of N sequences on norm(x), x [N, D], the output added into
         ``residual`` [N, D] in place: :meth:`forward` (N = 1), or (``fused``, CUDA only) the
         two-launch Triton step (``kernels/dense_triton.py``) between the fused projection (which
         normalises x in its prologue) and out_proj; row n's states are entry n of ``state``, or
-        entry ``slots[n]`` (a batch's pool)."""
+        entry ``slots[n]`` (a batch's pool). ``trail`` (conv [N, C, K-1], recurrent [N, Hv, Dk,
+        Dv]): the rows are one sequence's consecutive tokens (a verify window), each stepped by
+        a launch of its own from the state the row before left, which lands in row n of
+        ``trail`` for a rollback."""
         if not fused:
-            if x.shape[0] != 1 or slots is not None:
+            if x.shape[0] != 1 or slots is not None or trail is not None:
                 raise ValueError("a static decode step of several rows needs the fused DeltaNet kernel")
             residual.add_(self(norm(x)[None], state)[0])
             return
         from edgerun.kernels import dense_triton
 
         qkv, z, b, a = self._project(x, norm)  # [N, *] views of one GEMV's output
-        out = dense_triton.delta_decode(
-            qkv, z, a, b, state.conv, self.conv1d.weight[:, 0], self.A_log, self.dt_bias, state.recurrent,
-            self.norm.weight, self.norm.eps, self.n_k, self.n_v, self.dk, self.dv, slots,
+        step = partial(
+            dense_triton.delta_decode, conv_state=state.conv, conv_weight=self.conv1d.weight[:, 0],
+            A_log=self.A_log, dt_bias=self.dt_bias, state=state.recurrent, norm_weight=self.norm.weight,
+            eps=self.norm.eps, n_k=self.n_k, n_v=self.n_v, dk=self.dk, dv=self.dv,
         )  # fmt: skip
+        if trail is None:
+            out = step(qkv, z, a, b, slots=slots)
+        else:
+            outs = []
+            for j in range(x.shape[0]):
+                r = slice(j, j + 1)
+                outs.append(step(qkv[r], z[r], a[r], b[r]))
+                trail[0][r].copy_(state.conv)
+                trail[1][r].copy_(state.recurrent)
+            out = torch.cat(outs)
         self.out_proj(out, "residual", out=residual)
 
 

@@ -4,6 +4,11 @@ K = 1, 2, 3 drafts equals plain greedy (resident checkpoint, resident bundle, st
 sampling acceptance keeps the target distribution (chi-square); bad settings are named errors."""
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +298,44 @@ def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
         it.name for it in plain.items
     }
     assert spec.min_quota == min(spec.num_experts, spec.top_k * 3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+def test_the_cuda_verify_step_under_the_interpreter():
+    """interpreted_speculative.py (the CUDA path's verify windows: their rows are the one-row
+    steps' bits, rollback, greedy output) in a child process with TRITON_INTERPRET=1, which
+    Triton reads at import."""
+    here = Path(__file__).parent
+    path = os.pathsep.join(filter(None, [str(here.parent), str(here), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(here / "interpreted_speculative.py"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=900)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+
+
+def test_a_verify_window_on_the_decoder_needs_the_triton_dense_kernels(sources):
+    """On CUDA a verify window runs the decode step's kernels: without the Triton dense kernels
+    (attention and DeltaNet a row at a time) it is refused, naming them (here on the CPU, where
+    the decoder's operations run uncaptured)."""
+    from edgerun.engine.graphs import DecodeGraphs, rows_unsupported
+    from edgerun.engine.policy import Resolved
+    from edgerun.kernels.moe import MoeKernelPolicy
+
+    runner = Runner.load(sources["hf"], device="cpu")
+    layers = runner.model.model.layers
+    torch_dense = Resolved(MoeKernelPolicy(), graphs=False, dense="torch")
+    d = DecodeGraphs(runner.model, runner.args, None, torch_dense, torch.device("cpu"), 16)
+    with pytest.raises(EdgerunError, match="a verify window's rows need the Triton dense kernels"):
+        DecodeGraphs(runner.model, runner.args, None, torch_dense, "cpu", 16, rows=2, window=d.state)
+    # resident stacked experts take a window's rows one at a time; a batch's pool refuses them
+    assert rows_unsupported(True, {1: "stacked"}, layers, one_sequence=True) is None
+    assert "stacked" in rows_unsupported(True, {1: "stacked"}, layers)
