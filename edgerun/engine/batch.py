@@ -37,6 +37,10 @@ class Row:
     token: int | None = None  # fed: the next step's input
     logits: torch.Tensor | None = None  # the step's output for it, not yet taken
     pick: tuple[int, float] | None = None  # the step's greedy token and its logit, where it chose one
+    greedy: bool = False  # its request feeds the step's greedy picks (its step may run ahead)
+    ahead: object = None  # the step queued ahead of its feed (graphs.Queued), on CUDA
+    ahead_token: int | None = None  # the token that step consumed: the next feed must be it
+    left: bool = False  # it left the batch (its slot is free)
 
 
 @dataclass
@@ -48,15 +52,20 @@ class BatchStats:
 
 class DecodeBatch:
     """``size`` slots of ``max_len`` tokens each; the step runs ``step(slots, states, tokens)``
-    -> (logits [N, V], the rows' greedy (token, logit) picks or None) (``Runner.batch_step``)."""
+    -> (logits [N, V], the rows' greedy (token, logit) picks or None) (``Runner.batch_step``),
+    or, given ``advance``, ``advance(rows)``, which sets each fed row's logits and pick itself
+    and returns the row counts of the steps it queued (on CUDA: ``RowSteps.advance``, whose
+    greedy rows run a step ahead; a step ahead whose rows then ended counts too), or None to
+    have ``step`` run instead."""
 
-    def __init__(self, model, size: int, max_len: int, device, step) -> None:
+    def __init__(self, model, size: int, max_len: int, device, step, advance=None) -> None:
         if size < 1:
             raise EdgerunError(f"batch must be >= 1, got {size}")
         self.size, self.max_len = size, max_len
         # KV uninitialised: slots sized for the longest request commit pages only as they fill
         self.pool = model.new_state(size, max_len, device=device, zero_kv=False)
         self._step = step
+        self._advance = advance
         self.free = list(range(size))
         self.rows: list[Row] = []  # joined, in the order they joined
         # every row count a key from the start: /metrics reads the dict from another thread
@@ -92,6 +101,7 @@ class DecodeBatch:
         return row
 
     def leave(self, row: Row) -> None:
+        row.left = True
         if row in self.rows:
             self.rows.remove(row)
             self.free.append(row.slot)
@@ -113,11 +123,15 @@ class DecodeBatch:
     @torch.inference_mode()
     def step(self) -> None:
         fed = [r for r in self.rows if r.token is not None and r.logits is None]
-        logits, picks = self._step([r.slot for r in fed], [r.state for r in fed], [r.token for r in fed])
-        for i, r in enumerate(fed):
-            r.logits, r.token = logits[i], None
-            r.pick = picks[i] if picks is not None else None
+        sizes = self._advance(fed) if self._advance is not None else None
+        if sizes is None:
+            logits, picks = self._step([r.slot for r in fed], [r.state for r in fed], [r.token for r in fed])
+            for i, r in enumerate(fed):
+                r.logits, r.token = logits[i], None
+                r.pick = picks[i] if picks is not None else None
+            sizes = [len(fed)]
         s = self.stats
-        s.steps += 1
-        s.rows += len(fed)
-        s.sizes[len(fed)] += 1
+        for n in sizes:
+            s.steps += 1
+            s.rows += n
+            s.sizes[n] += 1

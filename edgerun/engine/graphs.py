@@ -483,6 +483,21 @@ class DecodeGraphs:
         for i, (conv, recurrent) in self.trail.items():
             self.state.layers[i].trail = [(conv[j : j + 1], recurrent[j : j + 1]) for j in range(n)]
 
+    def continue_rows(self) -> None:
+        """Queue the step after the last one over the same rows and pool entries (pool mode):
+        each row consumes the greedy token the last step chose (already in the token row of
+        :attr:`indices`) at its next position; nothing is copied from the host, so it can be
+        queued before the last step's tokens are read (``RowSteps.advance``)."""
+        if self.slots is None:
+            raise ValueError("continue_rows steps a batch's pool; this decoder holds one sequence")
+        self.pos.add_(1)
+        self._execute()
+
+    def next_host_slot(self) -> int:
+        """The host slot (of two) the next read-back goes to."""
+        k, self._slot = self._slot, self._slot ^ 1
+        return k
+
     def read_rows(self) -> tuple[list[int], list[float]]:
         """The rows' greedy tokens and their logits, after :meth:`run_rows` (waits for the step)."""
         self._read_back(0)
@@ -621,29 +636,140 @@ def rows_unsupported(fused: bool, modes: dict[int, str], layers, one_sequence: b
     return None
 
 
+@dataclass(eq=False)
+class Queued:
+    """A batch step queued on the device: its rows (``engine/batch.Row``) in order, their
+    logits (a copy) and the host slot its greedy tokens are read back into."""
+
+    g: DecodeGraphs
+    k: int
+    logits: torch.Tensor
+    rows: list
+    picks: tuple[list[int], list[float]] | None = None
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The rows' greedy tokens and their logits (waits for the step, once)."""
+        if self.picks is None:
+            self.picks = self.g._picks(self.k)
+        return self.picks
+
+
 class RowSteps:
     """A batch's decode steps on CUDA: a :class:`DecodeGraphs` per row count 1..B over
     the batch's state pool, each captured on its first step (the start-up probe takes them
-    all). Every step runs within ``exact_rows``: the GEMVs, like every other kernel of the step,
-    compute a row by programs of their own (the one-row call's), so a row's bits do not depend on
-    the step's other rows."""
+    all). Every step runs within ``exact_rows``: every kernel of the step computes a row as the
+    one-row call does (the GEMVs in accumulators of its own, or by programs of its own), so a
+    row's bits do not depend on the step's other rows.
+
+    Greedy rows run a step ahead (:meth:`advance`): once a step over rows that are all greedy is
+    queued, the step after it is queued too, each row consuming the token the first chose on
+    the device, before the host reads those tokens; so the GPU does not wait for the host
+    between steps (the batch's form of the one-sequence pipelining, ``Runner._tokens``). A
+    row's next feed is then checked to be the token its step ahead consumed."""
 
     def __init__(self, model, args, cache, policy, device, pool: DecodeState, counters: DecodeCounters):
         self.make = partial(
             DecodeGraphs, model, args, cache, policy, device, pool.max_len, counters, pool=pool
         )
         self.by_rows: dict[int, DecodeGraphs] = {}
+        self.last: dict[int, Queued] = {}  # by row count: the step its decoder ran last
+        self._unread: list[Queued] = []  # steps ahead whose tokens the host has not read yet
+        self.pipeline = True  # greedy rows may run a step ahead (off: each step waits for its feed)
+        self.ahead_steps = 0  # steps queued ahead of their rows' feeds
+        self.ahead_rows = 0  # rows whose results came from a step ahead
+
+    def graphs(self, n: int) -> DecodeGraphs:
+        if n not in self.by_rows:
+            self.by_rows[n] = self.make(rows=n)
+        return self.by_rows[n]
 
     def step(self, slots: list[int], positions: list[int], tokens: list[int]):
         """(logits [N, V], a copy; the rows' greedy tokens; their logits) for one step."""
-        n = len(slots)
-        if n not in self.by_rows:
-            self.by_rows[n] = self.make(rows=n)
-        g = self.by_rows[n]
+        g = self.graphs(len(slots))
+        self._settle(g)
         with exact_rows():
             g.run_rows(slots, positions, tokens)
         logits = g.logits.clone()
         return (logits, *g.read_rows())
+
+    def advance(self, rows: list, pipeline: bool = True) -> list[int]:
+        """One step for ``rows`` (``engine/batch.Row``, each fed a token): sets each row's
+        logits and greedy pick and advances its state's position. A row whose step ran ahead
+        takes that step's results; the others run a step now. Then, with ``pipeline``, when
+        every row of this step is greedy and the step has no host work, the next step is queued
+        before this one's tokens are read. Returns the row counts of the steps queued."""
+        ahead = [r for r in rows if r.ahead is not None]
+        for r in ahead:
+            if r.token != r.ahead_token:
+                raise EdgerunError(
+                    f"batch slot {r.slot}: fed token {r.token}, but its step ahead consumed {r.ahead_token}"
+                )
+        steps: list[Queued] = list({id(r.ahead): r.ahead for r in ahead}.values())
+        ran = []
+        rest = [r for r in rows if r.ahead is None]
+        if rest:
+            g = self.graphs(len(rest))
+            self._settle(g)
+            with exact_rows():
+                g.run_rows([r.slot for r in rest], [r.state.pos for r in rest], [r.token for r in rest])
+            steps.append(self._queued(g, rest))
+            ran.append(len(rest))
+        self.ahead_rows += len(ahead)
+        nxt = None
+        if pipeline and self.pipeline and len(steps) == 1:
+            q = steps[0]
+            if (
+                {id(r) for r in q.rows} == {id(r) for r in rows}  # every row of the step fed now
+                and self.last.get(q.g.rows) is q  # its decoder's buffers hold this step's rows
+                and all(r.greedy and r.state.pos + 1 < r.state.max_len for r in q.rows)
+                and q.g.host_ops == 0
+            ):
+                with exact_rows():
+                    q.g.continue_rows()
+                nxt = self._queued(q.g, q.rows)
+                self._unread.append(nxt)
+                ran.append(len(q.rows))
+                self.ahead_steps += 1
+        for q in steps:
+            picked, chosen = q.read()
+            if q in self._unread:
+                self._unread.remove(q)
+            for i, r in enumerate(q.rows):
+                if r in rows:
+                    r.logits, r.pick, r.token, r.ahead, r.ahead_token = (
+                        q.logits[i],
+                        (picked[i], chosen[i]),
+                        None,
+                        None,
+                        None,
+                    )
+                    r.state.pos += 1
+        if nxt is not None:
+            for r in nxt.rows:
+                r.ahead, r.ahead_token = nxt, r.pick[0]
+        return ran
+
+    def _queued(self, g: DecodeGraphs, rows: list) -> Queued:
+        """The step just queued on ``g``: its logits copied, its tokens' read-back queued."""
+        k = g.next_host_slot()
+        g._read_back(k)
+        q = Queued(g, k, g.logits.clone(), list(rows))
+        self.last[g.rows] = q
+        return q
+
+    def unread(self) -> list[Queued]:
+        """The steps ahead whose tokens are not read yet and whose rows have not all left (a
+        step ahead of rows that then ended is dropped: its copies are queued before any later
+        read-back into the same host slot, so nothing waits for it)."""
+        self._unread = [q for q in self._unread if not all(r.left for r in q.rows)]
+        return self._unread
+
+    def _settle(self, g: DecodeGraphs) -> None:
+        """Read the tokens of any step ahead still unread on ``g`` before its host slots and
+        buffers are used again (a row that did not feed this round keeps its results)."""
+        for q in [q for q in self.unread() if q.g is g]:
+            q.read()
+            self._unread.remove(q)
 
     @property
     def fallbacks(self) -> dict[str, str]:

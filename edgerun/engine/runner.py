@@ -114,7 +114,9 @@ class Runner:
         self.batch, self.row_steps = None, None
         self.model.share_rows(False)
         if size > 1:
-            self.batch = DecodeBatch(self.model, size, self.max_context, self.device, self.batch_step)
+            self.batch = DecodeBatch(
+                self.model, size, self.max_context, self.device, self.batch_step, self._advance_rows
+            )
             if self.kernels.dense == "triton":  # the fused kernels: static steps over the pool
                 self.model.share_rows(True)  # one GEMV for all rows, unless the probe refuses it
                 self._build_row_steps()
@@ -187,6 +189,18 @@ class Runner:
         finally:
             for r in rows:
                 self.batch.leave(r)
+
+    def _advance_rows(self, rows: list[Row]) -> list[int] | None:
+        """The batch's step over its fed ``rows``: on CUDA (``RowSteps.advance``) greedy rows run
+        a step ahead, unless a route recorder needs each step's routes before the next runs;
+        elsewhere None (the batch runs :meth:`batch_step`). Returns the row counts of the steps
+        queued."""
+        if self.row_steps is None:
+            return None
+        sizes = self.row_steps.advance(rows, pipeline=self.routes is None)
+        for _ in sizes:
+            self._count_step()
+        return sizes
 
     def _expert_modes(self) -> dict[int, str]:
         """How a decode step would run each MoE layer's experts (``DecodeGraphs``' modes)."""
@@ -654,6 +668,7 @@ class Runner:
 
     def _batch_tokens(self, row: Row, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
         """:meth:`_tokens` for a sequence of the batch: its logits come from the batch's step."""
+        row.greedy = sampler.params.greedy  # it feeds the step's picks: its steps may run ahead
         token = sampler(logits)
         yield token
         for _ in range(n - 1):

@@ -131,3 +131,39 @@ def test_batch_rows_are_the_one_sequence_step(sources, tmp_path):
     assert torch.equal(logits[0], single)
     assert picks[0][0] == int(single.argmax()) and [r.state.pos for r in rows] == [3, 2]
     assert set(runner.row_steps.by_rows[2].modes.values()) == {"routed"}
+
+
+def test_batch_greedy_rows_run_a_step_ahead(sources, tmp_path):
+    """Greedy rows of a batch queue the step after the one they wait for (``RowSteps.advance``:
+    each row consumes its pick on the device): two requests interleaved as the engine worker
+    drives them (each alone for its first step, then together) give the tokens each gets alone
+    with every step waiting for its feed; steps ahead were taken. Plain dense weights and every expert held (table mode: a step
+    with no host work), to keep the interpreter's time down."""
+    from edgerun.engine.sampler import SamplingParams
+
+    bundle = tmp_path / "b"
+    convert(sources["qwen3_5_moe"], bundle, ConvertOptions("int4", 16))
+    runner = Runner.load(bundle, device="cpu", dtype=torch.float32, cache=CacheConfig(6))  # 6 experts
+    runner.kernels = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
+    runner.model.use_kernels(True)
+    runner.enable_batch(2)
+    steps = runner.row_steps
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = (PROMPT, [1, 2])
+    steps.pipeline = False
+    want = [runner.generate_ids(p, params) for p in prompts]
+    assert steps.ahead_steps == 0
+    steps.pipeline = True
+    gens = [runner.generate(runner.request(p, params)) for p in prompts]
+    got, live = [[], []], [True, True]
+    while any(live):  # one event of each request a round, as the engine worker does
+        for i, g in enumerate(gens):
+            if live[i]:
+                e = next(g, None)
+                if e is None:
+                    live[i] = False
+                elif e.token_id is not None:
+                    got[i].append(e.token_id)
+    assert got == want
+    assert steps.ahead_steps > 0 and steps.ahead_rows > 0
+    assert not runner.batch.rows and not steps.unread()  # the ended rows' last steps ahead dropped
