@@ -1,6 +1,7 @@
 """Runs interpreted_moe.py (the expert kernels), interpreted_dense.py (the dense decode
 kernels), interpreted_qlinear.py (the projection GEMV), interpreted_decode.py (router top-k,
-attention) and engine/interpreted_fused_decode.py (a whole fused decode step) on CPU, through
+attention), engine/interpreted_fused_decode.py (a whole fused decode step, a batch's steps) and
+engine/interpreted_speculative.py (the CUDA path's verify windows) on CPU, through
 Triton's interpreter, each in a child process with TRITON_INTERPRET=1
 set for that process only: Triton reads it at import.
 
@@ -40,11 +41,12 @@ FLAGS = {
 # the pool never ends on a long one started late. The fused decode script, the longest, runs as
 # two halves by -k (a test added to it falls in the second).
 FUSED = "../engine/interpreted_fused_decode.py"
-BATCH = "test_batch_rows_are_the_one_sequence_step"
+BATCH = "batch"  # its batch tests (a step's rows; rows running a step ahead)
 SCRIPTS = [
     (FUSED, BATCH),
     (FUSED, f"not {BATCH}"),
     ("interpreted_qlinear.py", None),
+    ("../engine/interpreted_speculative.py", None),
     ("interpreted_moe.py", None),
     ("interpreted_decode.py", None),
     ("interpreted_dense.py", None),
