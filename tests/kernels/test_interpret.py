@@ -1,5 +1,6 @@
 """Runs interpreted_moe.py (the expert kernels), interpreted_dense.py (the dense decode
-kernels), interpreted_qlinear.py (the projection GEMV), interpreted_decode.py (router top-k,
+kernels), interpreted_qlinear.py (the projection GEMV), interpreted_qlinear_mma.py (its
+tensor-core variant), interpreted_decode.py (router top-k,
 attention) and engine/interpreted_fused_decode.py (a whole fused decode step) on CPU, through
 Triton's interpreter, each in a child process with TRITON_INTERPRET=1
 set for that process only: Triton reads it at import.
@@ -45,6 +46,7 @@ SCRIPTS = [
     (FUSED, BATCH),
     (FUSED, f"not {BATCH}"),
     ("interpreted_qlinear.py", None),
+    ("interpreted_qlinear_mma.py", None),
     ("interpreted_moe.py", None),
     ("interpreted_decode.py", None),
     ("interpreted_dense.py", None),
