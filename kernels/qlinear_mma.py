@@ -12,8 +12,8 @@ are dequantized into x's dtype and one ``tl.dot`` multiplies the [BLOCK_R, K] ti
 A tensor-core MMA computes each output element from its own row of x and column of weights
 only, so a row's bits depend neither on the other rows nor on N nor on the row's position, as
 long as the kernel is the same: every call, N = 1 included, runs the one compiled kernel (N is
-a runtime mask, never a constexpr). The order over K is the loop's, fixed by the tile
-(``mma_config``, a function of the weight alone).
+a runtime mask, never a constexpr nor specialised on). The order over K is the loop's, fixed by
+the tile (``mma_config``, a function of the weight alone).
 
 Exactness of the dequantized tile (the MMA multiplies x.dtype operands):
 
@@ -146,7 +146,9 @@ def _tile(wd, scale, zero, QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.con
     return t
 
 
-@triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see bits_triton._field)
+# zero: a runtime 0 (see bits_triton._field); NT: Triton would compile NT == 1 as a constant, a
+# kernel of its own, and the one-row call must run the kernel every N runs
+@triton.jit(do_not_specialize=["zero", "NT"])
 def _qgemv_mma_kernel(
     x,
     w,
