@@ -35,7 +35,6 @@ from edgerun.kernels.qweight import QWeight  # noqa: E402
 
 # (R, C, epilogue): lm_head, a DeltaNet layer's qkv/z/a/b in one GEMV, o_proj, shared gate/up
 SHAPES = [(248320, 2048, "none"), (12352, 2048, "none"), (2048, 4096, "none"), (1024, 2048, "silu_mul")]
-SWEEP = [MMA.MmaConfig(*c) for c in ((16, 256, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8))]
 
 
 def bench_shape(R, C, epilogue, tokens, reps, flush, sweep) -> list[dict]:
@@ -93,7 +92,9 @@ def main() -> None:
     print("-" * len(hdr))
     report = dict(device=name, torch=torch.__version__, reps=a.reps, calls=CALLS, rows=[])
     for R, C, epilogue in SHAPES:
-        rows = bench_shape(R, C, epilogue, tokens, a.reps, lambda _i: flush.zero_(), SWEEP if a.sweep else [])
+        rows = bench_shape(
+            R, C, epilogue, tokens, a.reps, lambda _i: flush.zero_(), MMA.SWEEP_TILES if a.sweep else []
+        )
         one = rows[0]["mma_us"]
         for r in rows:
             sh, al = r.get("shared_us"), r.get("alone_us")

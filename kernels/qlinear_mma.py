@@ -89,15 +89,33 @@ class MmaConfig:
             )
 
 
-# MANY: weights of many rows (lm_head), 8K weight values a step in 4 warps; FEW: under
-# MIN_PROGRAMS programs of MANY, smaller programs so every SM has some. Untuned: a first guess,
-# for benchmarks/bench_mma_gemv.py's --sweep to correct.
-MANY = MmaConfig(64, 128, 4)
-FEW = MmaConfig(16, 512, 4)
+# Untuned first guesses, by static SASS counts for sm_90 (benchmarks/sass_mma_gemv.py: int4
+# instructions per weight value fall as a program's rows share x's tile: ~17 at 16 rows, ~6.8 at
+# 64, ~5.8 at 128; qgemv's ~4.8 at N = 1, ~19 at N = 8) traded against programs per SM; for
+# benchmarks/bench_mma_gemv.py's --sweep to correct. MANY: lm_head-sized weights; MID: at
+# least one program of 64 rows per SM (an H200 has 132); FEW: below, where latency decides.
+MANY = MmaConfig(128, 64, 4)
+MID = MmaConfig(64, 128, 4)
+FEW = MmaConfig(16, 256, 2)
+SWEEP_TILES = [
+    MmaConfig(*c)
+    for c in (
+        (16, 256, 2),
+        (16, 512, 4),
+        (32, 128, 2),
+        (64, 128, 4),
+        (128, 64, 4),
+        (128, 128, 8),
+        (256, 64, 8),
+    )
+]  # what the benchmarks compare
 
 
 def mma_config(R: int) -> MmaConfig:
-    return MANY if triton.cdiv(R, MANY.block_r) >= MIN_PROGRAMS else FEW
+    """The tile ``qgemv_mma`` uses for a weight of R rows: a fixed function, so the bits repeat."""
+    if triton.cdiv(R, MANY.block_r) >= MIN_PROGRAMS:
+        return MANY
+    return MID if triton.cdiv(R, MID.block_r) >= MIN_PROGRAMS // 4 else FEW
 
 
 def mma_unsupported(w: QWeight, dtype: torch.dtype) -> str | None:

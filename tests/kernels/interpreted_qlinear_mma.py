@@ -92,6 +92,18 @@ def test_default_tile_fp16_strided_x_and_out(scheme):
     assert_close_and_mostly_equal(out, x, w)
 
 
+@pytest.mark.parametrize("config", [K.MANY, K.MID], ids=["many", "mid"])
+def test_large_tiles(config):
+    # the lm_head (128 rows a program) and mid-size (64) tiles: 2 programs, C = 128 in 1 to 2 steps
+    g = torch.Generator().manual_seed(2)
+    w = random_qweight("int4", 130, 128, 32, g)
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    got = K.qgemv_mma(x, w, config=config)
+    assert_close_and_mostly_equal(got, x, w)
+    for r in range(3):
+        assert torch.equal(got[r], K.qgemv_mma(x[r : r + 1], w, config=config)[0])
+
+
 def test_int4_dequantizes_exactly_to_bf16_and_fp16():
     """The module docstring's claim, over every q in [-8, 7] and every e4m3 code but NaN:
     q * e4m3 is exact in bf16 and fp16 (the kernel's tile), and so is q * e4m3 * 2^k in bf16
