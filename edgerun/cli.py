@@ -23,7 +23,7 @@ from edgerun.server.cli import (
     add_kernel_arguments,
     add_plan_file_arguments,
     add_prefetch_argument,
-    add_reader_argument,
+    add_read_arguments,
 )
 
 
@@ -71,25 +71,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(with --profile: checked against its plan; default: the plan's)",
     )
     p.add_argument(
-        "--read-mode",
-        choices=("auto", "direct", "buffered"),
-        default=None,
-        help="streamed expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback "
-        "(default: auto)",
-    )
-    p.add_argument(
         "--host-quota",
         type=int,
         default=None,
         help="--quota on a CUDA device: a pinned host tier of this many experts per layer behind the device slots",
     )
-    p.add_argument(
-        "--read-depth",
-        type=int,
-        default=None,
-        help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
-    )
-    add_reader_argument(p)
+    add_read_arguments(p)
     add_prefetch_argument(p)
     add_kernel_arguments(p)
     add_provider_arguments(p)

@@ -78,11 +78,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="expert slots per MoE layer of a bundle (with --profile: checked against its plan; default: the plan's)",
     )
-    p.add_argument(
-        "--read-mode", choices=("auto", "direct", "buffered"), help="streamed expert reads (default auto)"
-    )
-    p.add_argument("--read-depth", type=int, help="expert reads in flight (default: one per staging buffer)")
-    add_reader_argument(p)
+    add_read_arguments(p)
     add_prefetch_argument(p)
     add_plan_file_arguments(p)
     add_kernel_arguments(p, default=None)
@@ -142,10 +138,24 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_reader_argument(p: argparse.ArgumentParser) -> None:
-    """--reader: shared by serve and generate."""
+def add_read_arguments(p: argparse.ArgumentParser) -> None:
+    """--read-mode, --read-depth and --reader: how streamed experts are read; shared by serve and
+    generate."""
     from edgerun.cache.reader import READERS
 
+    p.add_argument(
+        "--read-mode",
+        choices=("auto", "direct", "buffered"),
+        default=None,
+        help="streamed expert reads: O_DIRECT, page cache, or O_DIRECT with a recorded fallback "
+        "(default: auto)",
+    )
+    p.add_argument(
+        "--read-depth",
+        type=int,
+        default=None,
+        help="expert reads in flight (default: one per staging buffer); some disks are faster shallow",
+    )
     p.add_argument(
         "--reader",
         choices=READERS,
