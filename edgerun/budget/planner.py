@@ -522,15 +522,19 @@ class _Sizer:
             )
         )
         if opt.cuda_graphs and dev.has_cuda:
-            # a batch captures a graph set per row count 1..B (engine/graphs.RowSteps)
+            # a batch captures a graph set per row count 1..B (engine/graphs.RowSteps); speculative
+            # decoding one per verify window size 1..K + 1 beside the one-row step's (DecodeGraphs.verify)
             rows = batch * (batch + 1) // 2
+            w = opt.draft_tokens + 1 if opt.draft_tokens else 0
+            rows += w * (w + 1) // 2
             items.append(
                 Item(
                     "cuda_graph_pool",
                     main,
                     rows * (per_token + args.vocab_size * 4),
                     f"decode graphs, batch {batch}: {rows} tok x ({per_token} B + fp32 logits {args.vocab_size})"
-                    + (f" over graph sets of 1..{batch} rows" if batch > 1 else ""),
+                    + (f" over graph sets of 1..{batch} rows" if batch > 1 else "")
+                    + (f", verify windows of 1..{w} rows" if w else ""),
                 )
             )
         if batch > 1 and dev.has_cuda:  # a batch's first prompt chunks run on one sequence's state

@@ -295,6 +295,22 @@ def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
     assert spec.min_quota == min(spec.num_experts, spec.top_k * 3)
 
 
+def test_a_cuda_plan_counts_the_verify_windows_graph_sets():
+    """On CUDA each verify window size 1..K + 1 captures a graph set of its own beside the
+    one-row step's (``DecodeGraphs.verify``): the plan's graph pool grows by their rows."""
+    from edgerun.budget.cli import plan_resident
+
+    def pool(draft_tokens):
+        got, _ = plan_resident(
+            None, "configs/rtx5070.yaml", 256, device="cuda", dtype="bf16", draft_tokens=draft_tokens
+        )
+        return next(it for it in got.items if it.name == "cuda_graph_pool")
+
+    plain, spec = pool(0), pool(3)
+    assert spec.nbytes == plain.nbytes * (1 + 1 + 2 + 3 + 4)  # one row, then windows of 1..4 rows
+    assert "verify windows of 1..4 rows" in spec.detail
+
+
 def test_a_verify_window_on_the_decoder_needs_the_triton_dense_kernels(sources):
     """On CUDA a verify window runs the decode step's kernels: without the Triton dense kernels
     (attention and DeltaNet a row at a time) it is refused, naming them (here on the CPU, where
