@@ -178,7 +178,6 @@ def _accumulate(
     eps,
     NT,
     N: tl.constexpr,
-    NP2: tl.constexpr,
     C: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
@@ -190,7 +189,7 @@ def _accumulate(
     CODE: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """fp32 [BLOCK_R, NP2]: each of ``rows``' dot product with token n's x (RMS-normalised
+    """fp32 [BLOCK_R, N]: each of ``rows``' dot product with token n's x (RMS-normalised
     first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
     ``scale0``: the first step's words and scales, read already. Every step is unrolled, so all
     of a row's loads can be in flight.
@@ -271,8 +270,8 @@ def _accumulate(
             a7 += _part(
                 x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
             )
-    tok = tl.arange(0, NP2)[None, :]
-    y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, NP2], dtype=tl.float32))
+    tok = tl.arange(0, N)[None, :]
+    y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, N], dtype=tl.float32))
     if N > 1:
         y = tl.where(tok == 1, tl.sum(a1, axis=1)[:, None], y)
     if N > 2:
@@ -313,7 +312,6 @@ def _qgemv_kernel(
     zero,
     NT,
     N: tl.constexpr,
-    NP2: tl.constexpr,
     C: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
@@ -336,7 +334,8 @@ def _qgemv_kernel(
     with ``norm_w`` on the way in (every program computes the rows' rms itself), and with
     NORM_OUT program p also stores columns [p * NO_BLOCK, (p + 1) * NO_BLOCK) of the normalised
     rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py.
-    Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
+    NT: the rows of x this program computes (its tokens), N: NT rounded up to a power of two
+    (the compiled token slots). Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
     program p of the one-row call on row j, its pointers offset to that row."""
     j = tl.program_id(1)
     x += j * x_row
@@ -367,20 +366,20 @@ def _qgemv_kernel(
             y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
             tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm & (n < NT))
     y = _accumulate(
-        x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, NP2, C, QUANT, G, GROUPED,
+        x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
         BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C,
     )  # fmt: skip
     if ROW_SCALED:
         y = y * tl.load(row_scale + wrow)[:, None]
     if HAS_BIAS:
         y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
-    y = _round(y, CODE)  # F.linear's output, in x.dtype: [BLOCK_R, NP2], tokens last
+    y = _round(y, CODE)  # F.linear's output, in x.dtype: [BLOCK_R, N], tokens last
 
-    tok = tl.arange(0, NP2)[None, :]
+    tok = tl.arange(0, N)[None, :]
     dst = out + tok * out_row + ocol[:, None]
     mask = (tok < NT) & (ocol[:, None] < ROWS)
     if EPILOGUE == 1:
-        g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, NP2]), (0, 2, 1)))
+        g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, N]), (0, 2, 1)))
         y = _round(_round(_silu(g), CODE) * u, CODE)
     elif EPILOGUE == 2:
         y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
@@ -528,7 +527,7 @@ def qgemv(
         norm[0] if norm is not None else x, norm_out if norm_out is not None else x,
         norm[1] if norm is not None else 0.0,
         width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0, n,
-        N=triton.next_power_of_2(n), NP2=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
+        N=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
         GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
         HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
