@@ -672,6 +672,7 @@ class RowSteps:
             DecodeGraphs, model, args, cache, policy, device, pool.max_len, counters, pool=pool
         )
         self.by_rows: dict[int, DecodeGraphs] = {}
+        self.own_fallbacks: dict[str, str] = {}  # kind -> reason, beside its decoders' fallbacks
         self.last: dict[int, Queued] = {}  # by row count: the step its decoder ran last
         self._unread: list[Queued] = []  # steps ahead whose tokens the host has not read yet
         self.pipeline = True  # greedy rows may run a step ahead (off: each step waits for its feed)
@@ -773,7 +774,9 @@ class RowSteps:
 
     @property
     def fallbacks(self) -> dict[str, str]:
-        out: dict[str, str] = {}
+        """Its decoders' fallbacks and its own (``batch_gemv``: the start-up probe refused the
+        shared-row GEMV, ``Runner.probe_batch``)."""
+        out = dict(self.own_fallbacks)
         for g in self.by_rows.values():
             out.update(g.fallbacks)
         return out

@@ -138,7 +138,7 @@ class Runner:
         again. Raises :class:`EdgerunError` naming what differs; returns the line to log."""
         b = self.batch
         counts = range(2, b.size + 1) if self.row_steps is not None else [min(b.size, 3)]
-        shared = self.row_steps is not None and self.kernels.dense == "triton"
+        shared = self.row_steps is not None  # built only with the Triton dense kernels
         try:
             self._probe_counts(counts)
         except EdgerunError as exc:
@@ -146,7 +146,7 @@ class Runner:
                 raise
             self.model.share_rows(False)
             self._build_row_steps()
-            self.row_steps.fallbacks["batch_gemv"] = (
+            self.row_steps.own_fallbacks["batch_gemv"] = (
                 f"each row's projections by programs of its own (weights read per row): {exc}"
             )
             self._probe_counts(counts)

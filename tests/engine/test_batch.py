@@ -153,3 +153,16 @@ def test_a_state_copied_into_a_pool_entry_continues_as_itself(bundles):
             src.copy_into(runner.model.new_state(1, 3))
     finally:
         runner.batch.leave(row)
+
+
+def test_a_batch_steps_own_fallback_is_listed():
+    """The start-up probe's fallback (``batch_gemv``, set when the shared-row GEMV is refused)
+    is among the batch steps' fallbacks, which the runner's fallbacks and /metrics list."""
+    from types import SimpleNamespace
+
+    from edgerun.engine.graphs import RowSteps
+
+    steps = RowSteps(None, None, None, None, "cpu", SimpleNamespace(max_len=16), None)
+    assert steps.fallbacks == {}
+    steps.own_fallbacks["batch_gemv"] = "each row's projections by programs of its own: row 1 differs"
+    assert steps.fallbacks == {"batch_gemv": "each row's projections by programs of its own: row 1 differs"}
