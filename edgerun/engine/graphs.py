@@ -96,7 +96,11 @@ class DecodeGraphs:
     does, so a batch's row is its sequence's step whichever rows share it (the engine's
     start-up probe checks it, ``Runner.probe_batch``). Or (``window``, a one-sequence state)
     a speculative verify window: ``rows`` consecutive tokens of that one sequence, each row
-    computed as the one-row step at its position computes it (``run_window``)."""
+    computed as the one-row step at its position computes it (``run_window``). Or (``head``,
+    the model's MTP head) its one-row draft step over a state of its own: the input row is the
+    head's ``fc`` of the token's embedding and :attr:`hidden_in` (the main model's final normed
+    hidden row, or the head's own last), the outputs its normed hidden row (:attr:`hidden`),
+    logits and greedy token (speculative.py ``MtpDrafter``)."""
 
     def __init__(
         self,
@@ -111,11 +115,13 @@ class DecodeGraphs:
         pool: DecodeState | None = None,
         window: DecodeState | None = None,
         trail: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        head=None,
     ) -> None:
         self.model, self.args, self.cache, self.policy = model, args, cache, policy
         self.device = torch.device(device)
         self.capacity = capacity
-        self.layers = model.model.layers
+        self.head = head
+        self.layers = model.model.layers if head is None else head.layers
         ref = model.model.embed_tokens.weight
         self.dtype = ref.dtype
         D, K, N = args.hidden_size, args.num_experts_per_tok, rows
@@ -123,7 +129,11 @@ class DecodeGraphs:
         kw = dict(device=self.device)
         self.state = pool if pool is not None else window
         if self.state is None:
-            self.state = model.new_state(1, capacity, device=self.device)
+            self.state = (
+                model.new_state(1, capacity, device=self.device)
+                if head is None
+                else head.new_state(capacity, self.device, self.dtype)
+            )
         # slots, positions and tokens of the rows: one buffer, written by one copy a step
         self.indices = torch.zeros(3, N, dtype=torch.long, **kw)
         self.slots = self.indices[0] if pool is not None else None
@@ -176,7 +186,9 @@ class DecodeGraphs:
         # a verify window: the DeltaNet layers' states after each row (``DecodeState.rollback``),
         # and the rows' final normed hidden states (the MTP head's input)
         self.trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.hidden: torch.Tensor | None = None
+        self.is_window = window is not None
+        self.hidden: torch.Tensor | None = torch.zeros_like(self.x) if head is not None else None
+        self.hidden_in = torch.zeros_like(self.x) if head is not None else None
         if window is not None:
             why = rows_unsupported(self.static.fused, self.modes, self.layers, one_sequence=True)
             if why:
@@ -210,6 +222,7 @@ class DecodeGraphs:
         self.windows: dict[int, DecodeGraphs] = {}  # verify windows over this state, by row count
         self._trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their shared DeltaNet trail
         self._trail_rows = 0
+        self.head_step: DecodeGraphs | None = None  # the MTP head's draft step (``draft_step``)
         self.fallbacks: dict[str, str] = {}
         self._warm = False
         self._far_steps = 0  # decode steps since load: a far tier's device set follows its use
@@ -267,6 +280,10 @@ class DecodeGraphs:
 
     def _embed(self) -> None:
         torch.index_select(self.model.model.embed_tokens.weight, 0, self.indices[2], out=self.x)
+        if self.head is not None:  # the MTP head's input: fc(its norms of the embedding and hidden_in)
+            h = self.head
+            both = torch.cat([h.pre_fc_norm_embedding(self.x), h.pre_fc_norm_hidden(self.hidden_in)], dim=-1)
+            self.x.copy_(h.fc(both))
         if not self.static.fused:  # the fused attention kernel computes its rope from the position
             cos, sin = self.model.rotary(self.pos, self.dtype)
             self.static.cos.copy_(cos)
@@ -331,7 +348,7 @@ class DecodeGraphs:
         x, shared = self._into(i)
         # a verify window's rows one at a time: the reference multiplies an expert's rows together,
         # and a product's bits may depend on how many rows it takes
-        for r in [slice(j, j + 1) for j in range(self.rows)] if self.hidden is not None else [slice(None)]:
+        for r in [slice(j, j + 1) for j in range(self.rows)] if self.is_window else [slice(None)]:
             run_experts(
                 self.cache, i, self.h[r], slots[r], buf.ids[r], buf.weights[r], self.policy.moe, refs,
                 into=(x[r], None if shared is None else shared[r]),
@@ -340,7 +357,7 @@ class DecodeGraphs:
     def _count_window(self, i: int, rows: list[list[int]]) -> None:
         """A verify window's union of its rows' experts, counted where the host sees the ids (a
         layer whose lookup runs on the device, table mode, holds every expert: not counted)."""
-        if self.hidden is not None and self.rows > 1:
+        if self.is_window and self.rows > 1:
             self.cache.count_window(i, len({e for row in rows for e in row}))
 
     def _experts_stacked(self, i: int) -> None:
@@ -355,7 +372,8 @@ class DecodeGraphs:
         self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _head(self) -> None:
-        self.model.lm_head(self.x, out=self.logits, norm=self.model.model.norm, norm_out=self.hidden)
+        norm = self.model.model.norm if self.head is None else self.head.norm
+        self.model.lm_head(self.x, out=self.logits, norm=norm, norm_out=self.hidden)
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
@@ -377,9 +395,10 @@ class DecodeGraphs:
         self.state.pos = 0
         return self.state
 
-    def step(self, token: int) -> torch.Tensor:
-        """Consume ``token`` at the state's position; the next-token logits [V] (a static buffer:
-        read it before the next step)."""
+    def step(self, token: int | None) -> torch.Tensor:
+        """Consume ``token`` (None: the greedy token the previous step chose, on the device) at
+        the state's position; the next-token logits [V] (a static buffer: read it before the
+        next step)."""
         self._run(token)
         return self.logits[0]
 
@@ -465,10 +484,21 @@ class DecodeGraphs:
         self.fallbacks.update(w.fallbacks)
         return w.logits.clone(), w.hidden.clone()
 
+    def draft_step(self) -> DecodeGraphs:
+        """The model's MTP head's one-row draft step (head mode, see the class) at this
+        decoder's capacity, made (and, with graphs, captured on its first step) on first use.
+        Its steps are not the engine's decode steps: counted apart; a capture that failed is
+        in the runner's fallbacks as ``mtp_graphs``."""
+        if self.head_step is None:
+            self.head_step = DecodeGraphs(
+                self.model, self.args, None, self.policy, self.device, self.capacity, head=self.model.mtp
+            )
+        return self.head_step
+
     def run_window(self, tokens: list[int]) -> None:
         """Queue the verify window (window mode, see :meth:`verify`): row j consumes
         ``tokens[j]`` at the state's position + j; within ``exact_rows``."""
-        if self.hidden is None:
+        if not self.is_window:
             raise ValueError("run_window steps a verify window; this decoder was not made for one")
         start, n = self.state.pos, len(tokens)
         if n != self.rows:

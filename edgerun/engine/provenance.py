@@ -85,7 +85,9 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
         f"kernels: {runner.kernel_summary()}",
         f"fallbacks: {fallbacks}",
         runner.load_summary,
-        runner.speculative.describe() if runner.speculative else "",
+        (runner.speculative.describe() + (f"; {runner.window_note}" if runner.window_note else ""))
+        if runner.speculative
+        else "",
         (
             f"batch: up to {runner.batch.size} requests decode together (multi-row eager steps, "
             f"slots of {runner.batch.max_len} tokens)"

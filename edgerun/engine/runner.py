@@ -8,6 +8,7 @@ watchdog, or stop (closing the generator) without waiting for the rest of the pr
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import statistics
 import time
@@ -89,6 +90,8 @@ class Runner:
         self.spec_totals = SpeculativeStats()  # across requests
         self.row_step_s = 0.0  # a plain one-row decode step's time, probed by enable_speculative
         self.last_speedup = 0.0  # the last speculative request's decode rate over 1 / row_step_s
+        self.window_note = ""  # CUDA: how a verify window's projections run, as its probe found
+        self.window_fallbacks: dict[str, str] = {}  # the window probe's, by kind
 
     def enable_batch(self, size: int) -> None:
         """Decode up to ``size`` requests together (engine/batch.py): each one's generator
@@ -242,6 +245,8 @@ class Runner:
                     raise EdgerunError(f"speculative mtp on {self.device}: {why}; run without --speculative")
             self._check_window_quota(config.draft_tokens)
             self.row_step_s = self._probe_row_step()
+            if self.device.type == "cuda":
+                self.window_note = self._probe_windows(config.draft_tokens)
         self.speculative = config
 
     def _check_window_quota(self, draft_tokens: int) -> None:
@@ -273,6 +278,54 @@ class Runner:
         )
 
     @torch.inference_mode()
+    def _probe_windows(self, draft_tokens: int) -> str:
+        """A verify window's promise on CUDA, checked before serving: each window of 2..K + 1
+        rows, its row j bit for bit the one-row step at its position (twice: the first pass
+        captures, the second replays). The projections first run a window's rows in one GEMV
+        (``Model.share_rows``, the weight read once); if a row then differs, each row by
+        programs of its own (the weight read per row: a fallback, named and counted) and the
+        probe runs again. Raises :class:`EdgerunError` naming what differs; returns the line
+        the start-up shows."""
+        self.model.share_rows(True)
+        try:
+            self._probe_window_rows(draft_tokens + 1)
+            how = "one GEMV for all rows"
+        except EdgerunError as exc:
+            self.model.share_rows(False)
+            self.window_fallbacks["verify_gemv"] = (
+                f"each row's projections by programs of its own (weights read per row): {exc}"
+            )
+            self._probe_window_rows(draft_tokens + 1)
+            how = "each row by its own programs"
+        finally:
+            self.decoder.reset()
+        rows = ", ".join(str(n) for n in range(2, draft_tokens + 2))
+        return f"verify windows of {rows} rows equal their one-row steps, bit for bit (projections: {how})"
+
+    def _probe_window_rows(self, most: int) -> None:
+        counted = dataclasses.replace(self.steps)  # the probe's steps are not the engine's
+        prompt, tokens = [1, 2, 3], [4, 5, 6, 7, 8][:most]
+        try:
+            for n in range(2, most + 1):
+                for _ in range(2):
+                    state = self.decoder.reset()
+                    self.prefill(state, prompt)
+                    alone = [self.decoder.step(t).clone() for t in tokens[:n]]
+                    state = self.decoder.reset()
+                    self.prefill(state, prompt)
+                    logits, _ = self.decoder.verify(tokens[:n], most)
+                    for j in range(n):
+                        if not bool(torch.isfinite(alone[j]).all()):
+                            raise EdgerunError("verify window probe: a decode step's logits are not finite")
+                        if not torch.equal(logits[j], alone[j]):
+                            raise EdgerunError(
+                                f"verify window probe: row {j} of a {n}-row window differs from the "
+                                "one-row step at its position"
+                            )
+        finally:
+            vars(self.steps).update(vars(counted))
+
+    @torch.inference_mode()
     def _probe_row_step(self, steps: int = 8) -> float:
         """The median time of a plain one-row decode step (after two warm-up steps), the rate a
         speculative request's is compared with (``GenerationStats.speedup``): on CUDA the
@@ -281,7 +334,8 @@ class Runner:
         if self.device.type == "cuda":
             c = self.steps
             counted = (c.graph_steps, c.mixed_steps, c.eager_steps)
-            self.new_state(steps + 3)
+            with torch.inference_mode(False):  # as a request makes it, so a request can reset it
+                self.new_state(steps + 3)
             self.decoder.step(0)
             times = []
             for i in range(steps + 2):
@@ -337,9 +391,11 @@ class Runner:
             out.update(self.cache.fallbacks())
         if self.decoder is not None:
             out.update(self.decoder.fallbacks)
+            if self.decoder.head_step is not None:  # the MTP head's draft step, by its own name
+                out.update({f"mtp_{k}": v for k, v in self.decoder.head_step.fallbacks.items()})
         if self.row_steps is not None:
             out.update(self.row_steps.fallbacks)
-        return out
+        return out | self.window_fallbacks
 
     def fallback_counts(self) -> dict[str, int]:
         """How often each fallback in force was taken: reads for the read fallbacks (buffered
@@ -590,7 +646,9 @@ class Runner:
         drafter = None
         if self.speculative is not None:
             ref = self.model.model.embed_tokens.weight
-            drafter = MtpDrafter(self.model, state.max_len, self.device, ref.dtype)
+            on_decoder = self.decoder is not None and state is self.decoder.state
+            step = self.decoder.draft_step() if on_decoder else None  # CUDA: its graph
+            drafter = MtpDrafter(self.model, state.max_len, self.device, ref.dtype, step)
             stats.speculative = SpeculativeStats()
             stats.row_step_s = self.row_step_s
             windows0 = self.cache.totals() if self.cache is not None else None

@@ -7,6 +7,8 @@ limit): dividing logits by 1e-38 overflows to inf, and sampling from NaN fails.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from edgerun.engine.params import GREEDY_BELOW, NonFiniteLogits, SamplingError, SamplingParams
@@ -34,6 +36,18 @@ class Sampler:
                 raise NonFiniteLogits(f"{bad} of {logits.numel()} logits are NaN or infinite")
             return token
         return self.draw(self.probs(logits))
+
+    def greedy_rows(self, logits: torch.Tensor) -> Iterator[int]:
+        """Each row's greedy token of logits [N, V], in order: :meth:`__call__` of each row, with
+        every row's argmax and count of NaN / infinite logits read in one transfer; a row with
+        any is refused (:class:`NonFiniteLogits`) when the caller reaches it."""
+        n = logits.shape[0]
+        logits = logits.detach()
+        both = torch.cat([torch.argmax(logits, dim=-1), (~torch.isfinite(logits)).sum(-1)]).tolist()
+        for j in range(n):
+            if both[n + j]:
+                raise NonFiniteLogits(f"{both[n + j]} of {logits.shape[1]} logits are NaN or infinite")
+            yield both[j]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a non-greedy request samples from: logits [V] -> probabilities [V]

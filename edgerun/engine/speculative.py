@@ -31,12 +31,21 @@ from edgerun.models.layers import DecodeState
 
 class MtpDrafter:
     """The MTP head's side of one request: its KV state, and the main model's hidden rows it has
-    not consumed yet (positions ``state.pos``.. of ``seq``, the request's tokens so far)."""
+    not consumed yet (positions ``state.pos``.. of ``seq``, the request's tokens so far).
 
-    def __init__(self, model: torch.nn.Module, max_len: int, device, dtype) -> None:
+    With ``step`` (CUDA: the decoder's draft step, ``DecodeGraphs.draft_step``, replayed from
+    its CUDA graph where graphs run) a few rows and every draft run as one-row steps over that
+    step's static state, a greedy draft chosen on the device and the drafts read back once;
+    without, the head's forward runs eagerly. A prompt's many rows are fed by the forward
+    either way. Drafts only decide what is verified, never what is emitted."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, device, dtype, step=None) -> None:
         self.model = model
         self.head = model.mtp
-        self.state: DecodeState = self.head.new_state(max_len, device, dtype)
+        self.step = step
+        self.state: DecodeState = (
+            step.reset() if step is not None else self.head.new_state(max_len, device, dtype)
+        )
         self.pending: torch.Tensor | None = None  # [1, P, D]
 
     def extend(self, hidden: torch.Tensor) -> None:
@@ -45,39 +54,83 @@ class MtpDrafter:
 
     def catch_up(self, seq: list[int]) -> torch.Tensor | None:
         """Feed the head every pending row whose next token ``seq`` knows; returns the head's
-        hidden state [1, 1, D] of the last row fed (None if none was)."""
+        hidden state [1, 1, D] of the last row fed (None if none was). With a draft step, rows
+        after a prompt's run as its one-row steps (the last one's logits and greedy token are
+        then the step's)."""
         if self.pending is None:
             return None
         start = self.state.pos
         n = min(self.pending.shape[1], len(seq) - 1 - start)
         if n <= 0:
             return None
-        nxt = torch.tensor([seq[start + 1 : start + 1 + n]], device=self.pending.device)
-        out = self.head(
-            self.model.model.embed_tokens(nxt), self.pending[:, :n], self.model.rotary, self.state
-        )
+        if self.step is not None and n <= STEP_ROWS:
+            for j in range(n):
+                self.step.hidden_in.copy_(self.pending[0, j : j + 1])
+                self.step.step(seq[start + 1 + j])
+            out = self.step.hidden[None]
+        else:
+            nxt = torch.tensor([seq[start + 1 : start + 1 + n]], device=self.pending.device)
+            out = self.head(
+                self.model.model.embed_tokens(nxt), self.pending[:, :n], self.model.rotary, self.state
+            )[:, -1:]
         self.pending = self.pending[:, n:] if n < self.pending.shape[1] else None
-        return out[:, -1:]
+        return out
 
     def draft(
-        self, seq: list[int], k: int, choose: Callable[[torch.Tensor], int]
+        self, seq: list[int], k: int, choose: Callable[[torch.Tensor], int] | None
     ) -> tuple[list[int], list[torch.Tensor]]:
         """k draft tokens after ``seq`` (whose last token the main model has not consumed), each
-        chosen by ``choose`` from the head's logits [V], and those logits."""
+        chosen by ``choose`` from the head's logits [V] (None: greedy, their argmax), and
+        those logits (none for greedy drafts from a draft step: accepting them needs none)."""
         h = self.catch_up(seq)
         if h is None:
             raise RuntimeError("MTP drafter: no hidden state to draft from (the prompt was not fed to it)")
         mark = self.state.pos
+        try:
+            if self.step is not None:
+                return self._draft_steps(h, k, choose)
+            tokens, logits = [], []
+            for j in range(k):
+                lg = self.model.lm_head(h)[0, -1]
+                tokens.append(int(torch.argmax(lg)) if choose is None else choose(lg))
+                logits.append(lg)
+                if j + 1 < k:
+                    emb = self.model.model.embed_tokens(torch.tensor([[tokens[-1]]], device=h.device))
+                    h = self.head(emb, h, self.model.rotary, self.state)
+            return tokens, logits
+        finally:
+            self.state.pos = mark  # the drafted positions are rewritten from the main model's rows
+
+    def _draft_steps(self, h: torch.Tensor, k: int, choose) -> tuple[list[int], list[torch.Tensor]]:
+        """``draft`` through the draft step, its last row's outputs (``h`` its hidden) in place:
+        greedy, each draft the step's own argmax, consumed on the device by the next step and
+        copied aside, all k read in one transfer; else each drawn on the host from its logits."""
+        step = self.step
+        if h.data_ptr() != step.hidden.data_ptr():  # the last row was fed by the forward
+            step.hidden.copy_(h[0])
+            step.logits.copy_(self.model.lm_head(h[0]))
+            torch.argmax(step.logits, dim=-1, keepdim=True, out=step.token)
+        if choose is None:
+            picked = torch.empty(k, dtype=torch.long, device=step.token.device)
+            for j in range(k):
+                picked[j : j + 1].copy_(step.token[0])
+                if j + 1 < k:
+                    step.hidden_in.copy_(step.hidden)
+                    step.step(None)
+            return picked.tolist(), []
         tokens, logits = [], []
         for j in range(k):
-            lg = self.model.lm_head(h)[0, -1]
-            tokens.append(choose(lg))
-            logits.append(lg)
+            logits.append(step.logits[0].clone())
+            tokens.append(choose(logits[-1]))
             if j + 1 < k:
-                emb = self.model.model.embed_tokens(torch.tensor([[tokens[-1]]], device=h.device))
-                h = self.head(emb, h, self.model.rotary, self.state)
-        self.state.pos = mark  # the drafted positions are rewritten from the main model's rows
+                step.hidden_in.copy_(step.hidden)
+                step.step(tokens[-1])
         return tokens, logits
+
+
+# rows the head's catch-up feeds through the draft step, one a step (a verify window keeps at
+# most K + 1 = 5); more (a prompt) go through its forward in one pass
+STEP_ROWS = 5
 
 
 def accept(sampler, logits: torch.Tensor, drafts: list[int], draft_logits: list[torch.Tensor]) -> list[int]:
@@ -91,12 +144,13 @@ def accept(sampler, logits: torch.Tensor, drafts: list[int], draft_logits: list[
     speculative-sampling argument), so sampling is unchanged by drafting."""
     out = []
     if sampler.params.greedy:
-        for j, d in enumerate(drafts):
-            best = sampler(logits[j])
-            if best != d:
-                return out + [best]
+        best = sampler.greedy_rows(logits)  # one read; a row is refused only once it is reached
+        for d in drafts:
+            b = next(best)
+            if b != d:
+                return out + [b]
             out.append(d)
-        return out + [sampler(logits[len(drafts)])]
+        return out + [next(best)]
     for j, d in enumerate(drafts):
         p, q = sampler.probs(logits[j]), sampler.probs(draft_logits[j])
         if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q, without dividing by q
@@ -107,9 +161,10 @@ def accept(sampler, logits: torch.Tensor, drafts: list[int], draft_logits: list[
     return out + [sampler.draw(sampler.probs(logits[len(drafts)]))]
 
 
-def draft_chooser(sampler) -> Callable[[torch.Tensor], int]:
-    """How a draft token is picked from the head's logits: their argmax for a greedy request,
-    else a draw from the sampler's distribution of them (the q of ``accept``)."""
+def draft_chooser(sampler) -> Callable[[torch.Tensor], int] | None:
+    """How a draft token is picked from the head's logits: None for a greedy request (their
+    argmax, ``MtpDrafter.draft``), else a draw from the sampler's distribution of them (the q of
+    ``accept``)."""
     if sampler.params.greedy:
-        return lambda lg: int(torch.argmax(lg))
+        return None
     return lambda lg: sampler.draw(sampler.probs(lg))

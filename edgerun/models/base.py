@@ -180,11 +180,11 @@ class CausalLM(nn.Module):
         return packed
 
     def share_rows(self, on: bool) -> None:
-        """Within ``exact_rows`` (a batch's step), run each projection's rows in one GEMV
+        """Within ``exact_rows`` (a batch's step, a speculative verify window), run each projection's rows in one GEMV
         (``on``: the weight read once for all rows, each row in accumulators of its own) or each
         row by programs of its own (the weight read per row). Either way a row's bits are meant
-        to be the one-row call's; the batch's start-up probe checks it on the device
-        (``Runner.probe_batch``) and turns ``on`` off if not."""
+        to be the one-row call's; the start-up probes check it on the device
+        (``Runner.probe_batch``, ``Runner._probe_windows``) and turn ``on`` off if not."""
         for m in self.modules():
             if isinstance(m, QLinear):
                 m.shared_rows = on

@@ -162,3 +162,72 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
         accepted += stats.accepted
     assert accepted > 0 and 4 in runner.decoder.windows  # K = 3 drafted 3
     assert runner.steps.graph_steps == runner.steps.mixed_steps == 0 and runner.steps.eager_steps > 0
+
+
+def test_the_draft_step_drafts_what_the_heads_forward_drafts(sources):
+    """The MTP head's draft step (``DecodeGraphs.draft_step``: the decode step's fused kernels
+    over a static state of the head's own, one row a step) computes the head's forward: fed the
+    same prompt rows and then a verify window's rows one step each, its greedy drafts equal the
+    eager head's and its logits agree within fp32 rounding (other kernels, other summation
+    orders: 1e-4 of the logits' scale); and greedy output drafting with it is plain greedy's."""
+    runner = fused_runner(sources["bundle"], CacheConfig(64), k=3)
+    model, D = runner.model, runner.args.hidden_size
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(1, len(PROMPT) + 3, D, generator=g)
+    with torch.inference_mode():
+        step = runner.decoder.draft_step()
+        # greedy on the device (None), then chosen on the host from the logits, which are kept
+        for choose in (None, lambda lg: int(torch.argmax(lg))):
+            seq = [*PROMPT, 21]
+            drafters = [
+                MtpDrafter(model, 32, CPU, torch.float32),
+                MtpDrafter(model, 32, CPU, torch.float32, step),
+            ]
+            for d in drafters:
+                d.extend(hidden[:, : len(PROMPT)])  # the prompt: through the head's forward
+            for more in ([], [30, 2]):  # then two verified rows: one draft step each
+                for d in drafters:
+                    d.extend(hidden[:, len(seq) - 1 : len(seq) - 1 + len(more)]) if more else None
+                seq += more
+                (a, la), (b, lb) = (d.draft(seq, 3, choose) for d in drafters)
+                assert a == b, (a, b)
+                for d in drafters:  # fed up to the last token; the drafted positions rolled back
+                    assert d.state.pos == len(seq) - 1 and d.pending is None
+                if choose is None:
+                    assert lb == []  # greedy drafts on the device: no logits read back
+                    continue
+                for x, y in zip(la, lb, strict=True):
+                    assert torch.allclose(x, y, rtol=0, atol=1e-4 * float(x.abs().max())), (x - y).abs().max()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    runner.speculative = None
+    want = runner.generate_ids(PROMPT, params)
+    runner.speculative = SpeculativeConfig("mtp", 2)
+    events = list(runner.generate(runner.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want
+    assert runner.decoder.head_step is step and step.counters.eager_steps > 0
+    assert "mtp_graphs" not in runner.fallbacks()
+
+
+def test_the_window_probe_shares_the_gemv_where_its_rows_stay_exact(sources, monkeypatch):
+    """CUDA's start-up check of verify windows (``Runner._probe_windows``), its kernels run by
+    the interpreter: windows of 2..K + 1 rows with one GEMV for all rows equal the one-row
+    steps, so the GEMV stays shared; a shared GEMV whose rows are not the one-row call's is
+    refused, the projections fall back to each row's own programs, named among the fallbacks."""
+    from edgerun.kernels import qlinear_triton
+
+    runner = fused_runner(sources["bundle"], CacheConfig(64), k=2)
+    line = runner._probe_windows(2)
+    assert line.startswith("verify windows of 2, 3 rows equal their one-row steps") and "one GEMV" in line
+    assert "verify_gemv" not in runner.fallbacks() and runner.steps.eager_steps == 0
+    real = qlinear_triton.qgemv
+
+    def off_by_a_bit(x, *a, alone=False, **kw):  # a shared call's second row, nudged
+        y = real(x, *a, alone=alone, **kw)
+        if not alone and x.shape[0] > 1:
+            y[1:] = torch.nextafter(y[1:], torch.full_like(y[1:], float("inf")))
+        return y
+
+    monkeypatch.setattr(qlinear_triton, "qgemv", off_by_a_bit)
+    line = runner._probe_windows(1)
+    assert "each row by its own programs" in line
+    assert "row 1 of a 2-row window differs" in runner.fallbacks()["verify_gemv"]
