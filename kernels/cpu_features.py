@@ -13,11 +13,12 @@ CPUINFO = Path("/proc/cpuinfo")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 HARDWARE = {"amx": "AMX", "avx512_bf16": "AVX512-BF16, no AMX", "none": "no bf16 hardware found"}
 # The CPU default compute dtype by bf16 hardware, and why. AVX512-BF16 without AMX: bf16 measured
-# no faster than fp32 (docs/benchmarks.md, 2-core dev VM: 0.78-0.98x). AMX: fp32 until bf16 is
-# measured faster there (benchmarks/cpu_dtype.py on an AMX host; not run yet): a default is a
-# measured choice, and this row is the one line to change.
+# no faster than fp32 (docs/benchmarks.md, 2-core dev VM: 0.78-0.98x). AMX: bf16 measured 1.05x
+# with bf16 projections and 0.91x with int4 ones (benchmarks/cpu_dtype.py on the H200 host's
+# 16-core AMX Xeon, 2026-12-01): not a gain worth other greedy tokens than fp32's, so fp32. A
+# default is a measured choice, and this row is the one line to change.
 DEFAULT_DTYPE = {
-    "amx": ("float32", "bf16 not yet measured faster with AMX"),
+    "amx": ("float32", "bf16 measured 0.91-1.05x of fp32 with AMX"),
     "avx512_bf16": ("float32", "bf16 measured no faster without AMX"),
     "none": ("float32", "bf16 would be emulated"),
 }

@@ -72,7 +72,7 @@ def test_start_up_line_says_which_dtype_and_why(cpu):
     cpu(AMX)
     line = _device_line("auto")
     assert line.startswith("device cpu, dtype float32, threads 1")
-    assert line.endswith("; cpu AMX: float32 by default (bf16 not yet measured faster with AMX)")
+    assert line.endswith("; cpu AMX: float32 by default (bf16 measured 0.91-1.05x of fp32 with AMX)")
     cpu(AMX, bf16=True)
     line = _device_line("auto")
     assert line.startswith("device cpu, dtype bfloat16, threads 1")
