@@ -9,7 +9,10 @@ Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv ch
   before it is shifted, so the conv runs first, a program per block of channels (each owns its
   channels' state), into an fp32 scratch; then a program per (batch, value head) runs the delta
   rule on its [Dk, Dv] fp32 state tile (Hv programs: twice the key heads for Qwen3.6, where one
-  launch with a program per key head left most SMs idle).
+  launch with a program per key head left most SMs idle). With ``trail``, a verify window: N
+  consecutive tokens of one sequence in the same two launches, each program stepping the rows in
+  order (the per-row arithmetic the one-row kernels' own helpers), so each row, and the states
+  it leaves in the trail, are the one-row call's bits.
 
 Math is fp32, rounded to the model dtype at every point the modules round (conv products, conv
 sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
@@ -59,9 +62,10 @@ def _silu(x):
 
 
 @triton.jit
-def _conv_silu(x, cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
-    """SiLU of the causal depthwise conv of channels c over [conv state, new input] (fp32 values
-    rounded as the module rounds them); shifts the new input into the conv state."""
+def _conv_silu(x, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
+    """SiLU of the causal depthwise conv of channels c over [conv state cs, new input] (fp32
+    values rounded as the module rounds them); the state shifted by the new input goes to cs_out
+    (cs itself, or a verify window's trail entry)."""
     t = tl.arange(0, KP2)[None, :]
     hist = tl.load(cs + c[:, None] * (K - 1) + t, mask=cmask[:, None] & (t < K - 1), other=0.0)
     new = tl.load(x + c, mask=cmask, other=0.0)
@@ -71,11 +75,81 @@ def _conv_silu(x, cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.c
     # the shifted state goes where other threads read the old one: all reads first
     tl.debug_barrier()
     tl.store(
-        cs + c[:, None] * (K - 1) + t - 1,
-        window.to(cs.dtype.element_ty),
+        cs_out + c[:, None] * (K - 1) + t - 1,
+        window.to(cs_out.dtype.element_ty),
         mask=cmask[:, None] & (t >= 1) & (t < K),
     )
     return _round(_silu(s), ACT)
+
+
+@triton.jit
+def _head_tile(DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Offsets and mask of a value head's [Dk, Dv] state tile, padded to [BLOCK_DK, BLOCK_DV]."""
+    ik = tl.arange(0, BLOCK_DK)
+    iv = tl.arange(0, BLOCK_DV)
+    return ik[:, None] * DV + iv[None, :], (ik < DK)[:, None] & (iv < DV)[None, :]
+
+
+@triton.jit
+def _delta_rule(
+    S,
+    x,
+    z,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    norm_w,
+    out,
+    h,
+    eps,
+    q_scale,
+    NK: tl.constexpr,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    ACT: tl.constexpr,
+    ROUND_NORM: tl.constexpr,
+):
+    """One row's delta rule and gated RMSNorm for value head h, from the head's fp32 state tile
+    S: x is the row's conv + SiLU output (fp32 [C]), z, a, b and out its rows of those; stores
+    the head's output (rounded as the module rounds) and returns the state after the row. The R
+    value heads of a key head each normalise its q and k."""
+    j = h // R  # the key head
+    ik = tl.arange(0, BLOCK_DK)
+    mk = ik < DK
+    iv = tl.arange(0, BLOCK_DV)
+    mv = iv < DV
+    q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
+    k = tl.load(x + NK * DK + j * DK + ik, mask=mk, other=0.0)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
+
+    v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
+    beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + h).to(tl.float32))), ACT)
+    sp = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    e = tl.exp(sp)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
+    g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
+
+    S = S * tl.exp(g)
+    predicted = tl.sum(S * k[:, None], axis=0)
+    delta = (v - predicted) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = _round(tl.sum(S * q[:, None], axis=0), ACT)
+
+    # gated RMSNorm over Dv
+    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
+    y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
+    if ROUND_NORM:
+        y = _round(y, ACT)
+    zz = tl.load(z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+    y = _round(y * _silu(zz), ACT)
+    tl.store(out + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
+    return S
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,8 +188,47 @@ def _delta_conv_kernel(
     si = _state_row(slots, bi, SLOTS)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = c < C
-    y = _conv_silu(qkv + bi * qkv_row, conv_state + si * (C * (K - 1)), conv_w, c, m, K, KP2, ACT)
+    cs = conv_state + si * (C * (K - 1))
+    y = _conv_silu(qkv + bi * qkv_row, cs, cs, conv_w, c, m, K, KP2, ACT)
     tl.store(act + bi * C + c, y, mask=m)
+
+
+@triton.jit
+def _delta_conv_window_kernel(
+    qkv,
+    qkv_row,
+    conv_state,
+    trail,
+    conv_w,
+    act,
+    N,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    KP2: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Launch 1 of a verify window: N rows of one sequence (state entry 0), in order, for
+    BLOCK_C channels. Row r reads the conv state row r - 1 stored (its trail entry; row 0 the
+    state's) and stores its own in trail entry r, as N one-row launches would store and reload
+    it; the last row's is the new state."""
+    _grid_sync(PDL)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = c < C
+    size = C * (K - 1)
+    cs = conv_state
+    r = 0
+    while r < N:  # a while, not a for: no software pipelining of the next row's loads
+        y = _conv_silu(qkv + r * qkv_row, cs, trail + r * size, conv_w, c, m, K, KP2, ACT)
+        tl.store(act + r * C + c, y, mask=m)
+        tl.debug_barrier()  # the next row reads what this row's threads stored
+        cs = trail + r * size
+        r += 1
+    t = tl.arange(0, KP2)[None, :]
+    keep = c[:, None] * (K - 1) + t
+    kmask = m[:, None] & (t < K - 1)
+    tl.store(conv_state + keep, tl.load(cs + keep, mask=kmask), mask=kmask)
 
 
 @triton.jit
@@ -147,52 +260,70 @@ def _delta_decode_kernel(
     PDL: tl.constexpr,
 ):
     """Launch 2: one value head's delta rule and gated RMSNorm, a program per (batch, value
-    head); the R value heads of a key head each normalise its q and k (the same values)."""
+    head)."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
     h = tl.program_id(1)  # value head
-    j = h // R  # its key head
-    x = act + bi * C
-
-    ik = tl.arange(0, BLOCK_DK)
-    mk = ik < DK
-    iv = tl.arange(0, BLOCK_DV)
-    mv = iv < DV
-    tile = ik[:, None] * DV + iv[None, :]
-    tmask = mk[:, None] & mv[None, :]
+    tile, tmask = _head_tile(DK, DV, BLOCK_DK, BLOCK_DV)
     # the state was last written by this layer's previous step, kernels ago: read before the sync
     s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
     _grid_sync(PDL)
-    q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
-    k = tl.load(x + NK * DK + j * DK + ik, mask=mk, other=0.0)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
-
-    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
-    v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
-    beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + bi * b_row + h).to(tl.float32))), ACT)
-    sp = tl.load(a + bi * a_row + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-    e = tl.exp(sp)
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
-    g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
-
-    S = S * tl.exp(g)
-    predicted = tl.sum(S * k[:, None], axis=0)
-    delta = (v - predicted) * beta
-    S = S + k[:, None] * delta[None, :]
+    S = _delta_rule(
+        S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, A_log, dt_bias, norm_w,
+        out + bi * (HV * DV), h, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, ACT, ROUND_NORM,
+    )  # fmt: skip
     tl.store(s_ptr, S, mask=tmask)
-    o = _round(tl.sum(S * q[:, None], axis=0), ACT)
 
-    # gated RMSNorm over Dv
-    y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
-    if ROUND_NORM:
-        y = _round(y, ACT)
-    zz = tl.load(z + bi * z_row + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
-    y = _round(y * _silu(zz), ACT)
-    tl.store(out + bi * (HV * DV) + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
+
+@triton.jit
+def _delta_decode_window_kernel(
+    act,
+    z,
+    a,
+    b,
+    z_row,
+    a_row,
+    b_row,
+    A_log,
+    dt_bias,
+    state,
+    trail,
+    norm_w,
+    out,
+    eps,
+    q_scale,
+    N,
+    NK: tl.constexpr,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    ACT: tl.constexpr,
+    ROUND_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Launch 2 of a verify window: a program per value head steps the N rows in order from
+    state entry 0, the fp32 state carried in registers (the one-row launches store and reload
+    it in fp32: the same values), stored after row r in trail entry r and after the last row in
+    the state."""
+    C = 2 * NK * DK + NK * R * DV
+    HV = NK * R
+    h = tl.program_id(0)  # value head
+    tile, tmask = _head_tile(DK, DV, BLOCK_DK, BLOCK_DV)
+    S = tl.load(state + h * (DK * DV) + tile, mask=tmask, other=0.0)  # last written kernels ago
+    _grid_sync(PDL)
+    r = 0
+    while r < N:  # (Triton's interpreter cannot range over a runtime int)
+        S = _delta_rule(
+            S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, A_log, dt_bias, norm_w,
+            out + r * (HV * DV), h, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, ACT, ROUND_NORM,
+        )  # fmt: skip
+        tl.store(trail + (r * HV + h) * (DK * DV) + tile, S, mask=tmask)
+        r += 1
+    tl.store(state + h * (DK * DV) + tile, S, mask=tmask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +383,7 @@ def delta_decode(
     dk: int,
     dv: int,
     slots: torch.Tensor | None = None,
+    trail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``delta_decode_ref`` in two launches (same arguments, same in-place updates of conv_state
     and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
@@ -261,7 +393,13 @@ def delta_decode(
     are entry n of conv_state [N, C, K - 1] and state [N, Hv, Dk, Dv], or, with ``slots`` (int64
     [N], distinct), entry ``slots[n]`` of a pool's [B, ...]. The rows of mixed_qkv, z, a and b
     may be strided (views of one projection's output); everything else contiguous, on one
-    device. A row's programs are the one-row call's: its bits do not depend on the other rows."""
+    device. A row's programs are the one-row call's: its bits do not depend on the other rows.
+
+    ``trail`` (conv_trail [N, C, K - 1] in the model dtype, recurrent_trail [N, Hv, Dk, Dv]
+    fp32): a verify window instead, the N rows one sequence's consecutive tokens on conv_state
+    [1, C, K - 1] and state [1, Hv, Dk, Dv], still two launches. Row n's output and the states
+    after it (in trail entry n; the last row's also in the states) are bit for bit those of N
+    one-row calls in order, each followed by copies of the states into the trail."""
     if conv_weight.dim() != 2:
         raise ValueError(f"conv_weight must be [C, K], got {list(conv_weight.shape)}")
     dims = DeltaDims(n_k, n_v, dk, dv, conv_weight.shape[1])
@@ -284,6 +422,16 @@ def delta_decode(
         "a": (a, (*lead, Hv), act),
         "b": (b, (*lead, Hv), act),
     }
+    if trail is not None:
+        if slots is not None:
+            raise ValueError(
+                "trail (one sequence's verify window) and slots (a batch's rows) exclude each other"
+            )
+        if not lead or not batch:
+            raise ValueError(f"trail needs rows: mixed_qkv [N >= 1, C], got {list(mixed_qkv.shape)}")
+        if not isinstance(trail, tuple | list) or len(trail) != 2:
+            raise ValueError("trail must be (conv_trail [N, C, K - 1], recurrent_trail [N, Hv, Dk, Dv])")
+        pool = (1,)
     expected = {
         "conv_state": (conv_state, (*pool, C, K - 1), act),
         "conv_weight": (conv_weight, (C, K), act),
@@ -296,23 +444,40 @@ def delta_decode(
         if not lead:
             raise ValueError("slots need rows: mixed_qkv [N, C]")
         expected["slots"] = (slots, (batch,), (torch.int64,))
+    if trail is not None:
+        expected["conv_trail"] = (trail[0], (batch, C, K - 1), act)
+        expected["recurrent_trail"] = (trail[1], (batch, Hv, dk, dv), (torch.float32,))
     _check(expected, mixed_qkv.device)
     _check(rows, mixed_qkv.device, strided_rows=True)
     out = torch.empty(*lead, Hv * dv, dtype=dtype, device=mixed_qkv.device)
-    if batch:
-        row = [t.stride(0) if lead else 0 for t in (mixed_qkv, z, a, b)]
-        idx = slots if slots is not None else state  # placeholder when unused (never read)
-        act = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
-        _delta_conv_kernel[(batch, triton.cdiv(C, CONV_BLOCK))](
-            mixed_qkv, row[0], conv_state, idx, conv_weight, act, C=C, K=K, KP2=triton.next_power_of_2(K),
-            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4,
-            **pdl_kwargs(mixed_qkv.device),
+    if not batch:
+        return out
+    row = [t.stride(0) if lead else 0 for t in (mixed_qkv, z, a, b)]
+    scratch = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
+    blocks, kp2 = triton.cdiv(C, CONV_BLOCK), triton.next_power_of_2(K)
+    bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    pdl = pdl_kwargs(mixed_qkv.device)
+    delta = dict(
+        NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv, ACT=DTYPE_CODE[dtype],
+        ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64), **pdl,
+    )  # fmt: skip
+    if trail is not None:
+        _delta_conv_window_kernel[(blocks,)](
+            mixed_qkv, row[0], conv_state, trail[0], conv_weight, scratch, batch, C=C, K=K, KP2=kp2,
+            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4, **pdl,
         )  # fmt: skip
-        bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-        _delta_decode_kernel[(batch, Hv)](
-            act, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
-            eps, dk**-0.5, SLOTS=slots is not None, NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk,
-            BLOCK_DV=bdv, ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype,
-            num_warps=_warps(bdk * bdv, 64), **pdl_kwargs(mixed_qkv.device),
+        _delta_decode_window_kernel[(Hv,)](
+            scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, trail[1], norm_weight, out,
+            eps, dk**-0.5, batch, **delta,
         )  # fmt: skip
+        return out
+    idx = slots if slots is not None else state  # placeholder when unused (never read)
+    _delta_conv_kernel[(batch, blocks)](
+        mixed_qkv, row[0], conv_state, idx, conv_weight, scratch, C=C, K=K, KP2=kp2,
+        ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4, **pdl,
+    )  # fmt: skip
+    _delta_decode_kernel[(batch, Hv)](
+        scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
+        eps, dk**-0.5, SLOTS=slots is not None, **delta,
+    )  # fmt: skip
     return out

@@ -661,9 +661,9 @@ class GatedDeltaNet(nn.Module):
         two-launch Triton step (``kernels/dense_triton.py``) between the fused projection (which
         normalises x in its prologue) and out_proj; row n's states are entry n of ``state``, or
         entry ``slots[n]`` (a batch's pool). ``trail`` (conv [N, C, K-1], recurrent [N, Hv, Dk,
-        Dv]): the rows are one sequence's consecutive tokens (a verify window), each stepped by
-        a launch of its own from the state the row before left, which lands in row n of
-        ``trail`` for a rollback."""
+        Dv]): the rows are one sequence's consecutive tokens (a verify window), stepped in order
+        by the kernels' window mode (still two launches), each row the one-row step's bits, the
+        states after row n in row n of ``trail`` for a rollback."""
         if not fused:
             if x.shape[0] != 1 or slots is not None or trail is not None:
                 raise ValueError("a static decode step of several rows needs the fused DeltaNet kernel")
@@ -672,21 +672,11 @@ class GatedDeltaNet(nn.Module):
         from edgerun.kernels import dense_triton
 
         qkv, z, b, a = self._project(x, norm)  # [N, *] views of one GEMV's output
-        step = partial(
-            dense_triton.delta_decode, conv_state=state.conv, conv_weight=self.conv1d.weight[:, 0],
-            A_log=self.A_log, dt_bias=self.dt_bias, state=state.recurrent, norm_weight=self.norm.weight,
-            eps=self.norm.eps, n_k=self.n_k, n_v=self.n_v, dk=self.dk, dv=self.dv,
+        out = dense_triton.delta_decode(
+            qkv, z, a, b, conv_state=state.conv, conv_weight=self.conv1d.weight[:, 0], A_log=self.A_log,
+            dt_bias=self.dt_bias, state=state.recurrent, norm_weight=self.norm.weight, eps=self.norm.eps,
+            n_k=self.n_k, n_v=self.n_v, dk=self.dk, dv=self.dv, slots=slots, trail=trail,
         )  # fmt: skip
-        if trail is None:
-            out = step(qkv, z, a, b, slots=slots)
-        else:
-            outs = []
-            for j in range(x.shape[0]):
-                r = slice(j, j + 1)
-                outs.append(step(qkv[r], z[r], a[r], b[r]))
-                trail[0][r].copy_(state.conv)
-                trail[1][r].copy_(state.recurrent)
-            out = torch.cat(outs)
         self.out_proj(out, "residual", out=residual)
 
 

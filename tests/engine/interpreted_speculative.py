@@ -1,7 +1,7 @@
 """Speculative decoding's CUDA path (issue 17) under Triton's CPU interpreter: a verify window
 runs the decode step's fused kernels (``DecodeGraphs.verify``: the GEMVs' rows alone, attention
-and the DeltaNet step one row after another on the one sequence's state, the expert kernels over
-the rows), so its rows are the one-row steps' logits bit for bit, its rolled-back state is plain
+one row after another, the DeltaNet step's window mode over the one sequence's state, the expert
+kernels over the rows), so its rows are the one-row steps' logits bit for bit, its rolled-back state is plain
 decoding's, and greedy output with K = 1, 2, 3 drafts is plain greedy's; with every expert held
 (table mode), streamed (routed: a window's union looked up on the host) and resident stacked
 (a checkpoint). A tiny two-layer qwen3_5_moe (one DeltaNet, one attention layer) with an MTP

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from dense_cases import GEOMETRIES, REAL, real_args
+from dense_cases import GEOMETRIES, REAL, real_args, window_runs
 from moe_cases import rel_err
 
 from edgerun.kernels import dense_triton as K
@@ -122,6 +122,45 @@ def test_delta_decode_rows_by_slot_are_one_row_calls():
         )
     with pytest.raises(ValueError, match=r"slots must be \[2\]"):
         K.delta_decode(**{**clone_inputs(pool), **views, "slots": slots[:1]})
+
+
+# GEOMETRIES[2]: 160 conv channels (two programs of the conv launch), a 3-tap conv, no GQA
+@pytest.mark.parametrize("dims, n", [*((GEOMETRIES[0], n) for n in (1, 2, 3, 5)), (GEOMETRIES[2], 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_decode_window_is_one_row_calls(dims, dtype, n):
+    """A verify window (two launches, each program looping over the rows) is bit for bit n
+    one-row calls in order, each followed by copies of the states into a trail."""
+    window, rows = window_runs(K.delta_decode, dims, dtype, n, torch.Generator().manual_seed(n))
+    for part, got in window.items():
+        assert torch.equal(got, rows[part]), part
+    if n > 1:  # the rows advance the state
+        for part in ("conv trail", "recurrent trail"):
+            assert not torch.equal(window[part][0], window[part][-1]), part
+
+
+def test_delta_decode_window_refusals_name_the_trail():
+    dims = GEOMETRIES[0]
+    inputs = random_delta_inputs(dims, 1, torch.Generator().manual_seed(9))
+    rows = {k: torch.cat([inputs[k]] * 2) for k in ("mixed_qkv", "z", "a", "b")}
+    conv = torch.zeros(2, dims.conv_dim, dims.kernel - 1, dtype=torch.bfloat16)
+    rec = torch.zeros(2, dims.n_v, dims.dk, dims.dv)
+    cases = [
+        ((conv[:1], rec), r"conv_trail must be \[2, 80, 3\], got \[1, 80, 3\]"),
+        ((conv, rec[:, :2]), r"recurrent_trail must be \[2, 4, 8, 12\], got \[2, 2, 8, 12\]"),
+        ((conv.float(), rec), "conv_trail must be torch.bfloat16"),
+        ((conv, rec.bfloat16()), "recurrent_trail must be torch.float32"),
+        ((conv,), r"trail must be \(conv_trail"),
+    ]
+    for trail, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            K.delta_decode(**{**clone_inputs(inputs), **rows, "trail": trail})
+    with pytest.raises(ValueError, match="trail .* and slots .* exclude each other"):
+        K.delta_decode(
+            **{**clone_inputs(inputs), **rows, "trail": (conv, rec), "slots": torch.tensor([0, 1])}
+        )
+    pool = {k: torch.cat([inputs[k]] * 2) for k in ("conv_state", "state")}
+    with pytest.raises(ValueError, match=r"conv_state must be \[1, 80, 3\]"):  # one sequence's states
+        K.delta_decode(**{**inputs, **rows, **pool, "trail": (conv, rec)})
 
 
 def test_delta_decode_refusals_name_the_tensor():

@@ -7,7 +7,7 @@ probe's TOLERANCE for the model dtype (its docstring says why); the conv state i
 
 import pytest
 import torch
-from dense_cases import GEOMETRIES, REAL, real_args
+from dense_cases import GEOMETRIES, REAL, real_args, window_runs
 from moe_cases import rel_err
 
 from edgerun.kernels.dense_probe import TOLERANCE, probe_dense
@@ -41,6 +41,18 @@ def test_delta_decode(dims, dtype, batch):
     assert torch.equal(runs[0]["conv_state"], ref["conv_state"])
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(runs[0][s], runs[1][s]) for s in STATES)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_decode_window_is_one_row_calls(dtype, n):
+    """A verify window (two launches, each program looping over the rows) is bit for bit n
+    one-row calls in order, each followed by copies of the states into a trail."""
+    from edgerun.kernels import dense_triton as K
+
+    window, rows = window_runs(K.delta_decode, REAL, dtype, n, gen(n), "cuda")
+    for part, got in window.items():
+        assert torch.equal(got, rows[part]), part
 
 
 def test_graph_replay_equals_eager():
