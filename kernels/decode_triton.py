@@ -154,8 +154,8 @@ def _norm_rope(
 @triton.jit
 def _rope_tables(pos, inv_freq, c, R: tl.constexpr, CODE: tl.constexpr):
     """Rotary tables at ``pos`` over channels c [1, DP] (Rotary.forward: fp32 angle, cos/sin
-    rounded to the model dtype): (in the rotary dims, each channel's rotate_half partner, its
-    sign, cos, sin)."""
+    rounded to the model dtype): whether a channel rotates, its rotate_half partner and sign,
+    cos, sin."""
     half: tl.constexpr = R // 2
     rot = c < R
     partner = tl.where(c < half, c + half, c - half)
