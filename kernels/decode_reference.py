@@ -358,6 +358,42 @@ def capacity_mismatch(
     return None
 
 
+def window_mismatch(
+    kernel, dims: AttnDims, start: int, n: int, s_max: int, gen, device, dtype, unit_offset: bool = True
+) -> str | None:
+    """``kernel`` (``attention_decode``) on a speculative verify window: n tokens of one sequence
+    at start..start + n - 1 over a random history, in one call (``window``), against n one-row
+    calls in order on copies of the same inputs. The window's own positions hold random keys
+    before it (each row must read only those the rows up to it wrote), later ones NaN (read by
+    none). None when every row's output and the caches afterwards are the same bits, else what
+    differs."""
+    inputs = random_attention_inputs(dims, s_max, start, gen, device, dtype, unit_offset)
+    inputs["qkv"] = (torch.randn(n, dims.qkv_width, generator=gen, device=device) * 2).to(dtype)
+    inputs["pos"] = torch.arange(start, start + n, device=device)
+    inputs["out"] = torch.empty(n, dims.n_heads * dims.head_dim, dtype=dtype, device=device)
+    for name in ("k_cache", "v_cache"):
+        inputs[name][:, :, start + n :] = float("nan")
+    rows = clone_inputs(inputs)
+    kernel(**inputs, window=True)
+    for j in range(n):
+        kernel(
+            **{
+                **rows,
+                "qkv": rows["qkv"][j : j + 1],
+                "pos": rows["pos"][j : j + 1],
+                "out": rows["out"][j : j + 1],
+            }
+        )
+    what = f"a window of {n} at {start} ({dtype}, gated {dims.gated})"
+    for j in range(n):
+        if not same_bits(inputs["out"][j], rows["out"][j]):
+            return f"{what}: row {j}'s output is not the one-row call's"
+    for name in ("k_cache", "v_cache"):
+        if not same_bits(inputs[name], rows[name]):
+            return f"{what}: {name} afterwards is not the one-row calls'"
+    return None
+
+
 def run_router(inputs: dict, kernel) -> tuple[list[dict], dict]:
     """``kernel`` (``router_topk``) twice and the reference once: (runs, ref) for check_router."""
     ref = clone_inputs(inputs)

@@ -24,6 +24,11 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   Measured on an H200 (bf16, both launches, CUDA-graph replay): Qwen3.6's geometry (16/2 heads
   of 256) 9 µs at pos 100, 11 µs at 3000, 28 µs at 32767 (67 MB of K and V: 2.4 TB/s), where
   decode_static's torch ops take 260 µs at any pos; Qwen3-30B's (32/4 of 128) 7, 8 and 27-33 µs.
+  ``window``: the rows are a speculative verify window, consecutive tokens of one sequence, still
+  two launches: each attend program writes the keys and values of its row and the earlier rows
+  that fall in its split (``_write_kv``, the one write either way; programs writing the same
+  position write the same bits), then reads them, so no program waits for another and a row's
+  bits are its one-row call's, in order.
 
 Math is fp32, rounded to the model dtype wherever the modules round (norm products, cos/sin,
 each rotary product and sum, the probabilities before P @ V, the attention output, the sigmoid
@@ -147,6 +152,36 @@ def _norm_rope(
 
 
 @triton.jit
+def _rope_tables(pos, inv_freq, c, R: tl.constexpr, CODE: tl.constexpr):
+    """Rotary tables at ``pos`` over channels c [1, DP] (Rotary.forward: fp32 angle, cos/sin
+    rounded to the model dtype): whether a channel rotates, its rotate_half partner and sign,
+    cos, sin."""
+    half: tl.constexpr = R // 2
+    rot = c < R
+    partner = tl.where(c < half, c + half, c - half)
+    sign = tl.where(c < half, -1.0, 1.0)
+    angle = pos.to(tl.float32) * tl.load(inv_freq + c % half, mask=rot, other=0.0)
+    return rot, partner, sign, _round(tl.cos(angle), CODE), _round(tl.sin(angle), CODE)
+
+
+@triton.jit
+def _write_kv(
+    k_src, pos, k_cache, v_cache, k_norm_w, c, cmask, rot, partner, sign, cos, sin, eps, S_MAX64,
+    kh, HK: tl.constexpr, DH: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr,
+):  # fmt: skip
+    """A token's key (k-norm, RoPE with the tables at its ``pos``, the cast to the cache dtype)
+    and value (as projected), from its qkv row's kv head ``kh`` at ``k_src``, into the caches at
+    ``pos``: the one write of the one-row step and of every row of a window."""
+    k = _norm_rope(
+        k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), k_norm_w, c, cmask,
+        partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE,
+    )  # fmt: skip
+    kv_row = (kh * S_MAX64 + pos) * DH + c
+    tl.store(k_cache + kv_row, k.to(k_cache.dtype.element_ty), mask=cmask)
+    tl.store(v_cache + kv_row, tl.load(k_src + HK * DH + c, mask=cmask, other=0.0), mask=cmask)
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale,
     DH: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
@@ -176,36 +211,32 @@ def _attend_kernel(
     S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
     DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
-    SLOTS: tl.constexpr, PDL: tl.constexpr,
+    SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     _grid_sync(PDL)
     QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
-    half: tl.constexpr = R // 2
+    QKV_W: tl.constexpr = G * HK * QW + 2 * HK * DH
     kh = tl.program_id(0)
     split = tl.program_id(1)
-    row = tl.program_id(2).to(tl.int64)  # a sequence of the step: its own position and cache slot
-    qkv += row * (G * HK * QW + 2 * HK * DH)
+    row = tl.program_id(2).to(tl.int64)  # a sequence of the step, or (WINDOW) a token of one
+    window = qkv  # WINDOW: the qkv rows of the window's tokens, at consecutive positions
+    qkv += row * QKV_W
     m_part += row * (G * HK * NSPLIT)
     l_part += row * (G * HK * NSPLIT)
     acc_part += row * (G * HK * NSPLIT * DH)
     pos = tl.load(pos_ptr + row)
-    slot = row
-    if SLOTS:
-        slot = tl.load(slots + row)
-    k_cache += slot * (HK * S_MAX * DH)  # 64-bit: a pool's offsets pass 2^31
-    v_cache += slot * (HK * S_MAX * DH)
+    if not WINDOW:  # a window's tokens are one sequence, in entry 0
+        slot = row
+        if SLOTS:
+            slot = tl.load(slots + row)
+        k_cache += slot * (HK * S_MAX * DH)  # 64-bit: a pool's offsets pass 2^31
+        v_cache += slot * (HK * S_MAX * DH)
     c = tl.arange(0, DP)[None, :]
     cmask = c < DH
     start = split * _split_len(pos, NSPLIT, BLOCK_S)
     if start <= pos:
         end = tl.minimum(start + _split_len(pos, NSPLIT, BLOCK_S), pos + 1)
-        # rotary tables at pos (Rotary.forward: fp32 angle, cos/sin rounded to the model dtype)
-        rot = c < R
-        partner = tl.where(c < half, c + half, c - half)
-        sign = tl.where(c < half, -1.0, 1.0)
-        angle = pos.to(tl.float32) * tl.load(inv_freq + c % half, mask=rot, other=0.0)
-        cos = _round(tl.cos(angle), CODE)
-        sin = _round(tl.sin(angle), CODE)
+        rot, partner, sign, cos, sin = _rope_tables(pos, inv_freq, c, R, CODE)
         r = tl.arange(0, GP)[:, None]
         rmask = r < G
         q_rows = qkv + (kh * G + r) * QW
@@ -215,16 +246,24 @@ def _attend_kernel(
         if not EMULATE:  # values of the model dtype already: exact
             q = q.to(k_cache.dtype.element_ty)
         S_MAX64 = tl.full([], S_MAX, tl.int64)  # 64-bit cache offsets: Hk * S_max * Dh may pass 2^31
-        if end == pos + 1:  # this program's split holds pos: the new key and value go in first
-            k_src = qkv + G * HK * QW + kh * DH
-            k = _norm_rope(
-                k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), k_norm_w, c, cmask,
-                partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE,
+        kv_col = G * HK * QW + kh * DH  # the kv head's key columns in a qkv row
+        if WINDOW:  # the keys of this token and the window's earlier ones that this split reads:
+            i = tl.full([], 0, tl.int64)  # each program writes those itself (any other: the same bits)
+            while i <= row:
+                p = tl.load(pos_ptr + i)
+                if (p >= start) & (p < end):
+                    rot_i, partner_i, sign_i, cos_i, sin_i = _rope_tables(p, inv_freq, c, R, CODE)
+                    _write_kv(
+                        window + i * QKV_W + kv_col, p, k_cache, v_cache, k_norm_w, c, cmask, rot_i,
+                        partner_i, sign_i, cos_i, sin_i, eps, S_MAX64, kh, HK, DH, UNIT_OFFSET, CODE,
+                    )  # fmt: skip
+                i += 1
+        elif end == pos + 1:  # this program's split holds pos: the new key and value go in first
+            _write_kv(
+                qkv + kv_col, pos, k_cache, v_cache, k_norm_w, c, cmask, rot, partner, sign, cos, sin,
+                eps, S_MAX64, kh, HK, DH, UNIT_OFFSET, CODE,
             )  # fmt: skip
-            kv_row = (kh * S_MAX64 + pos) * DH + c
-            tl.store(k_cache + kv_row, k.to(k_cache.dtype.element_ty), mask=cmask)
-            tl.store(v_cache + kv_row, tl.load(k_src + HK * DH + c, mask=cmask, other=0.0), mask=cmask)
-        tl.debug_barrier()  # the row at pos is read back below, by other threads of this program
+        tl.debug_barrier()  # the rows written are read back below, by other threads of this program
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
@@ -397,6 +436,7 @@ def attention_decode(
     head_dim: int,
     gated: bool,
     slots: torch.Tensor | None = None,
+    window: bool = False,
 ) -> torch.Tensor:
     """``attention_decode_ref`` in two launches (same arguments, same in-place cache writes), for
     N rows at once: row n is a sequence of its own at position ``pos[n]``, its keys and values
@@ -405,7 +445,14 @@ def attention_decode(
     or fp16); inv_freq fp32 [R/2]; pos int64 [N] and slots int64 [N], read only on the device
     (distinct slots: rows of one step must not share a sequence). Every tensor contiguous, on
     one device. A row's programs are the one-row call's, offset: its bits do not depend on the
-    other rows."""
+    other rows.
+
+    ``window``: a speculative verify window instead, the rows being consecutive tokens of ONE
+    sequence (pos[n] = pos[0] + n, read only on the device: the caller's contract) in entry 0 of
+    the caches, still two launches for any N: row n's output and the cache afterwards are, bit
+    for bit, those of N one-row calls in order (row n reads the keys rows < n wrote). Each of
+    row n's programs writes the keys and values of rows <= n in its split itself (the one-row
+    call's write, shared code) before reading them, so no program waits for another's."""
     H, Hk, Dh = n_heads, n_kv, head_dim
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be [R/2], got {list(inv_freq.shape)}")
@@ -421,7 +468,13 @@ def attention_decode(
     if qkv.dim() != 2:
         raise ValueError(f"qkv must be [N, columns], got {list(qkv.shape)}")
     N, B, S = qkv.shape[0], k_cache.shape[0], k_cache.shape[2]
-    if slots is None and B != N:
+    if window and slots is not None:
+        raise ValueError(
+            "a window's rows are one sequence in cache entry 0: slots cannot be given with window"
+        )
+    if window and B < 1:
+        raise ValueError("a window's rows are one sequence in cache entry 0: the caches hold no entry")
+    if not window and slots is None and B != N:
         raise ValueError(f"without slots the caches hold one entry a row: {B} entries for {N} rows")
     act = (dtype,)
     width = H * Dh * (2 if gated else 1) + 2 * Hk * Dh
@@ -452,7 +505,7 @@ def attention_decode(
         m_part, l_part, acc_part, eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R,
         GATED=gated, GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s,
         UNIT_OFFSET=unit_offset, CODE=code, EMULATE=qkv.device.type == "cpu", SLOTS=slots is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
+        WINDOW=window, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)
     block_d = min(dp, 64)  # a program per (head, 64 channels): its [splits, 64] partials in one tile

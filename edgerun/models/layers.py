@@ -322,7 +322,7 @@ class StaticStep:
     # row n is entry n (one sequence, batch 1)
     slots: torch.Tensor | None = None
     # the rows are one sequence at consecutive positions (a speculative verify window, fused
-    # kernels only): its one state entry, each row's token mixer launched after the row before
+    # kernels only): its one state entry, each row's token mixers the one-row step's, in order
     window: bool = False
 
 
@@ -451,17 +451,15 @@ class Attention(nn.Module):
         if step.fused:
             from edgerun.kernels import decode_triton
 
-            attend = partial(
-                decode_triton.attention_decode, q_norm_w=self.q_norm.weight, k_norm_w=self.k_norm.weight,
-                eps=self.q_norm.eps, unit_offset=self.q_norm.unit_offset, inv_freq=step.inv_freq,
-                k_cache=cache.k, v_cache=cache.v, n_heads=H, n_kv=Hk, head_dim=Dh, gated=self.gated,
-            )  # fmt: skip
             qkv, out = self.qkv(x, norm=norm), x.new_empty(B, H * Dh)
-            if step.window:  # row j reads the keys rows < j wrote: one launch a row, in order
-                for j in range(B):
-                    attend(qkv=qkv[j : j + 1], pos=step.pos[j : j + 1], out=out[j : j + 1])
-            else:
-                attend(qkv=qkv, pos=step.pos, out=out, slots=step.slots)
+            # window: the rows are one sequence's tokens, each its one-row step's (row j reads the
+            # keys rows < j write); else each row a sequence of its own
+            decode_triton.attention_decode(
+                qkv=qkv, q_norm_w=self.q_norm.weight, k_norm_w=self.k_norm.weight, eps=self.q_norm.eps,
+                unit_offset=self.q_norm.unit_offset, inv_freq=step.inv_freq, pos=step.pos, k_cache=cache.k,
+                v_cache=cache.v, out=out, n_heads=H, n_kv=Hk, head_dim=Dh, gated=self.gated,
+                slots=step.slots, window=step.window,
+            )  # fmt: skip
             self.o_proj(out, "residual", out=residual)
             return
         if B != 1 or step.slots is not None:

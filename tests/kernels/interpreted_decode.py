@@ -40,6 +40,7 @@ from edgerun.kernels.decode_reference import (
     random_router_inputs,
     run_attention,
     run_router,
+    window_mismatch,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
@@ -205,6 +206,43 @@ def test_attention_rows_by_slot_are_one_row_calls(dtype):
     assert torch.equal(got["k_cache"][1], pool["k_cache"][1])
     with pytest.raises(ValueError, match="without slots the caches hold one entry a row"):
         K.attention_decode(**{**got, "slots": None})
+
+
+# each dtype, gated and not, each size. 64 splits over 2 kv heads are 64 positions long (61, 62:
+# windows that cross from one split to two). With 4 programs (2 splits) a split is cdiv(pos + 1, 2)
+# in 64-position tiles: 127 in the second of 64, 128 in the first of 192, which reads the keys of
+# 126 and 127 that other programs of the launch write (programs the interpreter runs later).
+@pytest.mark.parametrize(
+    "dtype, gated, n, start, programs",
+    [
+        (torch.float32, False, 5, 61, None),
+        (torch.bfloat16, True, 5, 61, None),
+        (torch.bfloat16, False, 3, 62, None),
+        (torch.float32, True, 2, 40, None),
+        (torch.bfloat16, False, 1, 5, None),
+        (torch.bfloat16, True, 3, 126, 4),
+        (torch.float32, False, 3, 126, 4),
+    ],
+)
+def test_attention_window_is_its_one_row_calls(dtype, gated, n, start, programs, monkeypatch):
+    """A verify window of n tokens in one call: each row's output and the caches afterwards are
+    those of n one-row calls in order, bit for bit."""
+    if programs:
+        monkeypatch.setattr(K, "TARGET_PROGRAMS", programs)
+        assert K.attention_plan(2, 32).nsplit == programs // 2
+    dims = AttnDims(4, 2, 32, 16, gated)
+    gen = torch.Generator().manual_seed(n)
+    got = window_mismatch(K.attention_decode, dims, start, n, 136, gen, "cpu", dtype)
+    assert got is None, got
+
+
+def test_attention_window_refusals():
+    inputs = random_attention_inputs(AttnDims(4, 2, 32, 16, True), 64, 3, torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="slots cannot be given with window"):
+        K.attention_decode(**inputs, slots=torch.tensor([0]), window=True)
+    empty = {name: inputs[name][:0] for name in ("k_cache", "v_cache")}
+    with pytest.raises(ValueError, match="the caches hold no entry"):
+        K.attention_decode(**{**inputs, **empty}, window=True)
 
 
 def test_attention_refusals_name_the_tensor():

@@ -1,6 +1,6 @@
 """The router and attention decode kernels on a CUDA device: the real geometries against the
 references, bit-for-bit repeats, CUDA-graph replay equal to eager at moving positions, a 32K
-context, and the probe's cases.
+context, verify windows equal to their one-row calls, and the probe's cases.
 
 Skipped without CUDA (CI has none); run on the GPU machine before resolving. Tolerances: the
 probe's TOLERANCE for the model dtype (kernels/decode_reference.py says why), through
@@ -24,6 +24,7 @@ from edgerun.kernels.decode_reference import (
     random_router_inputs,
     run_attention,
     run_router,
+    window_mismatch,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
@@ -75,6 +76,22 @@ def test_attention_bits_do_not_depend_on_the_cache_capacity(pos):
 
     caps = [c for c in (256, 1024, 4096, 32768) if c > pos]
     got = capacity_mismatch(K.attention_decode, QWEN36, pos, caps, gen(pos), "cuda", torch.bfloat16)
+    assert got is None, got
+
+
+# 2044..2051: Qwen3.6's split of 32 positions (64 splits) turns 64 at pos 2048, whose first split
+# reads the keys of 2044..2047 that other programs of the launch write; 31, 32: a tile boundary
+@pytest.mark.parametrize("n, start", [(1, 3000), (2, 31), (5, 100), (8, 2044), (8, 4088)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "dims, unit_offset", [(QWEN36, True), (QWEN3_30B, False)], ids=["qwen3.6", "qwen3-30b"]
+)
+def test_attention_window_is_its_one_row_calls(dims, unit_offset, dtype, n, start):
+    """A verify window of n tokens in one call: each row's output and the caches afterwards are
+    those of n one-row calls in order, bit for bit."""
+    from edgerun.kernels import decode_triton as K
+
+    got = window_mismatch(K.attention_decode, dims, start, n, 4096, gen(start), "cuda", dtype, unit_offset)
     assert got is None, got
 
 
