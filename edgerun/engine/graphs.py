@@ -27,7 +27,8 @@ device tensors the host writes before each step. Prefill runs the model's own fo
 same static state: eagerly, or (:class:`PrefillGraphs`) a prompt's first chunk replayed from a
 graph captured for its length padded up to a bucket. A speculative verify window
 (:meth:`DecodeGraphs.verify`) is a decoder of K + 1 rows over the one sequence's state: the same
-operations, the token mixers a launch per row in position order.
+operations, each token mixer taking the rows in one call (attention and DeltaNet step them in
+position order inside their programs), the projections in one GEMV where probed exact.
 """
 
 from __future__ import annotations
@@ -652,8 +653,8 @@ def rows_unsupported(fused: bool, modes: dict[int, str], layers, one_sequence: b
     """Why a step of a batch's rows (``one_sequence``: a verify window's rows of one sequence)
     cannot run over these kernels and expert steps; None when it can (rows of a pool need the
     fused attention and DeltaNet kernels, which index it by slot, and an expert step that takes
-    several rows; a window's rows run the fused kernels one row at a time, and resident stacked
-    experts too)."""
+    several rows; a window's rows run the fused kernels' window modes, and resident stacked
+    experts a row at a time)."""
     if not fused:
         if one_sequence:
             return "a verify window's rows need the Triton dense kernels (attention and DeltaNet), not in use"

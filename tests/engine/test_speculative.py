@@ -313,7 +313,7 @@ def test_a_cuda_plan_counts_the_verify_windows_graph_sets():
 
 def test_a_verify_window_on_the_decoder_needs_the_triton_dense_kernels(sources):
     """On CUDA a verify window runs the decode step's kernels: without the Triton dense kernels
-    (attention and DeltaNet a row at a time) it is refused, naming them (here on the CPU, where
+    (attention and DeltaNet in their window modes) it is refused, naming them (here on the CPU, where
     the decoder's operations run uncaptured)."""
     from edgerun.engine.graphs import DecodeGraphs, rows_unsupported
     from edgerun.engine.policy import Resolved

@@ -1,6 +1,7 @@
 """Speculative decoding with the MTP head on CUDA (issue 17): a verify window runs the decode
-step's own kernels (``DecodeGraphs.verify``: GEMV rows alone, attention and the DeltaNet step a
-row at a time on the one sequence's state, the expert kernels over the rows), eagerly or replayed
+step's own kernels (``DecodeGraphs.verify``: the GEMV's rows shared or alone as the start-up
+probe found, attention and the DeltaNet step in their window modes, the rows stepped in order on
+the one sequence's state, the expert kernels over the rows), eagerly or replayed
 from its CUDA graphs, so its rows equal the one-row steps' logits (torch.equal), its rolled-back
 state equals plain decoding's, and greedy output with K = 1, 2, 3 equals plain greedy, token for
 token: a tiny random qwen3_5_moe with an MTP head (every expert held, streamed, resident stacked;
