@@ -167,14 +167,8 @@ class Runner:
             for _ in range(2):
                 alone = [self._probe_rows([p], [t])[0] for p, t in zip(prompts, tokens, strict=True)]
                 together = self._probe_rows(prompts, tokens)
-                for r in range(n):
-                    if not bool(torch.isfinite(alone[r]).all()):
-                        raise EdgerunError("batch probe: a decode step's logits are not finite")
-                    if not torch.equal(alone[r], together[r]):
-                        raise EdgerunError(
-                            f"batch probe: row {r} of a {n}-row decode step differs from its sequence's "
-                            "one-row step; serve with batch 1"
-                        )
+                differs = f"row {{r}} of a {n}-row decode step differs from its sequence's one-row step"
+                check_rows("batch probe", alone, together, differs + "; serve with batch 1")
 
     def _probe_rows(self, prompts: list[list[int]], tokens: list[int], steps: int = 1) -> torch.Tensor:
         """Sequences joined to the batch, prefilled with ``prompts``, stepped together ``steps``
@@ -314,14 +308,8 @@ class Runner:
                     state = self.decoder.reset()
                     self.prefill(state, prompt)
                     logits, _ = self.decoder.verify(tokens[:n], most)
-                    for j in range(n):
-                        if not bool(torch.isfinite(alone[j]).all()):
-                            raise EdgerunError("verify window probe: a decode step's logits are not finite")
-                        if not torch.equal(logits[j], alone[j]):
-                            raise EdgerunError(
-                                f"verify window probe: row {j} of a {n}-row window differs from the "
-                                "one-row step at its position"
-                            )
+                    differs = f"row {{r}} of a {n}-row window differs from the one-row step at its position"
+                    check_rows("verify window probe", alone, logits, differs)
         finally:
             vars(self.steps).update(vars(counted))
 
@@ -801,6 +789,17 @@ class Runner:
         """The generated token ids (EOS excluded)."""
         events = self.generate(self.request(prompt_ids, params))
         return [e.token_id for e in events if e.token_id is not None]
+
+
+def check_rows(probe: str, alone: list[torch.Tensor], rows: torch.Tensor, differs: str) -> None:
+    """A start-up probe's verdict: row r of ``rows`` (logits of one multi-row step) bit for bit
+    ``alone[r]`` (its one-row step's), else :class:`EdgerunError` saying ``differs`` (its
+    ``{r}`` the row); a one-row step's logits that are not finite are refused first."""
+    for r, want in enumerate(alone):
+        if not bool(torch.isfinite(want).all()):
+            raise EdgerunError(f"{probe}: a decode step's logits are not finite")
+        if not torch.equal(rows[r], want):
+            raise EdgerunError(f"{probe}: {differs.format(r=r)}")
 
 
 class _TextStream:
