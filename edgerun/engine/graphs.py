@@ -469,7 +469,15 @@ class DecodeGraphs:
         window the caller asks for, K + 1: the planner's count). Run by a decoder of N rows over
         this state, made (and, with graphs, captured) on a window of N rows' first use; counted
         as this decoder's steps are."""
-        n = len(tokens)
+        w = self.window(len(tokens), most)
+        with exact_rows():
+            w.run_window(tokens)
+        self.fallbacks.update(w.fallbacks)
+        return w.logits.clone(), w.hidden.clone()
+
+    def window(self, n: int, most: int = 0) -> DecodeGraphs:
+        """The decoder of a window of ``n`` rows over this decoder's state (made on first use;
+        ``most``: see :meth:`verify`); of the MTP head's rows for its draft step."""
         if max(n, most) > self._trail_rows:  # (re)made for the longest window, its windows with it
             self.windows.clear()
             self._trail_rows = max(n, most)
@@ -477,13 +485,9 @@ class DecodeGraphs:
         if n not in self.windows:
             self.windows[n] = DecodeGraphs(
                 self.model, self.args, self.cache, self.policy, self.device, self.capacity,
-                self.counters, rows=n, window=self.state, trail=self._trail,
+                self.counters, rows=n, window=self.state, trail=self._trail, head=self.head,
             )  # fmt: skip
-        w = self.windows[n]
-        with exact_rows():
-            w.run_window(tokens)
-        self.fallbacks.update(w.fallbacks)
-        return w.logits.clone(), w.hidden.clone()
+        return self.windows[n]
 
     def draft_step(self) -> DecodeGraphs:
         """The model's MTP head's one-row draft step (head mode, see the class) at this

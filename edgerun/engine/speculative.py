@@ -34,8 +34,8 @@ class MtpDrafter:
     not consumed yet (positions ``state.pos``.. of ``seq``, the request's tokens so far).
 
     With ``step`` (CUDA: the decoder's draft step, ``DecodeGraphs.draft_step``, replayed from
-    its CUDA graph where graphs run) a few rows and every draft run as one-row steps over that
-    step's static state, a greedy draft chosen on the device and the drafts read back once;
+    its CUDA graph where graphs run) the few rows a verify step kept run as one step of that many
+    rows and every draft as a one-row step, over that step's static state, a greedy draft chosen on the device and the drafts read back once;
     without, the head's forward runs eagerly. A prompt's many rows are fed by the forward
     either way. Drafts only decide what is verified, never what is emitted."""
 
@@ -54,20 +54,29 @@ class MtpDrafter:
 
     def catch_up(self, seq: list[int]) -> torch.Tensor | None:
         """Feed the head every pending row whose next token ``seq`` knows; returns the head's
-        hidden state [1, 1, D] of the last row fed (None if none was). With a draft step, rows
-        after a prompt's run as its one-row steps (the last one's logits and greedy token are
-        then the step's)."""
+        hidden state [1, 1, D] of the last row fed (None if none was). With a draft step, the rows
+        after a prompt's run as one step of that many rows (a window over the head's state: its
+        attention takes the rows in one call), the last row's logits and greedy token then the
+        draft step's."""
         if self.pending is None:
             return None
         start = self.state.pos
         n = min(self.pending.shape[1], len(seq) - 1 - start)
         if n <= 0:
             return None
-        if self.step is not None and n <= STEP_ROWS:
-            for j in range(n):
-                self.step.hidden_in.copy_(self.pending[0, j : j + 1])
-                self.step.step(seq[start + 1 + j])
+        if self.step is not None and n == 1:
+            self.step.hidden_in.copy_(self.pending[0, :1])
+            self.step.step(seq[start + 1])
             out = self.step.hidden[None]
+        elif self.step is not None and n <= STEP_ROWS:  # one window of n rows, its last row's
+            step, w = self.step, self.step.window(n, STEP_ROWS)  # outputs where the next draft reads
+            w.hidden_in.copy_(self.pending[0, :n])
+            w.run_window(seq[start + 1 : start + 1 + n])
+            step.hidden.copy_(w.hidden[n - 1 :])
+            step.logits.copy_(w.logits[n - 1 :])
+            step.token.copy_(w.token[n - 1 :])
+            step.fallbacks.update(w.fallbacks)
+            out = step.hidden[None]
         else:
             nxt = torch.tensor([seq[start + 1 : start + 1 + n]], device=self.pending.device)
             out = self.head(
@@ -128,8 +137,8 @@ class MtpDrafter:
         return tokens, logits
 
 
-# rows the head's catch-up feeds through the draft step, one a step (a verify window keeps at
-# most K + 1 = 5); more (a prompt) go through its forward in one pass
+# rows the head's catch-up feeds through the draft step's windows, as one step (a verify window
+# keeps at most K + 1 = 5); more (a prompt) go through its forward in one pass
 STEP_ROWS = 5
 
 

@@ -166,8 +166,9 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
 
 def test_the_draft_step_drafts_what_the_heads_forward_drafts(sources):
     """The MTP head's draft step (``DecodeGraphs.draft_step``: the decode step's fused kernels
-    over a static state of the head's own, one row a step) computes the head's forward: fed the
-    same prompt rows and then a verify window's rows one step each, its greedy drafts equal the
+    over a static state of the head's own) computes the head's forward: fed the same prompt rows
+    and then two verified rows, each group as one step of that many rows (a window over the
+    head's state), then drafting a row a step, its greedy drafts equal the
     eager head's and its logits agree within fp32 rounding (other kernels, other summation
     orders: 1e-4 of the logits' scale); and greedy output drafting with it is plain greedy's."""
     runner = fused_runner(sources["bundle"], CacheConfig(64), k=3)
@@ -198,6 +199,7 @@ def test_the_draft_step_drafts_what_the_heads_forward_drafts(sources):
                     continue
                 for x, y in zip(la, lb, strict=True):
                     assert torch.allclose(x, y, rtol=0, atol=1e-4 * float(x.abs().max())), (x - y).abs().max()
+    assert {2, len(PROMPT)} <= set(step.windows)  # the prompt's rows and the two: one step each
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     runner.speculative = None
     want = runner.generate_ids(PROMPT, params)
