@@ -28,13 +28,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [V] for one position -> token id; refused (:class:`NonFiniteLogits`) when any
         is NaN or infinite."""
-        p = self.params
-        logits = logits.detach()
-        if p.greedy:  # on the logits' device: two small kernels and one read of two ints, not of [V]
-            token, bad = torch.stack([torch.argmax(logits), (~torch.isfinite(logits)).sum()]).tolist()
-            if bad:
-                raise NonFiniteLogits(f"{bad} of {logits.numel()} logits are NaN or infinite")
-            return token
+        if self.params.greedy:  # on the logits' device: a read of two ints, not of [V]
+            return next(self.greedy_rows(logits[None]))
         return self.draw(self.probs(logits))
 
     def greedy_rows(self, logits: torch.Tensor) -> Iterator[int]:

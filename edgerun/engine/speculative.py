@@ -35,8 +35,8 @@ class MtpDrafter:
 
     With ``step`` (CUDA: the decoder's draft step, ``DecodeGraphs.draft_step``, replayed from
     its CUDA graph where graphs run) the few rows a verify step kept run as one step of that many
-    rows and every draft as a one-row step, over that step's static state, a greedy draft chosen on the device and the drafts read back once;
-    without, the head's forward runs eagerly. A prompt's many rows are fed by the forward
+    rows and every draft as a one-row step, over that step's static state, a greedy draft chosen
+    on the device and the drafts read back once; without, the head's forward runs eagerly. A prompt's many rows are fed by the forward
     either way. Drafts only decide what is verified, never what is emitted."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, device, dtype, step=None) -> None:
