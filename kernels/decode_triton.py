@@ -506,6 +506,7 @@ def attention_decode(
         GATED=gated, GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s,
         UNIT_OFFSET=unit_offset, CODE=code, EMULATE=qkv.device.type == "cpu", SLOTS=slots is not None,
         WINDOW=window, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
+        enable_fp_fusion=False,  # a window's rows are the one-row kernel's bits only if neither contracts
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)
     block_d = min(dp, 64)  # a program per (head, 64 channels): its [splits, 64] partials in one tile

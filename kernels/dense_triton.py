@@ -456,7 +456,9 @@ def delta_decode(
     scratch = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
     blocks, kp2 = triton.cdiv(C, CONV_BLOCK), triton.next_power_of_2(K)
     bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    pdl = pdl_kwargs(mixed_qkv.device)
+    # no FMA contraction (Triton's and ptxas's): contracted or not is the compiler's choice per
+    # kernel, and a window's rows must be its one-row launches' bits (test_dense_cuda.py)
+    pdl = pdl_kwargs(mixed_qkv.device) | {"enable_fp_fusion": False}
     delta = dict(
         NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv, ACT=DTYPE_CODE[dtype],
         ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64), **pdl,

@@ -44,7 +44,8 @@ def pytest_configure(config):
     def recording_run(self, *args, grid, warmup, **kwargs):
         sig, const = _signature(self.fn, args, kwargs)
         row = dict(module=self.fn.__module__, name=self.fn.__name__, sig=sig, const=const,
-                   num_warps=kwargs.get("num_warps", 4))  # fmt: skip
+                   num_warps=kwargs.get("num_warps", 4),
+                   enable_fp_fusion=kwargs.get("enable_fp_fusion", True))  # fmt: skip
         _seen.setdefault(json.dumps(row, sort_keys=True), row)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -108,6 +109,27 @@ def test_triton_kernels_under_the_interpreter(script, select, script_runs):
     assert compiled, f"{script} launched no kernel of edgerun.kernels"
 
 
+# kernels with a verify-window variant whose rows must be the one-row kernel's bits: built with
+# no FMA contraction (whether Triton or ptxas contracts a mul and an add is its choice per
+# compiled kernel, and differed between the DeltaNet window and its one-row kernel on an H200)
+UNCONTRACTED = {
+    "_delta_conv_kernel",
+    "_delta_conv_window_kernel",
+    "_delta_decode_kernel",
+    "_delta_decode_window_kernel",
+    "_attend_kernel",
+}
+
+
+def _assert_uncontracted(name: str, flags: str, row: dict, ptx: str) -> None:
+    """Launched with enable_fp_fusion=False (LLVM then forms no fma of its own), and every f32
+    mul / add / sub in the PTX is .rn, which ptxas may not contract. The fma.rn that remain are
+    written as such (tl.dot's FMA lowering, libdevice's exp and rsqrt): the same in every build."""
+    assert row.get("enable_fp_fusion") is False, f"{name} {flags} is launched with FMA contraction on"
+    loose = re.findall(r"^\s*(?:mul|add|sub)\.f32\b", ptx, re.M)
+    assert not loose, f"{name} {flags}: {len(loose)} contractable f32 ops in its PTX, e.g. {loose[0].strip()}"
+
+
 def _compile_for_sm90(launches: list[dict]) -> int:
     """Compiles one launch of each kind for sm_90 with PDL; returns how many. A failure names the
     kernel and its constexprs."""
@@ -131,10 +153,16 @@ def _compile_for_sm90(launches: list[dict]) -> int:
             kernel = compile(
                 src,
                 target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": row["num_warps"], "launch_pdl": pdl},
+                options={
+                    "num_warps": row["num_warps"],
+                    "launch_pdl": pdl,
+                    "enable_fp_fusion": row.get("enable_fp_fusion", True),
+                },
             )
         except Exception as e:
             raise AssertionError(f"{name} {flags} does not compile for sm_90: {e}") from None
+        if name in UNCONTRACTED:
+            _assert_uncontracted(name, flags, row, kernel.asm["ptx"])
         if pdl:
             assert "griddepcontrol.wait" in kernel.asm["ptx"], (
                 f"{name} {flags} never waits for its predecessor"
