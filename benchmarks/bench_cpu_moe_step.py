@@ -2,7 +2,8 @@
 expert geometry (hidden 2048, width 768, int4 g32, top-8 of 64 slots, random weights, every slot
 packed): the decode path (``one_row``) against the same step through ``combine_experts`` (the
 path prefill and steps in parts take; it sorts, gathers and scatters per expert) and against the
-int4 kernel calls alone (the floor for torch's kernels). CPU milliseconds per layer
+int4 kernel calls alone (the floor for torch's kernels), and the grouped C kernel
+(``cpu_grouped``, kernels/moe_cpu_grouped.c: one call for the layer, from the slots' own bytes). CPU milliseconds per layer
 (``time.process_time``, so other processes on a shared machine count less), interleaved rounds,
 median (range); checks that the two paths give the same bits.
 

@@ -1,5 +1,5 @@
-"""The CPU expert kernels in the engine (torch's, ``cpu``; the grouped C kernel, ``cpu_grouped``):
-``auto`` selects the grouped one on a CPU after its probe and says so; they decode the same greedy tokens as the reference on tiny checkpoints, streamed as resident,
+"""The CPU expert kernels in the engine (torch's, ``cpu``, which ``auto`` selects on a CPU after
+its probe and says so; the grouped C kernel, ``cpu_grouped``, by request): they decode the same greedy tokens as the reference on tiny checkpoints, streamed as resident,
 with the same misses; a bundle they cannot run falls back to the reference, named and counted.
 
 torch's kernels are not bit-exact (bf16 activations, ~0.5% of a layer's output; the grouped
@@ -34,7 +34,7 @@ NAMES = {
 def test_cpu_kernels_decode_the_references_tokens_streamed_and_resident(
     cpu_kernel_bundles, arch, quant, kernel
 ):
-    """torch's kernels (``cpu``) and the grouped C kernel (``cpu_grouped``, which ``auto`` picks)."""
+    """torch's kernels (``cpu``) and the grouped C kernel (``cpu_grouped``)."""
     bundle = cpu_kernel_bundles[(arch, quant)]
     runs = {}
     for experts in ("reference", kernel):
@@ -53,9 +53,9 @@ def test_cpu_kernels_decode_the_references_tokens_streamed_and_resident(
     assert runs[(kernel, 2)][1] == runs[("reference", 2)][1] > 0  # misses counted the same
 
 
-def test_auto_selects_the_grouped_kernel_and_keeps_no_packed_copy(cpu_kernel_bundles):
+def test_the_grouped_kernel_keeps_no_packed_copy(cpu_kernel_bundles):
     bundle = cpu_kernel_bundles[(ARCHS[0], "int4")]
-    r = Runner.load(bundle, device="cpu", cache=CacheConfig(64))
+    r = Runner.load(bundle, device="cpu", cache=CacheConfig(64), kernels=KernelPolicy(experts="cpu_grouped"))
     assert r.kernels.moe.impl == "cpu_grouped" and r.fallbacks() == {}
     r.generate_ids(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
     assert all(not r.cache.packed[layer] for layer in r.args.moe_layers)
@@ -65,9 +65,8 @@ def test_a_bundle_the_cpu_kernels_cannot_run_falls_back_named_and_counted(bundle
     runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(4), prefill_chunk=8)
     assert runner.kernels.moe.impl == "reference"
     assert runner.fallbacks() == {
-        "expert_kernel": "cpu_grouped[int4 g16] not selected: the grouped CPU kernel takes unrotated "
-        "blocks, this bundle's are hadamard-rotated; cpu_int4pack[int4 g16] not selected: the CPU "
-        "kernels take unrotated blocks, this bundle's are hadamard-rotated"
+        "expert_kernel": "cpu_int4pack[int4 g16] not selected: the CPU kernels take unrotated "
+        "blocks, this bundle's are hadamard-rotated"
     }
     runner.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     assert runner.fallback_counts() == {"expert_kernel": 7}  # 3 prefill chunks, 4 decode steps
@@ -93,7 +92,11 @@ def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, m
     moe_cpu_grouped.library.cache_clear()
     try:
         r = Runner.load(
-            cpu_kernel_bundles[(ARCHS[0], "int4")], device="cpu", cache=CacheConfig(64), prefill_chunk=8
+            cpu_kernel_bundles[(ARCHS[0], "int4")],
+            device="cpu",
+            cache=CacheConfig(64),
+            prefill_chunk=8,
+            kernels=KernelPolicy(experts="cpu_grouped"),
         )
     finally:
         moe_cpu_grouped.library.cache_clear()
