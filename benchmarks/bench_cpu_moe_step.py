@@ -3,9 +3,9 @@ expert geometry (hidden 2048, width 768, int4 g32, top-8 of 64 slots, random wei
 packed): the decode path (``one_row``) against the same step through ``combine_experts`` (the
 path prefill and steps in parts take; it sorts, gathers and scatters per expert) and against the
 int4 kernel calls alone (the floor for torch's kernels), and the grouped C kernel
-(``cpu_grouped``, kernels/moe_cpu_grouped.c: one call for the layer, from the slots' own bytes). CPU milliseconds per layer
-(``time.process_time``, so other processes on a shared machine count less), interleaved rounds,
-median (range); checks that the two paths give the same bits.
+(``cpu_grouped``, kernels/moe_cpu_grouped.c: one call for the layer, from the slots' own bytes). Milliseconds per layer,
+CPU time (``time.process_time``, so other processes on a shared machine count less; all threads')
+and wall time, interleaved rounds, median (range); checks that the two paths give the same bits.
 
     python benchmarks/bench_cpu_moe_step.py [--rounds 6] [--steps 50] [--threads 1]
 """
@@ -72,18 +72,25 @@ def main() -> None:
         "cpu_grouped": grouped,
     }
     ms: dict[str, list[float]] = {k: [] for k in paths}
+    wall: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(ns.rounds):
         for name, f in paths.items():
-            t = time.process_time()
+            t, w0 = time.process_time(), time.perf_counter()
             for ids, w in steps:
                 f(ids, w)
             ms[name].append((time.process_time() - t) / len(steps) * 1e3)
+            wall[name].append((time.perf_counter() - w0) / len(steps) * 1e3)
     same = all(torch.equal(one_row(i, w), combine(i, w)) for i, w in steps)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); CPU ms per layer, median (range):"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); ms per layer, median (range), "
+        "CPU time | wall time:"
     )
     for name, v in ms.items():
-        print(f"  {name:24s} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
+        w = wall[name]
+        print(
+            f"  {name:24s} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+            f" | {statistics.median(w):.2f} ({min(w):.2f}-{max(w):.2f})"
+        )
     print(f"one_row == combine_experts bit for bit on {len(steps)} steps: {same}")
     ref = [moe_experts_ref(x, pool, i, i, w, layout, gscales) for i, w in steps[:4]]
     err = max(float((grouped(i, w) - r).abs().max() / r.abs().max()) for (i, w), r in zip(steps, ref))
