@@ -23,6 +23,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(EDGERUN_PORTABLE)
+#include <immintrin.h>
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
 
 #define ROWS 32 /* rows of one work item; D and I are multiples of it (the caller checks) */
 #define NR 4    /* rows computed together: independent sums, the activations loaded once */
@@ -30,7 +36,6 @@
 /* 16 lanes as GNU C vectors (gcc, clang; any target) for the fp32-activation rows: gcc's
  * auto-vectorizer picks 128-bit vectors for their mixed int8 / fp32 loops, half the speed */
 typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 static inline f32x16 load_f32(const float *p) {
     f32x16 v;
@@ -53,31 +58,117 @@ static float lane_sum(f32x16 acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* the 32 columns of 16 bytes of one int4 row against fp32 activations (e: even columns, o: odd) */
-static inline f32x16 q4_chunk(const uint8_t *w, f32x16 e, f32x16 o) {
-    int32_t t[16]; /* a loop gcc turns into one sign-extending load (its vector convert: scalar) */
-    for (int k = 0; k < 16; k++) t[k] = (int8_t)w[k];
-    i32x16 v;
-    memcpy(&v, t, sizeof v);
-    const i32x16 lo = (v << 28) >> 28, hi = v >> 4; /* columns 2j, 2j + 1 */
-    return __builtin_convertvector(lo, f32x16) * e + __builtin_convertvector(hi, f32x16) * o;
+/* Activations of an int4 row quantized to 16 bits per group of 32 columns: Q = round(v / d),
+ * d = absmax / (127 * 254) (fp32), |Q| <= 32258, split exactly as Q = 254 * q1 + q2 with q1, q2
+ * int8, so a group's sum of q * Q is an exact integer from two int8 dot products (llama.cpp's Q8
+ * activations have only q1: ~1% error here). Laid out as the rows read them: [k][j] for k = q1,
+ * q2, j the byte (qe even columns, qo odd); per 4 bytes (a VNNI lane) cq = 8 * their sum of Q
+ * (the unsigned-nibble correction) and dl = the group's d. */
+typedef struct {
+    int8_t *q1e, *q1o, *q2e, *q2o;
+    int32_t *cq;
+    float *dl;
+} QVec;
+
+static QVec qvec_at(float *p, int64_t C) { /* C floats of room: 2C bytes of q, C/8 + C/8 words */
+    int8_t *b = (int8_t *)p;
+    QVec q = {b, b + C / 2, b + C, b + 3 * C / 2, (int32_t *)(b + 2 * C), (float *)(b + 2 * C) + C / 8};
+    return q;
 }
 
-/* NR int4 rows (as dot_q4) against fp32 activations deinterleaved: xe[j], xo[j] = x[2j], x[2j + 1] */
-static void dot_q4(const uint8_t *restrict w, int64_t ws, const uint8_t *restrict codes, int64_t cs,
-                    const float *restrict lut, float gscale, const float *restrict xe, const float *restrict xo,
-                    int64_t C, float *restrict y) {
-    f32x16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+static void quantize(const float *v, int64_t C, QVec q) {
     for (int64_t g = 0; g < C / 32; g++) {
-        const int64_t j = 16 * g;
-        for (int r = NR; r < 2 * NR && g % 4 == 0; r++) __builtin_prefetch(w + r * ws + j); /* next rows */
-        const f32x16 e = load_f32(xe + j), o = load_f32(xo + j);
-        a0 += q4_chunk(w + j, e, o) * (lut[codes[g]] * gscale);
-        a1 += q4_chunk(w + ws + j, e, o) * (lut[codes[cs + g]] * gscale);
-        a2 += q4_chunk(w + 2 * ws + j, e, o) * (lut[codes[2 * cs + g]] * gscale);
-        a3 += q4_chunk(w + 3 * ws + j, e, o) * (lut[codes[3 * cs + g]] * gscale);
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[32 * g + k]));
+        const float d = amax / (127.0f * 254.0f), inv = amax > 0.0f ? (127.0f * 254.0f) / amax : 0.0f;
+        int32_t sums[4] = {0};
+        for (int k = 0; k < 32; k++) {
+            const int32_t Q = (int32_t)nearbyintf(v[32 * g + k] * inv);
+            const int32_t q1 = (Q + 127 + 254 * 200) / 254 - 200; /* floor((Q + 127) / 254) */
+            const int64_t j = 16 * g + k / 2;
+            (k % 2 ? q.q1o : q.q1e)[j] = (int8_t)q1;
+            (k % 2 ? q.q2o : q.q2e)[j] = (int8_t)(Q - 254 * q1);
+            sums[k / 8] += Q;
+        }
+        for (int l = 0; l < 4; l++) q.cq[4 * g + l] = 8 * sums[l], q.dl[4 * g + l] = d;
     }
-    y[0] = lane_sum(a0), y[1] = lane_sum(a1), y[2] = lane_sum(a2), y[3] = lane_sum(a3);
+}
+
+#if VNNI
+/* e4m3 codes (int32 lanes) -> fp32, exactly (a gather from the table is 2x slower); the NaN codes
+ * 0x7F / 0xFF, which no bundle holds (quantize_int4 saturates at 448), read as +-480 */
+static inline __m512 e4m3(__m512i c) {
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
+    const __m512i m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                           _mm512_slli_epi32(m, 20));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512)); /* m x 2^-9 */
+    const __m512i mag = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), normal,
+                                                _mm512_castps_si512(sub));
+    return _mm512_castsi512_ps(_mm512_or_si512(mag, sign));
+}
+#endif
+
+/* NR int4 rows from w (rows `ws` bytes apart; codes `cs` apart, one per group of 32) against the
+ * quantized activations x -> y[NR] */
+static void dot_q4q(const uint8_t *restrict w, int64_t ws, const uint8_t *restrict codes, int64_t cs,
+                    const float *restrict lut, float gscale, QVec x, int64_t C, float *restrict y) {
+    const int64_t G = C / 32;
+#if VNNI
+    if (C % 128 == 0) { /* 64 bytes (4 groups, 16 lanes of 4 bytes) a step, NR rows in lockstep */
+        __m512 acc[NR];
+        for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+        const __m512i lo4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
+        const __m512i k254 = _mm512_set1_epi32(254);
+        for (int64_t k = 0; k < G; k += 16) { /* 16 groups' scales at a time */
+            const int n = G - k < 16 ? (int)(G - k) : 16;
+            __m512 sv[NR];
+            for (int r = 0; r < NR; r++) {
+                const __m128i c = _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), codes + r * cs + k);
+                sv[r] = _mm512_mul_ps(e4m3(_mm512_cvtepu8_epi32(c)), _mm512_set1_ps(gscale));
+            }
+            for (int c = 0; c < n / 4; c++) {
+                const int64_t j = (k + 4 * c) * 16; /* byte offset in a row */
+                const __m512i a1 = _mm512_loadu_si512(x.q1e + j), b1 = _mm512_loadu_si512(x.q1o + j);
+                const __m512i a2 = _mm512_loadu_si512(x.q2e + j), b2 = _mm512_loadu_si512(x.q2o + j);
+                const __m512i corr = _mm512_loadu_si512(x.cq + j / 4);
+                const __m512 dv = _mm512_loadu_ps(x.dl + j / 4);
+                const __m512i pick = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2,
+                                                      4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 1, 4 * c + 1,
+                                                      4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c);
+                for (int r = 0; r < NR; r++) {
+                    _mm_prefetch((const char *)(w + (r + NR) * ws + j), _MM_HINT_T0); /* the next rows */
+                    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + r * ws + j), flip); /* q + 8 */
+                    const __m512i lo = _mm512_and_si512(u, lo4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), lo4);
+                    const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a1), hi, b1);
+                    const __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a2), hi, b2);
+                    /* sum (q + 8) Q - 8 sum Q: exact, and under 2^24, so exact in fp32 */
+                    const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(s1, k254), s2), corr);
+                    const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(pick, sv[r]), dv);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+        return;
+    }
+#endif
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *row = w + r * ws;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t s = 0;
+            for (int k = 0; k < 16; k++) {
+                const int v = (int8_t)row[16 * g + k], j = 16 * g + k;
+                const int32_t lo = (int32_t)((uint32_t)v << 28) >> 28, hi = v >> 4;
+                s += lo * (254 * x.q1e[j] + x.q2e[j]) + hi * (254 * x.q1o[j] + x.q2o[j]);
+            }
+            acc += (float)s * (lut[codes[r * cs + g]] * gscale * x.dl[4 * g]);
+        }
+        y[r] = acc;
+    }
 }
 
 /* NR int8 rows (`ws` bytes apart, fp32 scales at `scales`) against x fp32 -> y[NR] */
@@ -109,25 +200,21 @@ typedef struct {
 } Experts;
 
 /* rows r..r + NR - 1 of projection p (0 gate_up, 1 down) of slot `slot`, C columns, against the
- * fp32 activations v (int4: deinterleaved, v[j] and v[C/2 + j] the columns of byte j) -> y[NR] */
-static void rows_dot(const Experts *e, int64_t slot, int p, int64_t r, int64_t C, const float *v, float *y) {
+ * activations at v: int4 quantized (a QVec), int8 fp32 -> y[NR] */
+static void rows_dot(const Experts *e, int64_t slot, int p, int64_t r, int64_t C, float *v, float *y) {
     const uint8_t *block = e->pool + slot * e->block_bytes;
     const uint8_t *w = block + e->w_off[p] + r * (e->quant == 4 ? C / 2 : C);
     if (e->quant == 4)
-        dot_q4(w, C / 2, block + e->s_off[p] + r * (C / 32), C / 32, e->lut, e->gscales[slot * 2 + p], v,
-               v + C / 2, C, y);
+        dot_q4q(w, C / 2, block + e->s_off[p] + r * (C / 32), C / 32, e->lut, e->gscales[slot * 2 + p],
+                qvec_at(v, C), C, y);
     else
         dot_q8((const int8_t *)w, C, block + e->s_off[p] + r * 4, v, C, y);
 }
 
-/* where activation c of C goes: int4 rows read them deinterleaved */
-static inline int64_t spot(int quant, int64_t c, int64_t C) {
-    return quant == 4 ? c % 2 * (C / 2) + c / 2 : c;
-}
-
-/* bytes of scratch per token: x fp32 [D] (as the rows read it), h fp32 [A, I], y fp32 [A, D] */
+/* bytes of scratch per token, in floats: x as the rows read it [D], h fp32 [A, I], h as the rows
+ * read it [A, I], y fp32 [A, D] */
 int64_t edgerun_moe_grouped_scratch(int64_t A, int64_t D, int64_t I) {
-    return 4 * (D + A * I + A * D);
+    return 4 * (D + 2 * A * I + A * D);
 }
 
 /* x fp32 [T, D]; slots, weights [T, A] (first count[t] entries used, in summation order);
@@ -141,12 +228,16 @@ int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes
     const int64_t per = edgerun_moe_grouped_scratch(A, D, I), ub = I / ROWS, db = D / ROWS;
 #define X(t) ((float *)(scratch + (t) * per))
 #define H(t, a) ((float *)(scratch + (t) * per) + D + (a) * I)
-#define Y(t, a) ((float *)(scratch + (t) * per) + D + A * I + (a) * D)
+#define HQ(t, a) ((float *)(scratch + (t) * per) + D + A * I + (a) * I)
+#define Y(t, a) ((float *)(scratch + (t) * per) + D + 2 * A * I + (a) * D)
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < D; c++) X(t)[spot(quant, c, D)] = x[t * D + c];
+            if (quant == 4)
+                quantize(x + t * D, D, qvec_at(X(t), D));
+            else
+                memcpy(X(t), x + t * D, D * sizeof(float));
         /* gate_up: h[t, a, i] = silu(gate row i . x) * (up row I + i . x) */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < T * A * ub; item++) {
@@ -156,8 +247,18 @@ int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes
                 float gate[NR], up[NR];
                 rows_dot(&e, slots[t * A + a], 0, i, D, X(t), gate);
                 rows_dot(&e, slots[t * A + a], 0, I + i, D, X(t), up);
-                for (int r = 0; r < NR; r++) H(t, a)[spot(quant, i + r, I)] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
+                for (int r = 0; r < NR; r++) H(t, a)[i + r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
             }
+        }
+        /* h as the down rows read it */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < T * A; item++) {
+            const int64_t t = item / A, a = item % A;
+            if (a >= count[t]) continue;
+            if (quant == 4)
+                quantize(H(t, a), I, qvec_at(HQ(t, a), I));
+            else
+                memcpy(HQ(t, a), H(t, a), I * sizeof(float));
         }
         /* down: y[t, a, d] */
 #pragma omp for schedule(static)
@@ -165,7 +266,7 @@ int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes
             const int64_t t = item / (A * db), a = item / db % A, r0 = item % db * ROWS;
             if (a >= count[t]) continue;
             for (int64_t d = r0; d < r0 + ROWS; d += NR)
-                rows_dot(&e, slots[t * A + a], 1, d, I, H(t, a), Y(t, a) + d);
+                rows_dot(&e, slots[t * A + a], 1, d, I, HQ(t, a), Y(t, a) + d);
         }
         /* the weighted sum of each token's experts, in entry order */
 #pragma omp for schedule(static)

@@ -94,14 +94,15 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The built kernel, compiled on first use into ``cache_dir()``; ``BuildError`` says why not."""
+def library(portable: bool = False) -> ctypes.CDLL:
+    """The built kernel, compiled on first use into ``cache_dir()``; ``BuildError`` says why not.
+    ``portable``: without the AVX-512 VNNI path, as on a CPU without it (the tests run both)."""
     cc = compiler()
     if cc is None:
         raise BuildError(
             "no C compiler found (sysconfig CC, cc, gcc): the grouped CPU kernel is built at first use"
         )
-    flags = list(FLAGS)
+    flags = list(FLAGS) + (["-DEDGERUN_PORTABLE"] if portable else [])
     gomp = openmp_runtime()
     link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else []
     try:
@@ -200,6 +201,7 @@ def moe_grouped(
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
     threads: int | None = None,
+    portable: bool = False,
 ) -> torch.Tensor:
     """``moe_experts_ref``'s contract in one C call: x [T, D], pool uint8 [S, block_bytes],
     slot_idx / expert_ids int64 [T, A], weights [T, A], global_scales fp32 [S, 2] (int4). With
@@ -240,7 +242,7 @@ def moe_grouped(
     xf = x.float().contiguous()
     gs = global_scales.contiguous() if layout.quant == "int4" else torch.zeros(1)
     offs = _offsets(layout)
-    lib = library()
+    lib = library(portable)
     scratch = torch.empty(T * lib.edgerun_moe_grouped_scratch(A, D, I), dtype=torch.uint8)
     lut = _e4m3_table()
     nthreads = torch.get_num_threads() if threads is None else threads
