@@ -4,11 +4,13 @@ pool's bundle bytes (no repacked copy) in one OpenMP parallel region.
 
 Shape legend: T = tokens, A = active experts per token, S = slots, D = hidden, I = expert width.
 
-Numerics: fp32 activations, fp32 fused multiply-adds, the weights decoded exactly (int4: q x e4m3
-code x power-of-two global; int8: q, the fp32 row scale applied to the row's sum). Against the
-fp32 reference only the summation order differs: ~1e-6 of the output's scale (tested), tighter than
-torch's bf16-activation kernels (kernels/moe_cpu.py). A token's experts are summed in ascending
-expert id, a product then a sum each, in fp32, as ``combine_experts`` does; each output element is
+Numerics: the weights decoded exactly (int4: q x e4m3 code x power-of-two global; int8: q, the
+fp32 row scale applied to the row's sum). int4 rows take their activations quantized to 16 bits
+per group of 32 (two int8 halves, exact integer group sums: AVX-512 VNNI where the CPU has it):
+3-6e-5 of the output's scale against the fp32 reference (tested; torch's bf16-activation kernels,
+kernels/moe_cpu.py: ~4e-3; 8-bit activations as llama.cpp's: 1.2-1.6e-2). int8 rows take fp32
+activations: ~5e-7. A token's experts are summed in ascending
+expert id, in fp32, as ``combine_experts`` does; each output element is
 computed by one thread in a fixed order, so the bits do not depend on the thread count, the run,
 or the other tokens of a batch (tested).
 
