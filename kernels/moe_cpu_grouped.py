@@ -15,7 +15,8 @@ computed by one thread in a fixed order, so the bits do not depend on the thread
 or the other tokens of a batch (tested).
 
 The source is compiled at first use with the system C compiler (``-O3 -march=native -fopenmp``)
-into a cache directory keyed by the source, flags, compiler and machine, and linked against the
+into a cache directory (``$XDG_CACHE_HOME/edgerun/kernels``, else ``~/.cache/...``) keyed by the
+source, flags, compiler version and the CPU (architecture and feature flags), and linked against the
 libgomp torch's wheel bundles where it has one (one OpenMP runtime in the process, so torch's
 threads and these do not oversubscribe). No compiler or a failed build raises ``BuildError``; the
 probe (kernels/probe.py) turns that into a refusal with the reason, and the engine keeps torch's
@@ -90,6 +91,17 @@ def openmp_runtime() -> Path | None:
     return found[0] if found else None
 
 
+def _machine() -> str:
+    """The architecture and, where /proc/cpuinfo says, the CPU's feature flags: -march=native
+    builds for this CPU, so a cache shared with another CPU must not hand it this build."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {flags}"
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "edgerun" / "kernels"
@@ -113,9 +125,7 @@ def library(portable: bool = False) -> ctypes.CDLL:
         raise BuildError(f"{cc[0]} --version failed: {e}") from e
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join(cc + flags + link).encode(), version.encode(), platform.machine().encode()]
-        )
+        b"\0".join([source, " ".join(cc + flags + link).encode(), version.encode(), _machine().encode()])
     ).hexdigest()[:16]
     out = cache_dir() / f"moe_cpu_grouped-{key}.so"
     if not out.exists():

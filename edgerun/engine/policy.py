@@ -14,8 +14,8 @@ Fields and what they decide:
   (``kernels/moe_triton.py``); ``cpu`` torch's int4 / int8 weight-only CPU GEMMs on slots
   repacked once per fill (``kernels/moe_cpu.py``); ``cpu_grouped`` one C call per layer for all of
   a token's experts, from the slots' own bytes (``kernels/moe_cpu_grouped.py``, compiled at first
-  use; without a compiler, or if its probe fails, ``cpu`` runs and the fallback says why). ``auto``
-  picks ``cpu`` on a CPU (``GROUPED_DEFAULT``). They agree within the probe's stated tolerance (fp32 vs bf16
+  use; without a compiler, or if its probe fails, ``cpu`` runs and the fallback says why; ``auto``
+  picks ``cpu`` on a CPU, ``GROUPED_DEFAULT``). They agree within the probe's stated tolerance (fp32 vs bf16
   accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
   request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
 - ``dense``: the decode step's projections, norms, router, attention and Gated DeltaNet step.
@@ -57,9 +57,9 @@ if TYPE_CHECKING:  # importing the policy does not import torch: the daemon bind
 EXPERT_KERNELS = ("auto", "reference", "triton", "cpu", "cpu_grouped")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
-# auto on the CPU tries the grouped C kernel first only where it measured faster than torch's
-# kernels at 1 and 2 threads: not yet (docs/benchmarks.md, "2-core dev VM": faster decode at 2
-# threads, even at 1, slower prefill, which it runs a token at a time)
+# auto on the CPU tries the grouped C kernel first once it measures faster than torch's kernels
+# at 1 and 2 threads: not yet (docs/benchmarks.md, "Grouped CPU expert kernel": decode 3-8%
+# faster in generate, the step benchmark at parity, prefill 0.7-0.8x, a token at a time)
 GROUPED_DEFAULT = False
 
 
@@ -159,8 +159,8 @@ def resolve(
 
 def _resolve_cpu_experts(layouts, top_k: int, out: Resolved, asked: str = "auto") -> None:
     """``cpu_grouped`` (asked for, or ``auto`` with GROUPED_DEFAULT) where its probe passes on
-    every layout; else, or when ``cpu`` is asked for, torch's CPU kernels where theirs does; else the reference. A
-    grouped kernel asked for (or auto's) and refused is the fallback ``expert_kernel_grouped``
+    every layout; else, or when ``cpu`` is asked for, torch's CPU kernels where theirs does; else
+    the reference. A grouped kernel wanted and refused is the fallback ``expert_kernel_grouped``
     when torch's kernels run instead, part of ``expert_kernel``'s when the reference does."""
     from edgerun.kernels.moe import MoeKernelPolicy
     from edgerun.kernels.probe import probe_cpu, probe_cpu_grouped
