@@ -17,13 +17,14 @@ from edgerun.bundle.layout import BlockLayout
 from edgerun.errors import ConfigError
 from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
 
-IMPLS = ("reference", "triton", "cpu")
+IMPLS = ("reference", "triton", "cpu", "cpu_grouped")
 
 
 @dataclass(frozen=True)
 class MoeKernelPolicy:
     impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py;
-    # cpu: torch's int4 / int8 weight-only CPU GEMMs on slots repacked once per fill (kernels/moe_cpu.py)
+    # cpu: torch's int4 / int8 weight-only CPU GEMMs on slots repacked once per fill (kernels/moe_cpu.py);
+    # cpu_grouped: one C call per layer from the slots' own bytes (kernels/moe_cpu_grouped.py)
     gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: the grouped GEMM
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ def moe_experts(
     if table is not None:
         slot_idx = table[expert_ids]
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
-    if far is not None and policy.impl == "cpu":
+    if far is not None and policy.impl in ("cpu", "cpu_grouped"):
         raise ValueError("the CPU expert kernels read host slot pools: a far tier is for a GPU's device pool")
     if policy.impl == "reference":
         routed = moe_experts_ref(*args, **part, far=far)
@@ -89,6 +90,10 @@ def moe_experts(
         from edgerun.kernels.moe_cpu import moe_cpu
 
         routed = moe_cpu(*args[:7], {} if packed is None else packed, out_dtype, **part)
+    elif policy.impl == "cpu_grouped":
+        from edgerun.kernels.moe_cpu_grouped import moe_grouped
+
+        routed = moe_grouped(*args, **part)
     else:
         from edgerun.kernels import moe_triton
 

@@ -122,6 +122,49 @@ def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
     return True, f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g})"
 
 
+GROUPED = MoeKernelPolicy(impl="cpu_grouped")
+
+
+def probe_cpu_grouped(layout: BlockLayout, top_k: int = 8) -> ProbeResult:
+    """The grouped C kernel (kernels/moe_cpu_grouped.py) on ``layout``: built here (no compiler
+    or a failed build is a refusal saying so), one token and a few against the fp32 reference as
+    ``probe_cpu`` checks torch's, and one token's bits the same on 1 and 2 threads."""
+    from edgerun.kernels import moe_cpu_grouped
+
+    name = moe_cpu_grouped.kernel_name(layout)
+    try:
+        selected, reason = _probe_cpu_grouped(layout, top_k)
+    except Exception as e:  # whatever broke (the build included), the reason says what
+        selected, reason = False, f"{type(e).__name__}: {e}".strip()
+    return ProbeResult(name, selected, reason)
+
+
+def _probe_cpu_grouped(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
+    from edgerun.kernels import moe_cpu_grouped
+
+    why = moe_cpu_grouped.unsupported(layout)
+    if why:
+        return False, why
+    moe_cpu_grouped.library()  # BuildError: no compiler, a compile error
+    ok, worst = _cases(layout, torch.device("cpu"), top_k, GROUPED, (1, 5), torch.float32, rows=True)
+    if not ok:
+        return False, worst
+    D, _ = layout_dims(layout)
+    gen = torch.Generator().manual_seed(2)
+    pool, gscales = random_pool(layout, top_k, generator=gen)
+    ids = torch.randperm(top_k, generator=gen)[None]
+    x, weights = torch.randn(1, D, generator=gen), torch.rand(1, top_k, generator=gen)
+    runs = [
+        moe_cpu_grouped.moe_grouped(x, pool, ids, ids, weights, layout, gscales, threads=n) for n in (1, 2)
+    ]
+    if not torch.equal(*runs):
+        return False, "one token's result differs between 1 and 2 threads"
+    return True, (
+        f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g}), "
+        "the same bits on 1 and 2 threads"
+    )
+
+
 def _cases(
     layout: BlockLayout,
     device: torch.device,

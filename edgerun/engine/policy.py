@@ -12,7 +12,10 @@ Fields and what they decide:
 - ``experts``: the routed-expert step over the slot pool. ``reference`` dequantizes each expert
   with torch (``kernels/moe_reference.py``); ``triton`` runs the fused dequant + GEMV kernels
   (``kernels/moe_triton.py``); ``cpu`` torch's int4 / int8 weight-only CPU GEMMs on slots
-  repacked once per fill (``kernels/moe_cpu.py``). They agree within the probe's stated tolerance (fp32 vs bf16
+  repacked once per fill (``kernels/moe_cpu.py``); ``cpu_grouped`` one C call per layer for all of
+  a token's experts, from the slots' own bytes (``kernels/moe_cpu_grouped.py``, compiled at first
+  use; without a compiler, or if its probe fails, ``cpu`` runs and the fallback says why; ``auto``
+  picks ``cpu`` on a CPU, ``GROUPED_DEFAULT``). They agree within the probe's stated tolerance (fp32 vs bf16
   accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
   request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
 - ``dense``: the decode step's projections, norms, router, attention and Gated DeltaNet step.
@@ -51,9 +54,13 @@ if TYPE_CHECKING:  # importing the policy does not import torch: the daemon bind
 
     from edgerun.kernels.moe import MoeKernelPolicy
 
-EXPERT_KERNELS = ("auto", "reference", "triton", "cpu")
+EXPERT_KERNELS = ("auto", "reference", "triton", "cpu", "cpu_grouped")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
+# auto on the CPU tries the grouped C kernel first once it measures faster than torch's kernels
+# at 1 and 2 threads: not yet (docs/benchmarks.md, "Grouped CPU expert kernel": decode 3-8%
+# faster in generate, the step benchmark at parity, prefill 0.7-0.8x, a token at a time)
+GROUPED_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -113,10 +120,10 @@ def resolve(
             out.choices["experts"] = "reference (Triton kernels run on CUDA)"
             out.fallbacks["expert_kernel"] = f"triton asked for, but the device is {device}"
         else:
-            _resolve_cpu_experts(layouts, top_k, out)
-    elif policy.experts == "cpu":
+            _resolve_cpu_experts(layouts, top_k, out, policy.experts)
+    elif policy.experts in ("cpu", "cpu_grouped"):
         out.choices["experts"] = "reference (the CPU kernels run on the CPU)"
-        out.fallbacks["expert_kernel"] = f"cpu asked for, but the device is {device}"
+        out.fallbacks["expert_kernel"] = f"{policy.experts} asked for, but the device is {device}"
     else:
         results = [
             probe(layout, device, top_k=top_k, policy=MoeKernelPolicy("triton", *_sizes(policy)))
@@ -150,18 +157,33 @@ def resolve(
     return out
 
 
-def _resolve_cpu_experts(layouts, top_k: int, out: Resolved) -> None:
+def _resolve_cpu_experts(layouts, top_k: int, out: Resolved, asked: str = "auto") -> None:
+    """``cpu_grouped`` (asked for, or ``auto`` with GROUPED_DEFAULT) where its probe passes on
+    every layout; else, or when ``cpu`` is asked for, torch's CPU kernels where theirs does; else
+    the reference. A grouped kernel wanted and refused is the fallback ``expert_kernel_grouped``
+    when torch's kernels run instead, part of ``expert_kernel``'s when the reference does."""
     from edgerun.kernels.moe import MoeKernelPolicy
-    from edgerun.kernels.probe import probe_cpu
+    from edgerun.kernels.probe import probe_cpu, probe_cpu_grouped
 
+    if asked == "cpu_grouped" or (asked == "auto" and GROUPED_DEFAULT):
+        results = [probe_cpu_grouped(layout, top_k) for layout in layouts]
+        refused = [r for r in results if not r.selected]
+        if not refused:
+            out.moe = MoeKernelPolicy("cpu_grouped")
+            out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
+            return
+        out.fallbacks["expert_kernel_grouped"] = f"{refused[0].name} not selected: {refused[0].reason}"
     results = [probe_cpu(layout, top_k) for layout in layouts]
     refused = [r for r in results if not r.selected]
-    if refused:
+    if refused:  # one fallback, the reference, saying why each CPU kernel was not selected
         out.choices["experts"] = "reference"
-        out.fallbacks["expert_kernel"] = f"{refused[0].name} not selected: {refused[0].reason}"
+        grouped = out.fallbacks.pop("expert_kernel_grouped", None)
+        why = f"{refused[0].name} not selected: {refused[0].reason}"
+        out.fallbacks["expert_kernel"] = f"{grouped}; {why}" if grouped else why
     else:
         out.moe = MoeKernelPolicy("cpu")
-        out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
+        by = " (by request)" if asked == "cpu" else ""
+        out.choices["experts"] = f"{results[0].name}{by} ({results[0].reason})"
 
 
 def _resolve_dense(policy: KernelPolicy, device: torch.device, args, dtype, out: Resolved, gemv=()) -> None:

@@ -163,7 +163,9 @@ class StreamingExperts(nn.Module):
             c.count_window(i, len(set(ids.flatten().tolist())))
         # every expert held: the slots are looked up on the device (Triton), or in one index op
         # for a CPU decode step (no eviction bookkeeping: a layer holding every expert never evicts)
-        fast = self.policy.impl == "triton" or (self.policy.impl == "cpu" and x.shape[0] == 1)
+        fast = self.policy.impl == "triton" or (
+            self.policy.impl in ("cpu", "cpu_grouped") and x.shape[0] == 1
+        )
         table = self.held() if fast else None
         if table is not None:
             c.count_hits(i, ids.numel())

@@ -189,7 +189,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         "--expert-kernel",
         choices=EXPERT_KERNELS,
         default=default,
-        help="routed-expert kernel (auto: Triton where its start-up probe passes on the device)",
+        help="routed-expert kernel (auto: Triton on CUDA, torch's CPU kernels on the CPU, where its start-up "
+        "probe passes; cpu_grouped: one C call per layer, from the slots' own bytes)",
     )
     p.add_argument(
         "--graphs",

@@ -45,9 +45,9 @@ class ServeOptions:
         None  # warm-set JSON (`edgerun trace --frequencies`): each layer's most used preloaded
     )
     trace: Path | None = None  # route trace: with a profile, per-layer quotas from its miss curves
-    expert_kernel: str = (
-        "auto"  # auto (Triton or CPU kernels where the start-up probe passes) | reference | triton | cpu
-    )
+    # auto (Triton or torch's CPU kernels where the start-up probe passes) | reference | triton | cpu
+    # | cpu_grouped
+    expert_kernel: str = "auto"
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles

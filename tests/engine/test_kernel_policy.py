@@ -24,12 +24,21 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
     auto = resolve(KernelPolicy(), torch.device("cpu"), layouts)
     assert auto.moe.impl == "cpu" and not auto.graphs and auto.dense == "torch"
     assert auto.fallbacks == {} and auto.describe().startswith("experts cpu_int4pack[int4 g32] (matched")
+    asked = resolve(KernelPolicy(experts="cpu_grouped"), torch.device("cpu"), layouts)
+    assert asked.moe.impl == "cpu_grouped" and asked.fallbacks == {}
+    assert asked.describe().startswith("experts cpu_grouped[int4 g32] (matched")
+    cpu = resolve(KernelPolicy(experts="cpu"), torch.device("cpu"), layouts)
+    assert cpu.moe.impl == "cpu" and cpu.describe().startswith("experts cpu_int4pack[int4 g32] (by request)")
     assert "graphs off (no CUDA graphs on cpu)" in auto.describe()
     assert resolve(KernelPolicy(experts="reference"), torch.device("cpu"), layouts).moe.impl == "reference"
     layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
     rotated = resolve(KernelPolicy(), torch.device("cpu"), layouts)  # int4 g16 hadamard: no CPU kernel
     assert rotated.moe.impl == "reference" and rotated.choices["experts"] == "reference"
     assert rotated.fallbacks["expert_kernel"].startswith("cpu_int4pack[int4 g16] not selected: ")
+    both = resolve(KernelPolicy(experts="cpu_grouped"), torch.device("cpu"), layouts)
+    assert both.moe.impl == "reference" and list(both.fallbacks) == ["expert_kernel"]
+    assert both.fallbacks["expert_kernel"].startswith("cpu_grouped[int4 g16] not selected: ")
+    assert "; cpu_int4pack[int4 g16] not selected: " in both.fallbacks["expert_kernel"]
     asked = resolve(
         KernelPolicy(experts="triton", dense="triton"), torch.device("cpu"), layouts, args=object()
     )
@@ -43,7 +52,11 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("experts", "cutlass", "expert kernel 'cutlass' is not one of auto, reference, triton, cpu"),
+        (
+            "experts",
+            "cutlass",
+            "expert kernel 'cutlass' is not one of auto, reference, triton, cpu, cpu_grouped",
+        ),
         ("graphs", "sometimes", "graphs 'sometimes' is not one of auto, on, off"),
         ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
     ],
@@ -56,7 +69,11 @@ def test_policy_refuses_unknown_values(field, value, message):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("expert_kernel", "cutlass", "'expert_kernel' must be one of auto, reference, triton, cpu"),
+        (
+            "expert_kernel",
+            "cutlass",
+            "'expert_kernel' must be one of auto, reference, triton, cpu, cpu_grouped",
+        ),
         ("graphs", "yes", "'graphs' must be one of auto, on, off"),
         ("slot_pool", "vram", "'slot_pool' must be one of device, mapped"),
         ("cpu_experts", "yes", "'cpu_experts' must be one of auto, off, on"),
