@@ -246,8 +246,9 @@ def run_config(
     # the CPU-expert split is not bit-exact (engine/cpu_experts.py states its tolerance), and
     # which pairs it computes follows the device set, which rebalances between runs: its tokens
     # may differ from run to run, so the rate is printed and the column says why it is no check
-    rec["tokens_identical"] = same if not (runner.cache and runner.cache.cpu_split) else "n/a (CPU experts)"
-    same = same or not (runner.cache and runner.cache.cpu_split)
+    split = bool(runner.cache and runner.cache.cpu_split)
+    rec["tokens_identical"] = "n/a (CPU experts)" if split else same
+    same = same or split
     rec["eager_decode_tps"] = eager["decode_tps"]
     rec["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
