@@ -43,6 +43,16 @@ def kernel_name(layout: BlockLayout) -> str:
     return f"moe_triton[{fmt}{' hadamard' if layout.rotation == 'hadamard' else ''}]"
 
 
+def _guarded(name: str, check, *args) -> ProbeResult:
+    """``check(*args)`` -> (selected, reason) as a ProbeResult named ``name``; whatever it raises
+    (a build, a launch, a kernel) is a refusal whose reason says what broke."""
+    try:
+        selected, reason = check(*args)
+    except Exception as e:
+        selected, reason = False, f"{type(e).__name__}: {e}".strip()
+    return ProbeResult(name, selected, reason)
+
+
 def probe(
     layout: BlockLayout,
     device: torch.device | str,
@@ -51,12 +61,7 @@ def probe(
 ) -> ProbeResult:
     """Run ``layout``'s experts through the Triton kernels on ``device`` and compare with the
     reference; selected only if every case matches within TOLERANCE and repeats bit for bit."""
-    name = kernel_name(layout)
-    try:
-        selected, reason = _probe(layout, torch.device(device), top_k, policy)
-    except Exception as e:  # whatever broke, the reference runs and the reason says what
-        selected, reason = False, f"{type(e).__name__}: {e}".strip()
-    return ProbeResult(name, selected, reason)
+    return _guarded(kernel_name(layout), _probe, layout, torch.device(device), top_k, policy)
 
 
 def _probe(
@@ -92,12 +97,7 @@ def probe_cpu(layout: BlockLayout, top_k: int = 8) -> ProbeResult:
     one token and a few, against the fp32 reference, as ``probe`` checks the Triton kernels."""
     from edgerun.kernels import moe_cpu
 
-    name = moe_cpu.kernel_name(layout)
-    try:
-        selected, reason = _probe_cpu(layout, top_k)
-    except Exception as e:  # whatever broke, the reference runs and the reason says what
-        selected, reason = False, f"{type(e).__name__}: {e}".strip()
-    return ProbeResult(name, selected, reason)
+    return _guarded(moe_cpu.kernel_name(layout), _probe_cpu, layout, top_k)
 
 
 def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
@@ -131,12 +131,7 @@ def probe_cpu_grouped(layout: BlockLayout, top_k: int = 8) -> ProbeResult:
     ``probe_cpu`` checks torch's, and one token's bits the same on 1 and 2 threads."""
     from edgerun.kernels import moe_cpu_grouped
 
-    name = moe_cpu_grouped.kernel_name(layout)
-    try:
-        selected, reason = _probe_cpu_grouped(layout, top_k)
-    except Exception as e:  # whatever broke (the build included), the reason says what
-        selected, reason = False, f"{type(e).__name__}: {e}".strip()
-    return ProbeResult(name, selected, reason)
+    return _guarded(moe_cpu_grouped.kernel_name(layout), _probe_cpu_grouped, layout, top_k)
 
 
 def _probe_cpu_grouped(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
