@@ -17,16 +17,24 @@ INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu 
 PROJECTIONS = ("gate_up", "down")
 
 
+def unsupported_format(layout: BlockLayout, takes: str) -> str | None:
+    """Why a CPU expert kernel cannot run ``layout``'s blocks (``takes``: the message's subject
+    and verb, "the CPU kernels take"): every one takes unrotated int4, or int8 with one scale per
+    row. None when it can."""
+    if layout.quant not in ("int4", "int8"):
+        return f"{takes} int4 or int8 blocks, this bundle's are {layout.quant}"
+    if layout.rotation != "none":
+        return f"{takes} unrotated blocks, this bundle's are {layout.rotation}-rotated"
+    if layout.quant == "int8" and layout.group_size:
+        return f"{takes} int8 with one scale per row, this bundle's are per group of {layout.group_size}"
+    return None
+
+
 def unsupported(layout: BlockLayout) -> str | None:
     """Why the CPU kernels cannot run ``layout``'s experts, or None."""
-    if layout.quant not in ("int4", "int8"):
-        return f"the CPU kernels take int4 or int8 blocks, this bundle's are {layout.quant}"
-    if layout.rotation != "none":
-        return f"the CPU kernels take unrotated blocks, this bundle's are {layout.rotation}-rotated"
-    if layout.quant == "int8" and layout.group_size:
-        return (
-            f"the int8 CPU kernel takes one scale per row, this bundle's are per group of {layout.group_size}"
-        )
+    why = unsupported_format(layout, "the CPU kernels take")
+    if why:
+        return why
     if layout.quant == "int4" and layout.group_size not in INT4_GROUPS:
         return f"the int4 CPU kernel takes groups of {INT4_GROUPS}, this bundle's are {layout.group_size}"
     for proj in PROJECTIONS:

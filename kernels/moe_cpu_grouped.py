@@ -41,6 +41,7 @@ import torch
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value
+from edgerun.kernels.cpu_layout import unsupported_format
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
 SOURCE = Path(__file__).with_name("moe_cpu_grouped.c")
@@ -58,12 +59,9 @@ def kernel_name(layout: BlockLayout) -> str:
 
 def unsupported(layout: BlockLayout) -> str | None:
     """Why the grouped kernel cannot run ``layout``'s experts, or None."""
-    if layout.quant not in ("int4", "int8"):
-        return f"the grouped CPU kernel takes int4 or int8 blocks, this bundle's are {layout.quant}"
-    if layout.rotation != "none":
-        return f"the grouped CPU kernel takes unrotated blocks, this bundle's are {layout.rotation}-rotated"
-    if layout.quant == "int8" and layout.group_size:
-        return f"the grouped CPU kernel takes int8 with one scale per row, this bundle's are per group of {layout.group_size}"
+    why = unsupported_format(layout, "the grouped CPU kernel takes")
+    if why:
+        return why
     if layout.quant == "int4" and layout.group_size != 32:
         return f"the grouped CPU kernel takes int4 groups of 32, this bundle's are {layout.group_size}"
     D, I = layout_dims(layout)
@@ -252,6 +250,8 @@ def moe_grouped(
     else:
         out = torch.zeros(T, D, dtype=torch.float32)
     xf = x.float().contiguous()
+    if layout.quant == "int4":  # read by pointer, as the pool is: on the CPU (check_pool checked the rest)
+        _check("global_scales", global_scales, torch.float32, (S, 2))
     gs = global_scales.contiguous() if layout.quant == "int4" else torch.zeros(1)
     offs = _offsets(layout)
     lib = library(portable)

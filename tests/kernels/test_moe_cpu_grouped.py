@@ -135,6 +135,8 @@ def test_bad_inputs_are_refused_by_name():
         )
     with pytest.raises(ValueError, match="global"):
         grouped.moe_grouped(x, pool, slots, ids, w, layout, gs[:, :1])
+    with pytest.raises(ValueError, match="global_scales must be a CPU torch.float32 tensor"):
+        grouped.moe_grouped(x, pool, slots, ids, w, layout, gs.to("meta"))  # read by pointer: not on the CPU
     dup = ids.clone()
     dup[0, 1] = dup[0, 0]
     with pytest.raises(ValueError, match="routed to the same expert twice"):
