@@ -5,6 +5,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# `python -m pytest` puts the checkout's root on sys.path, where its kernels/ folder (installed as
+# edgerun.kernels, never a top-level package) would shadow the PyPI package `kernels`, which
+# transformers (the tests' oracle) imports: the root is taken off (edgerun imports as installed)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 # The test models are tiny: intra-op threads only add OpenMP barriers, which stall badly when
 # the machine is shared (20x slower under load). One thread keeps the suite fast and stable.
