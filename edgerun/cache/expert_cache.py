@@ -30,7 +30,7 @@ prefetch on or off (the simulator's numbers); only the time a lookup waits chang
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -288,12 +288,16 @@ class ExpertCache:
 
     # ---- data movement ------------------------------------------------------------------
 
-    def _fill(self, layer: int, fills: list[Fill]) -> None:
+    def _fill(self, layer: int, fills: list[Fill], then: Callable[[], object] | None = None) -> None:
         """Bring every miss of one layer into its slot: from the host tier when there is one,
         else read from storage; all are in flight before the first is awaited. Prefetched reads of
-        the layer are claimed or dropped here, on every lookup."""
+        the layer are claimed or dropped here, on every lookup. ``then`` runs once this layer's
+        reads are queued, before they are awaited (the next layer's prefetch: its reads queue
+        behind these and keep the disk busy while these land and the layer computes)."""
         staged = self._claim(layer, fills)
         if not fills:
+            if then is not None:
+                then()
             return
         for f in fills:  # the slot's CPU-kernel layout is of its old expert: repacked on next use
             self.packed[layer].pop(f.slot, None)
@@ -313,6 +317,8 @@ class ExpertCache:
                 0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
             )
         if layer in self.tier:
+            if then is not None:
+                then()
             self._copy_from_tier(layer, fills)
             if layer in self._far_tables:  # the moved experts' entries, after their copies completed
                 self._far_tables[layer].copy_(self._far_table(layer))
@@ -331,7 +337,7 @@ class ExpertCache:
             done.synchronize()  # the staging buffer goes back to the queue only after this
 
         dest = host if self.pool_kind == "mapped" else None
-        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged)
+        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=then)
 
     def _read(
         self,
@@ -341,12 +347,13 @@ class ExpertCache:
         dest=None,
         place=None,
         staged: dict[int, Future] | None = None,
+        then: Callable[[], object] | None = None,
     ) -> None:
         """Read ``fills`` from storage: into ``dest[slot]`` (host memory, no staging copy) or
         through a staging buffer handed to ``place(slot, view)``; a fill whose expert is in
         ``staged`` (a prefetch of it, claimed) is placed from that read's buffer instead. A
         failed read's slot is abandoned in ``table`` (read again next time); the first error is
-        re-raised once all settled."""
+        re-raised once all settled. ``then`` runs once every read is queued (see ``_fill``)."""
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         path, checked = self._files[layer]
@@ -365,6 +372,8 @@ class ExpertCache:
         # handing their staging buffers back to the reads still queued
         futures = [(f, submit(f)) for f in fills if f.expert not in staged]
         claimed = [(f, staged[f.expert]) for f in fills if f.expert in staged]
+        if then is not None:
+            then()
         error, done = None, 0
         for f, fut in claimed + futures:
             try:
@@ -455,12 +464,15 @@ class ExpertCache:
             done.record(stream)
         done.synchronize()  # a host slot is refilled only after its copies completed
 
-    def get_many(self, layer: int, expert_ids: list[int]) -> list[SlotRef]:
-        """References to one step's experts (router order, deduplicated), reading the misses."""
+    def get_many(
+        self, layer: int, expert_ids: list[int], then: Callable[[], object] | None = None
+    ) -> list[SlotRef]:
+        """References to one step's experts (router order, deduplicated), reading the misses.
+        ``then`` runs once the misses' reads are queued, before they are awaited (``_fill``)."""
         if layer in self.tier:
             self._tier_get(layer, expert_ids)
         refs, fills = self.slots[layer].assign(expert_ids)
-        self._fill(layer, fills)
+        self._fill(layer, fills, then)
         return refs
 
     def check(self, layer: int, refs) -> None:

@@ -314,10 +314,10 @@ class DecodeGraphs:
         buf = self.moe[i]
         rows = buf.ids.tolist()  # waits for the router
         self._count_window(i, rows)
-        slots, buf.refs = lookup(self.cache, i, rows, "cpu")
+        # the next layer's predicted reads queue behind this layer's own, before those are awaited
+        slots, buf.refs = lookup(self.cache, i, rows, "cpu", then=partial(self._prefetch, i))
         buf.slots_host.copy_(slots)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
-        self._prefetch(i)
 
     def _prefetch(self, i: int) -> None:
         """After layer i's lookup: start the reads of the next layer's predicted experts."""
@@ -344,8 +344,7 @@ class DecodeGraphs:
             return
         rows = buf.ids.tolist()
         self._count_window(i, rows)
-        slots, refs = lookup(self.cache, i, rows, self.device)
-        self._prefetch(i)
+        slots, refs = lookup(self.cache, i, rows, self.device, then=partial(self._prefetch, i))
         x, shared = self._into(i)
         # a verify window's rows one at a time: the reference multiplies an expert's rows together,
         # and a product's bits may depend on how many rows it takes

@@ -13,7 +13,7 @@ Shape legend: N = tokens in the forward, A = top_k, Q = the layer's slot quota.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -125,11 +125,12 @@ class Prefetcher:
 
 
 def lookup(
-    cache: ExpertCache, layer: int, rows: list[list[int]], device
+    cache: ExpertCache, layer: int, rows: list[list[int]], device, then: Callable[[], object] | None = None
 ) -> tuple[torch.Tensor, list[SlotRef]]:
     """The slot of every entry of ``rows`` (tokens' expert ids) as a tensor on ``device``, and
-    the references to check before use; the misses are read first."""
-    refs = cache.get_many(layer, [e for row in rows for e in row])
+    the references to check before use; the misses are read first (``then`` runs once their
+    reads are queued, before they are awaited: the next layer's prefetch)."""
+    refs = cache.get_many(layer, [e for row in rows for e in row], then)
     slot_of = {r.expert: r.slot for r in refs}
     return torch.tensor([[slot_of[e] for e in row] for row in rows], device=device), refs
 
@@ -182,8 +183,7 @@ class StreamingExperts(nn.Module):
         rows = ids.tolist()
         batches = fetches(rows, self.quota)
         if len(batches) == 1:
-            slots, refs = lookup(c, i, rows, x.device)
-            self._prefetch_next()
+            slots, refs = lookup(c, i, rows, x.device, then=self._prefetch_next)
             return run_experts(c, i, x, slots, ids, weights, self.policy, refs)
         # more distinct experts than slots (prefill): ascending-id batches that fit, each expert
         # read once and run over all its tokens, summing in the order of one pass. Batch j + 1
