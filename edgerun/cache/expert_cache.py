@@ -163,11 +163,12 @@ class ExpertCache:
         }
         # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads
         prefetch = config.prefetch
-        if prefetch is None:  # the default: CPU slots only until it is measured on a GPU
+        if prefetch is None:  # the default: CPU slots (see docs/streaming.md, Prefetch, for CUDA's)
             prefetch = self.device.type == "cpu"
             if not prefetch:
                 self.adjustments.append(
-                    "prefetch off on CUDA by default (not yet measured there); --prefetch turns it on"
+                    "prefetch off on CUDA by default (on an H200 it gained 2-12% where steps miss, and "
+                    "cost 43% where the slots already held the steps' experts); --prefetch turns it on"
                 )
         self.prefetch_depth = max(staging - args.num_experts_per_tok, 0) if prefetch else 0
         if prefetch and not self.prefetch_depth:
@@ -310,34 +311,40 @@ class ExpertCache:
             # a refill is ordered after every kernel already queued that may read the slot's old expert
             stream.wait_stream(torch.cuda.current_stream(self.device))
         scales = self.slot_scales[layer]
-        if scales is not None:
-            idx = torch.tensor([f.slot for f in fills])
-            src = torch.tensor([f.expert for f in fills])
-            scales.index_copy_(
-                0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
-            )
-        if layer in self.tier:
+
+        def queued() -> None:  # once the reads are in flight: work that need not wait for them
+            if scales is not None:  # queued after every kernel that may read the slots' old scales
+                idx = torch.tensor([f.slot for f in fills])
+                src = torch.tensor([f.expert for f in fills])
+                scales.index_copy_(
+                    0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
+                )
             if then is not None:
                 then()
+
+        if layer in self.tier:
+            queued()
             self._copy_from_tier(layer, fills)
             if layer in self._far_tables:  # the moved experts' entries, after their copies completed
                 self._far_tables[layer].copy_(self._far_table(layer))
             return
         host = self.host_slots.get(layer)
 
-        def place(slot: int, view: memoryview) -> None:  # a staging buffer's block into its slot
+        def place(slot: int, view: memoryview):  # a staging buffer's block into its slot
             src = torch.frombuffer(view, dtype=torch.uint8)
             if stream is None:  # host and mapped slots: host memory
                 host[slot].copy_(src)
-                return
+                return None
             with torch.cuda.stream(stream):
                 pool[slot].copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
-            done.synchronize()  # the staging buffer goes back to the queue only after this
+            return done  # the staging buffer's fence: its next read waits for this copy, nobody else
 
         dest = host if self.pool_kind == "mapped" else None
-        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=then)
+        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=queued)
+        if stream is not None:  # every copy is queued (each read's, before its future completed)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _read(
         self,
@@ -379,10 +386,11 @@ class ExpertCache:
             try:
                 got = fut.result()
                 if isinstance(got, Staged):
+                    fence = None
                     try:
-                        place(f.slot, got.view)
+                        fence = place(f.slot, got.view)
                     finally:
-                        got.release()
+                        got.release(fence)
                 done += 1
             except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
                 table.abandon(f)

@@ -107,17 +107,22 @@ class Staged:
     checked bytes until ``release`` hands the buffer back."""
 
     view: memoryview
-    _release: Callable[[], None]
+    _release: Callable[[object], None]
 
-    def release(self) -> None:
+    def release(self, fence=None) -> None:
+        """Hand the buffer back; ``fence`` (see :class:`BlockReader`): an asynchronous copy out of
+        it still in flight, which the buffer's next read waits for."""
         self.view.release()
-        self._release()
+        self._release(fence)
 
 
 class BlockReader:
     """Reads fixed-size blocks ``index`` of ``path`` (at ``index * block_bytes``) into caller
     memory. ``submit`` returns a Future; ``sink(staging_view)`` consumes the bytes while the
-    staging buffer is still owned by the read."""
+    staging buffer is still owned by the read. A sink that copies out asynchronously (a CUDA
+    copy from page-locked staging) returns a *fence*, anything with ``synchronize()`` (the copy's
+    event): the buffer goes back at once, and its next read waits for the fence first, so no
+    thread waits for a copy it only started (the consumer orders its own use after the copies)."""
 
     def __init__(
         self,
@@ -141,9 +146,10 @@ class BlockReader:
         self.mode = mode
         self._buffers = [aligned_buffer(block_bytes) for _ in range(staging)]
         self._pinned: list[mmap.mmap] = []
-        self._free: queue.Queue[mmap.mmap] = queue.Queue()
+        # free staging buffers, each with the fence of its last copy out (None: nothing pending)
+        self._free: queue.Queue[tuple[mmap.mmap, object]] = queue.Queue()
         for b in self._buffers:
-            self._free.put(b)
+            self._free.put((b, None))
         # reads in flight: one per staging buffer, or fewer where the disk is faster shallow
         # (calibrate with edgerun.tools.calibrate.read_bandwidth)
         self.depth = min(depth or staging, staging)
@@ -224,17 +230,18 @@ class BlockReader:
             raise ReadError(
                 f"{path} block {index}: destination holds {len(dest)} bytes, a block is {self.block_bytes}"
             )
-        buf = self._free.get() if dest is None else None  # owned until returned below
+        buf = self._take() if dest is None else None  # owned until returned below
+        fence = None
         try:
             view = memoryview(buf)[: self.block_bytes] if dest is None else dest
             n, dt = self._read_checked(Path(path), index, view, check)
             if sink is not None:
-                sink(view)
+                fence = sink(view)
             self._account(n, dt, staged=dest is None)
             return n
         finally:
             if buf is not None:
-                self._free.put(buf)
+                self._free.put((buf, fence))
 
     def stage(
         self,
@@ -252,15 +259,22 @@ class BlockReader:
             self.staged += 1
         return self._pool.submit(self._stage, Path(path), index, check)
 
+    def _take(self) -> mmap.mmap:
+        """A free staging buffer, once the last copy out of it (its fence) has completed."""
+        buf, fence = self._free.get()
+        if fence is not None:
+            fence.synchronize()
+        return buf
+
     def _stage(self, path: Path, index: int, check) -> Staged:
-        buf = self._free.get()
+        buf = self._take()
         view = memoryview(buf)[: self.block_bytes]
         try:
             n, dt = self._read_checked(path, index, view, check)
             self._account(n, dt, staged=True)
         except BaseException:
             view.release()  # the error's traceback keeps the frame: no export may outlive the read
-            self._free.put(buf)
+            self._free.put((buf, None))
             self._unstage()
             raise
         return Staged(view, partial(self._unhold, buf))
@@ -281,8 +295,8 @@ class BlockReader:
         with self._lock:
             self.stats.wasted_faults += 1
 
-    def _unhold(self, buf: mmap.mmap) -> None:
-        self._free.put(buf)
+    def _unhold(self, buf: mmap.mmap, fence=None) -> None:
+        self._free.put((buf, fence))
         self._unstage()
 
     def _unstage(self) -> None:
@@ -400,6 +414,10 @@ class BlockReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        while not self._free.empty():  # copies out of staging still in flight end before it goes
+            _, fence = self._free.get_nowait()
+            if fence is not None:
+                fence.synchronize()
         self._finalizer()  # after the pool: no read is left in the ring
         for b in self._buffers:
             b.close()

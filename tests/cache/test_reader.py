@@ -171,3 +171,37 @@ def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_p
         r.read_into(tmp_path / "missing", 0, lambda v: None, 16)
     r.close()
     dest.close()
+
+
+class _Fence:
+    """A copy out of a staging buffer still in flight: records when it is waited for."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_a_sinks_fence_is_waited_for_before_its_buffer_is_read_into_again(expert_file):
+    """A sink that copies out asynchronously returns a fence: the read hands its buffer back at
+    once, and the buffer's next read, staged or not, waits for that fence before it overwrites
+    the bytes (one staging buffer, so every read reuses it); close waits for a fence left."""
+    path, data = expert_file
+    log: list = []
+    r = BlockReader(BB, staging=1, mode="buffered", depth=1)
+
+    def sink(name):
+        def consume(view):
+            log.append(("read", name, bytes(view) == data[name * BB : (name + 1) * BB]))
+            return _Fence(log, name)
+
+        return consume
+
+    r.read_into(path, 3, sink(3), 16)
+    r.read_into(path, 5, sink(5), 16)
+    staged = r.stage(path, 7, 16).result()
+    assert bytes(staged.view) == data[7 * BB : 8 * BB]
+    staged.release(_Fence(log, 7))
+    r.close()
+    assert log == [("read", 3, True), ("wait", 3), ("read", 5, True), ("wait", 5), ("wait", 7)]
