@@ -134,7 +134,7 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="streamed experts: read the next layer's predicted experts (and a prefill's next batch) "
-        "before the router asks (default: on for CPU slots; off on CUDA, where it is not measured yet)",
+        "before the router asks (default: on for CPU slots; off on CUDA, where it pays only while steps miss)",
     )
 
 

@@ -82,6 +82,31 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_prefetch_changes_no_bit_of_a_streamed_graph_decode(bundles, arch):
+    """Decode prefetch on CUDA (the next layer's predicted experts read into staging while a
+    layer's own misses land): the same logits, bit for bit, as with it off, in graph segments with
+    misses served between them, and the greedy tokens of every expert held; its reads counted,
+    some of them used."""
+    b = bundles[(arch, "int4")]
+    kw = dict(device="cuda", dtype=torch.bfloat16, kernels=KernelPolicy(graphs="on"))
+    off, on = (Runner.load(b, cache=CacheConfig(2, prefetch=pf), **kw) for pf in (False, True))
+    held = _load(b, "table", "on")
+    a, p, h = _decode(off), _decode(on), _decode(held)
+    assert on.cache.prefetch_depth > 0 and off.cache.prefetch_depth == 0
+    for step, (x, y) in enumerate(zip(a, p)):
+        assert torch.equal(x, y), f"step {step}: max |prefetch on - off| {float((x - y).abs().max())}"
+    assert [int(x.argmax()) for x in p] == [int(x.argmax()) for x in h]
+    t = on.cache.totals()
+    assert t.misses == off.cache.totals().misses > 0
+    assert t.prefetch_issued > 0 and t.prefetch_useful > 0
+    assert t.prefetch_issued == t.prefetch_useful + t.prefetch_wasted + sum(
+        len(v) for v in on.cache._staged.values()
+    )  # every read issued is claimed, dropped, or still waiting for its layer's next lookup
+    for r in (off, on, held):
+        r.cache.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_mapped_and_tiered_slots_equal_device_slots(bundles, arch):
     b = bundles[(arch, "int4")]
     dev, mapped, tiered = _load(b, "routed", "on"), _load(b, "mapped", "on"), _load(b, "tiered", "on")

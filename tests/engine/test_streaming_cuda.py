@@ -69,7 +69,8 @@ def test_chunked_prefill_equals_one_pass(bundles, arch):
 
 
 def test_prefetch_is_off_by_default_on_cuda_and_says_so(bundles):
-    """Decode prefetch is not measured on a GPU yet: off by default there, stated, on by request."""
+    """Decode prefetch on a GPU pays only while steps miss (docs/streaming.md): off by default
+    there, stated, on by request."""
     from edgerun.bundle.reader import Bundle
     from edgerun.cache.expert_cache import ExpertCache
     from edgerun.engine.setup import cache_config
