@@ -100,28 +100,26 @@ def state_bytes(bundle: Bundle, capacity: int) -> tuple[int, int, int]:
 LIBRARY_WORKSPACE = 256 * 2**20
 
 
-def quota_for(
+def plan_for(
     budget: int,
     bundle_dir: Path,
     context: int,
     prefill_chunk: int = 512,
     far: bool = False,
-    bandwidths: tuple[float, float] = (4.8e12, 50e9),
-) -> tuple[int, str]:
-    """The planner's quota per layer for ``budget`` bytes of device memory, as torch counts it
-    (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
+    bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
+):
+    """The planner's plan of ``bundle_dir`` in ``budget`` bytes of device memory, as torch counts
+    it (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
     every planned item (dense weights, KV and DeltaNet state at ``context``, the prefill and graph
-    workspaces, the slots). (quota, how: the plan's refusal when not even top_k fits). ``far``:
-    every expert in a pinned host tier the GPU reads in place (a discrete GPU whose host RAM
-    holds them), else VRAM slots behind storage; ``bandwidths`` (device memory, PCIe, B/s) are
-    what the plan's prediction, in ``how``, assumes."""
+    workspaces, the slots). ``far``: every expert in a pinned host tier the GPU reads in place (a
+    discrete GPU whose host RAM holds them), else VRAM slots behind storage; ``bandwidths``
+    (device memory, PCIe, storage reads; B/s) are what its prediction assumes: a benchmark
+    passes the ones it measured in the same run."""
     from edgerun.budget import inputs
     from edgerun.budget.planner import PlanOptions, plan
     from edgerun.bundle.dense_layout import DenseScheme
     from edgerun.config import device_profile_from_dict
 
-    if budget <= LIBRARY_WORKSPACE:
-        return 0, f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
     model = inputs.from_bundle(bundle_dir)
     dev = device_profile_from_dict(
         {
@@ -130,11 +128,13 @@ def quota_for(
             "memory_cap": budget,
             "os_reserve": 0,
             "cuda_context": LIBRARY_WORKSPACE,
-            "pinned_limit": 64 * GiB,
+            # the host tier only where asked (``far``): else VRAM slots straight behind storage, as
+            # the runs the prediction stands beside (page-locked staging only)
+            "pinned_limit": 64 * GiB if far else 256 * 2**20,
             "host_memory_cap": 128 * GiB,
             "host_reserve": 8 * GiB,
             "memory_bandwidth": bandwidths[0],
-            "storage_read_bandwidth": 2e9,
+            "storage_read_bandwidth": bandwidths[2],
             "pcie_bandwidth": bandwidths[1],
             "compute_capability": "9.0",
         }
@@ -144,7 +144,22 @@ def quota_for(
         prefill_chunk=prefill_chunk,
         tier_reads="in-place" if far else "copy",
     )
-    p = plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
+    return plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
+
+
+def quota_for(
+    budget: int,
+    bundle_dir: Path,
+    context: int,
+    prefill_chunk: int = 512,
+    far: bool = False,
+    bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
+) -> tuple[int, str]:
+    """The planner's quota per layer for ``budget`` bytes of device memory (:func:`plan_for`).
+    (quota, how: the plan's refusal when not even top_k fits; with ``far``, its prediction)."""
+    if budget <= LIBRARY_WORKSPACE:
+        return 0, f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
+    p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths)
     if not p.fits:
         return 0, p.refusal.message
     quota = min(p.quotas)
@@ -172,6 +187,7 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
             if first is None:
                 first = time.perf_counter() - t0
                 before = cache.totals() if cache else None
+                disk = disk_counters(cache) if cache else None
         stats = ev.stats or stats
     out = {"tokens": tokens, "ttft_s": first, "decode_tps": stats.decode_tps, "decode_s": stats.decode_s}
     if cache is not None:
@@ -182,7 +198,20 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         out["read_gbs"] = out["bytes_read"] / stats.decode_s / 1e9 if stats.decode_s else 0.0
         out["read_wait_s"] = after.read_seconds - before.read_seconds
         out["far_per_token"] = (after.far_reads - before.far_reads) / steps
+        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
+            out[f"{key}_per_token"] = (getattr(after, key) - getattr(before, key)) / steps
+        busy, read = (b - a for a, b in zip(disk, disk_counters(cache), strict=True))
+        # the disk's side: the share of decode time with a read in flight (demand or prefetch), and
+        # what it read while busy (every block, wasted prefetches included)
+        out["disk_busy"] = busy / stats.decode_s if stats.decode_s else 0.0
+        out["busy_gbs"] = read / busy / 1e9 if busy else 0.0
     return out
+
+
+def disk_counters(cache) -> tuple[float, int]:
+    """(seconds with at least one read in flight, bytes read) over the cache's readers so far."""
+    stats = [r.stats for r in cache.readers.values()]
+    return sum(s.wall_seconds for s in stats), sum(s.bytes for s in stats)
 
 
 def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
@@ -215,16 +244,25 @@ def med(values: list[float]) -> dict:
 
 
 def run_config(
-    name, bundle_dir, bundle, quota, capacity, prompt, decode, repeats, warm_all, depth, host_quota=None,
-    cpu_experts=None,
+    name, bundle_dir, bundle, quota, capacity, prompt, decode, timed, warm_all, depth, host_quota=None,
+    cpu_experts=None, prefetch=None,
 ) -> dict:  # fmt: skip
+    """One configuration: an eager run of ``prompt``, the same with graphs (their tokens must be
+    identical), then a timed graph run of each of the ``timed`` prompts: a prompt of its own each,
+    so a run does not find the experts of the last one's tokens in the cache (the same greedy
+    tokens again would route to the same experts and measure hits)."""
     t0 = time.perf_counter()
     runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
         dtype=torch.bfloat16,
         cache=cache_config(
-            Path(bundle_dir), quota=quota, read_depth=depth, host_quota=host_quota, cpu_experts=cpu_experts
+            Path(bundle_dir),
+            quota=quota,
+            read_depth=depth,
+            host_quota=host_quota,
+            cpu_experts=cpu_experts,
+            prefetch=prefetch,
         ),
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
@@ -238,11 +276,12 @@ def run_config(
     state = runner.new_state(capacity)  # the decoder at the runs' size: warm-up step + capture, untimed
     for _ in range(2):
         runner.decode_step(state, 0)
-    graph_runs = [one_run(runner, prompt, decode) for _ in range(repeats)]
+    check = one_run(runner, prompt, decode)
+    graph_runs = [one_run(runner, p, decode) for p in timed]
     rec["kernels"] = runner.kernel_summary()
     rec["fallbacks"] = runner.fallbacks()
     rec["decode_steps"] = runner.decode_counts()
-    same = all(r["tokens"] == eager["tokens"] for r in graph_runs)
+    same = check["tokens"] == eager["tokens"]
     # the CPU-expert split is not bit-exact (engine/cpu_experts.py states its tolerance), and
     # which pairs it computes follows the device set, which rebalances between runs: its tokens
     # may differ from run to run, so the rate is printed and the column says why it is no check
@@ -254,12 +293,15 @@ def run_config(
     rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
     rec["decode_tps"] = med([r["decode_tps"] for r in graph_runs])
     if runner.cache is not None:
-        for key in ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token"):
+        for key in ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token", "disk_busy", "busy_gbs"):
             rec[key] = med([r[key] for r in graph_runs])
+        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
+            rec[f"{key}_per_token"] = med([r[f"{key}_per_token"] for r in graph_runs])
+        rec["prefetch_depth"] = runner.cache.prefetch_depth
     if warm_all:
         rec["profile"] = profile_steps(runner, capacity)
     if not same:
-        diverge = next(i for i, (a, b) in enumerate(zip(eager["tokens"], graph_runs[0]["tokens"])) if a != b)
+        diverge = next(i for i, (a, b) in enumerate(zip(eager["tokens"], check["tokens"])) if a != b)
         rec["refused"] = f"eager and graph tokens differ from token {diverge}: no rate printed"
     release(runner)
     return rec
@@ -309,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
     add_dense_arguments(ap)
     ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
+    ap.add_argument(
+        "--prefetch",
+        default="on,off",
+        help="for each streamed budget, a run with decode prefetch on and/or off (on,off | on | off)",
+    )
     ns = ap.parse_args(argv)
+    prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -362,43 +410,50 @@ def main(argv: list[str] | None = None) -> int:
     result["read_depth"] = depth
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, a.vocab_size, (ns.prompt,), generator=g).tolist()
+    prompt, *timed = (
+        torch.randint(0, a.vocab_size, (ns.prompt,), generator=g).tolist() for _ in range(1 + ns.repeats)
+    )
     _, dense_tok = dense_bytes(bundle)
     _, rec_tok, kv_pos = state_bytes(bundle, capacity)
     records = []
+    pcie_bw = copy["h2d_pinned_gb_per_s"] * 1e9
+    bandwidths = (device_bw, pcie_bw, storage_bw)  # the plan predicts with this run's bandwidths
+    runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how)
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
-        host = None
         if spec == "resident":
-            name, quota, budget = "resident", a.num_experts, None
+            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None))
         elif spec.startswith("host"):
-            quota, host, budget = int(spec[4:]), a.num_experts, None
+            quota = int(spec[4:])
             name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
+            runs.append((name, quota, None, a.num_experts, cpu, None, None, None))
         elif spec.startswith("far"):
-            host, budget = a.num_experts, int(float(spec[3:]) * GiB)
-            bw = (
-                device_bw,
-                copy["h2d_pinned_gb_per_s"] * 1e9,
-            )  # the plan predicts with this run's bandwidths
-            quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bw)
+            budget = int(float(spec[3:]) * GiB)
+            quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bandwidths)
             name = f"{float(spec[3:]):g} GiB + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
             if quota < a.num_experts_per_tok:
                 records.append({"config": name, "refused": how})
                 continue
             print(how, flush=True)
-        else:
-            name, budget = f"{float(spec):g} GiB", int(float(spec) * GiB)
-            quota, how = quota_for(budget, bundle_dir, capacity)
+            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how))
+        else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
+            budget = int(float(spec) * GiB)
+            quota, how = quota_for(budget, bundle_dir, capacity, bandwidths=bandwidths)
             if quota < a.num_experts_per_tok:
-                records.append({"config": name, "refused": how})
+                records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
+            predicted = plan_for(budget, bundle_dir, capacity, bandwidths=bandwidths).prediction
+            for pf in prefetches:
+                name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
+                runs.append((name, quota, budget, None, cpu, pf, predicted, None))
+    for name, quota, budget, host, cpu, pf, predicted, how in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
-            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, ns.repeats,
-            budget is None and host is None, depth, host, cpu or None,
+            name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
+            budget is None and host is None, depth, host, cpu or None, pf,
         )  # fmt: skip
         rec["budget_bytes"] = budget
-        rec["planned"] = how if spec.startswith("far") else None
+        rec["planned"] = how
         rec["prefill_tps"] = ns.prompt / rec["ttft_s"]["median"] if "ttft_s" in rec else None
         mean_pos = ns.prompt + ns.decode / 2
         if budget is None or host is not None:
@@ -411,14 +466,24 @@ def main(argv: list[str] | None = None) -> int:
             if host is not None and "far_per_token" in rec:
                 # the far pairs' blocks cross PCIe instead of VRAM, overlapped at best: the slower bounds
                 far = rec["far_per_token"]["median"] * block
-                pcie = copy["h2d_pinned_gb_per_s"] * 1e9
                 rec["bound_kind"] = "memory | PCIe"
-                rec["bound_tps"] = 1 / max((per_token - far) / device_bw, far / pcie)
+                rec["bound_tps"] = 1 / max((per_token - far) / device_bw, far / pcie_bw)
         else:
             mpt = rec["misses_per_token"]["median"]
             rec["bound_kind"] = "storage"
             rec["bytes_per_token"] = mpt * block
             rec["bound_tps"] = storage_bw / (mpt * block) if mpt else float("inf")
+        if predicted is not None and "decode_tps" in rec:
+            measured = rec["decode_tps"]["median"]
+            rec["predicted"] = {
+                "misses_per_token": predicted.misses_per_token,
+                "misses_error": predicted.misses_per_token / rec["misses_per_token"]["median"] - 1
+                if rec["misses_per_token"]["median"]
+                else None,
+                "tok_s": predicted.tok_s,
+                "tok_s_serial": predicted.tok_s_serial,
+                "tok_s_error": predicted.tok_s / measured - 1 if measured else None,
+            }
         rec["ratio"] = rec["decode_tps"]["median"] / rec["bound_tps"] if "refused" not in rec else None
         records.append(rec)
         print(json.dumps(rec, default=str), flush=True)
@@ -459,5 +524,27 @@ def markdown(result: dict) -> str:
             f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {mpt} | {rgb} | "
             f"{r['bound_tps']:.1f} ({r['bound_kind']}) | {100 * r['ratio']:.0f}% |"
         )
+    streamed = [r for r in result["configs"] if r.get("bound_kind") == "storage" and "decode_tps" in r]
+    if streamed:
+        lines += [
+            "",
+            "| config | disk busy | read GB/s while busy | prefetch issued / useful / wasted a token | "
+            "planned misses/token (error) | planned tok/s (error) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in streamed:
+            pf = "off"
+            if r.get("prefetch_depth"):
+                i, u, w = (r[f"prefetch_{k}_per_token"]["median"] for k in ("issued", "useful", "wasted"))
+                pf = f"{i:.1f} / {u:.1f} / {w:.1f} (depth {r['prefetch_depth']})"
+            pr = r.get("predicted") or {}
+            m_err, t_err = pr.get("misses_error"), pr.get("tok_s_error")
+            lines.append(
+                f"| {r['config']} | {100 * r['disk_busy']['median']:.0f}% | {r['busy_gbs']['median']:.2f} | {pf} | "
+                + (f"{pr['misses_per_token']:.1f} ({100 * m_err:+.0f}%)" if m_err is not None else "-")
+                + " | "
+                + (f"{pr['tok_s']:.2f} ({100 * t_err:+.0f}%)" if t_err is not None else "-")
+                + " |"
+            )
     lines += [f"\n{r['config']}: {r['planned']}" for r in result["configs"] if r.get("planned")]
     return "\n".join(lines) + "\n"
