@@ -11,8 +11,8 @@ LRU, LRU after a warm start, LFU with decay, a pinned warm set plus LRU, and Bel
 policy learns (warm sets, the decay, how many to pin) is chosen on the other folds of the
 trace and scored on the held-out one (leave-one-out over contiguous folds). It scores LRU, LFU
 and Belady again with per-layer quotas at the same total slots, split as the planner splits them
-(``budget.planner.split_quotas``) by the LRU miss curves of the other folds, and Belady with the
-best split of all (the fewest misses any policy and split can have on the fold).
+(``budget.planner.split_quotas``) by the other folds' miss curves (LRU's, the planner's, or
+LFU's), and Belady with the best split for the scored fold (the bound for any policy and split).
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def simulate(
     prefetch_depth: int = 0,
 ) -> SimResult:
     """Misses (and, for the cache's policies, hits) per MoE layer of a cache of ``quota`` slots
-    (one number for every layer, or a quota by layer as the planner sizes them); with ``tier_quota``, the storage reads of a host tier of that many experts behind it (it
-    sees every lookup the device slots make, batched as the device quota batches them); with
+    (one number for every layer, or a quota by layer as the planner sizes them); with
+    ``tier_quota``, the storage reads of a host tier of that many experts behind it (it sees
+    every lookup the device slots make, batched as the device quota batches them); with
     ``prefetch_depth`` (the cache's: staging buffers - top_k), the prefetches the streaming layer
     issues and how many were useful or wasted, as the cache counts them (the trace must carry
     ``predicted`` lines, which ``edgerun trace`` records)."""
@@ -185,7 +186,7 @@ def simulate(
             raise ValueError(
                 f"{trace.source or 'route trace'} has no 'predicted' experts: record it with `edgerun trace`"
             )
-        full = [layer for layer, q in quotas.items() if q >= h.num_experts]
+        full = [layer for layer in h.moe_layers if quotas[layer] >= h.num_experts]
         if full and any(quotas[layer] < h.num_experts for layer in h.moe_layers if layer > full[0]):
             raise ValueError(
                 f"layer {full[0]} holds every expert and a later layer streams: the prefetcher predicts "
@@ -329,8 +330,8 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
     experts, top_k in decode; by the fit's misses), and for the per-layer rows (``/layer``: the
     planner's split, by LRU miss curves; ``/lfu-layer``: by the cache's LFU's) the split of
     quota x layers slots (:func:`fold_split`; the Belady rows' choices are each fold's split, the
-    LFU rows' each layer's decay). ``belady/best`` is a bound, not a policy: its split is the best for
-    the scored fold itself (:func:`best_split` of Belady's misses at every quota)."""
+    LFU rows' each layer's decay). ``belady/best`` is a bound, not a policy: its split is the best
+    for the scored fold itself (:func:`best_split` of Belady's misses at every quota)."""
     h = trace.header
     if not h.top_k <= quota <= h.num_experts:
         raise ValueError(f"quota {quota} is not between top_k {h.top_k} and the {h.num_experts} experts")
@@ -353,7 +354,8 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
             test = layer_accesses(held, pos, quota)
             order = ranked(fit)
             order += [e for e in range(h.num_experts) if e not in order]
-            decay = _fitted_decay(fit, quota)
+            decays = {quota: _fitted_decay(fit, quota)}  # by quota: the splits may repeat one
+            decay = decays[quota]
             # pinned experts leave quota - pin slots to the rest: at least any lookup's width
             widest = max(len(set(ids)) for ids in fit + test)
             pin = min(range(quota - widest + 1), key=lambda p: (_pinned_run(fit, quota, order, p), p))
@@ -366,9 +368,9 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
             rows["belady"].misses += belady[pos][quota]
             for name, split in splits.items():
                 q = split[layer]
-                fit = [a for p in others for a in layer_accesses(p, pos, q)]
-                test = layer_accesses(held, pos, q)
-                decay = _fitted_decay(fit, q)
+                if q not in decays:
+                    decays[q] = _fitted_decay([a for p in others for a in layer_accesses(p, pos, q)], q)
+                decay, test = decays[q], layer_accesses(held, pos, q)
                 if name == "layer":
                     rows["lru/layer"].misses += replay_set(test, LRUSet(q))
                 rows[f"lfu-decay/{name}"].misses += replay_set(test, LFUSet(q, decay))

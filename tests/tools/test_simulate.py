@@ -141,3 +141,14 @@ def test_fold_split_is_the_planners_split_of_the_lru_curves():
     trace = _layered(360, 120)
     curves = [miss_curve(steps, 8) for steps in trace_steps(trace, 1)]
     assert fold_split([trace], 4) == dict(zip((0, 1, 2), split_quotas(curves, 12, 2), strict=True))
+
+
+def test_prefetch_replay_refuses_a_layer_holding_every_expert_before_a_streamed_one():
+    """The prefetcher skips a layer that holds every expert and predicts the next streamed layer
+    from the one before it, which the trace's predictions (each layer from the previous) are not."""
+    trace = _layered(30, 30)
+    trace = RouteTrace(trace.header, trace.tokens, predicted=tuple(tok[1:] for tok in trace.tokens))
+    with pytest.raises(ValueError, match="layer 1 holds every expert and a later layer streams"):
+        simulate(trace, {0: 2, 1: 8, 2: 3}, "lfu", prefetch_depth=1)
+    last = simulate(trace, {0: 2, 1: 3, 2: 8}, "lfu", prefetch_depth=1)  # the last layer: nothing after it
+    assert last.prefetch[2]["issued"] == 0 and last.prefetch[1]["issued"] > 0
