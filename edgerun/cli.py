@@ -405,7 +405,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         metavar="FOLDS",
         default=None,
         help="instead: compare LRU, LRU warm-started, LFU with decay, pinned warm set + LRU and Belady, "
-        "what each learns fitted on the other folds (leave-one-out over FOLDS contiguous folds)",
+        "what each learns fitted on the other folds (leave-one-out over FOLDS contiguous folds), and LRU, "
+        "LFU and Belady with the planner's per-layer split of as many slots (/layer)",
     )
     p.set_defaults(func=run_simulate)
 
@@ -424,16 +425,19 @@ def run_simulate(ns: argparse.Namespace) -> int:
     try:
         if ns.study is not None:
             print(
-                f"{'policy':11} {'quota':>5} {'misses/token':>13} {'x LRU':>6} {'x Belady':>8}  fitted (most chosen)"
+                f"{'policy':19} {'quota':>5} {'misses/token':>13} {'x LRU':>6} {'x LRU/layer':>11} "
+                f"{'x Belady, same split':>20} {'x Belady/best':>13}  fitted (most chosen)"
             )
             for quota in ns.quota:
                 rows = policy_study(trace, quota, ns.study)
-                lru, opt = rows["lru"].misses, rows["belady"].misses
+                lru, lru_l, best = (rows[p].misses for p in ("lru", "lru/layer", "belady/best"))
                 for r in rows.values():
+                    split = r.policy.partition("/")[2]
+                    opt = rows[f"belady/{split}" if split and split != "best" else "belady"].misses
                     fitted = ", ".join(f"{v} x{n}" for v, n in Counter(r.choices).most_common(2))
                     print(
-                        f"{r.policy:11} {quota:5d} {r.misses_per_token:13.3f} {r.misses / lru:6.2f} "
-                        f"{r.misses / opt:8.2f}  {fitted}"
+                        f"{r.policy:19} {quota:5d} {r.misses_per_token:13.3f} {r.misses / lru:6.3f} "
+                        f"{r.misses / lru_l:11.3f} {r.misses / opt:20.3f} {r.misses / best:13.3f}  {fitted}"
                     )
             return 0
         head = f"{'policy':8} {'quota':>5} {'misses':>8} {'misses/token':>13}"

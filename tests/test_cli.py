@@ -263,5 +263,8 @@ def test_trace_reads_a_text_and_simulate_studies_and_replays_prefetch(tmp_path, 
     assert main(["simulate", str(out), "--quota", "4", "--study", "2"]) == 0
     rows = capsys.readouterr().out
     assert all(re.search(rf"^{p} +4 ", rows, re.M) for p in ("lru", "lfu-decay", "pinned\\+lru", "belady"))
+    # the per-layer rows: x LRU/layer is 1 on its own row, x Belady (same split) on Belady's
+    assert re.search(r"^lru/layer +4 +[\d.]+ +[\d.]+ +1\.000 ", rows, re.M), rows
+    assert re.search(r"^belady/lfu-layer +4 +[\d.]+ +[\d.]+ +[\d.]+ +1\.000 ", rows, re.M), rows
     assert main(["trace", "prompt", "--text", str(text), "--out", str(out), "--device", "cpu"]) == 2
     assert "give either prompts or --text FILE" in capsys.readouterr().err

@@ -697,6 +697,20 @@ def _traced_quotas(
     return _uniform_quotas(budget, blocks, quotas, cap)
 
 
+def split_quotas(curves: Sequence[Sequence[int]], slots: int, floor: int) -> tuple[int, ...]:
+    """The plan's per-layer quotas for ``slots`` slots in all when every layer's slot costs the
+    same (the demo's, a study's equal total): :func:`_traced_quotas` on the layers' miss curves,
+    each layer at least ``floor``, at most its curve's last quota (every expert)."""
+    if not curves:
+        raise ValueError("no miss curves to split quotas by")
+    layers = len(curves)
+    if slots < floor * layers:
+        raise ValueError(f"{slots} slots cannot give {layers} layers {floor} each")
+    quotas = _traced_quotas(slots, (1,) * layers, (floor,) * layers, len(curves[0]) - 1, curves)
+    assert quotas is not None  # the floor fits, checked above
+    return quotas
+
+
 # --------------------------------------------------------------------------------------------
 # Route traces
 

@@ -9,19 +9,29 @@ LFU with decay, the default, and LRU), prefetches included, or through Belady's 
 :func:`policy_study` compares the online policies of ``cache.policy`` on held-out routing:
 LRU, LRU after a warm start, LFU with decay, a pinned warm set plus LRU, and Belady. Whatever a
 policy learns (warm sets, the decay, how many to pin) is chosen on the other folds of the
-trace and scored on the held-out one (leave-one-out over contiguous folds).
+trace and scored on the held-out one (leave-one-out over contiguous folds). It scores LRU, LFU
+and Belady again with per-layer quotas at the same total slots, split as the planner splits them
+(``budget.planner.split_quotas``) by the other folds' miss curves (LRU's, the planner's, or
+LFU's), and Belady with the best split for the scored fold (the bound for any policy and split).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from edgerun.budget.planner import miss_curve, split_quotas, trace_steps
 from edgerun.cache.policy import DEFAULT_POLICY, LFUSet, LRUSet, expert_set, fetches, replay_misses
 from edgerun.tools.routes import RouteTrace
 
 POLICIES = ("lfu", "lru", "belady")  # lfu and lru: the cache's own sets (cache.policy)
-STUDY = ("lru", "lru+warm", "lfu-decay", "pinned+lru", "belady")  # policy_study's rows
+# policy_study's per-layer splits of quota x layers slots: by the other folds' LRU miss curves (the
+# planner's), or by those of the cache's policy (LFU with decay 0.99)
+SPLITS = {"layer": "lru", "lfu-layer": DEFAULT_POLICY}
+STUDY = ("lru", "lru+warm", "lfu-decay", "pinned+lru", "belady")  # policy_study's rows: one quota
+STUDY += ("lru/layer", "lfu-decay/layer", "belady/layer", "lfu-decay/lfu-layer", "belady/lfu-layer")
+STUDY += ("belady/best",)  # Belady with the split that gives it the fewest misses on the scored fold
 DECAYS = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)  # LFU decays a study fits on the other folds
 PREFETCH = ("issued", "useful", "wasted")
 
@@ -29,7 +39,7 @@ PREFETCH = ("issued", "useful", "wasted")
 @dataclass
 class SimResult:
     policy: str
-    quota: int
+    quota: int | dict[int, int]  # one for every MoE layer, or by layer
     tokens: int
     misses: dict[int, int] = field(default_factory=dict)  # per MoE layer
     hits: dict[int, int] = field(default_factory=dict)  # per MoE layer (lfu, lru)
@@ -127,24 +137,48 @@ def _replay(lookups, table: LRUSet, depth: int) -> tuple[int, int, dict[str, int
     return misses, hits, pf
 
 
+def layer_quotas(trace: RouteTrace, quota: int | Mapping[int, int]) -> dict[int, int]:
+    """Slots per MoE layer of ``trace``: one number for every layer, or one by layer (every MoE
+    layer of the trace named, none other), each at least top_k."""
+    h = trace.header
+    if isinstance(quota, int):
+        quotas = dict.fromkeys(h.moe_layers, quota)
+    else:
+        quotas = dict(quota)
+        missing = [layer for layer in h.moe_layers if layer not in quotas]
+        extra = [layer for layer in quotas if layer not in h.moe_layers]
+        if missing or extra:
+            raise ValueError(
+                f"per-layer quotas name MoE layers {list(h.moe_layers)} of {trace.source or 'the route trace'}: "
+                f"missing {missing}, not MoE layers {extra}"
+            )
+    for layer, q in quotas.items():
+        if q < h.top_k:
+            raise ValueError(
+                f"quota {q} is below top_k {h.top_k}"
+                + ("" if isinstance(quota, int) else f" (layer {layer})")
+            )
+    return quotas
+
+
 def simulate(
     trace: RouteTrace,
-    quota: int,
+    quota: int | Mapping[int, int],
     policy: str = DEFAULT_POLICY,
     tier_quota: int | None = None,
     prefetch_depth: int = 0,
 ) -> SimResult:
-    """Misses (and, for the cache's policies, hits) per MoE layer of a cache of ``quota`` slots;
-    with ``tier_quota``, the storage reads of a host tier of that many experts behind it (it
-    sees every lookup the device slots make, batched as the device quota batches them); with
+    """Misses (and, for the cache's policies, hits) per MoE layer of a cache of ``quota`` slots
+    (one number for every layer, or a quota by layer as the planner sizes them); with
+    ``tier_quota``, the storage reads of a host tier of that many experts behind it (it sees
+    every lookup the device slots make, batched as the device quota batches them); with
     ``prefetch_depth`` (the cache's: staging buffers - top_k), the prefetches the streaming layer
     issues and how many were useful or wasted, as the cache counts them (the trace must carry
     ``predicted`` lines, which ``edgerun trace`` records)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     h = trace.header
-    if quota < h.top_k:
-        raise ValueError(f"quota {quota} is below top_k {h.top_k}")
+    quotas = layer_quotas(trace, quota)
     if prefetch_depth:
         if policy == "belady" or tier_quota:
             raise ValueError("prefetch replays the cache's own policies (lfu, lru) without a host tier")
@@ -152,11 +186,18 @@ def simulate(
             raise ValueError(
                 f"{trace.source or 'route trace'} has no 'predicted' experts: record it with `edgerun trace`"
             )
-    res = SimResult(policy, quota, len(trace.tokens))
-    size = min(tier_quota or quota, h.num_experts)
-    depth = prefetch_depth if quota < h.num_experts else 0  # a layer holding every expert never reads
+        full = [layer for layer in h.moe_layers if quotas[layer] >= h.num_experts]
+        if full and any(quotas[layer] < h.num_experts for layer in h.moe_layers if layer > full[0]):
+            raise ValueError(
+                f"layer {full[0]} holds every expert and a later layer streams: the prefetcher predicts "
+                "across it, from a layer the trace's predictions do not come from"
+            )
+    res = SimResult(policy, quota if isinstance(quota, int) else quotas, len(trace.tokens))
     for pos, layer in enumerate(h.moe_layers):
-        lookups = layer_lookups(trace, pos, quota)
+        q = quotas[layer]
+        size = min(tier_quota or q, h.num_experts)
+        depth = prefetch_depth if q < h.num_experts else 0  # a layer holding every expert never reads
+        lookups = layer_lookups(trace, pos, q)
         if policy == "belady":
             res.misses[layer] = _belady_misses([ids for ids, _ in lookups], size)
             continue
@@ -238,24 +279,83 @@ def folds_of(trace: RouteTrace, folds: int) -> list[RouteTrace]:
     return out
 
 
+def fold_split(fit: Sequence[RouteTrace], quota: int, by: str = "lru") -> dict[int, int]:
+    """Per MoE layer, the quotas the planner gives ``quota`` x layers slots in all
+    (``split_quotas``), each layer at least top_k, by the miss curves of ``fit`` (the folds not
+    scored, one after another) under the policy ``by``: ``lru``, the planner's (each token its
+    own step, as it reads a trace at batch 1), or one of ``cache.policy``'s, replayed at every
+    quota with the cache's step structure."""
+    h = fit[0].header
+    layers = range(len(h.moe_layers))
+    if by == "lru":
+        steps = [trace_steps(part, 1) for part in fit]
+        curves = [miss_curve([s for st in steps for s in st[pos]], h.num_experts) for pos in layers]
+    else:
+        curves = []
+        for pos in layers:
+            curve = [
+                replay_misses([a for p in fit for a in layer_accesses(p, pos, q)], expert_set(q, by))
+                for q in range(h.top_k, h.num_experts + 1)
+            ]
+            curves.append([curve[0]] * h.top_k + curve)  # below top_k: never read (the floor)
+    return dict(zip(h.moe_layers, split_quotas(curves, quota * len(h.moe_layers), h.top_k), strict=True))
+
+
+def best_split(curves: Sequence[Mapping[int, int]], slots: int) -> tuple[int, tuple[int, ...]]:
+    """The fewest misses over every split of at most ``slots`` slots between layers, and the split
+    (ties: the first in lexical order), given each layer's misses by quota (layers independent)."""
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}  # slots used -> (misses, quotas)
+    for curve in curves:
+        step: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for used, (misses, split) in best.items():
+            for q, m in curve.items():
+                cand = (misses + m, split + (q,))
+                if used + q <= slots and (used + q not in step or cand < step[used + q]):
+                    step[used + q] = cand
+        best = step
+    if not best:
+        raise ValueError(f"{slots} slots cannot hold every layer's smallest quota")
+    return min(best.values())
+
+
+def _fitted_decay(fit: list[list[int]], quota: int) -> float:
+    return min(DECAYS, key=lambda d: (replay_set(fit, LFUSet(quota, d)), d))
+
+
 def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, StudyRow]:
     """Misses of each :data:`STUDY` policy at ``quota`` over every fold of ``trace``, each fold
     replayed from an empty cache (or the warm start its fit chose) with what the policy learns
     fitted on the other folds: the decay minimising the fit's misses, the warm set (the fit's
     most used experts), how many of them to pin (0 .. quota - the widest lookup's distinct
-    experts, top_k in decode; by the fit's misses)."""
+    experts, top_k in decode; by the fit's misses), and for the per-layer rows (``/layer``: the
+    planner's split, by LRU miss curves; ``/lfu-layer``: by the cache's LFU's) the split of
+    quota x layers slots (:func:`fold_split`; the Belady rows' choices are each fold's split, the
+    LFU rows' each layer's decay). ``belady/best`` is a bound, not a policy: its split is the best
+    for the scored fold itself (:func:`best_split` of Belady's misses at every quota)."""
     h = trace.header
-    if quota < h.top_k:
-        raise ValueError(f"quota {quota} is below top_k {h.top_k}")
+    if not h.top_k <= quota <= h.num_experts:
+        raise ValueError(f"quota {quota} is not between top_k {h.top_k} and the {h.num_experts} experts")
     parts = folds_of(trace, folds)
     rows = {p: StudyRow(p, quota, len(trace.tokens), 0) for p in STUDY}
     for k, held in enumerate(parts):
-        for pos in range(len(h.moe_layers)):
-            fit = [a for j, p in enumerate(parts) if j != k for a in layer_accesses(p, pos, quota)]
+        others = [p for j, p in enumerate(parts) if j != k]
+        splits = {name: fold_split(others, quota, by) for name, by in SPLITS.items()}
+        for name, split in splits.items():
+            rows[f"belady/{name}"].choices.append("/".join(map(str, split.values())))
+        belady: list[dict[int, int]] = []  # per layer, Belady's misses on the fold at every quota
+        for pos, layer in enumerate(h.moe_layers):
+            belady.append(
+                {
+                    q: _belady_misses(layer_accesses(held, pos, q), q)
+                    for q in range(h.top_k, h.num_experts + 1)
+                }
+            )
+            fit = [a for p in others for a in layer_accesses(p, pos, quota)]
             test = layer_accesses(held, pos, quota)
             order = ranked(fit)
             order += [e for e in range(h.num_experts) if e not in order]
-            decay = min(DECAYS, key=lambda d: (replay_set(fit, LFUSet(quota, d)), d))
+            decays = {quota: _fitted_decay(fit, quota)}  # by quota: the splits may repeat one
+            decay = decays[quota]
             # pinned experts leave quota - pin slots to the rest: at least any lookup's width
             widest = max(len(set(ids)) for ids in fit + test)
             pin = min(range(quota - widest + 1), key=lambda p: (_pinned_run(fit, quota, order, p), p))
@@ -265,5 +365,18 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
             rows["lfu-decay"].choices.append(f"{decay:g}")
             rows["pinned+lru"].misses += _pinned_run(test, quota, order, pin)
             rows["pinned+lru"].choices.append(str(pin))
-            rows["belady"].misses += _belady_misses(test, quota)
+            rows["belady"].misses += belady[pos][quota]
+            for name, split in splits.items():
+                q = split[layer]
+                if q not in decays:
+                    decays[q] = _fitted_decay([a for p in others for a in layer_accesses(p, pos, q)], q)
+                decay, test = decays[q], layer_accesses(held, pos, q)
+                if name == "layer":
+                    rows["lru/layer"].misses += replay_set(test, LRUSet(q))
+                rows[f"lfu-decay/{name}"].misses += replay_set(test, LFUSet(q, decay))
+                rows[f"lfu-decay/{name}"].choices.append(f"{decay:g}")
+                rows[f"belady/{name}"].misses += belady[pos][q]
+        misses, best = best_split(belady, quota * len(h.moe_layers))
+        rows["belady/best"].misses += misses
+        rows["belady/best"].choices.append("/".join(map(str, best)))
     return rows

@@ -13,6 +13,7 @@ from edgerun.budget.planner import (
     miss_curve,
     plan,
     replay,
+    split_quotas,
     trace_steps,
 )
 from edgerun.cache.policy import LRUSet
@@ -353,6 +354,10 @@ def test_trace_gives_layers_that_need_more_a_larger_quota():
     assert plan(args, specs, experts, dev, 64).quotas == (4, 4)  # without a trace: uniform
     steps = trace_steps(trace, 1)
     assert [replay(s, 4) for s in steps] == [60, 2]  # what the uniform split would cost
+    # the same split in slots, as the policy study asks for it (every slot one size here)
+    assert split_quotas([miss_curve(s, 6) for s in steps], 8, 2) == p.quotas
+    with pytest.raises(ValueError, match="3 slots cannot give 2 layers 2 each"):
+        split_quotas([miss_curve(s, 6) for s in steps], 3, 2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,9 +107,12 @@ def test_warm_preloads_most_used_and_counts_no_misses(bundles):
 def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, prefetch):
     """Record a trace while generating through the cache (prefill in several batches, decode,
     two requests); replaying it through the simulator with the same quota, policy and prefetch
-    depth gives the cache's own per-layer misses, hits and prefetches issued, useful, wasted."""
+    depth gives the cache's own per-layer misses, hits and prefetches issued, useful, wasted;
+    with one quota for every layer, and with a quota by layer (as a plan from a trace sizes them)."""
     b = bundles[("qwen3_5_moe", "int4")]
-    for quota in (2, 4):
+    layers = Bundle.open(b).args.moe_layers
+    assert len(layers) > 1  # the per-layer quotas below differ between layers
+    for quota in (2, 4, {layer: (4, 2, 3)[i % 3] for i, layer in enumerate(layers)}):
         config = CacheConfig(quota, prefetch=prefetch, policy=policy)
         model, args, cache, _ = load_streaming_model(b, config, dtype=torch.float32)
         runner = Runner(model, args, None, prefill_chunk=16)
