@@ -342,9 +342,11 @@ class ExpertCache:
             return done  # the staging buffer's fence: its next read waits for this copy, nobody else
 
         dest = host if self.pool_kind == "mapped" else None
-        self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=queued)
-        if stream is not None:  # every copy is queued (each read's, before its future completed)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=queued)
+        finally:  # every copy is queued (each read's before its future completed), a failed lookup's too
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _read(
         self,
