@@ -161,6 +161,7 @@ def library(portable: bool = False) -> ctypes.CDLL:
         i64,
         i64,
         i64,
+        i64,
         ctypes.c_int,
         p,
         p,
@@ -258,11 +259,13 @@ def moe_grouped(
     scratch = torch.empty(T * lib.edgerun_moe_grouped_scratch(A, D, I), dtype=torch.uint8)
     lut = _e4m3_table()
     nthreads = torch.get_num_threads() if threads is None else threads
-    lib.edgerun_moe_grouped(
+    failed = lib.edgerun_moe_grouped(
         xf.data_ptr(), pool.data_ptr(), layout.block_bytes, slots.data_ptr(), w.data_ptr(), count.data_ptr(),
-        gs.data_ptr(), lut.data_ptr(), T, A, D, I, 4 if layout.quant == "int4" else 8, offs.data_ptr(),
+        gs.data_ptr(), lut.data_ptr(), T, A, D, I, S, 4 if layout.quant == "int4" else 8, offs.data_ptr(),
         out.data_ptr(), scratch.data_ptr(), max(1, nthreads),
     )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the grouped CPU kernel could not allocate its grouping of {T} x {A} entries")
     if acc is not None:
         return acc
     return out.to(out_dtype or x.dtype)
