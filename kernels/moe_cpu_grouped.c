@@ -75,11 +75,11 @@ static float lane_sum(f32x16 acc) {
 }
 
 /* Activations of an int4 row quantized to 16 bits per group of 32 columns: Q = round(v / d),
- * d = absmax / (127 * 254) (fp32), |Q| <= 32258, split exactly as Q = 254 * q1 + q2 with q1, q2
+ * d = absmax / (127 * 254) (fp32), |Q| <= 32258, split exactly as Q = 256 * q1 + q2 with q1, q2
  * int8, so a group's sum of q * Q is an exact integer from two int8 dot products (llama.cpp's Q8
  * activations have only q1: ~1% error here). Laid out as the rows read them: [k][j] for k = q1,
- * q2, j the byte (qe even columns, qo odd); per 4 bytes (a VNNI lane) cq = 8 * their sum of Q
- * (the unsigned-nibble correction) and dl = the group's d. */
+ * q2, j the byte (qe even columns, qo odd); per 4 bytes (a VNNI lane) cq = -8 * their sum of Q
+ * (the unsigned-nibble correction, where a lane's sum starts) and dl = the group's d. */
 typedef struct {
     int8_t *q1e, *q1o, *q2e, *q2o;
     int32_t *cq;
@@ -100,13 +100,13 @@ static void quantize(const float *v, int64_t C, QVec q) {
         int32_t sums[4] = {0};
         for (int k = 0; k < 32; k++) {
             const int32_t Q = (int32_t)nearbyintf(v[32 * g + k] * inv);
-            const int32_t q1 = (Q + 127 + 254 * 200) / 254 - 200; /* floor((Q + 127) / 254) */
+            const int32_t q1 = (Q + 128) >> 8; /* floor((Q + 128) / 256), |q1| <= 126: gcc's >> is arithmetic */
             const int64_t j = 16 * g + k / 2;
             (k % 2 ? q.q1o : q.q1e)[j] = (int8_t)q1;
-            (k % 2 ? q.q2o : q.q2e)[j] = (int8_t)(Q - 254 * q1);
+            (k % 2 ? q.q2o : q.q2e)[j] = (int8_t)(Q - 256 * q1);
             sums[k / 8] += Q;
         }
-        for (int l = 0; l < 4; l++) q.cq[4 * g + l] = 8 * sums[l], q.dl[4 * g + l] = d;
+        for (int l = 0; l < 4; l++) q.cq[4 * g + l] = -8 * sums[l], q.dl[4 * g + l] = d;
     }
 }
 
@@ -139,7 +139,6 @@ INLINE void q4_tile(const uint8_t *restrict w, int64_t ws, const uint8_t *restri
         for (int t = 0; t < nt; t++)
             for (int r = 0; r < NR; r++) acc[t][r] = _mm512_setzero_ps();
         const __m512i lo4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
-        const __m512i k254 = _mm512_set1_epi32(254);
         for (int64_t k = 0; k < G; k += 16) { /* 16 groups' scales at a time */
             const int n = G - k < 16 ? (int)(G - k) : 16;
             __m512 sv[NR];
@@ -162,10 +161,10 @@ INLINE void q4_tile(const uint8_t *restrict w, int64_t ws, const uint8_t *restri
                         const __m512i a1 = _mm512_loadu_si512(x[t].q1e + j), b1 = _mm512_loadu_si512(x[t].q1o + j);
                         const __m512i a2 = _mm512_loadu_si512(x[t].q2e + j), b2 = _mm512_loadu_si512(x[t].q2o + j);
                         const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a1), hi, b1);
-                        const __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a2), hi, b2);
+                        const __m512i corr = _mm512_loadu_si512(x[t].cq + j / 4); /* -8 sum Q */
+                        const __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo, a2), hi, b2);
                         /* sum (q + 8) Q - 8 sum Q: exact, and under 2^24, so exact in fp32 */
-                        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(s1, k254), s2),
-                                                           _mm512_loadu_si512(x[t].cq + j / 4));
+                        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
                         const __m512 scale = _mm512_mul_ps(ps, _mm512_loadu_ps(x[t].dl + j / 4));
                         acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t][r]);
                     }
@@ -186,7 +185,7 @@ INLINE void q4_tile(const uint8_t *restrict w, int64_t ws, const uint8_t *restri
                 const int v = (int8_t)row[16 * g + k], j = 16 * g + k;
                 const int32_t lo = (int32_t)((uint32_t)v << 28) >> 28, hi = v >> 4;
                 for (int t = 0; t < nt; t++)
-                    s[t] += lo * (254 * x[t].q1e[j] + x[t].q2e[j]) + hi * (254 * x[t].q1o[j] + x[t].q2o[j]);
+                    s[t] += lo * (256 * x[t].q1e[j] + x[t].q2e[j]) + hi * (256 * x[t].q1o[j] + x[t].q2o[j]);
             }
             const float wscale = lut[codes[r * cs + g]] * gscale;
             for (int t = 0; t < nt; t++) /* fmaf: fused for every nt alike, whatever gcc vectorizes */
