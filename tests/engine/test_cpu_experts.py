@@ -65,8 +65,9 @@ def test_a_bundle_the_cpu_kernels_cannot_run_falls_back_named_and_counted(bundle
     runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(4), prefill_chunk=8)
     assert runner.kernels.moe.impl == "reference"
     assert runner.fallbacks() == {
-        "expert_kernel": "cpu_int4pack[int4 g16] not selected: the CPU kernels take unrotated "
-        "blocks, this bundle's are hadamard-rotated"
+        "expert_kernel": "cpu_grouped[int4 g16] not selected: the grouped CPU kernel takes unrotated "
+        "blocks, this bundle's are hadamard-rotated; cpu_int4pack[int4 g16] not selected: the CPU "
+        "kernels take unrotated blocks, this bundle's are hadamard-rotated"
     }
     runner.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     assert runner.fallback_counts() == {"expert_kernel": 7}  # 3 prefill chunks, 4 decode steps
@@ -85,7 +86,15 @@ def test_layers_holding_every_expert_are_repacked_at_load(cpu_kernel_bundles):
     assert held.generate_ids(PROMPT, GREEDY) == streamed.generate_ids(PROMPT, GREEDY)
 
 
-def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, monkeypatch):
+def test_auto_on_a_cpu_runs_the_grouped_kernel_and_says_so(cpu_kernel_bundles):
+    r = Runner.load(cpu_kernel_bundles[(ARCHS[0], "int4")], device="cpu", cache=CacheConfig(64))
+    assert r.kernels.moe.impl == "cpu_grouped" and r.fallbacks() == {}
+    assert r.kernel_summary().startswith("experts cpu_grouped[int4 g32] (matched the reference")
+    assert all(not r.cache.packed[layer] for layer in r.args.moe_layers)  # no repacked copy
+
+
+@pytest.mark.parametrize("asked", ["auto", "cpu_grouped"])
+def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, monkeypatch, asked):
     from edgerun.kernels import moe_cpu_grouped
 
     monkeypatch.setattr(moe_cpu_grouped, "compiler", lambda: None)
@@ -96,7 +105,7 @@ def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, m
             device="cpu",
             cache=CacheConfig(64),
             prefill_chunk=8,
-            kernels=KernelPolicy(experts="cpu_grouped"),
+            kernels=KernelPolicy(experts=asked),
         )
     finally:
         moe_cpu_grouped.library.cache_clear()
