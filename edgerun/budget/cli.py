@@ -183,15 +183,16 @@ def plan_for_bundle(
     trace: str | Path | None = None,
     draft_tokens: int = 0,
     tier_reads: str | None = None,
+    expert_kernel: str = "cpu",
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
     ``trace``: a route trace whose miss curves size per-layer quotas and predict misses).
     ``resident``: bytes per category that loading measured, in place of the estimate from the
     tensor inventory. ``draft_tokens``: speculative decoding with the MTP head (its bytes, which
-    loading has not measured yet, and its verify windows' quota floor). On a CPU it counts torch's
-    kernels' repacked copy of each int4 slot whatever kernel is asked for: the engine plans before
-    its kernels are probed, and a refused grouped kernel runs torch's, which hold it."""
+    loading has not measured yet, and its verify windows' quota floor). ``expert_kernel``: the CPU
+    expert kernel that will run (engine/setup.plan_kernel); by default torch's, whose repacked copy
+    of each int4 slot is the most a CPU kernel holds."""
     model = inputs.from_bundle(bundle, providers)
     if draft_tokens:
         model = inputs.with_mtp(model, draft_tokens)
@@ -209,7 +210,7 @@ def plan_for_bundle(
             quota=quota,
             draft_tokens=draft_tokens,
             tier_reads=tier_reads or PlanOptions.tier_reads,
-            expert_kernel="cpu",
+            expert_kernel=expert_kernel,
         ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,
