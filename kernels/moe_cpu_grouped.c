@@ -290,6 +290,11 @@ int64_t edgerun_moe_grouped_scratch(int64_t A, int64_t D, int64_t I) {
     return 4 * (D + 2 * A * I + A * D);
 }
 
+/* entries in the tile of group grp starting at entry b: NT, or what is left of the group */
+static inline int tile_size(const Groups *g, int64_t grp, int64_t b) {
+    return g->beg[grp + 1] - b < NT ? (int)(g->beg[grp + 1] - b) : NT;
+}
+
 /* x fp32 [T, D]; slots, weights [T, A] (first count[t] entries used, in summation order; slots
  * in 0..S - 1); out fp32 [T, D] (added into); scratch: T * edgerun_moe_grouped_scratch(A, D, I)
  * bytes. offsets: gate_up weight, gate_up scales, down weight, down scales in a block. Returns 0,
@@ -319,7 +324,7 @@ int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes
         for (int64_t item = 0; item < g.ng * ub; item++) {
             const int64_t grp = item / ub, r0 = item % ub * ROWS, slot = g.gslot[grp];
             for (int64_t b = g.beg[grp]; b < g.beg[grp + 1]; b += NT) {
-                const int nt = g.beg[grp + 1] - b < NT ? (int)(g.beg[grp + 1] - b) : NT;
+                const int nt = tile_size(&g, grp, b);
                 float *v[NT];
                 for (int k = 0; k < nt; k++) v[k] = X(g.ent[b + k] / A);
                 for (int64_t i = r0; i < r0 + ROWS; i += NR) {
@@ -348,7 +353,7 @@ int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes
         for (int64_t item = 0; item < g.ng * db; item++) {
             const int64_t grp = item / db, r0 = item % db * ROWS, slot = g.gslot[grp];
             for (int64_t b = g.beg[grp]; b < g.beg[grp + 1]; b += NT) {
-                const int nt = g.beg[grp + 1] - b < NT ? (int)(g.beg[grp + 1] - b) : NT;
+                const int nt = tile_size(&g, grp, b);
                 float *v[NT];
                 for (int k = 0; k < nt; k++) v[k] = HQ(g.ent[b + k] / A, g.ent[b + k] % A);
                 for (int64_t d = r0; d < r0 + ROWS; d += NR) {

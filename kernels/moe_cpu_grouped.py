@@ -1,6 +1,8 @@
 """Routed experts on the CPU in one C call per layer (kernels/moe_cpu_grouped.c): every token's
 experts, gate_up, SiLU·up, down and the router-weighted sum, computed straight from the slot
-pool's bundle bytes (no repacked copy) in one OpenMP parallel region.
+pool's bundle bytes (no repacked copy) in one OpenMP parallel region. Each expert runs over all of
+its tokens of the call together (its weight rows read once, decoded once per tile of 4 tokens), so a
+prompt costs about what torch's GEMMs do, and a decode step its GEMVs.
 
 Shape legend: T = tokens, A = active experts per token, S = slots, D = hidden, I = expert width.
 
