@@ -6,8 +6,10 @@ int4 kernel calls alone (the floor for torch's kernels), and the grouped C kerne
 (``cpu_grouped``, kernels/moe_cpu_grouped.c: one call for the layer, from the slots' own bytes). Milliseconds per layer,
 CPU time (``time.process_time``, so other processes on a shared machine count less; all threads')
 and wall time, interleaved rounds, median (range); checks that the two paths give the same bits.
+``--tokens T`` (> 1): a prompt's step of T tokens instead, through ``combine_experts`` (torch's
+kernels, an expert's tokens as one GEMM) and ``cpu_grouped`` (an expert's tokens in tiles).
 
-    python benchmarks/bench_cpu_moe_step.py [--rounds 6] [--steps 50] [--threads 1]
+    python benchmarks/bench_cpu_moe_step.py [--rounds 6] [--steps 50] [--threads 1] [--tokens 1]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=1, help="tokens a step (1: decode)")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
     layout = expert_block_layout(SimpleNamespace(hidden_size=D, moe_intermediate_size=I), "int4", 32)
@@ -38,11 +41,12 @@ def main() -> None:
     pool, gscales = random_pool(layout, E, generator=gen)
     packed: dict = {}
     moe_cpu.pack_slots(layout, pool, gscales, range(E), packed)
-    x = torch.randn(1, D, generator=gen)
+    T = ns.tokens
+    x = torch.randn(T, D, generator=gen)
     steps = [
         (
-            torch.randperm(E, generator=gen)[:8][None],
-            torch.randn(1, 8, generator=gen).softmax(-1),
+            torch.rand(T, E, generator=gen).argsort(dim=1)[:, :A],
+            torch.randn(T, A, generator=gen).softmax(-1),
         )
         for _ in range(ns.steps)
     ]  # expert e in slot e
@@ -71,6 +75,8 @@ def main() -> None:
         "int4 kernel calls only": kernels_only,
         "cpu_grouped": grouped,
     }
+    if T > 1:  # one_row and the bare calls are one token's
+        paths = {k: paths[k] for k in ("combine_experts", "cpu_grouped")}
     ms: dict[str, list[float]] = {k: [] for k in paths}
     wall: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(ns.rounds):
@@ -80,10 +86,9 @@ def main() -> None:
                 f(ids, w)
             ms[name].append((time.process_time() - t) / len(steps) * 1e3)
             wall[name].append((time.perf_counter() - w0) / len(steps) * 1e3)
-    same = all(torch.equal(one_row(i, w), combine(i, w)) for i, w in steps)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); ms per layer, median (range), "
-        "CPU time | wall time:"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {T} token(s) a step; "
+        "ms per layer, median (range), CPU time | wall time:"
     )
     for name, v in ms.items():
         w = wall[name]
@@ -91,7 +96,9 @@ def main() -> None:
             f"  {name:24s} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
             f" | {statistics.median(w):.2f} ({min(w):.2f}-{max(w):.2f})"
         )
-    print(f"one_row == combine_experts bit for bit on {len(steps)} steps: {same}")
+    if T == 1:
+        same = all(torch.equal(one_row(i, w), combine(i, w)) for i, w in steps)
+        print(f"one_row == combine_experts bit for bit on {len(steps)} steps: {same}")
     ref = [moe_experts_ref(x, pool, i, i, w, layout, gscales) for i, w in steps[:4]]
     err = max(float((grouped(i, w) - r).abs().max() / r.abs().max()) for (i, w), r in zip(steps, ref))
     print(f"cpu_grouped max error vs the fp32 reference on 4 steps: {err:.1e} of the output's scale")

@@ -1,6 +1,8 @@
 """Routed experts on the CPU in one C call per layer (kernels/moe_cpu_grouped.c): every token's
 experts, gate_up, SiLU·up, down and the router-weighted sum, computed straight from the slot
-pool's bundle bytes (no repacked copy) in one OpenMP parallel region.
+pool's bundle bytes (no repacked copy) in one OpenMP parallel region. Each expert runs over all of
+its tokens of the call together (its weight rows read once, decoded once per tile of 4 tokens), so a
+prompt costs about what torch's GEMMs do, and a decode step its GEMVs.
 
 Shape legend: T = tokens, A = active experts per token, S = slots, D = hidden, I = expert width.
 
@@ -161,6 +163,7 @@ def library(portable: bool = False) -> ctypes.CDLL:
         i64,
         i64,
         i64,
+        i64,
         ctypes.c_int,
         p,
         p,
@@ -258,11 +261,13 @@ def moe_grouped(
     scratch = torch.empty(T * lib.edgerun_moe_grouped_scratch(A, D, I), dtype=torch.uint8)
     lut = _e4m3_table()
     nthreads = torch.get_num_threads() if threads is None else threads
-    lib.edgerun_moe_grouped(
+    failed = lib.edgerun_moe_grouped(
         xf.data_ptr(), pool.data_ptr(), layout.block_bytes, slots.data_ptr(), w.data_ptr(), count.data_ptr(),
-        gs.data_ptr(), lut.data_ptr(), T, A, D, I, 4 if layout.quant == "int4" else 8, offs.data_ptr(),
+        gs.data_ptr(), lut.data_ptr(), T, A, D, I, S, 4 if layout.quant == "int4" else 8, offs.data_ptr(),
         out.data_ptr(), scratch.data_ptr(), max(1, nthreads),
     )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the grouped CPU kernel could not allocate its grouping of {T} x {A} entries")
     if acc is not None:
         return acc
     return out.to(out_dtype or x.dtype)

@@ -15,6 +15,7 @@ from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
 from edgerun.config import DeviceProfile, load_device_profile
+from edgerun.engine.policy import EXPERT_KERNELS
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
     EXIT_NO,
@@ -81,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="discrete GPUs: a pinned host tier holding every expert is read in place over PCIe (in-place), "
         "or its experts are copied into VRAM slots on a miss (copy)",
     )
+    parser.add_argument(
+        "--expert-kernel",
+        choices=EXPERT_KERNELS,
+        default="auto",
+        help="the routed-expert kernel the plan counts the bytes of on a CPU device (auto: what the engine "
+        "picks where its probe passes; cpu: torch's kernels, a repacked copy beside each int4 slot; "
+        "cpu_grouped: none)",
+    )
     add_speculative_arguments(parser)
     add_provider_arguments(parser)
 
@@ -137,6 +146,7 @@ def run(ns: argparse.Namespace) -> int:
             quota=ns.quota,
             draft_tokens=spec.draft_tokens if spec is not None else 0,
             tier_reads=ns.tier_reads,
+            expert_kernel=ns.expert_kernel,
         )
         trace = read_trace(ns.trace) if ns.trace else None
         result = plan(
@@ -173,13 +183,16 @@ def plan_for_bundle(
     trace: str | Path | None = None,
     draft_tokens: int = 0,
     tier_reads: str | None = None,
+    expert_kernel: str = "cpu",
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
     ``trace``: a route trace whose miss curves size per-layer quotas and predict misses).
     ``resident``: bytes per category that loading measured, in place of the estimate from the
     tensor inventory. ``draft_tokens``: speculative decoding with the MTP head (its bytes, which
-    loading has not measured yet, and its verify windows' quota floor)."""
+    loading has not measured yet, and its verify windows' quota floor). ``expert_kernel``: the CPU
+    expert kernel that will run (engine/setup.plan_kernel); by default torch's, whose repacked copy
+    of each int4 slot is the most a CPU kernel holds."""
     model = inputs.from_bundle(bundle, providers)
     if draft_tokens:
         model = inputs.with_mtp(model, draft_tokens)
@@ -197,6 +210,7 @@ def plan_for_bundle(
             quota=quota,
             draft_tokens=draft_tokens,
             tier_reads=tier_reads or PlanOptions.tier_reads,
+            expert_kernel=expert_kernel,
         ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,

@@ -23,6 +23,7 @@ from edgerun.budget.cpu_split import plan_note
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, dense_targets, quantized_nbytes, scheme_label
 from edgerun.bundle.layout import expert_block_layout
 from edgerun.config import DeviceProfile, format_bytes
+from edgerun.engine.policy import cpu_expert_kernel
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
 from edgerun.models.args import ModelArgs, TensorSpec
@@ -90,6 +91,9 @@ class PlanOptions:
     # discrete: a pinned host tier that holds every expert is read in place by the GPU over PCIe
     # (in-place: the far tier, every expert reachable from one slot table) or copied into VRAM slots
     tier_reads: str = "in-place"
+    # the routed-expert kernel asked for (--expert-kernel; engine/policy.py): on a CPU device,
+    # torch's kernels hold a repacked copy beside each int4 slot, the grouped C kernel none
+    expert_kernel: str = "auto"
 
 
 # --------------------------------------------------------------------------------------------
@@ -818,7 +822,8 @@ def plan(
     if L and staging < 1:
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")
     extra = prefill_chunk_extra(args, specs, options.dense, options.dense_dtype, device.has_cuda)
-    packed = 0 if device.has_cuda else cpu_packed_bytes(args, experts)
+    repacks = not device.has_cuda and cpu_expert_kernel(options.expert_kernel) == "cpu"
+    packed = cpu_packed_bytes(args, experts) if repacks else 0
     packed_dense = (0, "") if device.has_cuda else cpu_packed_dense(specs, options.dense)
     sizer = _Sizer(args, experts, device, options, res, staging, details, extra, packed, packed_dense)
     floor = sizer.min_quota(batch)

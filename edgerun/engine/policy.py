@@ -15,9 +15,10 @@ Fields and what they decide:
   repacked once per fill (``kernels/moe_cpu.py``); ``cpu_grouped`` one C call per layer for all of
   a token's experts, from the slots' own bytes (``kernels/moe_cpu_grouped.py``, compiled at first
   use; without a compiler, or if its probe fails, ``cpu`` runs and the fallback says why; ``auto``
-  picks ``cpu`` on a CPU, ``GROUPED_DEFAULT``). They agree within the probe's stated tolerance (fp32 vs bf16
-  accumulation), not bit for bit, so the choice is fixed for the life of the engine: every
-  request, graph-captured or eager, runs the same kernels and decodes to the same tokens.
+  on a CPU picks ``cpu_grouped`` where its probe passes, ``GROUPED_DEFAULT``). They agree within
+  the probe's stated tolerance (fp32 vs bf16 accumulation), not bit for bit, so the choice is
+  fixed for the life of the engine: every request, graph-captured or eager, runs the same kernels
+  and decodes to the same tokens.
 - ``dense``: the decode step's projections, norms, router, attention and Gated DeltaNet step.
   ``torch`` runs the model's own modules (cuBLAS, or an exact dequantization then cuBLAS for
   int8 / int4 weights; ~100 small kernels per DeltaNet layer); ``triton`` the fused kernels
@@ -57,10 +58,10 @@ if TYPE_CHECKING:  # importing the policy does not import torch: the daemon bind
 EXPERT_KERNELS = ("auto", "reference", "triton", "cpu", "cpu_grouped")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
-# auto on the CPU tries the grouped C kernel first once it measures faster than torch's kernels
-# at 1 and 2 threads: not yet (docs/benchmarks.md, "Grouped CPU expert kernel": decode 3-8%
-# faster in generate, the step benchmark at parity, prefill 0.7-0.8x, a token at a time)
-GROUPED_DEFAULT = False
+# auto on the CPU tries the grouped C kernel first: with an expert's tokens run together it
+# measured at or above torch's kernels at 1 and 2 threads, decode and prefill (docs/benchmarks.md,
+# "Grouped CPU expert kernel, an expert's tokens together"); a refused probe runs torch's, named
+GROUPED_DEFAULT = True
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,17 @@ def resolve(
     return out
 
 
+def cpu_expert_kernel(asked: str) -> str:
+    """The routed-expert kernel a CPU runs for ``asked`` (an ``EXPERT_KERNELS`` name) when its
+    probe passes: ``cpu_grouped``, ``cpu`` or ``reference``. The planner counts what it holds
+    (torch's kernels a repacked copy beside each int4 slot, the grouped kernel none)."""
+    if asked not in EXPERT_KERNELS:
+        raise ConfigError(f"expert kernel {asked!r} is not one of {', '.join(EXPERT_KERNELS)}")
+    if asked in ("reference", "triton"):  # triton on a CPU: the reference, named as a fallback
+        return "reference"
+    return "cpu_grouped" if asked == "cpu_grouped" or (asked == "auto" and GROUPED_DEFAULT) else "cpu"
+
+
 def _resolve_cpu_experts(layouts, top_k: int, out: Resolved, asked: str = "auto") -> None:
     """``cpu_grouped`` (asked for, or ``auto`` with GROUPED_DEFAULT) where its probe passes on
     every layout; else, or when ``cpu`` is asked for, torch's CPU kernels where theirs does; else
@@ -165,7 +177,7 @@ def _resolve_cpu_experts(layouts, top_k: int, out: Resolved, asked: str = "auto"
     from edgerun.kernels.moe import MoeKernelPolicy
     from edgerun.kernels.probe import probe_cpu, probe_cpu_grouped
 
-    if asked == "cpu_grouped" or (asked == "auto" and GROUPED_DEFAULT):
+    if cpu_expert_kernel(asked) == "cpu_grouped":
         results = [probe_cpu_grouped(layout, top_k) for layout in layouts]
         refused = [r for r in results if not r.selected]
         if not refused:

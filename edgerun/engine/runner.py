@@ -441,7 +441,13 @@ class Runner:
                 from edgerun.engine.streaming import load_streaming_model
 
                 model, args, expert_cache, report = load_streaming_model(
-                    model_dir, cache, dtype=dtype, device=device, providers=providers, log=log
+                    model_dir,
+                    cache,
+                    dtype=dtype,
+                    device=device,
+                    providers=providers,
+                    log=log,
+                    expert_kernel=(kernels or KernelPolicy()).experts,
                 )
             else:
                 from edgerun.bundle.reader import Bundle, load_bundle_model

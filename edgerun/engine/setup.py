@@ -310,9 +310,11 @@ def _planned(
     providers,
     fixed: int | None = None,
     resident: Mapping[str, int] | None = None,
+    expert_kernel: str = "cpu",
 ):
     """``config`` with the quotas, budget and host tier of the plan of ``bundle`` on its profile
-    (``fixed``: the quota asked for, which the plan checks and which stays one number)."""
+    (``fixed``: the quota asked for, which the plan checks and which stays one number;
+    ``expert_kernel``: the CPU expert kernel whose bytes it counts, :func:`plan_kernel`)."""
     from edgerun.budget.cli import plan_for_bundle
 
     p = plan_for_bundle(
@@ -326,6 +328,7 @@ def _planned(
         trace=config.trace,
         draft_tokens=config.draft_tokens,
         tier_reads=config.tier_reads,
+        expert_kernel=expert_kernel,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)
@@ -386,14 +389,16 @@ def replan(
     resident: Mapping[str, int],
     providers=None,
     log: Callable[[str], None] | None = None,
+    expert_kernel: str = "cpu",
 ) -> CacheConfig:
     """A planned config re-planned against the resident bytes loading measured (the estimate
-    assumed the planner's dense dtype); ``log`` hears the difference. Fixed quotas pass as
-    they are. Refused, naming the numbers, if the measured model no longer fits."""
+    assumed the planner's dense dtype) and the CPU expert kernel that will run (``expert_kernel``,
+    :func:`plan_kernel`); ``log`` hears the difference. Fixed quotas pass as they are. Refused,
+    naming the numbers, if the measured model no longer fits."""
     if config.profile is None:
         return config
     fixed = config.quotas if isinstance(config.quotas, int) else None
-    new = _planned(config, bundle, providers, fixed, resident)
+    new = _planned(config, bundle, providers, fixed, resident, expert_kernel)
     if log is not None:
         measured = sum(resident.values())
         change = (
@@ -411,3 +416,19 @@ def replan(
 def _quotas(q) -> str:
     values = sorted(set(q.values())) if isinstance(q, Mapping) else [q]
     return "/".join(map(str, values))
+
+
+def plan_kernel(asked: str, layouts, top_k: int) -> str:
+    """The CPU expert kernel a plan counts the bytes of for the request ``asked``: the grouped
+    kernel only where its probe, run here as ``Runner.set_kernels`` will run it, passes on every
+    layout (a refused one runs torch's kernels, which hold a repacked copy of each int4 slot);
+    else what ``asked`` resolves to (``engine/policy.cpu_expert_kernel``)."""
+    from edgerun.engine.policy import cpu_expert_kernel
+
+    kernel = cpu_expert_kernel(asked)
+    if kernel == "cpu_grouped":
+        from edgerun.kernels.probe import probe_cpu_grouped
+
+        if not all(probe_cpu_grouped(layout, top_k).selected for layout in layouts):
+            return "cpu"
+    return kernel

@@ -220,19 +220,25 @@ def load_streaming_model(
     device: str | torch.device = "cpu",
     providers=None,
     log=None,
+    expert_kernel: str = "cpu",
 ):
     """(model, args, cache, report): dense weights resident, routed experts streamed through
     an :class:`ExpertCache` built from ``config`` (a :class:`CacheConfig`, or a quota per layer). A planned config is re-planned against the dense bytes actually
-    loaded before the cache is sized (``log`` gets the difference)."""
+    loaded before the cache is sized (``log`` gets the difference), counting what the CPU expert
+    kernel the request ``expert_kernel`` resolves to holds (``engine/setup.plan_kernel``)."""
     from edgerun.engine.cpu_experts import attach as attach_cpu_experts
-    from edgerun.engine.setup import measured_resident, replan
+    from edgerun.engine.setup import measured_resident, plan_kernel, replan
 
     if not isinstance(config, CacheConfig):
         config = CacheConfig(quotas=config)
     bundle = Bundle.open(bundle_dir, providers=providers)  # validated once, before anything is allocated
     model, args, report = load_bundle_model(bundle, dtype=dtype, device=device, experts=False)
     # measure what loading used, then size what remains
-    config = replan(config, Path(bundle_dir), measured_resident(model), providers, log)
+    kernel = "cpu"  # what a plan counts: the most a CPU expert kernel holds, unless known less
+    if config.profile is not None and torch.device(device).type == "cpu" and bundle.layouts:
+        layouts = list(dict.fromkeys(bundle.layouts.values()))
+        kernel = plan_kernel(expert_kernel, layouts, args.num_experts_per_tok)
+    config = replan(config, Path(bundle_dir), measured_resident(model), providers, log, kernel)
     cache = ExpertCache(bundle, config, device=device)
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, SparseMoe):

@@ -189,8 +189,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         "--expert-kernel",
         choices=EXPERT_KERNELS,
         default=default,
-        help="routed-expert kernel (auto: Triton on CUDA, torch's CPU kernels on the CPU, where its start-up "
-        "probe passes; cpu_grouped: one C call per layer, from the slots' own bytes)",
+        help="routed-expert kernel (auto: Triton on CUDA; on the CPU cpu_grouped, one C call per layer from the "
+        "slots' own bytes, else torch's CPU kernels (cpu); each where its start-up probe passes)",
     )
     p.add_argument(
         "--graphs",

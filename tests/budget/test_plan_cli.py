@@ -181,3 +181,20 @@ def test_module_entry_point():
     )
     assert r.returncode == 0, r.stderr
     assert report.from_yaml(r.stdout).model == "qwen3-30b-a3b"
+
+
+def test_expert_kernel_decides_the_cpu_slots_packed_copy(capsys):
+    """On a CPU profile torch's kernels' repacked copy of each int4 slot is counted, the grouped
+    kernel's (none) is not; the engine's own plan counts it whatever runs (it plans before the
+    probe: a refused grouped kernel runs torch's)."""
+    cpu = str(ROOT / "configs" / "cpu.yaml")
+    slots = {}
+    for kernel in ("cpu", "cpu_grouped"):
+        args = ["--profile", cpu, "--model", Q3, "--quant", "int4", "--quota", "8", "--format", "json"]
+        main([*args, "--expert-kernel", kernel])
+        slots[kernel] = next(
+            i for i in report.from_json(capsys.readouterr().out).items if i.name == "expert_slots"
+        )
+    assert "packed for the CPU kernels" in slots["cpu"].detail
+    assert "packed" not in slots["cpu_grouped"].detail
+    assert slots["cpu"].nbytes > slots["cpu_grouped"].nbytes

@@ -18,6 +18,7 @@ from edgerun.budget.planner import (
 )
 from edgerun.cache.policy import LRUSet
 from edgerun.config import device_profile_from_dict
+from edgerun.engine.policy import cpu_expert_kernel
 from edgerun.errors import ConfigError
 from edgerun.models.registry import load_args
 from edgerun.tools.routes import RouteTrace, TraceHeader
@@ -194,7 +195,7 @@ def test_cpu_plan_counts_the_cpu_kernels_packed_copy_of_each_int4_slot():
     # gate_up [64, 64] and down [64, 32]: the nibbles again (2048 + 1024 B) and a bf16 (scale,
     # zero) per row and group of 32 (64 x 2 and 64 x 1 groups, 4 B each)
     packed = 64 * 32 + 64 * 16 + (64 * 2 + 64 * 1) * 4
-    opts = PlanOptions(prefill_chunk=16, quota=args.num_experts)
+    opts = PlanOptions(prefill_chunk=16, quota=args.num_experts, expert_kernel="cpu")
     cpu = plan(args, specs, experts, profile(10**8, compute_capability=None, cuda_context=0), 64, 1, opts)
     gpu = plan(args, specs, experts, profile(10**8), 64, 1, opts)
     n = args.num_experts * len(args.moe_layers)
@@ -210,6 +211,31 @@ def test_cpu_plan_counts_the_cpu_kernels_packed_copy_of_each_int4_slot():
     int8 = expert_source_from_layout(args, "int8")
     cpu8 = plan(args, specs, int8, profile(10**8, compute_capability=None, cuda_context=0), 64, 1, opts)
     assert cpu8.item("expert_slots").nbytes == n * int8.block_bytes[0]
+
+
+def test_cpu_plan_counts_what_the_chosen_expert_kernel_holds():
+    """torch's CPU kernels hold a repacked copy beside each int4 slot, the grouped C kernel reads
+    the slot's own bytes (none), the reference dequantizes per step (none); auto counts what the
+    engine picks where its probe passes (engine/policy.py's cpu_expert_kernel)."""
+    cfg = {**QWEN3_MOE, "model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32}
+    module, args = load_args(cfg)
+    specs = module.tensor_specs(args)
+    experts = expert_source_from_layout(args, "int4", 32)
+    dev = profile(10**8, compute_capability=None, cuda_context=0)
+    n = args.num_experts * len(args.moe_layers)
+
+    def slots(kernel):
+        opts = PlanOptions(prefill_chunk=16, quota=args.num_experts, expert_kernel=kernel)
+        return plan(args, specs, experts, dev, 64, 1, opts).item("expert_slots")
+
+    packed = slots("cpu").nbytes - n * experts.block_bytes[0]
+    assert packed == n * (64 * 32 + 64 * 16 + (64 * 2 + 64 * 1) * 4)
+    for kernel in ("cpu_grouped", "reference", "triton"):  # triton on a CPU runs the reference
+        assert slots(kernel).nbytes == n * experts.block_bytes[0]
+        assert "packed" not in slots(kernel).detail
+    assert slots("auto") == slots(cpu_expert_kernel("auto"))
+    with pytest.raises(ConfigError, match="expert kernel 'fast' is not one of auto, reference"):
+        slots("fast")
 
 
 def test_bad_inputs():
@@ -421,7 +447,7 @@ def expected(m, dev, context, batch):
     )
     if host == m["experts"]:  # the far tier: every expert reachable, prompts replay prefill graphs from VRAM
         fixed += min(max(batch, min(512, context)), 2048) * m["ws_per_token"] + m["chunk_extra"]
-    slot = m["block"] + (0 if dev.has_cuda else m["packed"])
+    slot = m["block"] + (0 if dev.has_cuda or cpu_expert_kernel("auto") != "cpu" else m["packed"])
     quota = min(m["experts"], (dev.memory_cap - fixed) // (m["layers"] * slot))
     if quota < min(m["experts"], 8 * batch):
         return None

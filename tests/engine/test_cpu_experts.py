@@ -1,5 +1,6 @@
-"""The CPU expert kernels in the engine (torch's, ``cpu``, which ``auto`` selects on a CPU after
-its probe and says so; the grouped C kernel, ``cpu_grouped``, by request): they decode the same greedy tokens as the reference on tiny checkpoints, streamed as resident,
+"""The CPU expert kernels in the engine (the grouped C kernel, ``cpu_grouped``, which ``auto``
+selects on a CPU where its probe passes and says so; torch's, ``cpu``, by request or in its
+place, named): they decode the same greedy tokens as the reference on tiny checkpoints, streamed as resident,
 with the same misses; a bundle they cannot run falls back to the reference, named and counted.
 
 torch's kernels are not bit-exact (bf16 activations, ~0.5% of a layer's output; the grouped
@@ -7,6 +8,8 @@ kernel's fp32 ~1e-6), and a random tiny
 model has near-tied router scores: a 0.5% change in a layer's input can swap a token's expert and
 then its next token. 16 greedy tokens agree on every case here; at 24, qwen3_5_moe int8 differs
 in its last token for that reason (tokens 1-23 equal), so the claim tested is 16."""
+
+from pathlib import Path
 
 import pytest
 
@@ -65,8 +68,9 @@ def test_a_bundle_the_cpu_kernels_cannot_run_falls_back_named_and_counted(bundle
     runner = Runner.load(bundles[("qwen3_moe", "int4")], device="cpu", cache=CacheConfig(4), prefill_chunk=8)
     assert runner.kernels.moe.impl == "reference"
     assert runner.fallbacks() == {
-        "expert_kernel": "cpu_int4pack[int4 g16] not selected: the CPU kernels take unrotated "
-        "blocks, this bundle's are hadamard-rotated"
+        "expert_kernel": "cpu_grouped[int4 g16] not selected: the grouped CPU kernel takes unrotated "
+        "blocks, this bundle's are hadamard-rotated; cpu_int4pack[int4 g16] not selected: the CPU "
+        "kernels take unrotated blocks, this bundle's are hadamard-rotated"
     }
     runner.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     assert runner.fallback_counts() == {"expert_kernel": 7}  # 3 prefill chunks, 4 decode steps
@@ -85,7 +89,15 @@ def test_layers_holding_every_expert_are_repacked_at_load(cpu_kernel_bundles):
     assert held.generate_ids(PROMPT, GREEDY) == streamed.generate_ids(PROMPT, GREEDY)
 
 
-def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, monkeypatch):
+def test_auto_on_a_cpu_runs_the_grouped_kernel_and_says_so(cpu_kernel_bundles):
+    r = Runner.load(cpu_kernel_bundles[(ARCHS[0], "int4")], device="cpu", cache=CacheConfig(64))
+    assert r.kernels.moe.impl == "cpu_grouped" and r.fallbacks() == {}
+    assert r.kernel_summary().startswith("experts cpu_grouped[int4 g32] (matched the reference")
+    assert all(not r.cache.packed[layer] for layer in r.args.moe_layers)  # no repacked copy
+
+
+@pytest.mark.parametrize("asked", ["auto", "cpu_grouped"])
+def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, monkeypatch, asked):
     from edgerun.kernels import moe_cpu_grouped
 
     monkeypatch.setattr(moe_cpu_grouped, "compiler", lambda: None)
@@ -96,7 +108,7 @@ def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, m
             device="cpu",
             cache=CacheConfig(64),
             prefill_chunk=8,
-            kernels=KernelPolicy(experts="cpu_grouped"),
+            kernels=KernelPolicy(experts=asked),
         )
     finally:
         moe_cpu_grouped.library.cache_clear()
@@ -108,3 +120,44 @@ def test_no_compiler_runs_torchs_kernels_named_and_counted(cpu_kernel_bundles, m
     }
     r.generate_ids(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     assert r.fallback_counts() == {"expert_kernel_grouped": 7}  # 3 prefill chunks, 4 decode steps
+
+
+def test_a_cpu_plan_counts_the_repacked_copy_only_where_torchs_kernels_run(cpu_kernel_bundles, monkeypatch):
+    """The engine re-plans after loading for the kernel that will run: torch's kernels' repacked
+    copy of each int4 slot is in the expert budget for ``cpu``, and for ``auto`` only where the
+    grouped kernel's probe refuses (then torch's kernels run)."""
+    from edgerun.engine import setup
+    from edgerun.kernels import moe_cpu_grouped
+
+    bundle = cpu_kernel_bundles[(ARCHS[0], "int4")]
+    profile = Path(__file__).parents[2] / "configs" / "cpu.yaml"
+    real, seen = setup.replan, []
+
+    def replan(*args, **kw):
+        config = real(*args, **kw)
+        seen.append((args[-1], config.budget))  # (the kernel counted, the expert cache budget)
+        return config
+
+    monkeypatch.setattr(setup, "replan", replan)
+    runs = {}
+    for name, experts, compiler in (
+        ("cpu", "cpu", True),
+        ("auto", "auto", True),
+        ("refused", "auto", False),
+    ):
+        if not compiler:
+            monkeypatch.setattr(moe_cpu_grouped, "compiler", lambda: None)
+        moe_cpu_grouped.library.cache_clear()
+        try:
+            config = setup.cache_config(bundle, profile=profile)
+            runs[name] = Runner.load(
+                bundle, device="cpu", cache=config, kernels=KernelPolicy(experts=experts)
+            )
+        finally:
+            moe_cpu_grouped.library.cache_clear()
+    kernels = {name: r.kernels.moe.impl for name, r in runs.items()}
+    assert kernels == {"cpu": "cpu", "auto": "cpu_grouped", "refused": "cpu"}
+    assert [k for k, _ in seen] == ["cpu", "cpu_grouped", "cpu"]
+    budget = dict(zip(runs, (b for _, b in seen)))
+    packed = runs["cpu"].cache.packed_bytes()
+    assert packed > 0 and budget["cpu"] - budget["auto"] == packed and budget["refused"] == budget["cpu"]

@@ -22,8 +22,8 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
 ):
     layouts = list(dict.fromkeys(Bundle.open(cpu_kernel_bundles[("qwen3_moe", "int4")]).layouts.values()))
     auto = resolve(KernelPolicy(), torch.device("cpu"), layouts)
-    assert auto.moe.impl == "cpu" and not auto.graphs and auto.dense == "torch"
-    assert auto.fallbacks == {} and auto.describe().startswith("experts cpu_int4pack[int4 g32] (matched")
+    assert auto.moe.impl == "cpu_grouped" and not auto.graphs and auto.dense == "torch"
+    assert auto.fallbacks == {} and auto.describe().startswith("experts cpu_grouped[int4 g32] (matched")
     asked = resolve(KernelPolicy(experts="cpu_grouped"), torch.device("cpu"), layouts)
     assert asked.moe.impl == "cpu_grouped" and asked.fallbacks == {}
     assert asked.describe().startswith("experts cpu_grouped[int4 g32] (matched")
@@ -34,7 +34,8 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
     layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
     rotated = resolve(KernelPolicy(), torch.device("cpu"), layouts)  # int4 g16 hadamard: no CPU kernel
     assert rotated.moe.impl == "reference" and rotated.choices["experts"] == "reference"
-    assert rotated.fallbacks["expert_kernel"].startswith("cpu_int4pack[int4 g16] not selected: ")
+    assert rotated.fallbacks["expert_kernel"].startswith("cpu_grouped[int4 g16] not selected: ")
+    assert "; cpu_int4pack[int4 g16] not selected: " in rotated.fallbacks["expert_kernel"]
     both = resolve(KernelPolicy(experts="cpu_grouped"), torch.device("cpu"), layouts)
     assert both.moe.impl == "reference" and list(both.fallbacks) == ["expert_kernel"]
     assert both.fallbacks["expert_kernel"].startswith("cpu_grouped[int4 g16] not selected: ")

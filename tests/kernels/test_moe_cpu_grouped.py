@@ -6,8 +6,9 @@ integer group sums and fp32 after that; int8 rows take fp32 activations. Measure
 output's scale for int4 (two quantized activations in a row: x, then h), ~5e-7 for int8. 2e-4
 leaves margin for that and still refuses any real fault (a wrong nibble, scale, slot or order
 moves the output by O(1) of its scale). Both the AVX-512 VNNI rows and the portable C rows are
-checked. Bits: run to run, 1 vs 2 threads, a token alone or in a batch, and a step in
-expert-range parts vs one call are all asserted equal."""
+checked. Bits: run to run, 1 vs 2 threads, a token alone or in a batch (also where an expert's
+tokens share tiles of its weight rows), and a step in expert-range parts vs one call are all
+asserted equal."""
 
 from __future__ import annotations
 
@@ -70,6 +71,54 @@ def test_bits_do_not_depend_on_threads_runs_or_the_batch(quant, portable):
             x[t : t + 1], pool, slots[t : t + 1], ids[t : t + 1], w[t : t + 1], layout, gs, portable=portable
         )
         assert torch.equal(alone, one[t : t + 1])
+
+
+def routed(quant, T, rows, S=12, seed=1):
+    """case() with the routing given: rows[t] the experts of token t (expert e in slot S - 1 - e)."""
+    x, pool, _, _, _, layout, gs = case(quant, 256, 128, T, S=S, seed=seed)
+    ids = torch.tensor(rows)
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)).softmax(dim=-1)
+    return x, pool, S - 1 - ids, ids, w, layout, gs
+
+
+def routings():
+    """The expert-major path's cases: an expert's tokens run in tiles of 4 (moe_cpu_grouped.c's NT)."""
+    gen = torch.Generator().manual_seed(2)
+    many = torch.rand(64, 12, generator=gen).argsort(dim=1)[:, :8].tolist()  # ~43 tokens an expert
+    same = [[0, 2, 5, 7]] * 7  # every token repeats the same experts: tiles of 4 + 3
+    lone = [[0, 1, 2, 3]] * 5 + [[0, 1, 2, 11]]  # expert 11 has one token, in the last tile
+    odd = torch.rand(11, 12, generator=gen).argsort(dim=1)[:, :6].tolist()  # T = 11
+    return {"many": many, "same": same, "lone": lone, "odd": odd}
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("name", ["many", "same", "lone", "odd"])
+def test_an_experts_tokens_together_give_each_token_its_bits_alone(quant, portable, name):
+    """Tokens sharing an expert run in one tile of its weight rows; each token's output is still
+    the bits of the token alone (and of any subset of the batch), at 1 and 2 threads."""
+    args = routed(quant, len(routings()[name]), routings()[name])
+    x, pool, slots, ids, w, layout, gs = args
+    batch = grouped.moe_grouped(*args, threads=2, portable=portable)
+    assert torch.equal(batch, grouped.moe_grouped(*args, threads=1, portable=portable))
+    assert rel_err(batch, moe_experts_ref(*args)) < TOL
+    for t in range(x.shape[0]):
+        one = slice(t, t + 1)
+        alone = grouped.moe_grouped(x[one], pool, slots[one], ids[one], w[one], layout, gs, portable=portable)
+        assert torch.equal(alone, batch[one]), f"token {t}"
+    odd = torch.arange(1, x.shape[0], 2)  # every other token: other tiles, other neighbours
+    part = grouped.moe_grouped(x[odd], pool, slots[odd], ids[odd], w[odd], layout, gs, portable=portable)
+    assert torch.equal(part, batch[odd])
+
+
+def test_expert_parts_of_a_shared_expert_batch_give_the_bits_of_one_call():
+    """Prefill in parts (streaming.py): entries outside expert_range are skipped, not tiled."""
+    x, pool, slots, ids, w, layout, gs = routed("int4", 11, routings()["odd"])
+    whole = grouped.moe_grouped(x, pool, slots, ids, w, layout, gs)
+    acc = torch.zeros(x.shape)
+    for part in ((0, 2), (3, 8), (9, 11)):
+        acc = grouped.moe_grouped(x, pool, slots, ids, w, layout, gs, acc=acc, expert_range=part)
+    assert torch.equal(acc, whole)
 
 
 def test_torch_thread_count_is_taken_per_call():
