@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY
+from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PrefetchGate
 from edgerun.cache.reader import ALIGN, BlockReader, Staged, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
@@ -176,6 +176,7 @@ class ExpertCache:
                 f"prefetch off: {staging} staging buffers leave none beyond top_k {args.num_experts_per_tok}"
             )
         self._staged: dict[int, dict[int, Future]] = {}  # layer -> expert -> staged read (prefetch)
+        self._gates = {layer: PrefetchGate() for layer in quotas}  # how many a layer's prefetch may read
         self.copy_stream = None
         if pool == "device":
             # each read's staging buffer (page-locked) is copied to its slot on a side stream; the
@@ -421,13 +422,15 @@ class ExpertCache:
         counted here rather than by the reader's busy buffers so that the simulator replays the
         count exactly; the other ``top_k`` buffers stay for the lookups' own reads (one may wait
         for a dropped read still landing, never for a claim). Returns how many reads were issued
-        (0 with prefetch off)."""
+        (0 with prefetch off). How many of the guesses are read follows how the layer's recent
+        ones fared (:class:`~edgerun.cache.policy.PrefetchGate`)."""
         if not self.prefetch_depth or layer in self.tier:
             return 0
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         held, staged = self.slots[layer].slot_of, self._staged.setdefault(layer, {})
         room = max(self.prefetch_depth - sum(map(len, self._staged.values())), 0)
+        room = self._gates[layer].limit(room)
         todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
         (path, checked), n = self._files[layer], self.bundle.args.num_experts
         for e in todo:
@@ -442,8 +445,10 @@ class ExpertCache:
         if not staged:
             return {}
         need = {f.expert for f in fills}
-        for e in [e for e in staged if e not in need]:
+        dropped = [e for e in staged if e not in need]
+        for e in dropped:
             self._drop(layer, staged.pop(e))
+        self._gates[layer].record(len(staged), len(dropped))
         return staged
 
     def _drop(self, layer: int, future: Future) -> None:

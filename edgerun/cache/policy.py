@@ -205,3 +205,29 @@ def fetches(rows: list[list[int]], quota: int) -> list[list[int]]:
     if len(distinct) <= quota:
         return [[e for row in rows for e in row]]
     return [distinct[lo : lo + quota] for lo in range(0, len(distinct), quota)]
+
+
+class PrefetchGate:
+    """How many reads one layer's prefetch may issue, from how its recent ones fared: all it
+    predicts (up to the depth) while at least half of them were used, else only its first guess
+    not held (the router's surest), which keeps the count going. A wrong guess costs a read and a
+    right one saves about one, so below half prefetch loses: a cache that already holds most of
+    a step's experts is left with the guesses that are wrong (measured: docs/benchmarks.md). The
+    counts are integers, halved past ``WINDOW``, so the cache and the simulator, which both
+    keep one gate a layer, decide alike."""
+
+    WINDOW = 64
+
+    def __init__(self) -> None:
+        self.useful = self.wasted = 0
+
+    def limit(self, depth: int) -> int:
+        return depth if self.useful >= self.wasted else min(depth, 1)
+
+    def record(self, useful: int, wasted: int) -> None:
+        """A lookup's outcome: prefetched reads it used, and those it dropped."""
+        self.useful += useful
+        self.wasted += wasted
+        while self.useful + self.wasted > self.WINDOW:
+            self.useful //= 2
+            self.wasted //= 2

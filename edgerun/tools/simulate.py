@@ -22,7 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgerun.budget.planner import miss_curve, split_quotas, trace_steps
-from edgerun.cache.policy import DEFAULT_POLICY, LFUSet, LRUSet, expert_set, fetches, replay_misses
+from edgerun.cache.policy import (
+    DEFAULT_POLICY,
+    LFUSet,
+    LRUSet,
+    PrefetchGate,
+    expert_set,
+    fetches,
+    replay_misses,
+)
 from edgerun.tools.routes import RouteTrace
 
 POLICIES = ("lfu", "lru", "belady")  # lfu and lru: the cache's own sets (cache.policy)
@@ -122,11 +130,14 @@ def _belady_misses(accesses: list[list[int]], quota: int) -> int:
 def _replay(lookups, table: LRUSet, depth: int) -> tuple[int, int, dict[str, int]]:
     """(misses, hits, prefetch counts) of ``lookups`` through ``table`` as the cache counts them,
     reading ahead at most ``depth`` experts before a lookup (``ExpertCache.prefetch``: those not
-    held; useful if the lookup misses on them, else wasted)."""
+    held, as many as the layer's ``PrefetchGate`` allows; useful if the lookup misses on them,
+    else wasted)."""
     misses = hits = 0
     pf = dict.fromkeys(PREFETCH, 0)
+    gate = PrefetchGate()
     for ids, ahead in lookups:
-        staged = [e for e in dict.fromkeys(ahead) if e not in table][:depth] if depth and ahead else []
+        room = gate.limit(depth)
+        staged = [e for e in dict.fromkeys(ahead) if e not in table][:room] if depth and ahead else []
         access = table.access(ids)
         misses += len(access.misses)
         hits += len(access.hits)
@@ -134,6 +145,8 @@ def _replay(lookups, table: LRUSet, depth: int) -> tuple[int, int, dict[str, int
         pf["issued"] += len(staged)
         pf["useful"] += useful
         pf["wasted"] += len(staged) - useful
+        if staged:
+            gate.record(useful, len(staged) - useful)
     return misses, hits, pf
 
 

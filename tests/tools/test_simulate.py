@@ -152,3 +152,28 @@ def test_prefetch_replay_refuses_a_layer_holding_every_expert_before_a_streamed_
         simulate(trace, {0: 2, 1: 8, 2: 3}, "lfu", prefetch_depth=1)
     last = simulate(trace, {0: 2, 1: 3, 2: 8}, "lfu", prefetch_depth=1)  # the last layer: nothing after it
     assert last.prefetch[2]["issued"] == 0 and last.prefetch[1]["issued"] > 0
+
+
+def test_prefetch_reads_fewer_guesses_once_most_are_wrong():
+    """The prefetch gate (cache.policy.PrefetchGate, the cache's and the simulator's): while at
+    least half of a layer's guesses are used it reads every guess not held (up to the depth);
+    once most are wrong, only the first, which keeps the count going; right again, all again."""
+    from edgerun.cache.policy import PrefetchGate
+
+    header = TraceHeader("toy", "qwen3_moe", 2, (0, 1), 12, 2)
+    n = 40
+    routes = [((0, 1), ((2 * t) % 12, (2 * t + 1) % 12)) for t in range(n)]  # layer 1 misses twice a token
+    right = tuple(((r[1],)) for r in routes)
+    wrong = tuple((((r[1][0] + 6) % 12, (r[1][1] + 6) % 12),) for r in routes)  # never the next routes
+    for guesses, issued, useful in ((right, 2 * n, 2 * n), (wrong, 2 + (n - 1), 0)):
+        trace = RouteTrace(header, tuple(routes), predicted=guesses)
+        pf = simulate(trace, 2, "lru", prefetch_depth=4).prefetch[1]
+        assert (pf["issued"], pf["useful"]) == (issued, useful), pf
+    gate = PrefetchGate()
+    assert gate.limit(4) == 4
+    gate.record(1, 2)
+    assert gate.limit(4) == 1 and gate.limit(0) == 0
+    gate.record(1, 0)
+    assert gate.limit(4) == 4
+    gate.record(0, 200)  # halved past its window: the counts stay small, the decision the same
+    assert gate.useful + gate.wasted <= PrefetchGate.WINDOW and gate.limit(4) == 1
