@@ -405,8 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    # the engine reads with the queue depth the disk was fastest at (--read-depth overrides)
-    depth = ns.read_depth or storage["queue_depth"]
+    # the engine reads with the queue depth the disk was fastest at, of at least 2 (--read-depth
+    # overrides): one reader thread checks and copies each block before it starts the next read,
+    # which cost a fast-at-depth-1 disk a third of its rate on the H200 (docs/benchmarks.md)
+    deep = [r for r in reads if r["queue_depth"] >= 2]
+    depth = ns.read_depth or calibrate.best(deep or reads)["queue_depth"]
     result["read_depth"] = depth
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
