@@ -157,11 +157,24 @@ def quota_for(
 ) -> tuple[int, str]:
     """The planner's quota per layer for ``budget`` bytes of device memory (:func:`plan_for`).
     (quota, how: the plan's refusal when not even top_k fits; with ``far``, its prediction)."""
+    return planned_quota(budget, bundle_dir, context, prefill_chunk, far, bandwidths)[:2]
+
+
+def planned_quota(
+    budget: int,
+    bundle_dir: Path,
+    context: int,
+    prefill_chunk: int = 512,
+    far: bool = False,
+    bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
+):
+    """:func:`quota_for`'s (quota, how) and the plan they came from (None: no plan was made)."""
     if budget <= LIBRARY_WORKSPACE:
-        return 0, f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
+        why = f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
+        return 0, why, None
     p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths)
     if not p.fits:
-        return 0, p.refusal.message
+        return 0, p.refusal.message, p
     quota = min(p.quotas)
     how = f"planned: {quota} slots a layer in {budget / GiB:g} GiB"
     if far:
@@ -171,7 +184,7 @@ def quota_for(
             f"{pr.tok_s:.1f} tok/s bound (memory {pr.memory_bound_tok_s:.1f}, PCIe {pr.pcie_bound_tok_s:.1f}), "
             f"{pr.tok_s_serial:.1f} with no overlap"
         )
-    return quota, how
+    return quota, how, p
 
 
 def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
@@ -350,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
     add_dense_arguments(ap)
-    ap.add_argument("--read-depth", type=int, default=None, help="default: the calibration's best depth")
+    ap.add_argument(
+        "--read-depth", type=int, default=None, help="default: the calibration's best depth of at least 2"
+    )
     ap.add_argument(
         "--prefetch",
         default="on,off",
@@ -441,11 +456,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((name, quota, budget, a.num_experts, cpu, None, None, how))
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
-            quota, how = quota_for(budget, bundle_dir, capacity, bandwidths=bandwidths)
+            quota, how, p = planned_quota(budget, bundle_dir, capacity, bandwidths=bandwidths)
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
-            predicted = plan_for(budget, bundle_dir, capacity, bandwidths=bandwidths).prediction
+            predicted = p.prediction
             for pf in prefetches:
                 name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
                 runs.append((name, quota, budget, None, cpu, pf, predicted, None))
