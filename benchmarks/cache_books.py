@@ -72,12 +72,12 @@ class _NullReader:
     def __init__(self) -> None:
         self.stats = SimpleNamespace(fallbacks={}, fallback_reads={}, rereads=0, wasted_faults=0)
         self._future: Future = Future()  # one done read for all: making futures is the reader's cost
-        self._future.set_result(None)
+        self._future.set_result(SimpleNamespace(place=lambda to: None, release=lambda fence=None: None))
 
     def _done(self, *args, **kwargs) -> Future:
         return self._future
 
-    submit = stage = _done
+    submit = fetch = stage = _done
 
     def drop(self, future: Future) -> bool:
         return True

@@ -261,8 +261,9 @@ class CacheConfig:
     host_quotas: int | Mapping[int, int] | None = None
     read_mode: str = "auto"
     read_depth: int | None = None
-    # the reads' system call: preadv (a thread per read in flight) | io_uring | auto (edgerun.cache.reader)
-    reader: str = "preadv"
+    # who reads (edgerun.cache.reader): native (C threads, no GIL) | preadv (a Python thread per read
+    # in flight) | io_uring | auto (native where it builds, else preadv, a counted fallback)
+    reader: str = "auto"
     pool: str | None = None
     # a pinned host tier holding every expert of a layer (discrete GPUs): "in-place", the GPU reads
     # the experts its device slots lack straight from pinned memory over PCIe (no copy, no host

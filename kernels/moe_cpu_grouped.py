@@ -29,29 +29,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value
+from edgerun.kernels.cbuild import BuildError, build, cache_dir, compiler, machine  # noqa: F401 - re-exported
 from edgerun.kernels.cpu_layout import unsupported_format
 from edgerun.kernels.moe_reference import check_pool, layout_dims
 
 SOURCE = Path(__file__).with_name("moe_cpu_grouped.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu99")
-
-
-class BuildError(RuntimeError):
-    """The C kernel could not be built or loaded here (no compiler, a compile error)."""
 
 
 def kernel_name(layout: BlockLayout) -> str:
@@ -74,16 +63,6 @@ def unsupported(layout: BlockLayout) -> str | None:
     return None
 
 
-def compiler() -> list[str] | None:
-    """The system C compiler as argv (sysconfig's CC, else cc / gcc on PATH), or None."""
-    cc = shlex.split(sysconfig.get_config_var("CC") or "")
-    for cand in ([cc[0]] if cc else []) + ["cc", "gcc"]:
-        path = shutil.which(cand)
-        if path:
-            return [path] + cc[1:] if cc and cand == cc[0] else [path]
-    return None
-
-
 def openmp_runtime() -> Path | None:
     """The libgomp torch's wheel bundles (linked, so the process has one OpenMP runtime), if any."""
     lib = Path(torch.__file__).parent / "lib"
@@ -91,64 +70,14 @@ def openmp_runtime() -> Path | None:
     return found[0] if found else None
 
 
-def _machine() -> str:
-    """The architecture and, where /proc/cpuinfo says, the CPU's feature flags: -march=native
-    builds for this CPU, so a cache shared with another CPU must not hand it this build."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
-    return f"{platform.machine()} {flags}"
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgerun" / "kernels"
-
-
 @functools.cache
 def library(portable: bool = False) -> ctypes.CDLL:
     """The built kernel, compiled on first use into ``cache_dir()``; ``BuildError`` says why not.
     ``portable``: without the AVX-512 VNNI path, as on a CPU without it (the tests run both)."""
-    cc = compiler()
-    if cc is None:
-        raise BuildError(
-            "no C compiler found (sysconfig CC, cc, gcc): the grouped CPU kernel is built at first use"
-        )
     flags = list(FLAGS) + (["-DEDGERUN_PORTABLE"] if portable else [])
     gomp = openmp_runtime()
-    link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else []
-    try:
-        version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"{cc[0]} --version failed: {e}") from e
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(cc + flags + link).encode(), version.encode(), _machine().encode()])
-    ).hexdigest()[:16]
-    out = cache_dir() / f"moe_cpu_grouped-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            r = subprocess.run(
-                cc + flags + [str(SOURCE), "-o", tmp, *link, "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if r.returncode:
-                raise BuildError(f"{cc[0]} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[-500:]}")
-            os.replace(tmp, out)  # atomic: a concurrent build writes the same bytes
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError as e:
-        raise BuildError(f"loading {out}: {e}") from e
+    link = ([str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else []) + ["-lm"]
+    lib = build(SOURCE, compiler(), flags, link, key=machine(), what="the grouped CPU kernel")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.edgerun_moe_grouped.argtypes = [
         p,

@@ -30,7 +30,9 @@ Writes a JSON record and a markdown table to --out (default: the --dir).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -258,30 +260,36 @@ def med(values: list[float]) -> dict:
 
 def run_config(
     name, bundle_dir, bundle, quota, capacity, prompt, decode, timed, warm_all, depth, host_quota=None,
-    cpu_experts=None, prefetch=None,
+    cpu_experts=None, prefetch=None, reader=None, staging=None,
 ) -> dict:  # fmt: skip
     """One configuration: an eager run of ``prompt``, the same with graphs (their tokens must be
     identical), then a timed graph run of each of the ``timed`` prompts: a prompt of its own each,
     so a run does not find the experts of the last one's tokens in the cache (the same greedy
     tokens again would route to the same experts and measure hits)."""
     t0 = time.perf_counter()
+    cache = cache_config(
+        Path(bundle_dir),
+        quota=quota,
+        read_depth=depth,
+        host_quota=host_quota,
+        cpu_experts=cpu_experts,
+        prefetch=prefetch,
+        reader=reader,
+    )
+    if staging is not None:
+        cache = dataclasses.replace(cache, staging=staging)
     runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
         dtype=torch.bfloat16,
-        cache=cache_config(
-            Path(bundle_dir),
-            quota=quota,
-            read_depth=depth,
-            host_quota=host_quota,
-            cpu_experts=cpu_experts,
-            prefetch=prefetch,
-        ),
+        cache=cache,
         max_context=capacity,
         kernels=KernelPolicy(graphs="off"),
         prefill_chunk=len(prompt),
     )
     rec = {"config": name, "quota": quota, "load_s": time.perf_counter() - t0}
+    if runner.cache is not None:  # who read: the C pool, or Python threads (and any fallback's reason)
+        rec["reader"] = sorted({r.backend for r in runner.cache.readers.values()})
     if runner.cache is not None and runner.cache.cpu_split_text:  # --cpu-experts auto's choice (far tier)
         rec["cpu_experts"] = runner.cache.cpu_split_text
     eager = one_run(runner, prompt, decode)
@@ -371,8 +379,22 @@ def main(argv: list[str] | None = None) -> int:
         default="on,off",
         help="for each streamed budget, a run with decode prefetch on and/or off (on,off | on | off)",
     )
+    ap.add_argument(
+        "--reader",
+        default="auto",
+        help="who reads streamed experts (auto | native | preadv | io_uring); a list (native,preadv) "
+        "runs each streamed budget with each",
+    )
+    ap.add_argument(
+        "--staging",
+        default=None,
+        help="staging buffers (default 2 x top_k; prefetch may hold all but top_k of them); a list "
+        "(10,16) runs each streamed budget with each",
+    )
     ns = ap.parse_args(argv)
     prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
+    readers = ns.reader.split(",")
+    stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -436,15 +458,15 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     pcie_bw = copy["h2d_pinned_gb_per_s"] * 1e9
     bandwidths = (device_bw, pcie_bw, storage_bw)  # the plan predicts with this run's bandwidths
-    runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how)
+    runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how, reader)
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         if spec == "resident":
-            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None))
+            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None)))
         elif spec.startswith("host"):
             quota = int(spec[4:])
             name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
-            runs.append((name, quota, None, a.num_experts, cpu, None, None, None))
+            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None)))
         elif spec.startswith("far"):
             budget = int(float(spec[3:]) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bandwidths)
@@ -453,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"config": name, "refused": how})
                 continue
             print(how, flush=True)
-            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how))
+            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None)))
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
             quota, how, p = planned_quota(budget, bundle_dir, capacity, bandwidths=bandwidths)
@@ -461,14 +483,16 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
             predicted = p.prediction
-            for pf in prefetches:
+            for pf, reader, staging in itertools.product(prefetches, readers, stagings):
                 name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
-                runs.append((name, quota, budget, None, cpu, pf, predicted, None))
-    for name, quota, budget, host, cpu, pf, predicted, how in runs:
+                name += f", reader {reader}" if len(readers) > 1 else ""
+                name += f", staging {staging}" if len(stagings) > 1 else ""
+                runs.append((name, quota, budget, None, cpu, pf, predicted, None, (reader, staging)))
+    for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
-            budget is None and host is None, depth, host, cpu or None, pf,
+            budget is None and host is None, depth, host, cpu or None, pf, *reading,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how

@@ -40,7 +40,7 @@ import torch
 
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PrefetchGate
-from edgerun.cache.reader import ALIGN, BlockReader, Staged, aligned_buffer
+from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
 from edgerun.errors import ChecksumError, StorageError
@@ -142,6 +142,11 @@ class ExpertCache:
             layer: (bundle.expert_path(layer), bundle.manifest.layer(layer).block_xxh3 is not None)
             for layer in quotas
         }
+        # each block's checksum as the integer a native reader compares in C (None: unchecked)
+        self._sums = {
+            layer: [int(h, 16) for h in bundle.manifest.layer(layer).block_xxh3 or ()] or None
+            for layer in quotas
+        }
         self._fallbacks: dict[str, str] = {}
         if bundle.unchecked:
             self._fallbacks["unchecked_blocks"] = bundle.unchecked
@@ -167,8 +172,9 @@ class ExpertCache:
             prefetch = self.device.type == "cpu"
             if not prefetch:
                 self.adjustments.append(
-                    "prefetch off on CUDA by default (on an H200 it gained 2-12% where steps miss, and "
-                    "cost 43% where the slots already held the steps' experts); --prefetch turns it on"
+                    "prefetch off on CUDA by default (on an H200 with the native reader it was level or "
+                    "10% slower where steps miss, and cost 43% where the slots held the steps' experts); "
+                    "--prefetch turns it on"
                 )
         self.prefetch_depth = max(staging - args.num_experts_per_tok, 0) if prefetch else 0
         if prefetch and not self.prefetch_depth:
@@ -183,7 +189,7 @@ class ExpertCache:
             # read owns the buffer until its copy has completed
             self.copy_stream = torch.cuda.Stream(self.device)
             for r in self.readers.values():
-                r.pin()  # a refusal is the reader's pageable_staging fallback
+                r.pin(self.device)  # a refusal is the reader's pageable_staging fallback
         self._host: list = []  # aligned mappings / pinned tensors backing host-side pools (kept alive)
         self.pools: dict[int, torch.Tensor] = {}  # what kernels read: [Q, block_bytes] uint8 on self.device
         self.host_slots: dict[int, torch.Tensor] = {}  # host and mapped pools: where reads land
@@ -331,20 +337,16 @@ class ExpertCache:
             return
         host = self.host_slots.get(layer)
 
-        def place(slot: int, view: memoryview):  # a staging buffer's block into its slot
-            src = torch.frombuffer(view, dtype=torch.uint8)
-            if stream is None:  # host and mapped slots: host memory
-                host[slot].copy_(src)
-                return None
-            with torch.cuda.stream(stream):
-                pool[slot].copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            return done  # the staging buffer's fence: its next read waits for this copy, nobody else
+        def target(slot: int) -> Target:  # where a slot's block goes
+            if self.pool_kind == "mapped":
+                return Target("direct", host[slot])  # read into the slot itself
+            if stream is None:
+                return Target("host", host[slot])
+            # an async copy: the staging buffer's fence, its next read waits for it, nobody else
+            return Target("device", pool[slot], stream)
 
-        dest = host if self.pool_kind == "mapped" else None
         try:
-            self._read(layer, self.slots[layer], fills, dest=dest, place=place, staged=staged, then=queued)
+            self._read(layer, self.slots[layer], fills, target, staged=staged, then=queued)
         finally:  # every copy is queued (each read's before its future completed), a failed lookup's too
             if stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -354,28 +356,27 @@ class ExpertCache:
         layer: int,
         table: LayerSlots,
         fills: list[Fill],
-        dest=None,
-        place=None,
+        target: Callable[[int], Target],
         staged: dict[int, Future] | None = None,
         then: Callable[[], object] | None = None,
     ) -> None:
-        """Read ``fills`` from storage: into ``dest[slot]`` (host memory, no staging copy) or
-        through a staging buffer handed to ``place(slot, view)``; a fill whose expert is in
+        """Read ``fills`` from storage to ``target(slot)`` (:class:`Target`: into host memory
+        directly, or through a staging buffer copied to the slot); a fill whose expert is in
         ``staged`` (a prefetch of it, claimed) is placed from that read's buffer instead. A
         failed read's slot is abandoned in ``table`` (read again next time); the first error is
         re-raised once all settled. ``then`` runs once every read is queued (see ``_fill``)."""
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         path, checked = self._files[layer]
+        sums = self._sums[layer]
         n = self.bundle.args.num_experts
-        rows = None if dest is None else dest.numpy()  # a slot's memory: rows[slot], no torch indexing
         staged = staged or {}
 
         def submit(f: Fill):
-            check = partial(self.bundle.check_block, layer, f.expert) if checked else None
-            if dest is not None:
-                return reader.submit(path, f.expert, None, n, dest=rows[f.slot].data, check=check)
-            return reader.submit(path, f.expert, partial(place, f.slot), n, check=check)
+            if not checked:
+                return reader.fetch(path, f.expert, n, target(f.slot))
+            check = partial(self.bundle.check_block, layer, f.expert)
+            return reader.fetch(path, f.expert, n, target(f.slot), check, sums[f.expert])
 
         t0 = time.perf_counter()
         # every read in flight before the first is awaited; prefetched blocks are placed first,
@@ -388,12 +389,8 @@ class ExpertCache:
         for f, fut in claimed + futures:
             try:
                 got = fut.result()
-                if isinstance(got, Staged):
-                    fence = None
-                    try:
-                        fence = place(f.slot, got.view)
-                    finally:
-                        got.release(fence)
+                if not isinstance(got, int):  # a claimed prefetch: its buffer to the slot
+                    got.place(target(f.slot))
                 done += 1
             except Exception as exc:  # noqa: BLE001 - every failed fill is abandoned, then the first re-raised
                 table.abandon(f)
@@ -433,9 +430,12 @@ class ExpertCache:
         room = self._gates[layer].limit(room)
         todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
         (path, checked), n = self._files[layer], self.bundle.args.num_experts
+        sums = self._sums[layer]
         for e in todo:
-            check = partial(self.bundle.check_block, layer, e) if checked else None
-            staged[e] = reader.stage(path, e, n, check)
+            if checked:
+                staged[e] = reader.stage(path, e, n, partial(self.bundle.check_block, layer, e), sums[e])
+            else:
+                staged[e] = reader.stage(path, e, n)
         self.io[layer].prefetch_issued += len(todo)
         return len(todo)
 
@@ -462,7 +462,8 @@ class ExpertCache:
         same policy at a larger quota does) and reads its own misses from storage into pinned
         memory; a step's experts are in it before the device slots copy them."""
         _, fills = self.tier[layer].assign(expert_ids, count=count)
-        self._read(layer, self.tier[layer], fills, dest=self.tier_mem[layer])
+        mem = self.tier_mem[layer]
+        self._read(layer, self.tier[layer], fills, lambda slot: Target("direct", mem[slot]))
 
     def _copy_from_tier(self, layer: int, fills: list[Fill]) -> None:
         pool, mem, table = self.pools[layer], self.tier_mem[layer], self.tier[layer].slot_of

@@ -7,10 +7,16 @@ system call, so a misaligned request says which of the three is wrong instead of
 ``mode="auto"`` tries O_DIRECT and falls back to buffered reads, recording the fallback and
 its reason (never silently).
 
-``reader`` picks the system call: ``preadv`` (the default: one blocking read per pool thread) or
-``io_uring`` (the same threads submit to one ring; ``edgerun.cache.uring``, optional dependency
-``liburing``). ``io_uring`` where it cannot run is an error naming why; ``auto`` takes io_uring
-where it runs, else preadv with the reason recorded as the ``io_uring`` fallback, counted per read.
+``reader`` picks who reads: ``preadv`` (one blocking read per Python pool thread), ``io_uring``
+(the same threads submit to one ring; ``edgerun.cache.uring``, optional dependency ``liburing``)
+or ``native`` (C threads that read, check and copy without the GIL; ``edgerun.cache.native``,
+built at first use with the system compiler). ``io_uring`` or ``native`` where it cannot run is
+an error naming why; ``auto`` takes native where it runs, else preadv with the reason recorded as
+the ``native_reader`` fallback, counted per read.
+
+Two ways in: :meth:`BlockReader.fetch` / :meth:`BlockReader.stage` with a :class:`Target` (where
+the block goes, declared: every backend, the engine's path), and ``submit`` / ``read_into`` with a
+Python ``sink`` (any backend; with ``native`` the sink runs in the thread that takes the result).
 
 A read given a ``check`` runs it on the bytes before they are handed on (before the sink's copy,
 or before a read into caller memory counts as done). A block that fails it is read once more,
@@ -20,6 +26,7 @@ reads, I/O errors and a file that cannot be opened are :class:`StorageError` s, 
 
 from __future__ import annotations
 
+import copy
 import errno
 import mmap
 import os
@@ -29,7 +36,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +44,7 @@ from edgerun.errors import ChecksumError, EdgerunError, StorageError
 
 ALIGN = 4096
 MODES = ("direct", "buffered", "auto")
-READERS = ("preadv", "io_uring", "auto")
+READERS = ("preadv", "io_uring", "native", "auto")
 
 
 class ReadError(EdgerunError, OSError):
@@ -81,8 +88,35 @@ def check_alignment(offset: int, length: int, address: int, what: str) -> None:
 
 
 # counted per read they serve
-READ_FALLBACKS = ("direct_read", "io_uring", "pageable_staging", "unchecked_blocks")
-_EVERY_READ = ("direct_read", "io_uring")  # the rest count staged reads only
+READ_FALLBACKS = ("direct_read", "io_uring", "native_reader", "pageable_staging", "unchecked_blocks")
+_EVERY_READ = ("direct_read", "io_uring", "native_reader")  # the rest count staged reads only
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a block read goes. ``direct``: the read lands in ``row`` itself (page-aligned host
+    memory: a mapped slot, a host tier row); ``host``: copied into ``row`` (host memory);
+    ``device``: copied into ``row`` (device memory) asynchronously on ``stream``, the staging
+    buffer's next read waiting for that copy (its fence). ``row``: a uint8 tensor of one block."""
+
+    kind: str
+    row: object
+    stream: object = None
+
+
+def copy_out(view: memoryview, to: Target):
+    """A staging buffer's bytes into ``to`` (host or device); returns the copy's fence or None."""
+    import torch
+
+    src = torch.frombuffer(view, dtype=torch.uint8)
+    if to.kind != "device":
+        to.row.copy_(src)
+        return None
+    with torch.cuda.stream(to.stream):
+        to.row.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(to.stream)
+    return done
 
 
 @dataclass
@@ -114,6 +148,14 @@ class Staged:
         it still in flight, which the buffer's next read waits for."""
         self.view.release()
         self._release(fence)
+
+    def place(self, to: Target) -> None:
+        """Copy the block to ``to`` and hand the buffer back (fenced by the copy)."""
+        fence = None
+        try:
+            fence = copy_out(self.view, to)
+        finally:
+            self.release(fence)
 
 
 class BlockReader:
@@ -153,18 +195,29 @@ class BlockReader:
         # reads in flight: one per staging buffer, or fewer where the disk is faster shallow
         # (calibrate with edgerun.tools.calibrate.read_bandwidth)
         self.depth = min(depth or staging, staging)
-        self.stats = ReadStats()
+        self._stats = ReadStats()
         self._uring = None
-        if reader != "preadv":
+        self._native = None  # the C pool (reader native), started at the first read
+        self._native_why = None
+        self._cuda_device = None  # set by pin(): the native pool copies to this device
+        if reader in ("native", "auto"):
+            from edgerun.cache.native import unavailable
+
+            self._native_why = unavailable()
+            if self._native_why is not None:
+                if reader == "native":
+                    raise ReadError(f"reader native: {self._native_why} (set reader: preadv or auto)")
+                self._stats.fallbacks["native_reader"] = f"{self._native_why}; reading with preadv"
+            reader = "native" if self._native_why is None else "preadv"
+        if reader == "io_uring":
             from edgerun.cache.uring import UringReads, UringUnavailable
 
             try:
                 self._uring = UringReads(self.depth)
             except UringUnavailable as exc:
-                if reader == "io_uring":
-                    raise ReadError(f"reader io_uring: {exc} (set reader: preadv or auto)") from exc
-                self.stats.fallbacks["io_uring"] = f"{exc}; reading with preadv"
-        self.backend = "preadv" if self._uring is None else "io_uring"  # the system call reads use
+                raise ReadError(f"reader io_uring: {exc} (set reader: preadv or auto)") from exc
+        # who reads: preadv / io_uring in Python threads, or the C pool
+        self.backend = "native" if reader == "native" else "preadv" if self._uring is None else "io_uring"
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="edgerun-read")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._retired: list[int] = []  # replaced by a fresh open; a read in flight may still use one
@@ -175,8 +228,9 @@ class BlockReader:
         # a reader dropped without close() still unregisters its page-locked buffers before they
         # are unmapped (else a later mapping at the same address could not be registered) and
         # closes its files
+        self._natives: list = []  # the C pool, when started (closed before the buffers go)
         self._finalizer = weakref.finalize(
-            self, _release, self._pinned, self._fds, self._retired, self._uring
+            self, _release, self._pinned, self._fds, self._retired, self._uring, self._natives
         )
 
     @property
@@ -187,7 +241,7 @@ class BlockReader:
         """(fd, direct) for path, opening it on first use (``fresh``: again, in case the file was
         replaced since)."""
         with self._lock:
-            direct = self.mode != "buffered" and "direct_read" not in self.stats.fallbacks
+            direct = self.mode != "buffered" and "direct_read" not in self._stats.fallbacks
             key = (path, direct)
             if fresh and key in self._fds:
                 self._retired.append(self._fds.pop(key))
@@ -201,7 +255,7 @@ class BlockReader:
                     reason = f"{path}: filesystem does not support O_DIRECT"
                     if self.mode == "direct":
                         raise ReadError(f"{reason} (set read_mode: buffered or auto)") from exc
-                    self.stats.fallbacks["direct_read"] = reason
+                    self._stats.fallbacks["direct_read"] = reason
                     direct = False
                     key = (path, False)
                     if key in self._fds:
@@ -211,6 +265,157 @@ class BlockReader:
                     raise StorageError(f"cannot open expert file {path}: {exc.strerror}") from exc
             self._fds[key] = fd
             return fd, direct
+
+    @property
+    def stats(self) -> ReadStats:
+        """The reads' counters (with the native reader: its C pool's, plus this side's re-reads)."""
+        if self._native is None:
+            return self._stats
+        reads, nbytes, faults, _, seconds, wall = self._native.stats()
+        st = self._stats
+        return replace(
+            st,
+            reads=reads,
+            bytes=nbytes,
+            seconds=seconds,
+            wall_seconds=st.wall_seconds + wall,
+            wasted_faults=st.wasted_faults + faults,
+        )
+
+    def fetch(
+        self,
+        path: Path,
+        index: int,
+        num_blocks: int,
+        to: Target,
+        check: Callable[[memoryview], object] | None = None,
+        expect: int | None = None,
+    ):
+        """Read block ``index`` to ``to`` (see :class:`Target`): a future whose ``result()`` is the
+        bytes read, once the block is there (direct, host) or its copy is queued (device).
+        ``check`` as in ``read_into``; ``expect``: the block's xxh3-64 as an integer, which the
+        native reader checks in C (``check`` then runs only on a re-read)."""
+        if self.backend == "native":
+            self._check_index(path, index, num_blocks)
+            if to.kind == "direct":
+                return self._native_submit(
+                    Path(path), index, "direct", check, expect, dest=to.row.numpy().data
+                )
+            return self._native_submit(Path(path), index, to.kind, check, expect, to=to)
+        if to.kind == "direct":
+            return self.submit(path, index, None, num_blocks, dest=to.row.numpy().data, check=check)
+        return self.submit(path, index, partial(copy_out, to=to), num_blocks, check=check)
+
+    # ---- the native reader (edgerun.cache.native) ----------------------------------------------
+
+    def _pool_native(self):
+        if self._native is None:
+            from edgerun.cache.native import NativePool, NativeUnavailable
+
+            addrs = [buffer_address(b) for b in self._buffers]
+            try:
+                if self._cuda_device is not None:
+                    import torch
+
+                    with torch.cuda.device(self._cuda_device):  # the pool copies in this device's context,
+                        torch.cuda.synchronize()  # current on this thread from here (the runtime makes it so)
+                        self._native = NativePool(self.depth, self.block_bytes, addrs, cuda=True)
+                else:
+                    self._native = NativePool(self.depth, self.block_bytes, addrs, cuda=False)
+            except NativeUnavailable as exc:
+                raise ReadError(f"reader native: {exc} (set reader: preadv)") from exc
+            self._natives.append(self._native)
+        return self._native
+
+    def _native_submit(
+        self, path: Path, index: int, kind: str, check, expect, to: Target | None = None, dest=None, sink=None
+    ) -> _NativeRead:
+        """Queue one read in the C pool: ``kind`` direct (into ``dest``, a writable memoryview),
+        host / device (to ``to``), or stage (a staging buffer held until placed or released)."""
+        from edgerun.cache import native as N
+
+        pool = self._pool_native()
+        code = N.KINDS.get(kind, N.TO_STAGE)
+        offset = index * self.block_bytes
+        fd, direct = self._fd(path)
+        dst, stream = 0, 0
+        if dest is not None:
+            dst = buffer_address(dest)
+            if direct:
+                check_alignment(offset, self.block_bytes, dst, f"{path} block {index}")
+        elif to is not None:
+            dst = to.row.data_ptr()
+            if kind == "device":
+                if not pool.cuda:
+                    raise ReadError(f"{path} block {index}: copies to the device need pin() first")
+                stream = to.stream.cuda_stream
+        if check is not None and expect is None and code in (N.TO_HOST, N.TO_DEVICE):
+            raise ReadError(f"{path} block {index}: a check without its checksum cannot run before the copy")
+        expect = expect if check is not None else None
+        # a check only Python can run: the read counts once that check has passed
+        ticket = pool.submit(fd, offset, code, dst, stream, expect, count=check is None or expect is not None)
+        with self._lock:
+            for k in self._stats.fallbacks:  # counted per read issued
+                if k in _EVERY_READ or (k == "pageable_staging" and code != N.TO_DIRECT):
+                    self._stats.fallback_reads[k] = self._stats.fallback_reads.get(k, 0) + 1
+        return _NativeRead(self, ticket, path, index, code, (dst, stream), dest, check, expect, sink)
+
+    def _native_settle(self, r: _NativeRead):
+        """Wait for a native read; a block failing its check is read again here (fresh
+        descriptor) and checked again, as ``_read_checked`` does; errors are named as there."""
+        from edgerun.cache import native as N
+
+        pool = self._native
+        held = r.code == N.TO_STAGE
+        result, err, got, buf, dt = pool.wait(r.ticket, release=not held)
+        offset = r.index * self.block_bytes
+        view = r.dest if r.code == N.TO_DIRECT else None
+        try:
+            if result == N.OK and r.check is not None and r.expect is None:  # a check C cannot run
+                if view is None:
+                    view = memoryview(self._buffers[buf])[: self.block_bytes]
+                try:
+                    r.check(view)
+                    pool.count(got, dt)
+                except ChecksumError:
+                    result = N.BAD_SUM
+            if result == N.BAD_SUM:
+                if view is None:
+                    view = memoryview(self._buffers[buf])[: self.block_bytes]
+                with self._lock:
+                    self._stats.rereads += 1
+                n, dt = self._pread(r.path, r.index, view, again=True)
+                r.check(view)  # failing twice: the block is damaged where it is stored
+                pool.count(n, dt)
+                result = N.OK
+            if result == N.IO_ERROR:
+                raise StorageError(
+                    f"{r.path}: reading block {r.index} at offset {offset}: {OSError(err, os.strerror(err))}"
+                )
+            if result == N.SHORT:
+                raise StorageError(
+                    f"{r.path}: short read of block {r.index} at offset {offset}: {got} of {self.block_bytes} bytes"
+                )
+            if result == N.CUDA_ERROR:
+                raise StorageError(
+                    f"{r.path} block {r.index}: the copy to the device failed (CUresult {err})"
+                )
+        except BaseException:
+            if buf >= 0:
+                if view is not None and r.code != N.TO_DIRECT:
+                    view.release()
+                pool.place(r.ticket)  # the buffer goes back
+            view = None  # the traceback keeps this frame: no export of the caller's memory may outlive it
+            if held and r.sink is None:
+                self._unstage()
+            raise
+        if buf >= 0 and view is not None and r.code != N.TO_DIRECT:
+            view.release()
+        if held:
+            return _NativeStaged(self, r.ticket, buf, counted=r.sink is None)
+        if buf >= 0:  # re-read into its buffer: handed on as the read would have
+            pool.place(r.ticket, r.code, *r.where)
+        return self.block_bytes
 
     def read_into(
         self,
@@ -230,6 +435,9 @@ class BlockReader:
             raise ReadError(
                 f"{path} block {index}: destination holds {len(dest)} bytes, a block is {self.block_bytes}"
             )
+        if self.backend == "native":
+            kind = "direct" if dest is not None else "stage"
+            return self._native_submit(Path(path), index, kind, check, None, dest=dest, sink=sink).result()
         buf = self._take() if dest is None else None  # owned until returned below
         fence = None
         try:
@@ -249,14 +457,22 @@ class BlockReader:
         index: int,
         num_blocks: int,
         check: Callable[[memoryview], object] | None = None,
+        expect: int | None = None,
     ) -> Future:
         """Read block ``index`` into a staging buffer that stays owned past the read: a Future of
-        :class:`Staged`, whose holder copies the bytes out and releases the buffer (a read issued
-        before it is known where the block goes). Every staged buffer held is one fewer for
-        other reads: :attr:`staged` counts them, from submission to release (or :meth:`drop`)."""
+        :class:`Staged`, whose holder places the bytes (``place``) or releases the buffer (a read
+        issued before it is known where the block goes). Every staged buffer held is one fewer
+        for other reads: :attr:`staged` counts them, from submission to release (or
+        :meth:`drop`). ``expect``: as in :meth:`fetch`."""
         self._check_index(path, index, num_blocks)
         with self._lock:
             self.staged += 1
+        if self.backend == "native":
+            try:
+                return self._native_submit(Path(path), index, "stage", check, expect)
+            except BaseException:
+                self._unstage()
+                raise
         return self._pool.submit(self._stage, Path(path), index, check)
 
     def _take(self) -> mmap.mmap:
@@ -282,6 +498,8 @@ class BlockReader:
     def drop(self, future: Future) -> bool:
         """A staged read nobody will claim: cancelled if it has not started (True), else its
         buffer goes back once it is done (False); a failure is counted in ``wasted_faults``."""
+        if isinstance(future, _NativeRead):
+            return future.drop()
         if future.cancel():
             self._unstage()
             return True
@@ -293,7 +511,7 @@ class BlockReader:
             future.result().release()
             return
         with self._lock:
-            self.stats.wasted_faults += 1
+            self._stats.wasted_faults += 1
 
     def _unhold(self, buf: mmap.mmap, fence=None) -> None:
         self._free.put((buf, fence))
@@ -316,7 +534,7 @@ class BlockReader:
                 check(view)
             except ChecksumError:
                 with self._lock:
-                    self.stats.rereads += 1
+                    self._stats.rereads += 1
                 self._pread(path, index, view, again=True)
                 check(view)  # failing twice: the block is damaged where it is stored
         return n, dt
@@ -382,6 +600,10 @@ class BlockReader:
         dest: memoryview | None = None,
         check: Callable[[memoryview], object] | None = None,
     ) -> Future:
+        if self.backend == "native":  # the read in C; a sink runs where the result is taken
+            self._check_index(path, index, num_blocks)
+            kind = "direct" if dest is not None else "stage"
+            return self._native_submit(Path(path), index, kind, check, None, dest=dest, sink=sink)
         return self._pool.submit(self.read_into, path, index, sink, num_blocks, dest, check)
 
     def _begin(self) -> None:
@@ -394,26 +616,30 @@ class BlockReader:
         with self._lock:
             self._inflight -= 1
             if self._inflight == 0:
-                self.stats.wall_seconds += time.perf_counter() - self._busy_since
+                self._stats.wall_seconds += time.perf_counter() - self._busy_since
 
-    def pin(self) -> str | None:
+    def pin(self, device=None) -> str | None:
         """Page-lock the staging buffers for the CUDA driver (cudaHostRegister), so copies from
-        them to device memory run asynchronously. Returns None, or why they stay pageable."""
+        them to device memory run asynchronously; the native pool's copies go to ``device`` (None:
+        the current one). Returns None, or why they stay pageable."""
         import torch
 
+        self._cuda_device = torch.cuda.current_device() if device is None else torch.device(device)
         cudart = torch.cuda.cudart()
         for b in self._buffers:
             err = cudart.cudaHostRegister(buffer_address(b), len(b), 0)
             if int(err) != 0:
                 cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it as its own
                 reason = f"cudaHostRegister failed ({err}): staging buffers stay pageable"
-                self.stats.fallbacks["pageable_staging"] = reason
+                self._stats.fallbacks["pageable_staging"] = reason
                 return reason
             self._pinned.append(b)
         return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for pool in self._natives:  # its reads end, its copies complete
+            pool.close()
         while not self._free.empty():  # copies out of staging still in flight end before it goes
             _, fence = self._free.get_nowait()
             if fence is not None:
@@ -424,7 +650,94 @@ class BlockReader:
         self._buffers.clear()
 
 
-def _release(pinned: list[mmap.mmap], fds: dict, retired: list[int], uring=None) -> None:
+class _NativeRead:
+    """A read in the native reader's C pool, as a Future: ``result()`` waits (once) and returns
+    the bytes read, a :class:`_NativeStaged` (a staged read), or the sink's return."""
+
+    def __init__(
+        self, reader: BlockReader, ticket, path, index, code, where, dest, check, expect, sink
+    ) -> None:
+        self.reader, self.ticket, self.path, self.index, self.code = reader, ticket, path, index, code
+        self.where, self.dest, self.check, self.expect, self.sink = where, dest, check, expect, sink
+        self._state: tuple | None = None  # (value, error) once settled
+
+    def result(self):
+        if self._state is None:
+            try:
+                value = self.reader._native_settle(self)
+                self.dest = None  # not held past the read (the caller may unmap it)
+                if self.sink is not None and isinstance(value, _NativeStaged):
+                    fence = None
+                    try:
+                        fence = self.sink(value.view)
+                    finally:
+                        value.release(fence)
+                    value = self.reader.block_bytes
+                elif self.sink is not None:  # a direct read with a sink: the sink sees it in place
+                    self.sink(self.dest)
+                self._state = (value, None)
+            except BaseException as exc:
+                self.dest = None
+                # a copy to raise again: the exception itself holds this frame, and so this read
+                self._state = (None, copy.copy(exc))
+                raise
+        value, error = self._state
+        if error is not None:
+            raise error
+        return value
+
+    def done(self) -> bool:
+        """Whether the read has ended (as ``Future.done``: ``result()`` would not wait)."""
+        return self._state is not None or self.reader._native.done(self.ticket)
+
+    def drop(self) -> bool:
+        """Nobody will claim it: cancelled if queued (True), else its buffer goes back once done."""
+        if self._state is not None:
+            value, _ = self._state
+            if isinstance(value, _NativeStaged):
+                value.release()
+            return False
+        self._state = (None, ReadError(f"{self.path} block {self.index}: the read was dropped"))
+        cancelled = self.reader._native.drop(self.ticket)
+        if self.code == 0 and self.sink is None:  # a staged read: its buffer is no longer held
+            self.reader._unstage()
+        return cancelled
+
+
+class _NativeStaged:
+    """A staged block in one of the native reader's staging buffers (see :class:`Staged`)."""
+
+    def __init__(self, reader: BlockReader, ticket: int, buf: int, counted: bool) -> None:
+        self.view = memoryview(reader._buffers[buf])[: reader.block_bytes]
+        self._reader, self._ticket, self._counted, self._held = reader, ticket, counted, True
+
+    def place(self, to: Target) -> None:
+        from edgerun.cache.native import TO_DEVICE, TO_HOST
+
+        device = to.kind == "device"
+        stream = to.stream.cuda_stream if device else 0
+        self._end(TO_DEVICE if device else TO_HOST, to.row.data_ptr(), stream)
+
+    def release(self, fence=None) -> None:
+        if fence is not None:
+            fence.synchronize()  # a copy a Python sink queued out of the buffer
+        self._end(0, 0, 0)
+
+    def _end(self, kind: int, dst: int, stream: int) -> None:
+        if not self._held:
+            return
+        self._held = False
+        self.view.release()
+        try:
+            self._reader._native.place(self._ticket, kind, dst, stream)
+        finally:
+            if self._counted:
+                self._reader._unstage()
+
+
+def _release(pinned: list[mmap.mmap], fds: dict, retired: list[int], uring=None, natives=()) -> None:
+    for pool in natives:  # its threads end and its copies complete before the buffers go
+        pool.close()
     if uring is not None:
         uring.close()
     if pinned:

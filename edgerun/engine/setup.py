@@ -192,7 +192,7 @@ def cache_config(
         host_quotas=host_quota,
         read_mode=read_mode or "auto",
         read_depth=read_depth,
-        reader=reader or "preadv",
+        reader=reader or "auto",
         prefetch=prefetch,
         pool=pool,
         tier_reads=tier_reads,

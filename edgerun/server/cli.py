@@ -160,9 +160,10 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
         "--reader",
         choices=READERS,
         default=None,
-        help="streamed expert reads' system call: preadv threads, or io_uring (extra edgerun[io_uring]: "
-        "an error where it cannot run); auto: io_uring where it runs, else preadv, a counted fallback "
-        "(default: preadv, measured faster or level: docs/benchmarks.md)",
+        help="who reads streamed experts: native (C threads that read, check and copy without the GIL, "
+        "built at first use), preadv (Python threads), io_uring (extra edgerun[io_uring]); native and "
+        "io_uring are errors where they cannot run; auto: native where it builds, else preadv, a counted "
+        "fallback (default: auto)",
     )
 
 

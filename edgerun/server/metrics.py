@@ -215,8 +215,9 @@ def render(
     t.family(
         "edgerun_expert_reads_total",
         "counter",
-        "Expert blocks read from storage, by the system call that read them (reader: preadv or io_uring; "
-        "io_uring asked for under reader auto and not runnable is also the io_uring fallback).",
+        "Expert blocks read from storage, by who read them (reader: native, preadv or io_uring; a read "
+        "through preadv because reader auto found the native reader unable to run is also the "
+        "native_reader fallback).",
         [({"reader": k}, n) for k, n in sorted(stats.get("reads", {}).items())],
     )
     t.family(

@@ -1,5 +1,6 @@
 """O_DIRECT block reader: right bytes with several reads in flight, alignment errors named,
-bounds, buffered mode, and the recorded fallback where O_DIRECT is unsupported."""
+bounds, buffered mode, and the recorded fallback where O_DIRECT is unsupported. The tests taking
+``backend`` run for the Python reader threads (preadv) and the C pool (native) alike."""
 
 import os
 from pathlib import Path
@@ -18,14 +19,17 @@ from edgerun.cache.reader import (
 from edgerun.errors import ChecksumError, StorageError
 
 BB = 8192  # expert_file's blocks (conftest.py)
+BACKENDS = pytest.mark.parametrize("backend", ["preadv", "native"])
 
 
+@BACKENDS
 @pytest.mark.parametrize("mode", ["direct", "buffered", "auto"])
-def test_concurrent_reads_return_the_right_blocks(expert_file, mode):
+def test_concurrent_reads_return_the_right_blocks(expert_file, mode, backend):
     path, data = expert_file
     if mode == "direct" and not direct_supported(path):
         pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
-    r = BlockReader(BB, staging=3, mode=mode)
+    r = BlockReader(BB, staging=3, mode=mode, reader=backend)
+    assert r.backend == backend
     got = {}
     order = [13, 2, 15, 0, 7, 7, 9, 1]
     futures = [r.submit(path, i, lambda v, i=i: got.__setitem__(i, bytes(v)), 16) for i in order]
@@ -53,19 +57,21 @@ def test_staging_buffers_are_page_aligned():
     buf.close()
 
 
-def test_out_of_range_block_quotes_the_request(expert_file):
+@BACKENDS
+def test_out_of_range_block_quotes_the_request(expert_file, backend):
     path, _ = expert_file
-    r = BlockReader(BB, staging=1, mode="buffered")
+    r = BlockReader(BB, staging=1, mode="buffered", reader=backend)
     with pytest.raises(ReadError, match=r"block 16 requested, file holds blocks 0..15"):
         r.read_into(path, 16, lambda v: None, 16)
     r.close()
 
 
-def test_short_file_is_a_short_read(expert_file, tmp_path):
+@BACKENDS
+def test_short_file_is_a_short_read(expert_file, tmp_path, backend):
     path, data = expert_file
     short = tmp_path / "short.bin"
     short.write_bytes(data[: BB * 3 + 100])
-    r = BlockReader(BB, staging=1, mode="buffered")
+    r = BlockReader(BB, staging=1, mode="buffered", reader=backend)
     with pytest.raises(StorageError, match=r"short read of block 3 at offset 24576: 100 of 8192 bytes"):
         r.read_into(short, 3, lambda v: None, 16)
     r.close()
@@ -115,9 +121,10 @@ def test_read_depth_bounds_reads_in_flight(expert_file):
         BlockReader(BB, staging=2, depth=0)
 
 
-def test_direct_read_into_caller_memory(expert_file):
+@BACKENDS
+def test_direct_read_into_caller_memory(expert_file, backend):
     path, data = expert_file
-    r = BlockReader(BB, staging=1, mode="buffered")
+    r = BlockReader(BB, staging=1, mode="buffered", reader=backend)
     dest = aligned_buffer(2 * BB)
     r.read_into(path, 3, None, 16, dest=memoryview(dest)[BB : 2 * BB])
     assert bytes(dest[BB : 2 * BB]) == data[3 * BB : 4 * BB]
@@ -126,9 +133,10 @@ def test_direct_read_into_caller_memory(expert_file):
     r.close()
 
 
+@BACKENDS
 @pytest.mark.parametrize("mode", ["direct", "buffered"])
 @pytest.mark.parametrize("into", ["staging", "dest"])
-def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_path, mode, into):
+def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_path, mode, into, backend):
     """The check sees the bytes before the sink (or before a read into caller memory is done); a
     failure is read again through a fresh descriptor (a file replaced since is seen), and one
     that fails again is raised without the sink ever seeing the bytes."""
@@ -137,7 +145,7 @@ def test_a_block_failing_its_check_is_read_again_then_refused(expert_file, tmp_p
         pytest.skip(f"{path.parent}: no O_DIRECT on this filesystem")
     good = data[5 * BB : 6 * BB]
     path.write_bytes(data[: 5 * BB] + bytes(BB) + data[6 * BB :])  # block 5 zeroed in place
-    r = BlockReader(BB, staging=1, mode=mode)
+    r = BlockReader(BB, staging=1, mode=mode, reader=backend)
     dest = aligned_buffer(BB)
     sunk = []
 
@@ -183,13 +191,14 @@ class _Fence:
         self.log.append(("wait", self.name))
 
 
-def test_a_sinks_fence_is_waited_for_before_its_buffer_is_read_into_again(expert_file):
+@BACKENDS
+def test_a_sinks_fence_is_waited_for_before_its_buffer_is_read_into_again(expert_file, backend):
     """A sink that copies out asynchronously returns a fence: the read hands its buffer back at
     once, and the buffer's next read, staged or not, waits for that fence before it overwrites
     the bytes (one staging buffer, so every read reuses it); close waits for a fence left."""
     path, data = expert_file
     log: list = []
-    r = BlockReader(BB, staging=1, mode="buffered", depth=1)
+    r = BlockReader(BB, staging=1, mode="buffered", depth=1, reader=backend)
 
     def sink(name):
         def consume(view):

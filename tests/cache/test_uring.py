@@ -1,6 +1,5 @@
 """io_uring reads (reader: io_uring): the same bytes as preadv on a bundle's expert files, the same
-errors (file and offset named), short reads continued, and io_uring that cannot run refused or,
-under reader auto, a counted fallback to preadv."""
+errors (file and offset named), short reads continued, and io_uring that cannot run refused by name."""
 
 import os
 import sys
@@ -148,22 +147,13 @@ def test_a_misaligned_io_uring_read_is_the_kernels_einval(expert_file):
     buf.close()
 
 
-def test_io_uring_that_cannot_run_is_refused_or_a_counted_fallback(expert_file, monkeypatch):
-    path, data = expert_file
+def test_io_uring_that_cannot_run_is_refused(expert_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "liburing", None)  # as if the optional package were missing
     with pytest.raises(
         ReadError, match=r"reader io_uring: the liburing package is not installed.*reader: preadv or auto"
     ):
         BlockReader(BB, staging=1, reader="io_uring")
-    r = BlockReader(BB, staging=2, mode="buffered", reader="auto")
-    assert r.backend == "preadv" and "liburing package is not installed" in r.stats.fallbacks["io_uring"]
-    got = []
-    for i in (4, 9):
-        r.read_into(path, i, lambda v: got.append(bytes(v)), 16)
-    assert got == [data[4 * BB : 5 * BB], data[9 * BB : 10 * BB]]
-    assert r.stats.fallback_reads["io_uring"] == 2  # every read it served
-    r.close()
-    with pytest.raises(ReadError, match="reader 'uring' is not one of preadv, io_uring, auto"):
+    with pytest.raises(ReadError, match="reader 'uring' is not one of preadv, io_uring, native, auto"):
         BlockReader(BB, reader="uring")
 
 

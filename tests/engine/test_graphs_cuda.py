@@ -112,7 +112,9 @@ def test_mapped_and_tiered_slots_equal_device_slots(bundles, arch):
     dev, mapped, tiered = _load(b, "routed", "on"), _load(b, "mapped", "on"), _load(b, "tiered", "on")
     assert mapped.cache.pool_kind == "mapped" and mapped.cache.pools[mapped.args.moe_layers[0]].is_cuda
     assert mapped.cache.host_slots[mapped.args.moe_layers[0]].is_pinned()
-    assert mapped.fallbacks() == {}
+    # no fallback of its own (mapped_slots; the reads'): the same as device slots' (which may name
+    # one unrelated to slots, e.g. deltanet_prefill where fla-core is not installed)
+    assert mapped.fallbacks() == dev.fallbacks() and "mapped_slots" not in mapped.fallbacks()
     for x, y, z in zip(_decode(dev), _decode(mapped), _decode(tiered)):
         assert torch.equal(x, y) and torch.equal(x, z)
 

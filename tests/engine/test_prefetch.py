@@ -4,7 +4,8 @@ buffers, never in slots, so tokens, outputs and the slot books are those of pref
 no slot a step references is refilled; only the wait changes. Counted: issued, useful, wasted."""
 
 import itertools
-from concurrent.futures import wait
+import shutil
+import time
 
 import pytest
 import torch
@@ -108,23 +109,28 @@ def test_prefetch_is_bounded_by_the_staging_it_leaves_to_lookups(bundles):
     off.close()
 
 
-def test_a_failed_prefetch_fails_the_lookup_that_needs_it_and_is_counted_when_wasted(bundles, monkeypatch):
-    bundle = Bundle.open(bundles[("qwen3_moe", "bf16")])
-    check = bundle.check_block
-
-    def damaged(layer, expert, data):
-        if expert in (2, 3):
-            raise ChecksumError(f"layer {layer} expert {expert} is damaged")
-        return check(layer, expert, data)
-
-    monkeypatch.setattr(bundle, "check_block", damaged)
-    cache = ExpertCache(bundle, CacheConfig(2, staging=4))
-    layer = bundle.args.moe_layers[0]
+@pytest.mark.parametrize("reader", ["preadv", "native"])
+def test_a_failed_prefetch_fails_the_lookup_that_needs_it_and_is_counted_when_wasted(
+    bundles, tmp_path, reader
+):
+    src = Bundle.open(bundles[("qwen3_moe", "bf16")])
+    layer = src.args.moe_layers[0]
+    shutil.copytree(src.root, tmp_path / "b")
+    bundle = Bundle.open(tmp_path / "b")
+    bb = bundle.layouts[layer].block_bytes
+    with open(bundle.expert_path(layer), "r+b") as f:  # experts 2 and 3 damaged where they are stored
+        for e in (2, 3):
+            f.seek(e * bb + 100)
+            f.write(b"\x55" * 64)
+    cache = ExpertCache(bundle, CacheConfig(2, staging=4, reader=reader))
     cache.prefetch(layer, [2, 3])
     # 3's read runs (and fails) before it is dropped: a read dropped before it started is cancelled,
     # which reads nothing and counts nothing (a loaded machine's pool may not have started it)
-    wait([cache._staged[layer][3]], timeout=10)
-    with pytest.raises(ChecksumError, match="expert 2 is damaged"):
+    third = cache._staged[layer][3]
+    deadline = time.monotonic() + 10
+    while not third.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(ChecksumError, match=f"layer {layer} expert 2's block"):
         cache.get_many(layer, [2, 0])  # 2 needed: its failed prefetch is the lookup's error
     assert 2 not in cache.slots[layer].slot_of and cache.read_faults()["checksum"] == 1
     cache.get_many(layer, [0, 1])  # 3 never asked for: dropped; its failure counted, not raised
@@ -240,7 +246,8 @@ def test_prefetch_room_does_not_depend_on_when_a_dropped_read_lands(bundles, mon
 
     monkeypatch.setattr(bundle, "check_block", slow)
     top_k = bundle.args.num_experts_per_tok
-    cache = ExpertCache(bundle, CacheConfig(2, staging=top_k + 2))  # prefetch depth 2
+    # preadv: its threads run the check in Python, where this test's hook holds expert 5's read
+    cache = ExpertCache(bundle, CacheConfig(2, staging=top_k + 2, reader="preadv"))  # prefetch depth 2
     first, second = bundle.args.moe_layers[:2]
     assert cache.prefetch(first, [5]) == 1
     cache.get_many(first, [0, 1])  # 5 not asked for: dropped while its read runs

@@ -185,12 +185,12 @@ def test_generate_cli_streams_and_reports_the_cache(bundles, capsys):
     assert "expert cache:" in err and "misses" in err
 
 
-@pytest.mark.parametrize("reader", ["io_uring", "auto"])
+@pytest.mark.parametrize("reader", ["io_uring", "native", "auto"])
 def test_generate_reads_through_the_reader_asked_for(bundles, capsys, monkeypatch, reader):
-    """The same tokens through io_uring as through preadv, and the start-up line names the
-    system call; reader auto without io_uring names its fallback there."""
-    import sys
-
+    """The same tokens through io_uring or the native reader as through preadv, and the start-up
+    line names who read; reader auto where the native reader cannot be built names its fallback
+    there and reads with preadv."""
+    from edgerun.cache import native
     from edgerun.cache.uring import unavailable
     from edgerun.cli import main
 
@@ -199,20 +199,21 @@ def test_generate_reads_through_the_reader_asked_for(bundles, capsys, monkeypatc
     assert main(argv + ["preadv"]) == 0
     want = capsys.readouterr()
     fallbacks = lambda err: re.search(r"^  fallbacks: (.*)$", err, re.M).group(1)  # noqa: E731
-    assert " via preadv depth " in want.err and "io_uring" not in fallbacks(want.err)
-    if reader == "io_uring":
-        if why := unavailable():
-            pytest.skip(f"io_uring reads cannot run here: {why}")
-    else:
-        monkeypatch.setitem(sys.modules, "liburing", None)  # the optional package missing
+    assert " via preadv depth " in want.err and "native_reader" not in fallbacks(want.err)
+    if reader == "io_uring" and (why := unavailable()):
+        pytest.skip(f"io_uring reads cannot run here: {why}")
+    if reader == "native" and (why := native.unavailable()):
+        pytest.skip(f"the native reader cannot run here: {why}")
+    if reader == "auto":
+        monkeypatch.setattr(native, "unavailable", lambda: "no C compiler found (sysconfig CC, cc, gcc)")
     assert main(argv + [reader]) == 0
     got = capsys.readouterr()
     assert got.out == want.out
-    if reader == "io_uring":
-        assert " via io_uring depth " in got.err and "io_uring" not in fallbacks(got.err)
-    else:
+    if reader == "auto":
         assert " via preadv depth " in got.err
-        assert "io_uring: the liburing package is not installed" in fallbacks(got.err)
+        assert "native_reader: no C compiler found" in fallbacks(got.err)
+    else:
+        assert f" via {reader} depth " in got.err and reader not in fallbacks(got.err)
 
 
 def test_generate_with_a_profile_uses_the_plan(bundles, tmp_path, capsys):

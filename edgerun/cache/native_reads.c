@@ -1,0 +1,421 @@
+/* Expert-block reads without the GIL (edgerun/cache/native.py, ``reader: native``).
+ *
+ * A pool of POSIX threads reads fixed-size blocks with pread, checks each against its xxh3-64
+ * (the function xxhash's Python module exports: the bytes the manifest was written with), and
+ * hands it on: into caller memory directly, by memcpy into host memory, or by an asynchronous
+ * CUDA copy (driver API, function pointers the caller passes) on the caller's stream into device
+ * memory, fenced by one event per staging buffer that the buffer's next read waits for. Python
+ * only submits a job and later waits for its ticket (ctypes releases the GIL for both calls), so
+ * no read, check or copy waits for the interpreter.
+ *
+ * Jobs run in ticket order. A job reading into a staging buffer takes one from the free list
+ * (waiting for one, then for its fence); a staged job (prefetch) keeps its buffer after the read
+ * until the caller places it (er_place) or releases it. A job whose read fails its check, or
+ * fails, keeps its buffer too: the caller reads it again its own way and then places or releases.
+ * A ticket's record is freed when the caller finishes with it (er_wait with free, er_place,
+ * er_release) or, for a dropped job, when the read ends.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef uint64_t (*hash_fn)(const void *, size_t);
+typedef int (*cu_memcpy_fn)(unsigned long long, const void *, size_t, void *);
+typedef int (*cu_ev_create_fn)(void **, unsigned);
+typedef int (*cu_ev_fn)(void *);
+typedef int (*cu_ev_record_fn)(void *, void *);
+typedef int (*cu_ctx_get_fn)(void **);
+typedef int (*cu_ctx_set_fn)(void *);
+
+/* the CUDA driver API entry points the caller found (all NULL: no CUDA copies) */
+typedef struct {
+    cu_memcpy_fn memcpy_htod; /* cuMemcpyHtoDAsync_v2 */
+    cu_ev_create_fn ev_create; /* cuEventCreate */
+    cu_ev_record_fn ev_record; /* cuEventRecord */
+    cu_ev_fn ev_sync;          /* cuEventSynchronize */
+    cu_ev_fn ev_destroy;       /* cuEventDestroy_v2 */
+    cu_ctx_get_fn ctx_get;     /* cuCtxGetCurrent */
+    cu_ctx_set_fn ctx_set;     /* cuCtxSetCurrent */
+} cuda_api;
+
+enum { FREE = 0, QUEUED, RUNNING, DONE, CANCELLED };
+enum { TO_STAGE = 0, TO_HOST = 1, TO_DEVICE = 2, TO_DIRECT = 3 };
+enum { OK = 0, BAD_SUM = 1, IO_ERROR = 2, SHORT = 3, CUDA_ERROR = 4, NO_JOB = 5 };
+
+#define JOBS 4096 /* tickets in flight at most (the caller keeps far fewer: staging bounds them) */
+
+typedef struct {
+    int64_t ticket;
+    int state, kind, fd, check, count, dropped, buf, result, err;
+    uint64_t offset, expect, dst, stream;
+    int64_t got;
+    double seconds;
+} job_t;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done, bufs;
+    pthread_t *threads;
+    int nthreads, stop;
+    uint64_t block;
+    int nbuf, nfree;
+    char **buffers;
+    int *free_list;
+    void **events;  /* one per staging buffer (CUDA), its last copy's fence */
+    int *fenced;
+    hash_fn hash;
+    cuda_api cu;
+    void *ctx;
+    job_t jobs[JOBS];
+    int64_t next, head; /* next ticket to hand out; lowest ticket not yet taken by a thread */
+    int64_t buf_tickets, buf_serving; /* the staging buffers' queue: turns handed out, turn served */
+    /* counters (ReadStats) */
+    int64_t reads, bytes, faults_dropped, inflight;
+    double seconds, wall, busy_since;
+} pool_t;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static job_t *job_of(pool_t *p, int64_t ticket) {
+    job_t *j = &p->jobs[ticket % JOBS];
+    return (ticket >= 0 && j->ticket == ticket && j->state != FREE) ? j : NULL;
+}
+
+/* with p->mu held */
+static void give_buffer(pool_t *p, int b) {
+    if (b < 0) return;
+    p->free_list[p->nfree++] = b;
+    pthread_cond_broadcast(&p->bufs);
+}
+
+static void free_job(pool_t *p, job_t *j) {
+    give_buffer(p, j->buf);
+    j->buf = -1;
+    j->state = FREE;
+}
+
+/* Copy ``n`` bytes of staging buffer ``b`` to where ``kind`` says; with p->mu NOT held. */
+static int hand_on(pool_t *p, int b, int kind, uint64_t dst, uint64_t stream, int *err) {
+    if (kind == TO_HOST) {
+        memcpy((void *)(uintptr_t)dst, p->buffers[b], p->block);
+        return OK;
+    }
+    if (kind == TO_DEVICE) {
+        int rc = p->cu.memcpy_htod(dst, p->buffers[b], p->block, (void *)(uintptr_t)stream);
+        if (!rc) rc = p->cu.ev_record(p->events[b], (void *)(uintptr_t)stream);
+        if (rc) {
+            *err = rc;
+            return CUDA_ERROR;
+        }
+        p->fenced[b] = 1; /* the buffer's next read waits for this copy */
+    }
+    return OK;
+}
+
+static int64_t read_all(int fd, char *to, uint64_t n, uint64_t offset, int *err) {
+    uint64_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, to + got, n - got, (off_t)(offset + got));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return -1;
+        }
+        if (r == 0 || (r % 4096)) { got += (uint64_t)r; break; } /* end of file, or an O_DIRECT tail */
+        got += (uint64_t)r;
+    }
+    return (int64_t)got;
+}
+
+static void *worker(void *arg) {
+    pool_t *p = arg;
+    if (p->ctx && p->cu.ctx_set) p->cu.ctx_set(p->ctx);
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->head < p->next) { /* skip tickets taken, cancelled or (record reused) not yet due */
+            job_t *h = &p->jobs[p->head % JOBS];
+            if (h->ticket == p->head && h->state == QUEUED) break;
+            p->head++;
+        }
+        if (p->stop) break;
+        if (p->head >= p->next) {
+            pthread_cond_wait(&p->work, &p->mu);
+            continue;
+        }
+        job_t *j = &p->jobs[p->head % JOBS];
+        p->head++;
+        j->state = RUNNING;
+        char *to;
+        int b = -1;
+        if (j->kind == TO_DIRECT) {
+            to = (char *)(uintptr_t)j->dst;
+        } else {
+            /* buffers go to jobs in ticket order (a condition variable wakes any waiter): the
+             * caller claims reads in the order it issued them, and a later read holding the last
+             * buffer while an earlier one waits would leave the caller waiting for ever */
+            int64_t turn = p->buf_tickets++;
+            while ((turn != p->buf_serving || !p->nfree) && !p->stop) pthread_cond_wait(&p->bufs, &p->mu);
+            if (p->stop) break;
+            p->buf_serving++;
+            pthread_cond_broadcast(&p->bufs); /* the next in line may go if a buffer is left */
+            b = p->free_list[--p->nfree];
+            j->buf = b;
+            to = p->buffers[b];
+            if (p->fenced[b]) { /* its last copy out must be done before it is read into */
+                pthread_mutex_unlock(&p->mu);
+                p->cu.ev_sync(p->events[b]);
+                pthread_mutex_lock(&p->mu);
+                p->fenced[b] = 0;
+            }
+        }
+        if (p->inflight++ == 0) p->busy_since = now();
+        int fd = j->fd, kind = j->kind, check = j->check, err = 0;
+        uint64_t n = p->block, offset = j->offset, expect = j->expect, dst = j->dst, stream = j->stream;
+        pthread_mutex_unlock(&p->mu);
+
+        double t0 = now();
+        int64_t got = read_all(fd, to, n, offset, &err);
+        double dt = now() - t0;
+        int result = got < 0 ? IO_ERROR : (uint64_t)got != n ? SHORT : OK;
+        pthread_mutex_lock(&p->mu);
+        if (--p->inflight == 0) p->wall += now() - p->busy_since;
+        pthread_mutex_unlock(&p->mu);
+        if (result == OK && check && p->hash(to, n) != expect) result = BAD_SUM;
+        if (result == OK && kind != TO_STAGE && kind != TO_DIRECT) result = hand_on(p, b, kind, dst, stream, &err);
+
+        pthread_mutex_lock(&p->mu);
+        if (result == OK) {
+            if (j->count) { /* else the caller counts it, once its own check has passed */
+                p->reads++;
+                p->bytes += got;
+                p->seconds += dt;
+            }
+            if (kind == TO_HOST || kind == TO_DEVICE) { /* handed on: the buffer goes back */
+                give_buffer(p, b);
+                j->buf = -1;
+            }
+        }
+        j->result = result;
+        j->err = err;
+        j->got = got;
+        j->seconds = dt;
+        j->state = DONE;
+        if (j->dropped) { /* nobody will claim it */
+            if (result != OK) p->faults_dropped++;
+            free_job(p, j);
+        }
+        pthread_cond_broadcast(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* ---- the caller's side (Python, through ctypes) ------------------------------------------ */
+
+void er_close(pool_t *p);
+
+pool_t *er_open(int nthreads, uint64_t block, int nbuf, const uint64_t *buffers, hash_fn hash,
+                const cuda_api *cu) {
+    pool_t *p = calloc(1, sizeof(pool_t));
+    if (!p) return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    pthread_cond_init(&p->bufs, NULL);
+    p->block = block;
+    p->hash = hash;
+    p->nbuf = nbuf;
+    p->buffers = calloc(nbuf, sizeof(char *));
+    p->free_list = calloc(nbuf, sizeof(int));
+    p->events = calloc(nbuf, sizeof(void *));
+    p->fenced = calloc(nbuf, sizeof(int));
+    p->threads = calloc(nthreads, sizeof(pthread_t));
+    if (!p->buffers || !p->free_list || !p->events || !p->fenced || !p->threads) {
+        er_close(p);
+        return NULL;
+    }
+    if (cu) { /* the caller's current context: the worker threads copy in it */
+        p->cu = *cu;
+        if (p->cu.ctx_get(&p->ctx) || !p->ctx) {
+            er_close(p);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < nbuf; i++) {
+        p->buffers[i] = (char *)(uintptr_t)buffers[i];
+        p->free_list[p->nfree++] = i;
+        if (cu && p->cu.ev_create(&p->events[i], 2 /* CU_EVENT_DISABLE_TIMING */)) {
+            er_close(p);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < JOBS; i++) p->jobs[i].ticket = -1;
+    for (int i = 0; i < nthreads; i++) {
+        if (pthread_create(&p->threads[i], NULL, worker, p)) break;
+        p->nthreads++;
+    }
+    if (p->nthreads != nthreads) {
+        er_close(p);
+        return NULL;
+    }
+    return p;
+}
+
+/* Queue a read of ``block`` bytes at ``offset`` of ``fd`` (``check``: against ``expect``;
+ * ``count``: counted as read when it ends well, else the caller counts it, er_count); returns its
+ * ticket, or -1 when the ticket's record is still in use (more than JOBS tickets outstanding). */
+int64_t er_submit(pool_t *p, int fd, uint64_t offset, int kind, uint64_t dst, uint64_t stream, int check,
+                  uint64_t expect, int count) {
+    pthread_mutex_lock(&p->mu);
+    job_t *j = &p->jobs[p->next % JOBS];
+    if (j->state != FREE) {
+        pthread_mutex_unlock(&p->mu);
+        return -1;
+    }
+    memset(j, 0, sizeof(*j));
+    j->ticket = p->next++;
+    j->state = QUEUED;
+    j->kind = kind;
+    j->fd = fd;
+    j->offset = offset;
+    j->dst = dst;
+    j->stream = stream;
+    j->check = check;
+    j->expect = expect;
+    j->count = count;
+    j->buf = -1;
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    return j->ticket;
+}
+
+/* Block until ``ticket``'s read has ended: out = {result, errno, bytes, buffer (-1: none)},
+ * seconds. With ``release``, a job that holds no buffer is freed here (else: er_place / er_release). */
+int er_wait(pool_t *p, int64_t ticket, int64_t *out, double *seconds, int release) {
+    pthread_mutex_lock(&p->mu);
+    job_t *j = job_of(p, ticket);
+    while (j && j->state != DONE) {
+        pthread_cond_wait(&p->done, &p->mu);
+        j = job_of(p, ticket);
+    }
+    if (!j) {
+        pthread_mutex_unlock(&p->mu);
+        return NO_JOB;
+    }
+    out[0] = j->result;
+    out[1] = j->err;
+    out[2] = j->got;
+    out[3] = j->buf;
+    *seconds = j->seconds;
+    if (release && j->buf < 0) free_job(p, j);
+    pthread_mutex_unlock(&p->mu);
+    return OK;
+}
+
+/* Whether ``ticket``'s read has ended (1), is queued or running (0), or is not outstanding (-1). */
+int er_done(pool_t *p, int64_t ticket) {
+    pthread_mutex_lock(&p->mu);
+    job_t *j = job_of(p, ticket);
+    int done = j ? j->state == DONE : -1;
+    pthread_mutex_unlock(&p->mu);
+    return done;
+}
+
+/* Hand a finished job's buffer on (``kind`` TO_HOST / TO_DEVICE, as a read would have; TO_STAGE:
+ * nowhere), give the buffer back and free the ticket. A job with no buffer is only freed. */
+int er_place(pool_t *p, int64_t ticket, int kind, uint64_t dst, uint64_t stream, int *err) {
+    pthread_mutex_lock(&p->mu);
+    job_t *j = job_of(p, ticket);
+    if (!j || j->state != DONE) {
+        pthread_mutex_unlock(&p->mu);
+        return NO_JOB;
+    }
+    int b = j->buf, rc = OK;
+    pthread_mutex_unlock(&p->mu);
+    *err = 0;
+    if (b >= 0) rc = hand_on(p, b, kind, dst, stream, err);
+    pthread_mutex_lock(&p->mu);
+    free_job(p, j);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Count a read the caller made itself into a job's buffer (its own re-read) as done. */
+void er_count(pool_t *p, int64_t bytes, double seconds) {
+    pthread_mutex_lock(&p->mu);
+    p->reads++;
+    p->bytes += bytes;
+    p->seconds += seconds;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* A job nobody will claim: cancelled if queued (returns 1); else freed now if it has ended, or
+ * when it ends (returns 0; a failed one is counted in faults_dropped). */
+int er_drop(pool_t *p, int64_t ticket) {
+    pthread_mutex_lock(&p->mu);
+    job_t *j = job_of(p, ticket);
+    int cancelled = 0;
+    if (j) {
+        if (j->state == QUEUED) {
+            free_job(p, j);
+            cancelled = 1;
+        } else if (j->state == DONE) {
+            if (j->result != OK) p->faults_dropped++;
+            free_job(p, j);
+        } else {
+            j->dropped = 1;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return cancelled;
+}
+
+/* out = {reads, bytes, faults of dropped jobs, reads in flight}, secs = {summed read seconds, wall}. */
+void er_stats(pool_t *p, int64_t *out, double *secs) {
+    pthread_mutex_lock(&p->mu);
+    out[0] = p->reads;
+    out[1] = p->bytes;
+    out[2] = p->faults_dropped;
+    out[3] = p->inflight;
+    secs[0] = p->seconds;
+    secs[1] = p->wall + (p->inflight ? now() - p->busy_since : 0.0);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Stop the threads once the reads they run end (queued ones are dropped), wait for every
+ * buffer's last copy out, destroy the events, free the pool. */
+void er_close(pool_t *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_cond_broadcast(&p->bufs);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    if (p->events) {
+        for (int i = 0; i < p->nbuf; i++) {
+            if (!p->events[i]) continue;
+            if (p->fenced && p->fenced[i]) p->cu.ev_sync(p->events[i]);
+            p->cu.ev_destroy(p->events[i]);
+        }
+    }
+    free(p->buffers);
+    free(p->free_list);
+    free(p->events);
+    free(p->fenced);
+    free(p->threads);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->done);
+    pthread_cond_destroy(&p->bufs);
+    free(p);
+}

@@ -1,0 +1,133 @@
+"""The native reader (reader: native, edgerun/cache/native_reads.c): reads that finish while
+Python holds the GIL, blocks checked in C against their xxh3 (a failure read again and refused by
+name, its buffer given back), staged reads placed or dropped without losing a buffer, the target
+kinds, and auto's counted fallback to preadv where it cannot be built."""
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+from edgerun.bundle.format import block_checksum
+from edgerun.cache import native
+from edgerun.cache.reader import BlockReader, ReadError, Target, aligned_buffer
+from edgerun.errors import ChecksumError
+
+BB = 8192  # expert_file's blocks (conftest.py)
+
+if native.unavailable():
+    pytest.skip(f"the native reader cannot run here: {native.unavailable()}", allow_module_level=True)
+
+
+def sums(data: bytes) -> list[int]:
+    return [int(block_checksum(data[i * BB : (i + 1) * BB]), 16) for i in range(len(data) // BB)]
+
+
+def checker(data: bytes, i: int):
+    def check(view):
+        if bytes(view) != data[i * BB : (i + 1) * BB]:
+            raise ChecksumError(f"block {i} damaged")
+
+    return check
+
+
+def test_reads_complete_while_python_holds_the_gil(expert_file):
+    """Eight reads one after another (depth 1) all end while the main thread holds the GIL for
+    half a second in a C call that keeps it (ctypes.PyDLL): nothing of a native read waits for
+    the interpreter. (Python reader threads could not run a line in that time.)"""
+    path, data = expert_file
+    r = BlockReader(BB, staging=2, mode="buffered", depth=1, reader="native")
+    rows = torch.zeros(8, BB, dtype=torch.uint8)
+    want = sums(data)
+    futures = [r.fetch(path, i, 16, Target("host", rows[i]), checker(data, i), want[i]) for i in range(8)]
+    ctypes.PyDLL(None).usleep(500_000)  # the GIL held throughout
+    reads = r._native.stats()[0]  # the C pool's count, read before any future is waited for
+    assert reads == 8
+    assert [f.result() for f in futures] == [BB] * 8
+    assert all(bytes(rows[i].numpy()) == data[i * BB : (i + 1) * BB] for i in range(8))
+    r.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "direct"])
+def test_a_block_failing_its_checksum_in_c_is_read_again_then_refused(expert_file, kind):
+    """C compares each block with the checksum it was given; a mismatch is read again in Python
+    through a fresh descriptor and checked there, as the other readers do: a block that passes
+    then is delivered (one re-read), one that fails again is refused by name and its staging
+    buffer goes back (one buffer: a lost one would stall the next read)."""
+    path, data = expert_file
+    r = BlockReader(BB, staging=1, mode="buffered", depth=1, reader="native")
+    want = sums(data)
+    mem = aligned_buffer(BB)
+    row = torch.frombuffer(mem, dtype=torch.uint8, count=BB)
+    to = Target(kind, row)
+    # wrong checksum given to C, the block itself good: the re-read's check passes
+    assert r.fetch(path, 3, 16, to, checker(data, 3), want[4]).result() == BB
+    assert bytes(mem) == data[3 * BB : 4 * BB]
+    assert r.stats.rereads == 1 and r.stats.reads == 1
+    with pytest.raises(ChecksumError, match="block 5 damaged"):
+        r.fetch(path, 6, 16, to, checker(data, 5), want[5]).result()  # damaged both times
+    assert r.stats.rereads == 2 and r.stats.reads == 1
+    assert r.fetch(path, 9, 16, to, checker(data, 9), want[9]).result() == BB  # the buffer came back
+    assert bytes(mem) == data[9 * BB : 10 * BB] and r.stats.reads == 2
+    r.close()
+    del row
+    mem.close()
+
+
+def test_staged_reads_placed_or_dropped_give_every_buffer_back(expert_file):
+    path, data = expert_file
+    r = BlockReader(BB, staging=3, mode="buffered", depth=2, reader="native")
+    want = sums(data)
+    rows = torch.zeros(2, BB, dtype=torch.uint8)
+    for round_ in range(5):
+        staged = [
+            r.stage(path, (round_ + i) % 16, 16, checker(data, (round_ + i) % 16), want[(round_ + i) % 16])
+            for i in range(3)
+        ]
+        assert r.staged == 3
+        first = staged[0].result()
+        assert bytes(first.view) == data[(round_ % 16) * BB : (round_ % 16 + 1) * BB]
+        first.place(Target("host", rows[0]))
+        assert bytes(rows[0].numpy()) == data[(round_ % 16) * BB : (round_ % 16 + 1) * BB]
+        staged[1].result().release()
+        r.drop(staged[2])  # queued, in flight or done: either way its buffer comes back
+        assert r.staged == 0
+    futures = [r.fetch(path, i, 16, Target("host", rows[i % 2])) for i in range(6)]
+    assert [f.result() for f in futures] == [BB] * 6  # every buffer free again
+    deadline = time.monotonic() + 5
+    while r._native.stats()[3] and time.monotonic() < deadline:  # the dropped reads end
+        time.sleep(0.01)
+    assert r.stats.reads >= 6 + 5 * 2
+    r.close()
+
+
+def test_a_device_copy_needs_pin(expert_file):
+    path, _ = expert_file
+    r = BlockReader(BB, staging=1, mode="buffered", reader="native")
+    with pytest.raises(ReadError, match="copies to the device need pin"):
+        r.fetch(path, 0, 16, Target("device", torch.zeros(BB, dtype=torch.uint8), None))
+    r.close()
+
+
+def test_auto_where_it_cannot_build_is_preadv_and_a_counted_fallback(expert_file, monkeypatch):
+    path, data = expert_file
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler found (sysconfig CC, cc, gcc)")
+    with pytest.raises(
+        ReadError, match=r"reader native: no C compiler found .*\(set reader: preadv or auto\)"
+    ):
+        BlockReader(BB, staging=1, reader="native")
+    r = BlockReader(BB, staging=2, mode="buffered", reader="auto")
+    assert r.backend == "preadv" and "no C compiler found" in r.stats.fallbacks["native_reader"]
+    got = []
+    for i in (4, 9):
+        r.read_into(path, i, lambda v: got.append(bytes(v)), 16)
+    assert got == [data[4 * BB : 5 * BB], data[9 * BB : 10 * BB]]
+    assert r.stats.fallback_reads["native_reader"] == 2  # every read it served
+    r.close()
+
+
+def test_auto_is_the_native_reader_where_it_builds():
+    r = BlockReader(BB, staging=1, reader="auto")
+    assert r.backend == "native" and "native_reader" not in r.stats.fallbacks
+    r.close()
