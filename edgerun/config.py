@@ -122,6 +122,12 @@ class DeviceProfile:
     # discrete only, optional: expert bytes/s the host's CPU kernels compute for a one-token step
     # (edgerun/tools/calibrate.py cpu_expert_seconds); the planner's CPU-experts estimate, 0: none
     cpu_expert_bandwidth: float = 0.0
+    # optional, the streamed decode's prediction (budget/planner.layer_read_seconds): bytes/s of
+    # one block read alone (0: storage_read_bandwidth), the reads a layer keeps in flight, and the
+    # host's seconds per layer that reads (its lookup, queueing, waking; measured on an H200 host)
+    storage_read_single: float = 0.0
+    read_depth: int = 4
+    host_read_overhead: float = 3e-4
     description: str = ""
     source: str = ""  # the file it came from
 
@@ -135,7 +141,14 @@ class DeviceProfile:
 
 
 _SIZE_KEYS = ("memory_cap", "os_reserve", "cuda_context", "pinned_limit", "host_memory_cap", "host_reserve")
-_RATE_KEYS = ("memory_bandwidth", "storage_read_bandwidth", "pcie_bandwidth", "cpu_expert_bandwidth")
+_RATE_KEYS = (
+    "memory_bandwidth",
+    "storage_read_bandwidth",
+    "pcie_bandwidth",
+    "cpu_expert_bandwidth",
+    "storage_read_single",
+)
+_NUMBER_KEYS = {"read_depth": int, "host_read_overhead": float}  # a count; seconds
 _REQUIRED = (
     "name",
     "memory_kind",
@@ -171,6 +184,16 @@ def device_profile_from_dict(raw: Any, source: str = "device profile") -> Device
             values[key] = parse_rate(value, key, source)
         elif key == "compute_capability":
             values[key] = parse_compute_capability(value, key, source)
+        elif key in _NUMBER_KEYS:
+            kind = _NUMBER_KEYS[key]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value <= 0
+                or kind(value) != value
+            ):
+                raise ConfigError(f"{source}: key {key!r} must be a positive {kind.__name__}, got {value!r}")
+            values[key] = kind(value)
         elif value is None:
             continue
         elif not isinstance(value, str):

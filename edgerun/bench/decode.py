@@ -109,6 +109,7 @@ def plan_for(
     prefill_chunk: int = 512,
     far: bool = False,
     bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
+    reads: dict | None = None,
 ):
     """The planner's plan of ``bundle_dir`` in ``budget`` bytes of device memory, as torch counts
     it (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
@@ -116,7 +117,8 @@ def plan_for(
     workspaces, the slots). ``far``: every expert in a pinned host tier the GPU reads in place (a
     discrete GPU whose host RAM holds them), else VRAM slots behind storage; ``bandwidths``
     (device memory, PCIe, storage reads; B/s) are what its prediction assumes: a benchmark
-    passes the ones it measured in the same run."""
+    passes the ones it measured in the same run; ``reads``: the profile's read-model keys
+    (``storage_read_single``, ``read_depth``) from the same run's calibration."""
     from edgerun.budget import inputs
     from edgerun.budget.planner import PlanOptions, plan
     from edgerun.bundle.dense_layout import DenseScheme
@@ -139,6 +141,7 @@ def plan_for(
             "storage_read_bandwidth": bandwidths[2],
             "pcie_bandwidth": bandwidths[1],
             "compute_capability": "9.0",
+            **(reads or {}),
         }
     )
     options = PlanOptions(
@@ -169,12 +172,13 @@ def planned_quota(
     prefill_chunk: int = 512,
     far: bool = False,
     bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
+    reads: dict | None = None,
 ):
     """:func:`quota_for`'s (quota, how) and the plan they came from (None: no plan was made)."""
     if budget <= LIBRARY_WORKSPACE:
         why = f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
         return 0, why, None
-    p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths)
+    p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths, reads)
     if not p.fits:
         return 0, p.refusal.message, p
     quota = min(p.quotas)
@@ -458,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     pcie_bw = copy["h2d_pinned_gb_per_s"] * 1e9
     bandwidths = (device_bw, pcie_bw, storage_bw)  # the plan predicts with this run's bandwidths
+    single = next((r["gb_per_s"] for r in reads if r["queue_depth"] == 1), None)
+    read_model = {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
     runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how, reader)
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
@@ -478,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None)))
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
-            quota, how, p = planned_quota(budget, bundle_dir, capacity, bandwidths=bandwidths)
+            quota, how, p = planned_quota(
+                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model
+            )
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
@@ -525,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tok_s": predicted.tok_s,
                 "tok_s_serial": predicted.tok_s_serial,
                 "tok_s_error": predicted.tok_s / measured - 1 if measured else None,
+                "tok_s_layered": predicted.tok_s_layered,
+                "tok_s_layered_error": predicted.tok_s_layered / measured - 1 if measured else None,
             }
         rec["ratio"] = rec["decode_tps"]["median"] / rec["bound_tps"] if "refused" not in rec else None
         records.append(rec)
@@ -571,8 +581,9 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             "| config | disk busy | read GB/s while busy | prefetch issued / useful / wasted a token | "
-            "planned misses/token (error) | planned tok/s (error) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "planned misses/token (error) | planned tok/s, storage bound (error) | "
+            "planned tok/s, each layer's reads after its router (error) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in streamed:
             pf = "off"
@@ -580,12 +591,14 @@ def markdown(result: dict) -> str:
                 i, u, w = (r[f"prefetch_{k}_per_token"]["median"] for k in ("issued", "useful", "wasted"))
                 pf = f"{i:.1f} / {u:.1f} / {w:.1f} (depth {r['prefetch_depth']})"
             pr = r.get("predicted") or {}
-            m_err, t_err = pr.get("misses_error"), pr.get("tok_s_error")
+            m_err, t_err, l_err = pr.get("misses_error"), pr.get("tok_s_error"), pr.get("tok_s_layered_error")
             lines.append(
                 f"| {r['config']} | {100 * r['disk_busy']['median']:.0f}% | {r['busy_gbs']['median']:.2f} | {pf} | "
                 + (f"{pr['misses_per_token']:.1f} ({100 * m_err:+.0f}%)" if m_err is not None else "-")
                 + " | "
                 + (f"{pr['tok_s']:.2f} ({100 * t_err:+.0f}%)" if t_err is not None else "-")
+                + " | "
+                + (f"{pr['tok_s_layered']:.2f} ({100 * l_err:+.0f}%)" if l_err is not None else "-")
                 + " |"
             )
     lines += [f"\n{r['config']}: {r['planned']}" for r in result["configs"] if r.get("planned")]

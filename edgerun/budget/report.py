@@ -98,7 +98,10 @@ def to_table(plan: Plan) -> str:
         bounds = f"memory {_rate(p.memory_bound_tok_s)}, storage {_rate(p.storage_bound_tok_s)}"
         if plan.memory_kind == "discrete":
             bounds += f", PCIe {_rate(p.pcie_bound_tok_s)}"
-        out.append(f"  decode tok/s: {p.tok_s:.1f} bound ({bounds}); {p.tok_s_serial:.1f} with no overlap")
+        line = f"  decode tok/s: {p.tok_s:.1f} bound ({bounds}); {p.tok_s_serial:.1f} with no overlap"
+        if p.storage_bound_tok_s is not None and p.tok_s_layered:
+            line += f"; {p.tok_s_layered:.1f} with each layer's reads after its router"
+        out.append(line)
         out.append(
             textwrap.fill(f"model: {p.description}", width=100, initial_indent="  ", subsequent_indent="    ")
         )

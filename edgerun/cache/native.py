@@ -126,6 +126,13 @@ class NativePool:
                 "the native pool did not start (threads, memory, or with CUDA: no current context)"
             )
         self.cuda = cuda
+        self._last = (0, 0, 0, 0, 0.0, 0.0)  # the counters at close, what stats() says after it
+
+    def _open(self):
+        """The pool's handle; after close, an error naming it (never a call into freed memory)."""
+        if not self._p:
+            raise RuntimeError("native reader: the pool is closed (the expert cache was closed)")
+        return self._p
 
     def submit(
         self,
@@ -140,7 +147,7 @@ class NativePool:
         """Queue a read; ``expect``: its xxh3-64, checked in C; ``count``: counted when it ends well
         (False: the caller counts it with :meth:`count` once its own check passed)."""
         t = self._lib.er_submit(
-            self._p, fd, offset, kind, dst, stream, expect is not None, expect or 0, count
+            self._open(), fd, offset, kind, dst, stream, expect is not None, expect or 0, count
         )
         if t < 0:
             raise RuntimeError("native reader: too many reads outstanding")
@@ -149,36 +156,42 @@ class NativePool:
     def wait(self, ticket: int, release: bool) -> tuple[int, int, int, int, float]:
         """(result, errno, bytes, buffer index or -1, seconds) of a finished read."""
         out, secs = (ctypes.c_int64 * 4)(), ctypes.c_double()
-        if self._lib.er_wait(self._p, ticket, out, ctypes.byref(secs), int(release)) == NO_JOB:
+        if self._lib.er_wait(self._open(), ticket, out, ctypes.byref(secs), int(release)) == NO_JOB:
             raise RuntimeError(f"native reader: ticket {ticket} is not outstanding")
         return out[0], out[1], out[2], out[3], secs.value
 
     def done(self, ticket: int) -> bool:
         """Whether the read has ended (a ticket no longer outstanding counts as ended)."""
-        return self._lib.er_done(self._p, ticket) != 0
+        return not self._p or self._lib.er_done(self._p, ticket) != 0
 
     def place(self, ticket: int, kind: int = TO_STAGE, dst: int = 0, stream: int = 0) -> None:
         """Hand a finished read's buffer on (``TO_STAGE``: nowhere) and free its ticket."""
         err = ctypes.c_int()
-        rc = self._lib.er_place(self._p, ticket, kind, dst, stream, ctypes.byref(err))
+        rc = self._lib.er_place(self._open(), ticket, kind, dst, stream, ctypes.byref(err))
         if rc == CUDA_ERROR:
             raise RuntimeError(f"native reader: the copy to the device failed (CUresult {err.value})")
         if rc == NO_JOB:
             raise RuntimeError(f"native reader: ticket {ticket} is not outstanding")
 
     def count(self, nbytes: int, seconds: float) -> None:
-        self._lib.er_count(self._p, nbytes, seconds)
+        self._lib.er_count(self._open(), nbytes, seconds)
 
     def drop(self, ticket: int) -> bool:
-        return bool(self._lib.er_drop(self._p, ticket))
+        """Cancelled before it started (True); else freed when it ends. A closed pool: nothing to do."""
+        return bool(self._p) and bool(self._lib.er_drop(self._p, ticket))
 
     def stats(self) -> tuple[int, int, int, int, float, float]:
         """(reads, bytes, failed dropped reads, reads in flight, summed read seconds, busy wall seconds)."""
+        if not self._p:
+            return self._last
         out, secs = (ctypes.c_int64 * 4)(), (ctypes.c_double * 2)()
         self._lib.er_stats(self._p, out, secs)
         return out[0], out[1], out[2], out[3], secs[0], secs[1]
 
     def close(self) -> None:
+        """Stop the threads (queued reads are dropped, running ones end), wait for the copies out
+        of every staging buffer, free the pool. Idempotent."""
         if self._p:
-            self._lib.er_close(self._p)
-            self._p = None
+            self._last = self.stats()
+            p, self._p = self._p, None
+            self._lib.er_close(p)

@@ -335,6 +335,7 @@ class BlockReader:
         from edgerun.cache import native as N
 
         pool = self._pool_native()
+        pool._open()  # a closed reader refuses before it opens a file
         code = N.KINDS.get(kind, N.TO_STAGE)
         offset = index * self.block_bytes
         fd, direct = self._fd(path)
@@ -685,6 +686,12 @@ class _NativeRead:
         if error is not None:
             raise error
         return value
+
+    def __del__(self) -> None:
+        # never waited for (a caller that failed between submitting and waiting): its record is
+        # freed, and its buffer given back, when the read ends
+        if getattr(self, "_state", True) is None:
+            self.reader._native.drop(self.ticket)
 
     def done(self) -> bool:
         """Whether the read has ended (as ``Future.done``: ``result()`` would not wait)."""

@@ -179,3 +179,20 @@ def test_yaml_errors(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_device_profile(bad)
+
+
+def test_read_model_keys_parse_and_refuse_by_name():
+    p = device_profile_from_dict(
+        {**UNIFIED, "storage_read_single": "1.3GB/s", "read_depth": 8, "host_read_overhead": 0.0005}
+    )
+    assert (p.storage_read_single, p.read_depth, p.host_read_overhead) == (1.3e9, 8, 0.0005)
+    d = device_profile_from_dict({**UNIFIED})
+    assert (d.storage_read_single, d.read_depth, d.host_read_overhead) == (0.0, 4, 3e-4)
+    for key, bad in (
+        ("read_depth", 2.5),
+        ("read_depth", 0),
+        ("host_read_overhead", "fast"),
+        ("read_depth", True),
+    ):
+        with pytest.raises(ConfigError, match=rf"key '{key}' must be a positive"):
+            device_profile_from_dict({**UNIFIED, key: bad})

@@ -553,3 +553,38 @@ def test_prefill_graphs_are_planned_only_where_they_replay():
     assert far.fits and far.host_quotas == (E,) * 4 and far.prediction.far_reads_per_token >= 0
     assert any(it.name == "prefill_graph_pool" for it in far.items)
     assert sum(it.nbytes for it in far.items if it.pool == pool.pool) <= used
+
+
+def test_layer_reads_in_waves_of_the_read_depth_after_the_router():
+    """A layer's misses are read after its router, read_depth at a time, each wave at the rate that
+    many reads in flight reach; a layer that reads pays the host's overhead once."""
+    from dataclasses import replace
+
+    from edgerun.budget.planner import layer_read_seconds
+    from edgerun.config import device_profile_from_dict
+
+    dev = device_profile_from_dict(
+        {
+            "name": "t",
+            "memory_kind": "unified",
+            "memory_cap": "8GiB",
+            "os_reserve": "1GiB",
+            "cuda_context": 0,
+            "pinned_limit": "1GiB",
+            "memory_bandwidth": "100GB/s",
+            "storage_read_bandwidth": "2GB/s",
+            "storage_read_single": "1GB/s",
+            "read_depth": 4,
+            "host_read_overhead": 0.001,
+        }
+    )
+    block = 2_000_000
+    # every expert missing: 1 read alone; 5 reads = a wave of 4 at the full rate, then 1 alone
+    assert layer_read_seconds(1, 1.0, block, dev) == pytest.approx(block / 1e9 + 0.001)
+    assert layer_read_seconds(5, 1.0, block, dev) == pytest.approx(4 * block / 2e9 + block / 1e9 + 0.001)
+    # 2 in flight: between the single and the full rate (linear in the depth)
+    assert layer_read_seconds(2, 1.0, block, dev) == pytest.approx(2 * block / (1e9 + 1e9 / 3) + 0.001)
+    assert layer_read_seconds(8, 0.0, block, dev) == 0.0
+    # one rate at every depth and no overhead: the expected bytes over the bandwidth (the storage bound)
+    flat = replace(dev, storage_read_single=0.0, host_read_overhead=0.0)
+    assert layer_read_seconds(8, 0.3, block, flat) == pytest.approx(8 * 0.3 * block / 2e9)

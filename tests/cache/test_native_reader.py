@@ -131,3 +131,25 @@ def test_auto_is_the_native_reader_where_it_builds():
     r = BlockReader(BB, staging=1, reader="auto")
     assert r.backend == "native" and "native_reader" not in r.stats.fallbacks
     r.close()
+
+
+def test_a_read_nobody_waits_for_is_freed_and_a_closed_reader_refuses_by_name(expert_file):
+    """A read dropped on the floor (its future garbage) gives its record and buffer back when it
+    ends: a reader with one staging buffer still serves the next read. After close, a read is
+    refused with an error, never a call into the freed pool; the counters stay readable."""
+    import gc
+
+    path, data = expert_file
+    r = BlockReader(BB, staging=1, mode="buffered", depth=1, reader="native")
+    rows = torch.zeros(2, BB, dtype=torch.uint8)
+    for i in range(3):
+        r.stage(path, i, 16)  # staged and forgotten: holds the only buffer until it is freed
+        r._unstage()  # (the count the cache would have released on drop)
+        gc.collect()
+    assert r.fetch(path, 7, 16, Target("host", rows[0])).result() == BB
+    assert bytes(rows[0].numpy()) == data[7 * BB : 8 * BB]
+    reads = r.stats.reads
+    r.close()
+    assert r.stats.reads == reads >= 1
+    with pytest.raises(RuntimeError, match="the pool is closed"):
+        r.fetch(path, 1, 16, Target("host", rows[1]))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from edgerun.cache import native
 from edgerun.cache.reader import (
     AlignmentError,
     BlockReader,
@@ -19,7 +20,16 @@ from edgerun.cache.reader import (
 from edgerun.errors import ChecksumError, StorageError
 
 BB = 8192  # expert_file's blocks (conftest.py)
-BACKENDS = pytest.mark.parametrize("backend", ["preadv", "native"])
+_NATIVE = native.unavailable()
+BACKENDS = pytest.mark.parametrize(
+    "backend",
+    [
+        "preadv",
+        pytest.param(
+            "native", marks=pytest.mark.skipif(bool(_NATIVE), reason=f"no native reader: {_NATIVE}")
+        ),
+    ],
+)
 
 
 @BACKENDS

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from edgerun.bundle.reader import Bundle
+from edgerun.cache import native
 from edgerun.cache.expert_cache import ExpertCache
 from edgerun.config import CacheConfig
 from edgerun.engine import streaming
@@ -109,7 +110,16 @@ def test_prefetch_is_bounded_by_the_staging_it_leaves_to_lookups(bundles):
     off.close()
 
 
-@pytest.mark.parametrize("reader", ["preadv", "native"])
+@pytest.mark.parametrize(
+    "reader",
+    [
+        "preadv",
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(bool(native.unavailable()), reason="the native reader cannot run here"),
+        ),
+    ],
+)
 def test_a_failed_prefetch_fails_the_lookup_that_needs_it_and_is_counted_when_wasted(
     bundles, tmp_path, reader
 ):
