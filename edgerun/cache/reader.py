@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+from edgerun.cache import native as N
 from edgerun.errors import ChecksumError, EdgerunError, StorageError
 
 ALIGN = 4096
@@ -201,9 +202,7 @@ class BlockReader:
         self._native_why = None
         self._cuda_device = None  # set by pin(): the native pool copies to this device
         if reader in ("native", "auto"):
-            from edgerun.cache.native import unavailable
-
-            self._native_why = unavailable()
+            self._native_why = N.unavailable()
             if self._native_why is not None:
                 if reader == "native":
                     raise ReadError(f"reader native: {self._native_why} (set reader: preadv or auto)")
@@ -310,8 +309,6 @@ class BlockReader:
 
     def _pool_native(self):
         if self._native is None:
-            from edgerun.cache.native import NativePool, NativeUnavailable
-
             addrs = [buffer_address(b) for b in self._buffers]
             try:
                 if self._cuda_device is not None:
@@ -319,10 +316,10 @@ class BlockReader:
 
                     with torch.cuda.device(self._cuda_device):  # the pool copies in this device's context,
                         torch.cuda.synchronize()  # current on this thread from here (the runtime makes it so)
-                        self._native = NativePool(self.depth, self.block_bytes, addrs, cuda=True)
+                        self._native = N.NativePool(self.depth, self.block_bytes, addrs, cuda=True)
                 else:
-                    self._native = NativePool(self.depth, self.block_bytes, addrs, cuda=False)
-            except NativeUnavailable as exc:
+                    self._native = N.NativePool(self.depth, self.block_bytes, addrs, cuda=False)
+            except N.NativeUnavailable as exc:
                 raise ReadError(f"reader native: {exc} (set reader: preadv)") from exc
             self._natives.append(self._native)
         return self._native
@@ -332,8 +329,6 @@ class BlockReader:
     ) -> _NativeRead:
         """Queue one read in the C pool: ``kind`` direct (into ``dest``, a writable memoryview),
         host / device (to ``to``), or stage (a staging buffer held until placed or released)."""
-        from edgerun.cache import native as N
-
         pool = self._pool_native()
         pool._open()  # a closed reader refuses before it opens a file
         code = N.KINDS.get(kind, N.TO_STAGE)
@@ -364,8 +359,6 @@ class BlockReader:
     def _native_settle(self, r: _NativeRead):
         """Wait for a native read; a block failing its check is read again here (fresh
         descriptor) and checked again, as ``_read_checked`` does; errors are named as there."""
-        from edgerun.cache import native as N
-
         pool = self._native
         held = r.code == N.TO_STAGE
         result, err, got, buf, dt = pool.wait(r.ticket, release=not held)
@@ -719,11 +712,9 @@ class _NativeStaged:
         self._reader, self._ticket, self._counted, self._held = reader, ticket, counted, True
 
     def place(self, to: Target) -> None:
-        from edgerun.cache.native import TO_DEVICE, TO_HOST
-
         device = to.kind == "device"
         stream = to.stream.cuda_stream if device else 0
-        self._end(TO_DEVICE if device else TO_HOST, to.row.data_ptr(), stream)
+        self._end(N.TO_DEVICE if device else N.TO_HOST, to.row.data_ptr(), stream)
 
     def release(self, fence=None) -> None:
         if fence is not None:
