@@ -25,7 +25,7 @@ outside the lookup. Policies:
 - ``2q``: 2Q (Johnson and Shasha), a FIFO for first uses (``kin`` x quota), ghosts of its
   evictions (``kout`` x experts), an LRU for the experts seen again.
 - ``learned scorer``: evicts the held expert with the lowest predicted ``sum_k g ** (k - 1) x
-  [used k lookups on]`` (``g`` fitted), a least-squares fit on the other folds of 11 history
+  [used k lookups on]`` (``g`` fitted), a least-squares fit on the other folds of 10 history
   features: decayed counts at six decays, 1 / (1 + lookups since the last use), the fitted
   transition ``P(used in the next 3 lookups | an expert of this lookup)`` from this lookup's and
   the previous one's experts, and the other folds' use share. ``+ other layers``: also this
