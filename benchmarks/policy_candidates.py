@@ -24,6 +24,8 @@ outside the lookup. Policies:
   lookup's own experts.
 - ``2q``: 2Q (Johnson and Shasha), a FIFO for first uses (``kin`` x quota), ghosts of its
   evictions (``kout`` x experts), an LRU for the experts seen again.
+- ``lirs``: LIRS (Jiang and Zhang), experts with a short reuse distance held as LIR, ``hir``
+  slots (fitted) a FIFO for the rest, promoted when reused while on the recency stack.
 - ``learned scorer``: evicts the held expert with the lowest predicted ``sum_k g ** (k - 1) x
   [used k lookups on]`` (``g`` fitted), a least-squares fit on the other folds of 10 history
   features: decayed counts at six decays, 1 / (1 + lookups since the last use), the fitted
@@ -305,6 +307,76 @@ def pinned_scores(experts: int, order: list[int]):
     return score
 
 
+class LIRS:
+    """LIRS (Jiang and Zhang): experts whose last two uses were close (small inter-reference
+    recency) are LIR and held; ``hir`` slots hold the others (HIR), first in first out. A
+    recency stack keeps the LIR experts and the HIR ones seen since the oldest LIR one (non-held
+    ones up to ``experts``): an HIR expert used again while in it becomes LIR, and the stack's
+    oldest LIR expert becomes HIR."""
+
+    def __init__(self, quota: int, experts: int, hir: int) -> None:
+        self.c, self.lirs, self.bound = quota, quota - hir, experts
+        self.stack: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.fifo: OrderedDict[int, None] = OrderedDict()  # held HIR experts, oldest first
+        self.lir: set[int] = set()
+        self.held: set[int] = set()
+
+    def _top(self, e: int) -> None:
+        self.stack.pop(e, None)
+        self.stack[e] = None
+
+    def _prune(self) -> None:
+        """Drop HIR experts from the stack's bottom until an LIR one is there."""
+        while self.stack and next(iter(self.stack)) not in self.lir:
+            self.stack.popitem(last=False)
+
+    def _promote(self, e: int) -> None:
+        """``e`` becomes LIR; past the LIR count, the stack's oldest LIR expert turns HIR (held)."""
+        self.lir.add(e)
+        self.fifo.pop(e, None)
+        if len(self.lir) > self.lirs:
+            oldest = next(x for x in self.stack if x in self.lir)
+            self.lir.discard(oldest)
+            self.fifo[oldest] = None
+        self._prune()
+
+    def _evict(self, step: set[int]) -> None:
+        victim = next((e for e in self.fifo if e not in step), None)
+        if victim is None:  # every HIR slot holds this lookup's experts: the oldest LIR one goes
+            victim = next(e for e in self.stack if e in self.lir and e not in step)
+            self.lir.discard(victim)
+            del self.stack[victim]
+            self._prune()
+        else:
+            del self.fifo[victim]
+        self.held.discard(victim)
+
+    def access(self, ids: list[int]) -> int:
+        step, misses = set(ids), 0
+        for e in ids:
+            if e not in self.held:
+                misses += 1
+                if len(self.held) >= self.c:
+                    self._evict(step)
+                self.held.add(e)
+            if e in self.lir:
+                self._top(e)
+                self._prune()
+            elif len(self.lir) < self.lirs or e in self.stack:
+                self._top(e)
+                self._promote(e)
+            else:
+                self._top(e)
+                self.fifo.pop(e, None)
+                self.fifo[e] = None
+            while len(self.stack) > self.bound:  # forget the oldest non-held HIR entries
+                old = next((x for x in self.stack if x not in self.held), None)
+                if old is None:
+                    break
+                del self.stack[old]
+        return misses
+
+
 def stateful(test, fit, make, grid):
     """(misses on ``test``, the parameters) of ``make(*params)`` with the grid point whose fresh
     replay of ``fit`` missed least."""
@@ -323,8 +395,64 @@ def scored(test, fit, quota, score, grid):
     return score_misses(test, quota, score(test, best)), best
 
 
-def candidates(path: str, quota: int, folds: int) -> tuple[dict[str, tuple[int, dict]], int]:
-    """Per policy, (misses over every fold, how often each parameter was chosen); the tokens."""
+def layer_runs(test, fit_all, held, pos, quota, experts, top_k, cross):
+    """Per policy, a call giving its (misses, fitted parameters) on ``test``, layer ``pos``'s
+    lookups of the scored fold, fitted on ``fit_all`` (every layer's lookups of the other folds);
+    ``held`` is every layer's lookups of the scored fold (the cross-layer scorer's features)."""
+    fit = fit_all[pos]
+    count, two = lfu_scores(experts), two_decay_scores(experts)
+
+    def lfu(decays):
+        return [(d,) for d in decays]
+
+    pins = pinned_scores(experts, ranked(fit))
+    runs = {
+        "lru": lambda: (replay_set(test, LRUSet(quota)), ()),
+        "belady": lambda: (_belady_misses(test, quota), ()),
+        "lfu, study decays": lambda: scored(test, fit, quota, count, lfu(DECAYS)),
+        "lrfu, fine decays": lambda: scored(test, fit, quota, count, lfu(FINE_DECAYS)),
+        "lfu, two decays": lambda: scored(
+            test,
+            fit,
+            quota,
+            two,
+            [(a, b, w) for a in (0.99, 0.995, 0.999) for b in (0.5, 0.8, 0.9) for w in (0.1, 0.3, 1.0, 3.0)],
+        ),
+        "lfu + pinned": lambda: scored(
+            test,
+            fit,
+            quota,
+            pins,
+            [(d, n) for d in (0.99, 0.999) for n in range(quota - top_k + 1)],
+        ),
+        "w-tinylfu": lambda: stateful(
+            test,
+            fit,
+            lambda d, w: WindowLFU(quota, d, w),
+            [(d, w) for d in (0.99, 0.999) for w in (1, 2, 3)],
+        ),
+        "arc": lambda: stateful(test, fit, lambda: ARC(quota), [()]),
+        "2q": lambda: stateful(
+            test,
+            fit,
+            lambda kin, kout: TwoQ(quota, experts, kin, kout),
+            [(a, b) for a in (0.25, 0.5) for b in (0.25, 0.5, 1.0)],
+        ),
+        "lirs": lambda: stateful(
+            test, fit, lambda hir: LIRS(quota, experts, hir), [(n,) for n in range(1, quota - 1)]
+        ),
+        "learned scorer": lambda: learned_scorer(fit_all, held, pos, quota, experts, False),
+    }
+    if cross:
+        runs["learned scorer + other layers"] = lambda: learned_scorer(
+            fit_all, held, pos, quota, experts, True
+        )
+    return runs
+
+
+def candidates(path: str, quota: int, folds: int, only=None) -> tuple[dict[str, tuple[int, dict]], int]:
+    """Per policy (those named in ``only``, or all; LRU and Belady always), (misses over every
+    fold, how often each parameter was chosen); the tokens."""
     trace = read_trace(path)
     h = trace.header
     experts, layers = h.num_experts, len(h.moe_layers)
@@ -338,60 +466,18 @@ def candidates(path: str, quota: int, folds: int) -> tuple[dict[str, tuple[int, 
     misses: dict[str, int] = defaultdict(int)
     chose: dict[str, dict] = defaultdict(lambda: defaultdict(int))
 
-    def lfu(decays):
-        return [(d,) for d in decays]
-
-    count, two = lfu_scores(experts), two_decay_scores(experts)
     for k in range(folds):
         others = [j for j in range(folds) if j != k]
         fit_all = [[a for j in others for a in parts[j][pos]] for pos in range(layers)]
         for pos in range(layers):
-            test, fit = parts[k][pos], fit_all[pos]
-            pins = pinned_scores(experts, ranked(fit))
-            rows = {
-                "lfu, study decays": scored(test, fit, quota, count, lfu(DECAYS)),
-                "lrfu, fine decays": scored(test, fit, quota, count, lfu(FINE_DECAYS)),
-                "lfu, two decays": scored(
-                    test,
-                    fit,
-                    quota,
-                    two,
-                    [
-                        (a, b, w)
-                        for a in (0.99, 0.995, 0.999)
-                        for b in (0.5, 0.8, 0.9)
-                        for w in (0.1, 0.3, 1.0, 3.0)
-                    ],
-                ),
-                "lfu + pinned": scored(
-                    test,
-                    fit,
-                    quota,
-                    pins,
-                    [(d, n) for d in (0.99, 0.999) for n in range(quota - h.top_k + 1)],
-                ),
-                "w-tinylfu": stateful(
-                    test,
-                    fit,
-                    lambda d, w: WindowLFU(quota, d, w),
-                    [(d, w) for d in (0.99, 0.999) for w in (1, 2, 3)],
-                ),
-                "arc": stateful(test, fit, lambda: ARC(quota), [()]),
-                "2q": stateful(
-                    test,
-                    fit,
-                    lambda kin, kout: TwoQ(quota, experts, kin, kout),
-                    [(a, b) for a in (0.25, 0.5) for b in (0.25, 0.5, 1.0)],
-                ),
-                "learned scorer": learned_scorer(fit_all, parts[k], pos, quota, experts, False),
-            }
-            if cross:
-                rows["learned scorer + other layers"] = learned_scorer(
-                    fit_all, parts[k], pos, quota, experts, True
-                )
-            rows["lru"] = (replay_set(test, LRUSet(quota)), ())
-            rows["belady"] = (_belady_misses(test, quota), ())
-            for name, (m, params) in rows.items():
+            runs = layer_runs(parts[k][pos], fit_all, parts[k], pos, quota, experts, h.top_k, cross)
+            unknown = set(only or ()).difference(runs)
+            if unknown:
+                raise SystemExit(f"--only: no policy {sorted(unknown)}; the policies: {', '.join(runs)}")
+            for name, run in runs.items():
+                if only and name not in only and name not in ("lru", "belady"):
+                    continue
+                m, params = run()
                 misses[name] += m
                 chose[name][params] += 1
     return {name: (m, chose[name]) for name, m in misses.items()}, len(trace.tokens)
@@ -402,12 +488,13 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--quota", type=int, nargs="+", default=[3, 4, 5, 6, 7, 8])
     ap.add_argument("--folds", type=int, default=4)
+    ap.add_argument("--only", nargs="+", metavar="POLICY", help="these policies (the names printed) only")
     ns = ap.parse_args()
     print("| quota | policy | misses/token | x LRU | x Belady | meets | fitted |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for quota in ns.quota:
         t0 = time.perf_counter()
-        rows, tokens = candidates(ns.trace, quota, ns.folds)
+        rows, tokens = candidates(ns.trace, quota, ns.folds, ns.only)
         lru, belady = rows["lru"][0], rows["belady"][0]
         for name, (m, chose) in rows.items():
             top = sorted(chose.items(), key=lambda c: (-c[1], c[0]))[:2]

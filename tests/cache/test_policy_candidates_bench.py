@@ -69,3 +69,21 @@ def test_the_scorer_target_and_transitions_count_what_follows(bench):
     # 1 (at 1 and 3), 0 at +1, 1 at +2. Close, not equal: the count guard adds 1e-9 to each use count
     want = [[0.7 / 2, (2 + 0.7**2) / 2], [1 / 2, 0.7 / 2]]
     assert np.allclose(bench.transitions(u, u), want, rtol=1e-8, atol=0)
+
+
+def test_lirs_keeps_its_reused_experts_through_a_scan(bench):
+    """1 and 2 are reused (LIR, 2 of the 3 slots); 3, 4, 5 pass through the one HIR slot, so 1 and
+    2 are still held at the end, where LRU has evicted both."""
+    lookups = [[1], [2], [1], [2], [3], [4], [5], [1], [2]]
+    assert misses(bench.LIRS(3, 16, 1), lookups) == 5
+    assert replay_misses(lookups, LRUSet(3)) == 7
+
+
+def test_lirs_promotes_an_hir_expert_reused_while_on_its_stack(bench):
+    """3 is evicted from the HIR slot by 4 but stays on the stack, so its reuse makes it LIR and
+    the stack's oldest LIR expert (1) turns HIR: it is the next victim, for 4."""
+    table = bench.LIRS(3, 16, 1)
+    for ids in ([1], [2], [3], [4], [3]):
+        table.access(ids)
+    assert table.lir == {2, 3} and list(table.fifo) == [1]
+    assert table.access([4]) == 1 and table.held == {2, 3, 4}
