@@ -1,7 +1,7 @@
 """Expert-cache policies from the caching literature against LFU with decay, under the study's
 protocol (issue 15): does any reach <= 0.8x LRU's misses and <= 1.3x Belady's at two quotas?
 
-    python benchmarks/policy_candidates.py heldout.jsonl [--quota 3 4 5 6 7 8] [--folds 4]
+    python benchmarks/policy_candidates.py heldout.jsonl [--quota 3 4 5 6 7 8] [--folds 4] [--only arc lirs]
 
 ``edgerun simulate --study``'s protocol: contiguous folds, each scored from a cold cache, whatever
 a policy learns (a decay, a window, a pinned set, a scorer's weights) fitted per layer on the other
@@ -14,7 +14,8 @@ outside the lookup. Policies:
 - ``lrfu, fine decays``: LRFU (a use weighted ``(1/2) ** (lambda * age)``) is LFU with decay
   ``2 ** -lambda``; here fitted from a finer grid of 11 decays.
 - ``lfu, two decays``: a long-decay count plus ``w`` x a short-decay one (recent bursts).
-- ``lfu + pinned``: the other folds' ``n`` most used experts never evicted, LFU among the rest.
+- ``lfu + pinned``: the other folds' ``n`` most used experts kept (evicted only when a lookup
+  leaves nothing else), LFU among the rest.
 - ``w-tinylfu``: the ``w`` most recently used held experts outside the lookup are kept (the
   window), LFU among the rest. (TinyLFU's admission, "keep the new expert only if it is used
   more than the victim", is what LFU with decay does already here: every expert's decayed count is
