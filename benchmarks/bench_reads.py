@@ -8,6 +8,12 @@ Backends (each a closed loop keeping exactly ``depth`` reads in flight):
   io_uring-raw  one thread, one ring, ``depth`` reads submitted and reaped in batches, no pool:
                 what a reader built around the ring alone could reach (not an engine path)
 
+``--idle-ms 0,2,10`` runs another study instead: one read at a time, each after the disk idled
+that long (the engine's pattern without prefetch: a layer's reads start after its router, the
+host's and the GPU's work between layers), per reader (preadv, native); per gap the median and
+p90 time of a read. A read after idle can take longer than one of a back-to-back stream, which
+the calibration's rate at depth 1 measures.
+
 Per cell: GB/s (bytes over the cell's wall time), per-block latency (submit to completion)
 median and p99, and the process's CPU seconds per GB read (all threads: what the reads cost the
 cores the engine computes on); interleaved rounds (each starts at the next backend, so none always goes first
@@ -177,6 +183,40 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def run_idle(
+    backends: list[str], path: Path, bb: int, n_blocks: int, gaps: list[float], reads: int, rng
+) -> list:
+    """Depth 1, each read after ``gap`` seconds idle: rows of backend, gap, median and p90 ms,
+    the gaps interleaved and each backend's reads alternating with the others'."""
+    import torch
+
+    from edgerun.cache.reader import Target
+
+    readers = {b: BlockReader(bb, staging=1, mode="direct", depth=1, reader=b) for b in backends}
+    row = torch.empty(bb, dtype=torch.uint8)
+    times: dict[tuple[str, float], list[float]] = {}
+    for r in readers.values():
+        r.fetch(path, 0, n_blocks, Target("host", row)).result()  # open the file, start the pool
+    for _ in range(reads):
+        for gap in gaps:
+            for b, r in readers.items():
+                time.sleep(gap)
+                t = time.perf_counter()
+                r.fetch(path, rng.randrange(n_blocks), n_blocks, Target("host", row)).result()
+                times.setdefault((b, gap), []).append(time.perf_counter() - t)
+    for r in readers.values():
+        r.close()
+    return [
+        {
+            "backend": b,
+            "idle_ms": gap * 1e3,
+            "median_ms": statistics.median(x) * 1e3,
+            "p90_ms": pct(x, 0.9) * 1e3,
+        }
+        for (b, gap), x in times.items()
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, required=True, help="scratch directory on the disk under test")
@@ -184,10 +224,16 @@ def main() -> int:
     p.add_argument("--depths", default="1,2,4,8,16,32,64")
     p.add_argument("--seconds", type=float, default=0.8, help="per cell (default 0.8)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved, each starting at another backend")
-    p.add_argument("--backends", default="preadv,io_uring,io_uring-raw")
+    p.add_argument(
+        "--backends", default="preadv,io_uring,io_uring-raw", help="(with --idle-ms: preadv,native)"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the test file for another run")
+    p.add_argument("--idle-ms", default=None, help="instead: single reads after these idle gaps (0,2,10)")
+    p.add_argument("--idle-reads", type=int, default=40, help="reads per backend and gap (default 40)")
     ns = p.parse_args()
+    if ns.idle_ms is not None:
+        ns.backends = ",".join(b for b in ns.backends.split(",") if b in ("preadv", "native"))
     bb = block_bytes()
     depths = [int(d) for d in ns.depths.split(",")]
     backends = ns.backends.split(",")
@@ -211,8 +257,23 @@ def main() -> int:
         f"{ns.rounds} rounds x {ns.seconds} s per cell; backends {', '.join(backends)}",
         flush=True,
     )
-    cells: dict[tuple[str, int], list[dict]] = {}
     rng = random.Random(0)
+    if ns.idle_ms is not None:
+        gaps = [float(g) / 1e3 for g in ns.idle_ms.split(",")]
+        try:
+            rows = run_idle(backends, path, bb, n_blocks, gaps, ns.idle_reads, rng)
+        finally:
+            if not ns.keep:
+                path.unlink()
+        print(f"\n{'backend':<8} {'idle ms':>7} {'read ms median':>14} {'p90':>6}")
+        for row in rows:
+            print(f"{row['backend']:<8} {row['idle_ms']:7.0f} {row['median_ms']:14.2f} {row['p90_ms']:6.2f}")
+        if ns.json:
+            ns.json.write_text(
+                json.dumps({"meta": {"block_bytes": bb, "idle": True}, "rows": rows}, indent=1)
+            )
+        return 0
+    cells: dict[tuple[str, int], list[dict]] = {}
     try:
         for k in range(ns.rounds):
             for depth in depths:
