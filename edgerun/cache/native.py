@@ -100,8 +100,10 @@ def cuda_api() -> _CudaApi:
     return api
 
 
+@functools.cache
 def unavailable() -> str | None:
-    """Why the native reader cannot run here (no compiler, a build error, no XXH3_64bits), or None."""
+    """Why the native reader cannot run here (no compiler, a build error, no XXH3_64bits), or None.
+    Asked once a process: a failed build is not tried again by every reader that is made."""
     try:
         library()
         xxh3_64()
