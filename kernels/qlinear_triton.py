@@ -63,9 +63,13 @@ class GemvConfig:
     block_r: int = 16  # weight rows per program (a power of two >= 2; silu_mul: half gate, half up)
     row_bytes: int = 256  # weight bytes of each row loaded per step
     num_warps: int = 2
+    # calls of this many rows or more loop over their steps, each step's words read one step
+    # ahead, instead of unrolling every step (whose decoded weights, kept for every row, run out
+    # of registers); either way a row's operations are the same, so its bits (not part of the tile)
+    rolled_from: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_r", "row_bytes", "num_warps"):
+        for name in ("block_r", "row_bytes", "num_warps"):  # rolled_from: any row count
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
@@ -78,8 +82,15 @@ class GemvConfig:
 # bandwidth decides: each thread holds 4 rows of a step, so the activations it converts serve 4
 # rows (int4 runs out of instruction issue, not bandwidth, with fewer). FEW: under MIN_PROGRAMS
 # programs of MANY (R < ~8K), where latency decides: more, smaller programs.
+# Rolled steps from 2 rows for MANY, from 4 for FEW: benchmarks/bench_rows_gemv.py on an H200
+# (docs/benchmarks.md): the lm_head 0.81x the unrolled time at 2 rows, 0.84x at 4; FEW's small
+# programs lose a little at 2 rows (out_proj 7.6 against 7.3 us) and gain at 4 (9.8 against 13.2).
 MANY = {"int4": GemvConfig(16, 256, 2), "int8": GemvConfig(16, 256, 2), "plain": GemvConfig(16, 512, 4)}
-FEW = {"int4": GemvConfig(2, 512, 4), "int8": GemvConfig(8, 1024, 4), "plain": GemvConfig(8, 1024, 4)}
+FEW = {
+    "int4": GemvConfig(2, 512, 4, rolled_from=4),
+    "int8": GemvConfig(8, 1024, 4, rolled_from=4),
+    "plain": GemvConfig(8, 1024, 4, rolled_from=4),
+}
 MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 
 
@@ -165,6 +176,32 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
 
 
 @triton.jit
+def _step(x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
+          inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N: tl.constexpr, GROUPED: tl.constexpr,
+          NORM: tl.constexpr, CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+          SUM: tl.constexpr):  # fmt: skip
+    """One step of ``_accumulate``: each token's group sums of the step's columns k0 .. k0 +
+    BLOCK_K added into its accumulator, by the same operations whatever N is."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    a0 += _part(x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 1:
+        a1 += _part(x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 2:
+        a2 += _part(x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 3:
+        a3 += _part(x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 4:
+        a4 += _part(x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 5:
+        a5 += _part(x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 6:
+        a6 += _part(x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    if N > 7:
+        a7 += _part(x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _accumulate(
     x,
     x_row,
@@ -188,6 +225,7 @@ def _accumulate(
     NORM: tl.constexpr,
     CODE: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROLLED: tl.constexpr,
 ):
     """fp32 [BLOCK_R, N]: each of ``rows``' dot product with token n's x (RMS-normalised
     first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
@@ -232,44 +270,35 @@ def _accumulate(
     a5 = a0
     a6 = a0
     a7 = a0
-    for k0 in tl.static_range(0, C, BLOCK_K):
-        if k0 == 0:  # read before the grid sync
-            q = _values(wd0, zero, QUANT)
-            scale = scale0
-        else:
-            q = _values(_words(w, rows, k0, C, QUANT, BLOCK_K), zero, QUANT)
+    if ROLLED:  # a loop, each step's words read one step ahead
+        wd = wd0
+        scale = scale0
+        for k0 in range(0, C, BLOCK_K):
+            ahead = tl.minimum(k0 + BLOCK_K, C - BLOCK_K)  # the last step reads itself again
+            wd_next = _words(w, rows, ahead, C, QUANT, BLOCK_K)
+            scale_next = scale
             if GROUPED:
-                scale = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        a0 += _part(x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
-        if N > 1:
-            a1 += _part(
-                x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 2:
-            a2 += _part(
-                x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 3:
-            a3 += _part(
-                x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 4:
-            a4 += _part(
-                x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 5:
-            a5 += _part(
-                x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 6:
-            a6 += _part(
-                x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
-        if N > 7:
-            a7 += _part(
-                x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM
-            )
+                scale_next = _scales(s, rows, ahead, C, G, QUANT, BLOCK_K)
+            q = _values(wd, zero, QUANT)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _step(
+                x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
+                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM,
+            )  # fmt: skip
+            wd = wd_next
+            scale = scale_next
+    else:  # unrolled: every load of the row can be in flight
+        for k0 in tl.static_range(0, C, BLOCK_K):
+            if k0 == 0:  # read before the grid sync
+                q = _values(wd0, zero, QUANT)
+                scale = scale0
+            else:
+                q = _values(_words(w, rows, k0, C, QUANT, BLOCK_K), zero, QUANT)
+                if GROUPED:
+                    scale = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _step(
+                x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
+                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM,
+            )  # fmt: skip
     tok = tl.arange(0, N)[None, :]
     y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, N], dtype=tl.float32))
     if N > 1:
@@ -327,6 +356,7 @@ def _qgemv_kernel(
     NORM_OUT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NO_BLOCK: tl.constexpr,
+    ROLLED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -367,7 +397,7 @@ def _qgemv_kernel(
             tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm & (n < NT))
     y = _accumulate(
         x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
-        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C,
+        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
     )  # fmt: skip
     if ROW_SCALED:
         y = y * tl.load(row_scale + wrow)[:, None]
@@ -494,6 +524,7 @@ def qgemv(
     norm: tuple[torch.Tensor, float, bool] | None = None,
     norm_out: torch.Tensor | None = None,
     alone: bool = False,
+    rolled: bool | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
@@ -533,6 +564,7 @@ def qgemv(
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
+        ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
         num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out

@@ -147,6 +147,29 @@ def test_rows_alone_are_the_one_row_calls(scheme, alone):
     assert rows_alone_mismatch(K.qgemv, w, 3, gen, "cpu", torch.bfloat16, alone=alone) is None
 
 
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul", "residual"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=scheme_id)
+def test_rolled_rows_are_the_unrolled_one_row_calls(scheme, epilogue):
+    """Calls of 2+ rows loop over their steps (``rolled``, each step's words read one ahead),
+    the one-row call unrolls them: every row of a rolled call equals the unrolled one-row call's
+    row bit for bit, RMSNorm prologue included (the interpreter checks the arithmetic; the
+    device's compiled code is checked on CUDA and by the batch's start-up probe)."""
+    gen = torch.Generator().manual_seed(22)
+    w = random_qweight(scheme[0], 32, 128, scheme[1] or 128, gen, "cpu", torch.bfloat16)
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    width = 16 if epilogue == "silu_mul" else 32
+    resid = torch.randn(3, width, generator=gen).bfloat16()
+    norm = (torch.randn(128, generator=gen).bfloat16(), 1e-6, True)
+
+    def call(rows, rolled, out):
+        return K.qgemv(rows, w, None, epilogue, out, config=SMALL, norm=norm, rolled=rolled)
+
+    got = call(x, True, resid.clone() if epilogue == "residual" else None)
+    for j in range(3):
+        one = call(x[j : j + 1], False, resid[j : j + 1].clone() if epilogue == "residual" else None)
+        assert torch.equal(got[j : j + 1], one), f"row {j}"
+
+
 def test_bad_inputs_name_the_tensor():
     g = torch.Generator().manual_seed(4)
     w = random_qweight("int4", 16, 64, 32, g)
