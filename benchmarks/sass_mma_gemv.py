@@ -29,7 +29,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 POINTERS = dict(x="*bf16", w="*u8", s="*u8", row_scale="*fp32", bias="*bf16", gate="*bf16", out="*bf16")
 POINTERS |= dict(norm_w="*bf16", norm_out="*bf16", eps="fp32")
 COMMON = dict(C=C, QUANT=2, G=32, GROUPED=True, ROW_SCALED=True, HAS_BIAS=False, EPILOGUE=0, CODE=1)
-COMMON |= dict(NORM=0, NORM_OUT=False, NO_BLOCK=16, PDL=True, ROLLED=False)
+COMMON |= dict(NORM=0, NORM_OUT=False, NO_BLOCK=16, PDL=True)
 
 
 def sass_ops(fn, const: dict, num_warps: int) -> collections.Counter:
@@ -66,7 +66,9 @@ def main() -> None:
     cfg = K.MANY["int4"]
     block_k = cfg.row_bytes * 2  # qgemv's step for int4: row_bytes of each row, two values a byte
     for n in (1, 2, 4, 8):
-        const = COMMON | dict(N=n, BLOCK_R=cfg.block_r, BLOCK_K=block_k, SUM=32, BLOCK_C=C)
+        const = COMMON | dict(
+            N=n, BLOCK_R=cfg.block_r, BLOCK_K=block_k, SUM=32, BLOCK_C=C, ROLLED=False
+        )  # unrolled: static count = dynamic
         name = f"qgemv N={n} r{cfg.block_r} w{cfg.num_warps}"
         report(name, sass_ops(K._qgemv_kernel, const, cfg.num_warps), cfg.block_r, cfg.num_warps)
 
