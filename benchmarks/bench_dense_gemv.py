@@ -73,6 +73,16 @@ def copies_for(one: int) -> int:
     return max(1, min(CALLS, math.ceil(2 * l2 / one)))
 
 
+def weight_copies(w0: QWeight) -> list[QWeight]:
+    """w0 and clones of it, as many as ``copies_for`` its bytes: the calls of a graph cycle over
+    them, so each call reads its weight from HBM, not L2."""
+    tensors = (w0.weight, w0.scales, w0.row_scale)
+    return [w0] + [
+        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in tensors), w0.group)
+        for _ in range(copies_for(nbytes(w0)) - 1)
+    ]
+
+
 def graph_times(calls, reps: int, flush) -> list[float]:
     """Seconds per call: ``calls`` (CALLS closures) captured in one graph, replayed ``reps`` times."""
     side = torch.cuda.Stream()  # compile and warm up outside the capture (torch's recipe)
@@ -91,10 +101,7 @@ def graph_times(calls, reps: int, flush) -> list[float]:
 def bench_case(scheme, group, R, C, N, reps, flush, configs) -> dict:
     g = torch.Generator(device="cuda").manual_seed(R + C)
     w0 = random_qweight(scheme, R, C, group or C, g, "cuda", torch.bfloat16)
-    weights = [w0] + [
-        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in (w0.weight, w0.scales, w0.row_scale)), w0.group)
-        for _ in range(copies_for(nbytes(w0)) - 1)
-    ]  # fmt: skip
+    weights = weight_copies(w0)
     x = torch.randn(N, C, generator=g, device="cuda").bfloat16()
     outs = [torch.empty(N, R, dtype=torch.bfloat16, device="cuda") for _ in weights]
 

@@ -25,13 +25,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
-from bench_dense_gemv import CALLS, copies_for, graph_times, nbytes  # noqa: E402
+from bench_dense_gemv import CALLS, graph_times, weight_copies  # noqa: E402
 
 from edgerun.kernels import qlinear_mma as MMA  # noqa: E402
 from edgerun.kernels import qlinear_triton as K  # noqa: E402
 from edgerun.kernels.dense_probe import rel_err  # noqa: E402
 from edgerun.kernels.qlinear_reference import qlinear_ref, random_qweight  # noqa: E402
-from edgerun.kernels.qweight import QWeight  # noqa: E402
 
 # (R, C, epilogue): lm_head, a DeltaNet layer's qkv/z/a/b in one GEMV, o_proj, shared gate/up
 SHAPES = [(248320, 2048, "none"), (12352, 2048, "none"), (2048, 4096, "none"), (1024, 2048, "silu_mul")]
@@ -40,10 +39,7 @@ SHAPES = [(248320, 2048, "none"), (12352, 2048, "none"), (2048, 4096, "none"), (
 def bench_shape(R, C, epilogue, tokens, reps, flush, sweep) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(R + C)
     w0 = random_qweight("int4", R, C, 32, g, "cuda", torch.bfloat16)
-    weights = [w0] + [
-        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in (w0.weight, w0.scales, w0.row_scale)), w0.group)
-        for _ in range(copies_for(nbytes(w0)) - 1)
-    ]  # fmt: skip
+    weights = weight_copies(w0)
     width = R // 2 if epilogue == "silu_mul" else R
     xs = torch.randn(max(tokens), C, generator=g, device="cuda").bfloat16()
     rows = []

@@ -27,12 +27,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
-from bench_dense_gemv import CALLS, copies_for, graph_times, nbytes  # noqa: E402
+from bench_dense_gemv import CALLS, graph_times, nbytes, weight_copies  # noqa: E402
 from bench_moe_kernel import copy_bandwidth  # noqa: E402
 
 from edgerun.kernels import qlinear_triton as K  # noqa: E402
 from edgerun.kernels.qlinear_reference import random_qweight  # noqa: E402
-from edgerun.kernels.qweight import QWeight  # noqa: E402
 
 # (name, R, C, epilogue): Qwen3.6-35B-A3B's dense projections at int4 g32
 SHAPES = [
@@ -57,10 +56,7 @@ TILES = [
 def case(name, R, C, epilogue, tiles, tokens, reps, flush, save) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(R + C)
     w0 = random_qweight("int4", R, C, 32, g, "cuda", torch.bfloat16)
-    ws = [w0] + [
-        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in (w0.weight, w0.scales, w0.row_scale)), w0.group)
-        for _ in range(copies_for(nbytes(w0)) - 1)
-    ]  # fmt: skip
+    ws = weight_copies(w0)
     width = R // 2 if epilogue == "silu_mul" else R
     xs = torch.randn(max(tokens), C, generator=g, device="cuda").bfloat16()
     resid = torch.randn(max(tokens), width, generator=g, device="cuda").bfloat16()
