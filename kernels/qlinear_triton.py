@@ -6,7 +6,9 @@ G = columns per scale group, K = BLOCK_K columns of a step.
 A program owns BLOCK_R weight rows (``silu_mul``: BLOCK_R / 2 gate rows, each next to its up
 row r + S) and streams them once, K columns a step: the step's weights are dequantized once into
 fp32 and multiplied by each of the N tokens' x in turn, so weight bytes are read once for all
-tokens. Decode is memory-bound: the steps are unrolled so every load of a row can be in flight.
+tokens. Decode is memory-bound: a one-row call unrolls its steps so every load of a row can be in
+flight; a call of more rows loops over them (``GemvConfig.rolled_from``), each step's words read
+one step ahead, as the decoded weights held for all its rows would otherwise run out of registers.
 
 Sums are fp32: each group's sum(q * x) is multiplied by its scale (int8 grouped, int4), summed
 into one accumulator per (token, row, group slot of a step), and the slots summed at the end;
@@ -229,8 +231,9 @@ def _accumulate(
 ):
     """fp32 [BLOCK_R, N]: each of ``rows``' dot product with token n's x (RMS-normalised
     first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
-    ``scale0``: the first step's words and scales, read already. Every step is unrolled, so all
-    of a row's loads can be in flight.
+    ``scale0``: the first step's words and scales, read already. Unrolled (not ROLLED), all of a
+    row's loads can be in flight; ROLLED, a loop whose next step's words are read before this
+    step's products (a row's operations are the same either way).
 
     Each token has an accumulator of its own, [BLOCK_R, BLOCK_K // SUM] whatever N is, updated
     and summed by the same operations as in a one-token call: a token's bits do not depend on
