@@ -1,7 +1,7 @@
 """Micro-benchmark: ``qgemv`` over N = 1..8 rows (a batch step, a verify window) per tile shape,
 unrolled against rolled steps, and whether each row of an N-row call is the one-row call's row.
 
-    PYTHONPATH=... python3 benchmarks/bench_rows_gemv.py [--reps 20] [--tokens 1,2,4,8] [--json out.json]
+    PYTHONPATH=... python3 benchmarks/bench_rows_gemv.py [--reps 20] [--tokens 1,2,4,8] [--planes] [--json out.json]
 
 A batch step and a speculative verify window run every projection once for all their rows
 (``qgemv`` without ``alone``), and a row's bits must be what the same request's one-row step
@@ -10,6 +10,10 @@ row count, and only how a program walks its steps may change with N (``rolled``:
 next step's words are read one step ahead, instead of every step unrolled). This bench times,
 for each candidate tile, N = 1 unrolled (the one-row step) and N > 1 unrolled and rolled, and
 checks each N-row call's rows against N = 1 unrolled with ``torch.equal``.
+
+``--planes`` also times the nibble-plane tensor-core prototype (kernels/qlinear_planes.py, no
+epilogue) for N up to 16 per (rows a program, warps), with the same row check against its own
+one-row call and its error against ``qlinear_ref``.
 
 Timing as in bench_dense_gemv: CALLS calls in one CUDA graph, replayed --reps times with L2
 evicted before each replay; per call, median and range.
@@ -98,6 +102,55 @@ def case(name, R, C, epilogue, tiles, tokens, reps, flush, save) -> list[dict]:
     return rows
 
 
+PLANE_TILES = [(128, 4), (128, 8), (64, 4), (256, 8)]  # (rows a program, warps)
+
+
+def planes_case(name, R, C, tiles, tokens, reps, flush, save) -> list[dict]:
+    """``qgemv_planes`` (kernels/qlinear_planes.py, no epilogue) per tile and N: time, the
+    error against ``qlinear_ref``, and each N-row call's rows against its one-row call."""
+    from edgerun.kernels.dense_probe import rel_err
+    from edgerun.kernels.qlinear_planes import qgemv_planes, repack_planes
+    from edgerun.kernels.qlinear_reference import qlinear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(R + C)
+    ws = weight_copies(random_qweight("int4", R, C, 32, g, "cuda", torch.bfloat16))
+    planes = [repack_planes(w) for w in ws]
+    xs = torch.randn(max(tokens), C, generator=g, device="cuda").bfloat16()
+    rows = []
+    for block_r, warps in tiles:
+        one = None
+        for N in tokens:
+            outs = [torch.empty(N, R, dtype=torch.bfloat16, device="cuda") for _ in ws]
+
+            def call(i, N=N, outs=outs, block_r=block_r, warps=warps):
+                k = i % len(ws)
+                return qgemv_planes(xs[:N], ws[k], planes[k], outs[k], block_r=block_r, num_warps=warps)
+
+            t = graph_times([lambda i=i: call(i) for i in range(CALLS)], reps, flush)
+            y = call(0).clone()
+            if N == 1:
+                one = [
+                    qgemv_planes(xs[j : j + 1], ws[0], planes[0], None, block_r, warps)
+                    for j in range(max(tokens))
+                ]
+            same = all(torch.equal(y[j], one[j][0]) for j in range(N))
+            err = rel_err(y, qlinear_ref(xs[:N], ws[0]))
+            med = statistics.median(t)
+            rows.append(
+                dict(shape=name, R=R, C=C, epilogue="none", kernel="planes", tile=[block_r, warps], tokens=N,
+                     median_s=med, min_s=min(t), max_s=max(t), bytes=nbytes(ws[0]), rows_equal_one_row=same,
+                     rel_err=err)
+            )  # fmt: skip
+            print(
+                f"{name:<17}{'planes ' + str((block_r, warps)):<15}{N:>3}{'mma':>10}{med * 1e6:>9.1f}"
+                f"{min(t) * 1e6:>8.1f}{max(t) * 1e6:>8.1f}{nbytes(ws[0]) / med / 1e9:>7.0f}"
+                f"{'  rows == one-row' if same else '  ROWS DIFFER'}  err {err:.1e}",
+                flush=True,
+            )
+            save(rows)
+    return rows
+
+
 def call_one(x, w, epilogue, resid, cfg):
     out = resid.clone()
     return K.qgemv(x, w, epilogue=epilogue, out=out, config=cfg, rolled=False)
@@ -109,6 +162,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--tiles", default=";".join(",".join(map(str, t)) for t in TILES))
+    ap.add_argument("--planes", action="store_true", help="also time qgemv_planes (no epilogue), N up to 16")
+    ap.add_argument("--plane-tiles", default=";".join(f"{r},{w}" for r, w in PLANE_TILES))
+    ap.add_argument("--only-planes", action="store_true", help="time qgemv_planes only")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     tokens = [int(n) for n in a.tokens.split(",")]
@@ -127,9 +183,15 @@ def main() -> None:
                 json.dumps(dict(device=name, torch=torch.__version__, copy_bw=copy_bw, rows=every), indent=1)
             )
 
+    plane_tiles = [tuple(int(v) for v in t.split(",")) for t in a.plane_tiles.split(";")]
     for s in SHAPES:
-        if s[0] in a.shapes.split(","):
+        if s[0] not in a.shapes.split(","):
+            continue
+        if not a.only_planes:
             out += case(*s, tiles, tokens, a.reps, lambda _i: flush.zero_(), save)
+        if a.planes or a.only_planes:
+            ptokens = sorted(set(tokens) | {16})
+            out += planes_case(s[0], s[1], s[2], plane_tiles, ptokens, a.reps, lambda _i: flush.zero_(), save)
 
 
 if __name__ == "__main__":

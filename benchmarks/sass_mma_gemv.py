@@ -32,7 +32,9 @@ COMMON = dict(C=C, QUANT=2, G=32, GROUPED=True, ROW_SCALED=True, HAS_BIAS=False,
 COMMON |= dict(NORM=0, NORM_OUT=False, NO_BLOCK=16, PDL=True)
 
 
-def sass_ops(fn, const: dict, num_warps: int) -> collections.Counter:
+def sass_ops(fn, const: dict, num_warps: int, loop_body: bool = False) -> collections.Counter:
+    """Instructions of one program by opcode; ``loop_body``: those of its longest loop only (a
+    kernel whose steps are a runtime loop: the body runs once a step)."""
     sig = {a: POINTERS.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch with torch's allocations specializes them
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
@@ -47,13 +49,38 @@ def sass_ops(fn, const: dict, num_warps: int) -> collections.Counter:
         sass = subprocess.run(
             [str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
-    return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass))
+    ins = [
+        (int(m.group(1), 16), m.group(2), m.group(3))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*)", sass)
+    ]
+    if loop_body:  # the longest backward branch's span
+        spans = [
+            (int(t.group(1), 16), a)
+            for a, op, rest in ins
+            if op == "BRA" and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < a
+        ]
+        lo, hi = max(spans, key=lambda s: s[1] - s[0])
+        ins = [i for i in ins if lo <= i[0] <= hi]
+    return collections.Counter(op for _, op, _ in ins)
 
 
 def report(name: str, ops: collections.Counter, rows: int, num_warps: int) -> None:
     per_value = sum(ops.values()) / (rows * C / (32 * num_warps))
     top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
     print(f"{name:<28}{sum(ops.values()):>7}{per_value:>8.2f}   {top}")
+
+
+def report_planes() -> None:
+    """The nibble-plane prototype (kernels/qlinear_planes.py): its loop body, one step of 4 G
+    columns, per weight value of the step; the same for any N <= 16."""
+    from edgerun.kernels import qlinear_planes as P
+
+    for block_r, warps in ((128, 4), (128, 8), (64, 4), (256, 8)):
+        const = dict(C=C, G=32, BLOCK_R=block_r, INTERPRET=False)
+        ops = sass_ops(P._planes_kernel, const, warps, loop_body=True)
+        per_value = sum(ops.values()) / (block_r * 4 * 32 / (32 * warps))
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+        print(f"{f'planes r{block_r} w{warps} (a step)':<28}{sum(ops.values()):>7}{per_value:>8.2f}   {top}")
 
 
 def main() -> None:
@@ -71,6 +98,7 @@ def main() -> None:
         )  # unrolled: static count = dynamic
         name = f"qgemv N={n} r{cfg.block_r} w{cfg.num_warps}"
         report(name, sass_ops(K._qgemv_kernel, const, cfg.num_warps), cfg.block_r, cfg.num_warps)
+    report_planes()
 
 
 if __name__ == "__main__":
