@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3
+from edgerun.kernels.dense_triton import _round
 from edgerun.kernels.moe_triton import _mma
 from edgerun.kernels.qweight import QWeight
 
@@ -103,9 +104,11 @@ def _planes_kernel(
                 wt = (_plane(h, j).to(tl.float32) * sc[:, None] - 136.0 * sc[:, None]).to(tl.bfloat16)
             else:
                 sb = sc.to(tl.bfloat16)[:, None]  # exact: an e4m3 value has 4 significant bits
-                wt = _plane_asm(h, j) * sb + (-136.0 * sc).to(tl.bfloat16)[:, None]
+                wt = tl.fma(_plane_asm(h, j), sb, (-136.0 * sc).to(tl.bfloat16)[:, None])  # one rounding
             acc = _mma(wt, tl.trans(xt), acc, INTERPRET)
-    y = acc * tl.load(row_scale + rows)[:, None]
+    y = _round(
+        acc * tl.load(row_scale + rows)[:, None], 1
+    )  # to bf16, nearest-even (the interpreter's cast truncates)
     tok = n[None, :]
     mask = (tok < NT) & (r[:, None] < ROWS)
     tl.store(out + tok * out_row + r[:, None], y.to(out.dtype.element_ty), mask=mask)
