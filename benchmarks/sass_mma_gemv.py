@@ -64,8 +64,9 @@ def sass_ops(fn, const: dict, num_warps: int, loop_body: bool = False) -> collec
     return collections.Counter(op for _, op, _ in ins)
 
 
-def report(name: str, ops: collections.Counter, rows: int, num_warps: int) -> None:
-    per_value = sum(ops.values()) / (rows * C / (32 * num_warps))
+def report(name: str, ops: collections.Counter, rows: int, num_warps: int, cols: int = C) -> None:
+    """One line: the instructions counted, and per weight value of ``rows`` x ``cols`` a program."""
+    per_value = sum(ops.values()) / (rows * cols / (32 * num_warps))
     top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
     print(f"{name:<28}{sum(ops.values()):>7}{per_value:>8.2f}   {top}")
 
@@ -78,9 +79,7 @@ def report_planes() -> None:
     for block_r, warps in ((128, 4), (128, 8), (64, 4), (256, 8)):
         const = dict(C=C, G=32, BLOCK_R=block_r, INTERPRET=False)
         ops = sass_ops(P._planes_kernel, const, warps, loop_body=True)
-        per_value = sum(ops.values()) / (block_r * 4 * 32 / (32 * warps))
-        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"{f'planes r{block_r} w{warps} (a step)':<28}{sum(ops.values()):>7}{per_value:>8.2f}   {top}")
+        report(f"planes r{block_r} w{warps} (a step)", ops, block_r, warps, cols=4 * 32)
 
 
 def main() -> None:
