@@ -23,6 +23,7 @@ import torch
 
 FAMILIES = [  # (family, substrings of the kernel name), first match wins
     ("projection GEMV", ("_qgemv_kernel",)),
+    ("tensor-core GEMV", ("_planes_kernel",)),
     ("expert gate_up", ("_gate_up_kernel",)),
     ("expert down", ("_down_kernel",)),
     ("router top-k", ("topk", "router")),
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument(
         "--quota", type=int, default=256, help="expert slots a layer (default 256: every expert held)"
     )
+    ap.add_argument("--gemv", choices=("planes", "rows"), default="planes", help="serve's --batch-gemv")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -61,7 +63,7 @@ def main() -> None:
 
     cache = cache_config(a.bundle, quota=a.quota, batch=a.batch)
     runner = Runner.load(a.bundle, device="cuda", dtype=torch.bfloat16, cache=cache, max_context=256)
-    runner.enable_batch(a.batch)
+    runner.enable_batch(a.batch, planes=a.gemv == "planes")
     steps = runner.row_steps
     report = {"bundle": str(a.bundle), "device": torch.cuda.get_device_name(), "rows": {}}
     for n in (int(v) for v in a.rows.split(",")):
@@ -103,6 +105,10 @@ def main() -> None:
         )
         for f in sorted(fam_us, key=lambda f: -fam_us[f]):
             print(f"    {f:<20}{fam_us[f]:>9.1f} us{fam_n[f]:>7.0f} launches")
+        other = sorted((e for e in prof.key_averages() if family(e.key) == "other"), key=lambda e: -e.count)
+        for e in other[:6]:  # what "other" holds, by launches
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            print(f"      other: {e.key[:60]:<60}{t / a.steps:>8.1f} us{e.count / a.steps:>5.0f} launches")
         sys.stdout.flush()
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))

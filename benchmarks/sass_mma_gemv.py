@@ -72,14 +72,18 @@ def report(name: str, ops: collections.Counter, rows: int, num_warps: int, cols:
 
 
 def report_planes() -> None:
-    """The nibble-plane prototype (kernels/qlinear_planes.py): its loop body, one step of 4 G
-    columns, per weight value of the step; the same for any N <= 16."""
+    """The nibble-plane GEMV (kernels/qlinear_planes.py): its loop body, one step of 4 G columns,
+    per weight value of the step, without and with the RMSNorm prologue; the same for any N <= 16."""
     from edgerun.kernels import qlinear_planes as P
 
-    for block_r, warps in ((128, 4), (128, 8), (64, 4), (256, 8)):
-        const = dict(C=C, G=32, BLOCK_R=block_r, INTERPRET=False)
-        ops = sass_ops(P._planes_kernel, const, warps, loop_body=True)
-        report(f"planes r{block_r} w{warps} (a step)", ops, block_r, warps, cols=4 * 32)
+    POINTERS.update(part="*fp32", count="*i32")
+    for block_r, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for norm in (0, 1):
+            const = COMMON | dict(C=C, G=32, BLOCK_R=block_r, SPLIT=2, NORM=norm, BLOCK_C=C, INTERPRET=False)
+            const = {k: v for k, v in const.items() if k in P._planes_kernel.arg_names}
+            ops = sass_ops(P._planes_kernel, const, warps, loop_body=True)
+            name = f"planes r{block_r} w{warps}{' norm' if norm else ''} (a step)"
+            report(name, ops, block_r, warps, cols=4 * 32)
 
 
 def main() -> None:

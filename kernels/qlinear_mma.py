@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
+from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_triton import INTERPRETED, _mma, _pow2_divisor
 from edgerun.kernels.qlinear_triton import (
@@ -56,8 +56,10 @@ from edgerun.kernels.qlinear_triton import (
     QUANT_CODE,
     _check,
     _check_norm,
+    _finish,
     _normed,
     _scales,
+    _tile_rows,
     _values,
     _where,
     _words,
@@ -203,16 +205,7 @@ def _qgemv_mma_kernel(
 ):
     """``_qgemv_kernel``'s arguments (kernels/qlinear_triton.py), less the token constexprs: NT
     (the call's rows, <= 16) is a runtime value, so every row count runs this one kernel."""
-    i = tl.arange(0, BLOCK_R)
-    if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
-        OUT_R: tl.constexpr = BLOCK_R // 2
-        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
-        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
-    else:
-        OUT_R: tl.constexpr = BLOCK_R
-        ocol = tl.program_id(0) * BLOCK_R + i
-        wrow = tl.minimum(ocol, ROWS - 1)
-    wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
+    ocol, wrow = _tile_rows(ROWS, EPILOGUE, BLOCK_R)
     wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
     scale0 = wd0
     if GROUPED:
@@ -250,25 +243,8 @@ def _qgemv_mma_kernel(
             xt = _normed(xt.to(tl.float32), inv[:, None], wn[None, :], NORM, CODE).to(wt.dtype)
         acc = _mma(wt, tl.trans(xt), acc, INTERPRET)  # [BLOCK_R, 16]: element (r, n) from row n of x only
 
-    y = acc
-    if ROW_SCALED:
-        y = y * tl.load(row_scale + wrow)[:, None]
-    if HAS_BIAS:
-        y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
-    y = _round(y, CODE)  # F.linear's output, in x.dtype: [BLOCK_R, 16], tokens last
-
-    tok = n[None, :]
-    dst = out + tok * out_row + ocol[:, None]
-    mask = (tok < NT) & (ocol[:, None] < ROWS)
-    if EPILOGUE == 1:
-        g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, 16]), (0, 2, 1)))
-        y = _round(_round(_silu(g), CODE) * u, CODE)
-    elif EPILOGUE == 2:
-        y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
-    elif EPILOGUE == 3:
-        logit = tl.load(gate + tok * gate_row, mask=tok < NT, other=0.0).to(tl.float32)
-        y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
-    tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
+    _finish(acc, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, 16, ROW_SCALED, HAS_BIAS,
+            EPILOGUE, CODE)  # fmt: skip
 
 
 def _check_mma(x, w, bias, epilogue, out, gate) -> int:

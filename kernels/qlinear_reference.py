@@ -137,13 +137,24 @@ def probe_cases(
     device: torch.device | str,
     dtype: torch.dtype,
     tokens: int = 1,
+    planes: bool = False,
 ) -> float:
-    """Run ``qgemv`` against ``qlinear_ref`` on random weights for each case (scheme, R, C, group,
-    epilogue[, norm]), twice: the worst error relative to the output's scale, or Mismatch if a
-    case is over TOLERANCE[dtype], not finite, or does not repeat bit for bit. A case with a
-    norm (NORMS) also checks the normalised x the kernel writes out. On CUDA, or on CPU under
-    Triton's interpreter (the tests)."""
+    """Run ``qgemv`` (``planes``: ``qgemv_planes`` on the weight repacked) against ``qlinear_ref``
+    on random weights for each case (scheme, R, C, group, epilogue[, norm]), twice: the worst
+    error relative to the output's scale, or Mismatch if a case is over TOLERANCE[dtype], not
+    finite, or does not repeat bit for bit. A case with a norm (NORMS) also checks the
+    normalised x the kernel writes out. On CUDA, or on CPU under Triton's interpreter (the
+    tests)."""
+    from edgerun.kernels import qlinear_planes as P
     from edgerun.kernels.qlinear_triton import qgemv, unsupported
+
+    def gemv(x, w, bias, epilogue, out, gate, norm, norm_out):
+        if not planes:
+            return qgemv(x, w, bias, epilogue, out, gate, norm=norm, norm_out=norm_out)
+        pw = P.planes_weight(w)
+        return P.qgemv_planes(
+            x, pw, bias, epilogue, out, gate, norm, norm_out, count=P.planes_counters(pw, x.device)
+        )
 
     if dtype not in TOLERANCE:
         raise Mismatch(f"no kernel for model dtype {dtype}")
@@ -153,11 +164,11 @@ def probe_cases(
     for case in shapes:
         scheme, R, C, group, epilogue = case[:5]
         kind = case[5] if len(case) > 5 else "none"
-        what = f"qgemv {scheme} [{R}, {C}] group {group} {epilogue}" + (
+        what = f"{'qgemv_planes' if planes else 'qgemv'} {scheme} [{R}, {C}] group {group} {epilogue}" + (
             f" norm {kind}" if kind != "none" else ""
         )
         w = random_qweight(scheme, R, C, group, gen, device, dtype)
-        why = unsupported(w)
+        why = P.planes_unsupported(w, dtype) if planes else unsupported(w)
         if why:
             raise Mismatch(f"{what}: {why}")
         x = (torch.randn(tokens, C, generator=gen, device=device) * 3).to(dtype)
@@ -178,7 +189,7 @@ def probe_cases(
         for _ in range(2):
             out = None if residual is None else residual.clone()
             no = None if norm is None else torch.empty_like(x)
-            runs.append(qgemv(x, w, None, epilogue, out, gate, norm=norm, norm_out=no))
+            runs.append(gemv(x, w, None, epilogue, out, gate, norm, no))
             outs.append(no)
         checks = [(what, runs, ref)] + ([(f"{what}: normalised x", outs, normed)] if norm is not None else [])
         for name, got, want in checks:

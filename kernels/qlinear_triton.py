@@ -321,6 +321,47 @@ def _accumulate(
     return y
 
 
+@triton.jit
+def _tile_rows(ROWS, EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(output columns [OUT_R], weight rows [BLOCK_R] int64) of the tile of program p (grid axis 0): BLOCK_R rows
+    (silu_mul: row i is the gate row (i even) or the up row (odd) of output column i // 2, so
+    OUT_R = BLOCK_R / 2). Rows past ROWS are clamped to the last (loads stay unmasked)."""
+    i = tl.arange(0, BLOCK_R)
+    if EPILOGUE == 1:
+        OUT_R: tl.constexpr = BLOCK_R // 2
+        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
+        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
+    else:
+        ocol = tl.program_id(0) * BLOCK_R + i
+        wrow = tl.minimum(ocol, ROWS - 1)
+    return ocol, wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
+
+
+@triton.jit
+def _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N: tl.constexpr,
+            ROW_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+    """A tile's fp32 sums y [BLOCK_R, N] (tokens last) to its outputs: the row scale and bias,
+    rounded to x.dtype (F.linear's output), then the epilogue, rounded where its torch ops round;
+    the NT tokens of the call stored, columns past ROWS not."""
+    if ROW_SCALED:
+        y = y * tl.load(row_scale + wrow)[:, None]
+    if HAS_BIAS:
+        y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
+    y = _round(y, CODE)
+    tok = tl.arange(0, N)[None, :]
+    dst = out + tok * out_row + ocol[:, None]
+    mask = (tok < NT) & (ocol[:, None] < ROWS)
+    if EPILOGUE == 1:
+        g, u = tl.split(tl.permute(tl.reshape(y, [y.shape[0] // 2, 2, N]), (0, 2, 1)))
+        y = _round(_round(_silu(g), CODE) * u, CODE)
+    elif EPILOGUE == 2:
+        y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
+    elif EPILOGUE == 3:
+        logit = tl.load(gate + tok * gate_row, mask=tok < NT, other=0.0).to(tl.float32)
+        y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
+    tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel
 
@@ -375,16 +416,7 @@ def _qgemv_kernel(
     out += j * out_row
     gate += j * gate_row
     norm_out += j * C
-    i = tl.arange(0, BLOCK_R)
-    if EPILOGUE == 1:  # row i: gate row (i even) or up row (odd) of output column i // 2
-        OUT_R: tl.constexpr = BLOCK_R // 2
-        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
-        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
-    else:
-        OUT_R: tl.constexpr = BLOCK_R
-        ocol = tl.program_id(0) * BLOCK_R + i
-        wrow = tl.minimum(ocol, ROWS - 1)
-    wrow = wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
+    ocol, wrow = _tile_rows(ROWS, EPILOGUE, BLOCK_R)
     wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
     scale0 = wd0
     if GROUPED:
@@ -402,24 +434,8 @@ def _qgemv_kernel(
         x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
         BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
     )  # fmt: skip
-    if ROW_SCALED:
-        y = y * tl.load(row_scale + wrow)[:, None]
-    if HAS_BIAS:
-        y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
-    y = _round(y, CODE)  # F.linear's output, in x.dtype: [BLOCK_R, N], tokens last
-
-    tok = tl.arange(0, N)[None, :]
-    dst = out + tok * out_row + ocol[:, None]
-    mask = (tok < NT) & (ocol[:, None] < ROWS)
-    if EPILOGUE == 1:
-        g, u = tl.split(tl.permute(tl.reshape(y, [OUT_R, 2, N]), (0, 2, 1)))
-        y = _round(_round(_silu(g), CODE) * u, CODE)
-    elif EPILOGUE == 2:
-        y = _round(tl.load(dst, mask=mask, other=0.0).to(tl.float32) + y, CODE)
-    elif EPILOGUE == 3:
-        logit = tl.load(gate + tok * gate_row, mask=tok < NT, other=0.0).to(tl.float32)
-        y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
-    tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
+    _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED, HAS_BIAS,
+            EPILOGUE, CODE)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,12 +485,12 @@ def _where(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
-def _check(x, w, bias, epilogue, out, gate) -> int:
+def _check(x, w, bias, epilogue, out, gate, max_rows: int = MAX_TOKENS) -> int:
     """Errors name the tensor; only attribute checks (no device work). Returns the output width."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in DTYPE_CODE:
         raise ValueError(f"x must be [N, C] with contiguous rows in {list(DTYPE_CODE)}, got {_where(x)}")
-    if x.shape[0] > MAX_TOKENS:
-        raise ValueError(f"x has {x.shape[0]} rows; qgemv takes at most {MAX_TOKENS} (use a GEMM)")
+    if x.shape[0] > max_rows:
+        raise ValueError(f"x has {x.shape[0]} rows; a GEMV takes at most {max_rows} (use a GEMM)")
     w.check()
     why = unsupported(w)
     if why:

@@ -41,7 +41,7 @@ from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, accept, dr
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
-from edgerun.models.layers import MAX_GEMV_ROWS, DecodeState, SparseMoe, exact_rows
+from edgerun.models.layers import MAX_GEMV_ROWS, DecodeState, SparseMoe, exact_rows, planes_cases
 from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
@@ -92,11 +92,14 @@ class Runner:
         self.last_speedup = 0.0  # the last speculative request's decode rate over 1 / row_step_s
         self.window_note = ""  # CUDA: how a verify window's projections run, as its probe found
         self.window_fallbacks: dict[str, str] = {}  # the window probe's, by kind
+        self.planes = 0  # projections on the tensor-core GEMV (a batch's, ``_use_planes``)
+        self.planes_refused: str | None = None  # why its probe kept them off it
 
-    def enable_batch(self, size: int) -> None:
+    def enable_batch(self, size: int, planes: bool = True) -> None:
         """Decode up to ``size`` requests together (engine/batch.py): each one's generator
         joins a slot of one state pool and its decode steps are multi-row steps over every
-        request decoding; refused, saying why, where it cannot run. 1: one request at a time."""
+        request decoding; refused, saying why, where it cannot run. 1: one request at a time.
+        ``planes``: on CUDA, the large int4 projections on the tensor-core GEMV (``_use_planes``)."""
         if size < 1:
             raise EdgerunError(f"batch must be >= 1, got {size}")
         if size > 1 and self.speculative is not None:
@@ -116,6 +119,7 @@ class Runner:
             self._refuse_rows(f"batch {size}: a step of {size} rows", size, "B", f"--batch {fits} fits")
         self.batch, self.row_steps = None, None
         self.model.share_rows(False)
+        self._use_planes(size if planes else 1)
         if size > 1:
             self.batch = DecodeBatch(
                 self.model, size, self.max_context, self.device, self.batch_step, self._advance_rows
@@ -123,6 +127,30 @@ class Runner:
             if self.kernels.dense == "triton":  # the fused kernels: static steps over the pool
                 self.model.share_rows(True)  # one GEMV for all rows, unless the probe refuses it
                 self._build_row_steps()
+                if self.planes_refused:
+                    self.row_steps.own_fallbacks["batch_gemv_planes"] = self.planes_refused
+
+    def _use_planes(self, size: int) -> None:
+        """A batch of ``size`` > 1 on CUDA runs its large int4 projections on the tensor-core GEMV
+        (``Model.use_planes``), whose cost hardly grows with a step's rows, for every row count
+        (its bits are not ``qgemv``'s, so one-row steps too), once it matched the reference on
+        this device at 1 and ``size`` rows; otherwise they stay on ``qgemv`` (a fallback, named).
+        1 (a batch-1 daemon, or serve --batch-gemv rows) puts them back on ``qgemv``."""
+        from edgerun.kernels.qlinear_reference import Mismatch, probe_cases
+
+        on = size > 1 and self.kernels.dense == "triton" and self.device.type == "cuda"
+        taken = self.model.use_planes(on)
+        self.planes_refused = None
+        if taken:
+            dtype = self.model.model.embed_tokens.weight.dtype
+            try:
+                for n in sorted({1, size}):
+                    probe_cases(planes_cases(taken), self.device, dtype, tokens=n, planes=True)
+            except Mismatch as exc:
+                self.model.use_planes(False)
+                taken = []
+                self.planes_refused = f"the batch's projections on qgemv (2+ rows cost more): {exc}"
+        self.planes = len(taken)
 
     def _build_row_steps(self) -> None:
         self.row_steps = RowSteps(
@@ -157,6 +185,7 @@ class Runner:
         how = (
             "projections: one GEMV for all rows" if shared else "projections: each row by its own programs"
         ) if self.row_steps is not None else "torch kernels"  # fmt: skip
+        how += f", {self.planes} of them on the tensor-core GEMV" if self.planes else ""
         n = ", ".join(str(c) for c in counts)
         return f"a {n}-row batch step equals its rows' one-row steps, bit for bit (batch {b.size}; {how})"
 
@@ -409,7 +438,8 @@ class Runner:
     def kernel_summary(self) -> str:
         text = self.kernels.describe()
         text += f"; {self.decoder.describe()}" if self.decoder is not None else ""
-        return text + (f"; {self.row_steps.describe()}" if self.row_steps is not None else "")
+        text += f"; {self.row_steps.describe()}" if self.row_steps is not None else ""
+        return text + (f"; {self.planes} projection(s) on the tensor-core GEMV" if self.planes else "")
 
     @classmethod
     def load(

@@ -24,6 +24,7 @@ from edgerun.models.layers import (
     exact_rows,
 )
 
+PLANES_MIN_VALUES = 2048 * 4096  # a projection this large or larger goes on the tensor-core GEMV in a batch
 PROBE_ROWS = 4096  # the dense probe runs a projection of more rows at this many (plus the tail)
 
 
@@ -171,6 +172,8 @@ class CausalLM(nn.Module):
         packed = 0
         for m in self.modules():
             if isinstance(m, QLinear):
+                if not gemv:
+                    m.use_planes(False)  # its bytes back in QWeight's order for the reference
                 m.gemv = gemv
                 take = cpu_dense and m.scheme != "plain" and qlinear_cpu.unsupported(m.qweight()) is None
                 m.cpu = qlinear_cpu.pack(m.qweight()) if take else None
@@ -178,6 +181,23 @@ class CausalLM(nn.Module):
             elif isinstance(m, GatedDeltaNet):
                 m.chunk_fla = delta_chunk
         return packed
+
+    def use_planes(self, on: bool) -> list[QLinear]:
+        """Put (``on``) every projection the tensor-core GEMV takes and is worth it for (int4 in
+        a bf16 model, at least PLANES_MIN_VALUES weights: smaller ones are latency-bound, where
+        ``qgemv`` is faster at any row count) on it, or take every one off it. Returns those on it."""
+        from edgerun.kernels.qlinear_planes import planes_unsupported
+
+        dtype = self.model.embed_tokens.weight.dtype
+        taken = []
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                worth = m.gemv and m.out_features * m.in_features >= PLANES_MIN_VALUES
+                take = on and worth and planes_unsupported(m.qweight(), dtype) is None
+                m.use_planes(take)
+                if take:
+                    taken.append(m)
+        return taken
 
     def share_rows(self, on: bool) -> None:
         """Within ``exact_rows`` (a batch's step, a speculative verify window), run each projection's rows in one GEMV

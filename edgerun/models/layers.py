@@ -87,6 +87,10 @@ class QLinear(nn.Module):
         # by programs of its own, reading the weight again (``Model.share_rows``)
         self.shared_rows = False
         self.cpu = None  # the stored bytes packed for the CPU kernels (kernels/qlinear_cpu.py), when chosen
+        # the tensor-core GEMV (kernels/qlinear_planes.py) when chosen (``use_planes``): then
+        # ``weight`` holds the bytes repacked in nibble planes, and these are its tile and counters
+        self.planes = None
+        self.planes_count: torch.Tensor | None = None
 
     @classmethod
     def of(cls, m: nn.Module) -> QLinear:
@@ -107,7 +111,29 @@ class QLinear(nn.Module):
         return cls(concat_rows([p.qweight() for p in parts]), None if bias is None else bias.detach())
 
     def qweight(self) -> QWeight:
+        """The weight as stored; with ``planes``, its bytes are in nibble-plane order."""
         return QWeight(self.scheme, self.weight, self.scales, self.row_scale, self.group)
+
+    def use_planes(self, on: bool) -> None:
+        """Run decode-sized inputs on the tensor-core GEMV (``qgemv_planes``, whose cost hardly
+        grows with the rows: a batch's steps) or not: the weight's bytes are repacked in place
+        (no second copy), or back. Its bits differ from ``qgemv``'s, so a batch that uses it
+        uses it for every row count, one-row steps included."""
+        from edgerun.kernels import qlinear_planes as P
+
+        if on == (self.planes is not None):
+            return
+        w = self.qweight()
+        if on:
+            why = P.planes_unsupported(w, torch.bfloat16)
+            if why:
+                raise ValueError(f"{self.extra_repr()}: the tensor-core GEMV cannot run it: {why}")
+            self.weight = _frozen(P.repack_planes(w))
+            self.planes = P.planes_config(w.rows, w.cols, w.group)
+            self.planes_count = P.planes_counters(w, w.weight.device)
+        else:
+            self.weight = _frozen(P.unpack_planes(w))
+            self.planes, self.planes_count = None, None
 
     def forward(
         self,
@@ -132,6 +158,21 @@ class QLinear(nn.Module):
             # GEMV too, not a dequantized copy of the whole weight (1 GB for Qwen3.6's lm_head)
             flat = self(x.reshape(-1, x.shape[-1]), epilogue)
             return flat.reshape(*x.shape[:-1], flat.shape[-1])
+        if self.gemv and x.dim() == 2 and x.shape[0] <= limit and self.planes is not None:
+            from edgerun.kernels import qlinear_planes
+
+            return qlinear_planes.qgemv_planes(
+                x,
+                self.qweight(),
+                self.bias,
+                epilogue,
+                out,
+                gate,
+                nrm,
+                norm_out,
+                self.planes,
+                self.planes_count,
+            )  # each row in the MMA's columns of its own: one row's bits whatever the rows (no ``alone``)
         if self.gemv and x.dim() == 2 and x.shape[0] <= limit:
             from edgerun.kernels import qlinear_triton
 
@@ -154,9 +195,14 @@ class QLinear(nn.Module):
         elif self.gemv and self.scheme != "plain" and x.is_cuda:
             # more rows than a GEMV takes (prefill): the weight's exact values in one launch (the
             # bits the reference's torch dequantization gives), then cuBLAS
-            from edgerun.kernels import qlinear_triton
+            from edgerun.kernels import qlinear_planes, qlinear_triton
 
-            w = QWeight("plain", qlinear_triton.dequantize_weight(w, x.dtype))
+            dequantize = (
+                qlinear_planes.dequantize_planes
+                if self.planes is not None
+                else qlinear_triton.dequantize_weight
+            )
+            w = QWeight("plain", dequantize(w, x.dtype))
         if x.dim() == 2 or out is not None:
             return self._reference(x, w, epilogue, out, gate, nrm, norm_out, matmul)
         if norm is not None:
@@ -191,6 +237,25 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group {self.group}" if self.scheme != "plain" else ""
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}"
+
+
+def planes_cases(mods: list[QLinear]) -> list[tuple]:
+    """What the tensor-core GEMV's start-up probe runs (``qlinear_reference.probe_cases`` with
+    ``planes``) for these projections: each one's (int4, rows, cols, group) with no epilogue, its
+    rows capped where its tile stops splitting the columns (the tile of the projection itself),
+    and each epilogue and RMSNorm prologue on 128 rows (a split tile) once per (cols, group)."""
+    from edgerun.kernels.qlinear_planes import MIN_PROGRAMS
+
+    shapes, kinds = set(), set()
+    for m in mods:
+        shapes.add(("int4", min(m.out_features, 64 * MIN_PROGRAMS), m.in_features, m.group, "none"))
+        kinds.add((m.in_features, m.group))
+    for cols, group in kinds:
+        shapes.update(("int4", 128, cols, group, e) for e in ("silu_mul", "residual", "gated"))
+        shapes.update(
+            ("int4", 128, cols, group, e, n) for e in ("none", "silu_mul") for n in ("unit", "plain")
+        )
+    return sorted(shapes)
 
 
 class RMSNorm(nn.Module):

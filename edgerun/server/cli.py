@@ -52,6 +52,7 @@ _FLAGS = (
     "socket_group",
     "queue_size",
     "batch",
+    "batch_gemv",
     "request_timeout",
     "grace_period",
     "default_max_tokens",
@@ -105,6 +106,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"requests decoded together (default {DEFAULT_BATCH} on the CPU, 1 on CUDA or with --speculative; "
         "at most 8 on CUDA; with --profile the plan is made for it)",
+    )
+    p.add_argument(
+        "--batch-gemv",
+        choices=("planes", "rows"),
+        help="a CUDA batch's large int4 projections: planes (default), the tensor-core GEMV whose cost hardly "
+        "grows with the rows decoding together; rows, the GEMV a batch-1 daemon runs, faster for one request "
+        "and slower for several (docs/benchmarks.md)",
     )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
@@ -327,7 +335,7 @@ class EngineLoader:
             prefill_chunk=opts.prefill_chunk,
             speculative=opts.speculative_config(),
         )
-        runner.enable_batch(serve_batch(opts, runner.device.type))
+        runner.enable_batch(serve_batch(opts, runner.device.type), planes=opts.batch_gemv == "planes")
         return RunnerEngine(runner, source, name, self.profile, self.plan)
 
 

@@ -65,8 +65,13 @@ class ServeOptions:
     socket_group: str | None = None
     queue_size: int = 16  # requests waiting for the engine before 429
     # requests decoding together (continuous batching); None: DEFAULT_BATCH on the CPU, 1 on CUDA
-    # (its multi-row step is not built yet). With a profile, the plan is made for this batch.
+    # (opt-in there). With a profile, the plan is made for this batch.
     batch: int | None = None
+    # a CUDA batch's large int4 projections: "planes", the tensor-core GEMV (its cost hardly grows
+    # with a step's rows; slower than "rows" at one row), or "rows", qgemv (faster alone, ~2.4x
+    # the cost at 4 rows); either way for every row count, so a request's tokens never depend on
+    # its neighbours
+    batch_gemv: str = "planes"
     max_connections: int = 256
     max_connections_per_uid: int = 64  # per client uid (SO_PEERCRED); past it, its oldest idle one closes
     request_timeout: float = 300.0  # seconds, queueing included
@@ -91,6 +96,10 @@ class ServeOptions:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
         if self.batch is not None and self.batch < 1:
             raise ConfigError(f"serve option 'batch' must be at least 1, got {self.batch}")
+        if self.batch_gemv not in ("planes", "rows"):
+            raise ConfigError(
+                f"serve option 'batch_gemv' must be 'planes' or 'rows', got {self.batch_gemv!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
         for name in (

@@ -98,3 +98,24 @@ def test_refusals(bundles):
     stacked = Runner.load(bundles[("qwen3_moe", "int4")], device="cuda", dtype=torch.bfloat16)
     with pytest.raises(EdgerunError, match="resident stacked experts"):
         stacked.enable_batch(2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_dense_on_the_tensor_core_gemv(dense_bundles, arch, monkeypatch):
+    """A batch puts its large int4 projections on the tensor-core GEMV (``Runner._use_planes``;
+    here every one it takes, the size threshold set to 0): its probe passes, the start-up batch
+    probe passes, a request's tokens among neighbours equal its tokens alone, and batch 1 puts
+    the weights back in their stored bytes."""
+    from edgerun.models import base
+
+    monkeypatch.setattr(base, "PLANES_MIN_VALUES", 0)
+    runner = _load(dense_bundles[arch], 16)
+    stored = {n: p.clone() for n, p in runner.model.named_parameters() if n.endswith(".weight")}
+    runner.enable_batch(B)
+    assert runner.planes > 0 and runner.planes_refused is None
+    assert "tensor-core GEMV" in runner.kernel_summary()
+    assert "bit for bit" in runner.probe_batch()
+    _invariance(runner)
+    runner.enable_batch(1)
+    assert runner.planes == 0
+    assert all(torch.equal(p, stored[n]) for n, p in runner.model.named_parameters() if n in stored)

@@ -202,39 +202,3 @@ def test_bad_inputs_name_the_tensor():
             K.qgemv_mma(**{"x": x, "w": w, **kwargs})
     with pytest.raises(ValueError, match="block_r and block_k must be >= 16"):
         K.MmaConfig(block_r=8)
-
-
-# ---- the nibble-plane prototype (kernels/qlinear_planes.py), same tolerances ----
-
-
-@pytest.mark.parametrize("group", [16, 32])
-def test_planes_match_reference(group):
-    """Within the probe's tolerance of ``qlinear_ref`` (exact products, fp32 sums in the MMA's
-    order), with rows past the last program's end (R = 40, 16-row programs) and 1 and 3 rows of x."""
-    from edgerun.kernels.qlinear_planes import qgemv_planes, repack_planes
-
-    g = torch.Generator().manual_seed(30 + group)
-    w = random_qweight("int4", 40, 8 * group, group, g, "cpu", torch.bfloat16)
-    planes = repack_planes(w)
-    for n in (1, 3):
-        x = torch.randn(n, w.cols, generator=g).bfloat16()
-        got = qgemv_planes(x, w, planes, block_r=16)
-        assert got.shape == (n, 40) and got.dtype == torch.bfloat16
-        assert rel_err(got, qlinear_ref(x, w)) < TOLERANCE[torch.bfloat16]
-        # exact products, fp32 sums in another order: the exact-weight reference's bits but for
-        # rare one-ulp flips (a weight decoded or scaled wrongly would differ in most elements)
-        exact = qlinear_ref(x, w, exact_weight=True)
-        assert int((got != exact).sum()) <= max(2, got.numel() // 100)
-
-
-def test_planes_rows_are_the_one_row_calls():
-    """Each row of a 5-row call equals the one-row call on that row, bit for bit."""
-    from edgerun.kernels.qlinear_planes import qgemv_planes, repack_planes
-
-    g = torch.Generator().manual_seed(35)
-    w = random_qweight("int4", 32, 256, 32, g, "cpu", torch.bfloat16)
-    planes = repack_planes(w)
-    x = torch.randn(5, 256, generator=g).bfloat16()
-    got = qgemv_planes(x, w, planes, block_r=16)
-    for j in range(5):
-        assert torch.equal(got[j], qgemv_planes(x[j : j + 1], w, planes, block_r=16)[0]), f"row {j}"

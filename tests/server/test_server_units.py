@@ -290,6 +290,11 @@ def test_serve_batch_option_default_and_plan(tmp_path):
     assert ServeOptions().merged(load_serve_config(cfg)).batch == 6
     with pytest.raises(ConfigError, match="'batch' must be at least 1, got 0"):
         ServeOptions(batch=0)
+    cfg.write_text("batch: 6\nbatch_gemv: rows\n")
+    assert ServeOptions().batch_gemv == "planes"
+    assert ServeOptions().merged(load_serve_config(cfg)).batch_gemv == "rows"
+    with pytest.raises(ConfigError, match="'batch_gemv' must be 'planes' or 'rows', got 'mma'"):
+        ServeOptions(batch_gemv="mma")
     assert serve_batch(ServeOptions(), "cpu") == DEFAULT_BATCH and serve_batch(ServeOptions(), "cuda") == 1
     assert serve_batch(ServeOptions(batch=3), "cuda") == 3  # asked for: refused at load, by name
     profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
