@@ -134,7 +134,8 @@ class Runner:
         """A batch of ``size`` > 1 on CUDA runs its large int4 projections on the tensor-core GEMV
         (``Model.use_planes``), whose cost hardly grows with a step's rows, for every row count
         (its bits are not ``qgemv``'s, so one-row steps too), once it matched the reference on
-        this device at 1 and ``size`` rows; otherwise they stay on ``qgemv`` (a fallback, named).
+        this device at 1 and ``size`` rows; otherwise (a mismatch, or a kernel the device cannot
+        build) they stay on ``qgemv`` (a fallback, named in ``fallbacks`` and counted a step).
         1 (a batch-1 daemon, or serve --batch-gemv rows) puts them back on ``qgemv``."""
         from edgerun.kernels.qlinear_reference import Mismatch, probe_cases
 
@@ -146,10 +147,11 @@ class Runner:
             try:
                 for n in sorted({1, size}):
                     probe_cases(planes_cases(taken), self.device, dtype, tokens=n, planes=True)
-            except Mismatch as exc:
+            except Exception as exc:  # a mismatch, or a kernel this device cannot build: named, not fatal
                 self.model.use_planes(False)
                 taken = []
-                self.planes_refused = f"the batch's projections on qgemv (2+ rows cost more): {exc}"
+                why = str(exc) if isinstance(exc, Mismatch) else f"{type(exc).__name__}: {exc}"
+                self.planes_refused = f"the batch's projections on qgemv (2+ rows cost more): {why}"
         self.planes = len(taken)
 
     def _build_row_steps(self) -> None:

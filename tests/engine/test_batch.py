@@ -166,3 +166,39 @@ def test_a_batch_steps_own_fallback_is_listed():
     assert steps.fallbacks == {}
     steps.own_fallbacks["batch_gemv"] = "each row's projections by programs of its own: row 1 differs"
     assert steps.fallbacks == {"batch_gemv": "each row's projections by programs of its own: row 1 differs"}
+
+
+@pytest.mark.parametrize("fault", ["mismatch", "build"])
+def test_a_refused_tensor_core_gemv_leaves_the_batch_on_qgemv(monkeypatch, fault):
+    """``Runner._use_planes`` on a CUDA batch whose planes probe fails (a mismatch against the
+    reference, or a kernel the device cannot build): the projections go back to ``qgemv`` and the
+    reason is kept for the fallbacks (``batch_gemv_planes``), naming the error; the daemon does
+    not die. (The CUDA run of the kernel itself is in test_batch_cuda.py.)"""
+    from types import SimpleNamespace
+
+    from edgerun.kernels import qlinear_reference
+
+    calls = []
+
+    def use_planes(on):
+        calls.append(on)
+        return ["a projection"] if on else []
+
+    def probe(*a, **k):
+        if fault == "mismatch":
+            raise qlinear_reference.Mismatch("qgemv_planes int4 [128, 64] group 16 none: error 0.5")
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_1000")
+
+    monkeypatch.setattr(qlinear_reference, "probe_cases", probe)
+    monkeypatch.setattr("edgerun.engine.runner.planes_cases", lambda taken: [])
+    stub = SimpleNamespace(
+        model=SimpleNamespace(
+            use_planes=use_planes, model=SimpleNamespace(embed_tokens=torch.nn.Embedding(2, 2))
+        ),
+        kernels=SimpleNamespace(dense="triton"),
+        device=torch.device("cuda"),
+    )
+    Runner._use_planes(stub, 4)
+    assert calls == [True, False] and stub.planes == 0
+    want = "error 0.5" if fault == "mismatch" else "RuntimeError: PTX .version 8.7"
+    assert stub.planes_refused.startswith("the batch's projections on qgemv") and want in stub.planes_refused
