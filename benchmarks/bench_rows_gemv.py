@@ -202,7 +202,10 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"{name}; torch {torch.__version__}; copy {copy_bw / 1e12:.2f} TB/s; int4 g32, bf16 x; us per call")
-    print(f"{'shape':<17}{'tile':<15}{'N':>3}{'steps':>10}{'median':>9}{'min':>8}{'max':>8}{'GB/s':>7}")
+    print(
+        f"{'shape':<17}{'tile':<15}{'N':>3}{'steps':>10}{'median':>9}{'min':>8}{'max':>8}{'GB/s':>7}",
+        flush=True,
+    )
     out: list[dict] = []
 
     def save(rows: list[dict]) -> None:  # after every row: a run cut short keeps what it measured
