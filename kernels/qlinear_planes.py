@@ -89,7 +89,8 @@ class PlanesConfig:
     split: int = 1
     num_stages: int = 3  # steps of words in flight: Triton's software pipeline depth
     # steps of each row's words a program asks L2 to fetch before its grid sync (PDL: while the
-    # previous kernel finishes); 0: none (an experiment, off until measured: docs/benchmarks.md)
+    # previous kernel finishes); 0: none (an experiment, off until measured: docs/benchmarks.md;
+    # the engine's tiles take EDGERUN_PLANES_PREFETCH)
     prefetch: int = 0
 
     def __post_init__(self) -> None:
@@ -112,7 +113,16 @@ def planes_config(R: int, C: int, G: int, block_r: int = 128, num_warps: int = 4
     tiles, steps, split = triton.cdiv(R, block_r), C // (4 * G), 1
     while tiles * split < MIN_PROGRAMS and steps // (2 * split) >= MIN_STEPS and steps % (2 * split) == 0:
         split *= 2
-    return PlanesConfig(block_r, num_warps, split)
+    return PlanesConfig(block_r, num_warps, split, prefetch=prefetch_steps())
+
+
+def prefetch_steps() -> int:
+    """``PlanesConfig.prefetch`` for the engine's tiles: ``EDGERUN_PLANES_PREFETCH`` (steps, a
+    measurement switch like ``EDGERUN_PDL``: an L2 hint, the bits do not depend on it), else 0."""
+    raw = os.environ.get("EDGERUN_PLANES_PREFETCH", "0")
+    if not raw.isdigit():
+        raise ValueError(f"EDGERUN_PLANES_PREFETCH must be a number of steps (0, 2, 4, ...), got {raw!r}")
+    return int(raw)
 
 
 # --------------------------------------------------------------------------------------------

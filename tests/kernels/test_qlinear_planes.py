@@ -49,6 +49,17 @@ def test_tile_splits_weights_of_few_rows():
         P.PlanesConfig(split=3)
 
 
+def test_prefetch_is_a_measurement_switch(monkeypatch):
+    """EDGERUN_PLANES_PREFETCH sets the engine tiles' L2 prefetch (off by default); a value that is
+    not a step count is refused by name."""
+    assert P.planes_config(12352, 2048, 32).prefetch == 0
+    monkeypatch.setenv("EDGERUN_PLANES_PREFETCH", "4")
+    assert P.planes_config(12352, 2048, 32) == P.PlanesConfig(128, 4, 4, prefetch=4)
+    monkeypatch.setenv("EDGERUN_PLANES_PREFETCH", "on")
+    with pytest.raises(ValueError, match="EDGERUN_PLANES_PREFETCH must be a number of steps"):
+        P.planes_config(12352, 2048, 32)
+
+
 def test_refusals_name_the_reason():
     g = torch.Generator().manual_seed(1)
     w4 = random_qweight("int4", 8, 128, 32, g)
