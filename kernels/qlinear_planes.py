@@ -67,6 +67,7 @@ from edgerun.kernels.qlinear_triton import (
     _finish,
     _inv_rms,
     _normed,
+    _store_normed,
     _tile_rows,
 )
 from edgerun.kernels.qweight import QWeight
@@ -240,15 +241,8 @@ def _planes_kernel(
             _prefetch_l2(row0 + st * 2 * G)
     _grid_sync(PDL)
     if NORM_OUT:
-        if tl.program_id(1) == 0:
-            c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
-            cm = c < C
-            wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
-            for m in tl.static_range(16):
-                if m < NT:
-                    xm = tl.load(x + m * x_row + c, mask=cm, other=0.0).to(tl.float32)
-                    y = _normed(xm, _inv_rms(x, x_row, m, NT, eps, C, BLOCK_C), wn, NORM, CODE)
-                    tl.store(norm_out + m * C + c, y.to(norm_out.dtype.element_ty), mask=cm)
+        if tl.program_id(1) == 0:  # the first column part of each tile
+            _store_normed(x, x_row, norm_w, norm_out, eps, NT, 16, C, NO_BLOCK, BLOCK_C, NORM, CODE)
     inv = tl.zeros([16], dtype=tl.float32)
     if NORM:
         for m in tl.static_range(16):
@@ -299,10 +293,10 @@ def _dequant_planes_kernel(w, s, rs, out, R, C: tl.constexpr, G: tl.constexpr, B
     sw = tl.load(s.to(tl.pointer_type(tl.int32)) + rows * (C // (4 * G)) + k0 // (4 * G))
     rsc = tl.load(rs + rows)
     for j in tl.static_range(4):
-        q = (((h.to(tl.int32) >> (4 * j)) & 0xF) ^ 8) - 8
+        q = _plane(h, j).to(tl.float32) - 136.0  # the kernel's decode of plane j, exact
         step = _e4m3((sw >> (8 * j)) & 0xFF) * rsc
         cols = k0 + j * G + tl.arange(0, G)
-        vals = _round(q.to(tl.float32) * step[:, None], CODE)
+        vals = _round(q * step[:, None], CODE)
         tl.store(
             out + rows[:, None] * C + cols[None, :], vals.to(out.dtype.element_ty), mask=(r < R)[:, None]
         )

@@ -164,6 +164,22 @@ def _inv_rms(x, x_row, n, NT, eps, C: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _store_normed(x, x_row, norm_w, norm_out, eps, NT, N: tl.constexpr, C: tl.constexpr, NO_BLOCK: tl.constexpr,
+                  BLOCK_C: tl.constexpr, NORM: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+    """Columns [p NO_BLOCK, (p + 1) NO_BLOCK) of the RMS-normalised rows of x (program p, grid
+    axis 0) into ``norm_out`` [NT, C], for the layer's other consumers: each of the NT rows (of
+    at most N) by ``_inv_rms`` and ``_normed``, so its bits do not depend on the other rows."""
+    c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
+    cm = c < C
+    wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
+    for n in tl.static_range(N):
+        if n < NT:  # a branch: the rows past the call's cost nothing
+            xn = tl.load(x + n * x_row + c, mask=cm, other=0.0).to(tl.float32)
+            y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
+            tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm)
+
+
+@triton.jit
 def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
           CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
     """fp32 [BLOCK_R, BLOCK_K // SUM]: one step's group sums of token n (x RMS-normalised first
@@ -423,13 +439,7 @@ def _qgemv_kernel(
         scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
     _grid_sync(PDL)
     if NORM_OUT:
-        c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
-        cm = c < C
-        for n in tl.static_range(N):
-            xn = tl.load(x + n * x_row + c, mask=cm & (n < NT), other=0.0).to(tl.float32)
-            wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
-            y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
-            tl.store(norm_out + n * C + c, y.to(norm_out.dtype.element_ty), mask=cm & (n < NT))
+        _store_normed(x, x_row, norm_w, norm_out, eps, NT, N, C, NO_BLOCK, BLOCK_C, NORM, CODE)
     y = _accumulate(
         x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
         BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
