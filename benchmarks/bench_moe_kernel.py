@@ -1,10 +1,11 @@
-"""Micro-benchmark: the routed-expert step of one decode token, Triton kernels vs the torch
-reference, on the real geometry (Qwen3.6-35B-A3B: D 2048, I 512, A 8 of a 64-slot pool).
+"""Micro-benchmark: the routed-expert step of T decode tokens (1: one sequence; 4: a batch step
+of four), Triton kernels vs the torch reference, on the real geometry (Qwen3.6-35B-A3B: D 2048,
+I 512, A 8 of a pool of all 256 experts).
 
-    PYTHONPATH=... python3 benchmarks/bench_moe_kernel.py [--reps 100] [--json out.json]
+    PYTHONPATH=... python3 benchmarks/bench_moe_kernel.py [--reps 100] [--tokens 1,4] [--json out.json]
 
 Times with CUDA events after a warm-up, median and min/max over --reps calls. Every call routes
-to a fresh set of 8 slots of the 64 (64 routings in rotation), and before each call (outside
+each token to a fresh set of 8 slots of the 256 (64 routings in rotation), and before each call (outside
 the timed region) a 256 MB memset evicts L2 (60 MB) and keeps the GPU's clocks up, so the
 blocks come from HBM. Rows:
 
@@ -12,8 +13,8 @@ blocks come from HBM. Rows:
 - triton eager: ``moe_gemv`` called from Python (launch overhead included);
 - reference: ``moe_experts_ref`` (dequantize_block + torch matmul per expert), bf16.
 
-Bandwidth = payload bytes of the 8 blocks the step must read (weights + scales; padding not
-counted) / median time, against a device-to-device copy measured in the same run (bytes read +
+Bandwidth = payload bytes of the distinct blocks the step must read (weights + scales; padding not
+counted; T = 4 tokens route to about 30.5 distinct experts) / median time, against a device-to-device copy measured in the same run (bytes read +
 written) and the H200's 4.8 TB/s datasheet peak. A sweep of the GEMV tile shapes follows.
 """
 
@@ -27,18 +28,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("kernels", "")]
 from moe_cases import fmt_id, layout_for, random_step, rel_err  # noqa: E402
 
 from edgerun.kernels import moe_triton as K  # noqa: E402
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool  # noqa: E402
 
-D, I, A, S, T = 2048, 512, 8, 64, 1
+D, I, A, S = 2048, 512, 8, 256
 PEAK = 4.8e12
 FORMATS = [("int4", 32, "none"), ("int4", 32, "hadamard"), ("int8", None, "none"), ("bf16", None, "none")]
-SWEEP = [
-    K.GemvConfig(*c) for c in ((4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 512, 4), (8, 1024, 4))
-]
+SWEEP = "4,512,2,8 4,512,2,32 8,256,2,16 8,256,2,32 4,512,4,32"  # block_r, row_bytes, num_warps, down_rows
 
 
 def timed(fn, reps: int, before=None, warmup: int = 5) -> list[float]:
@@ -67,7 +66,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), 20))
 
 
-def bench_format(fmt, reps: int, configs: list) -> dict:
+def bench_format(fmt, T: int, reps: int, configs: list, reference: bool) -> dict:
     layout = layout_for(fmt, hidden=D, inter=I)
     g = torch.Generator(device="cuda").manual_seed(0)
     pool, gscales = random_pool(layout, S, generator=g, device="cuda")
@@ -101,12 +100,16 @@ def bench_format(fmt, reps: int, configs: list) -> dict:
         err = rel_err(out, ref)
         return timed(graph.replay, reps, load), err
 
-    payload = A * layout.payload_bytes
+    distinct = statistics.mean(len(set(st[2].flatten().tolist())) for st in steps)
+    payload = distinct * layout.payload_bytes
     rows = {}
     t_graph, err = graph_times(K.DEFAULT_GEMV)
     rows["triton graph"] = t_graph
     rows["triton eager"] = timed(gemv, reps, load)
-    rows["reference"] = timed(lambda: moe_experts_ref(x, pool, slots, ids, w, layout, gscales), reps, load)
+    if reference:
+        rows["reference"] = timed(
+            lambda: moe_experts_ref(x, pool, slots, ids, w, layout, gscales), reps, load
+        )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i in range(20):
             load(i)
@@ -119,8 +122,12 @@ def bench_format(fmt, reps: int, configs: list) -> dict:
     }
     sweep = {}
     for cfg in configs:
-        sweep[f"r{cfg.block_r} b{cfg.row_bytes} w{cfg.num_warps}"] = statistics.median(graph_times(cfg)[0])
-    return dict(layout=layout, payload=payload, rows=rows, err=err, sweep=sweep, kernels=kernels)
+        sweep[f"r{cfg.block_r} b{cfg.row_bytes} w{cfg.num_warps} d{cfg.down_rows}"] = statistics.median(
+            graph_times(cfg)[0]
+        )
+    return dict(
+        layout=layout, payload=payload, distinct=distinct, rows=rows, err=err, sweep=sweep, kernels=kernels
+    )
 
 
 def main() -> None:
@@ -128,22 +135,40 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument(
+        "--sweep", default=SWEEP, help="tiles: block_r,row_bytes,num_warps,down_rows separated by spaces"
+    )
+    ap.add_argument("--tokens", default="1", help="token counts T, comma-separated")
+    ap.add_argument(
+        "--formats", default=",".join(map(fmt_id, FORMATS)), help="of " + ",".join(map(fmt_id, FORMATS))
+    )
+    ap.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
-    results = {fmt: bench_format(fmt, a.reps, [] if a.no_sweep else SWEEP) for fmt in FORMATS}
+    configs = [] if a.no_sweep else [K.GemvConfig(*map(int, c.split(","))) for c in a.sweep.split()]
+    chosen = [f for f in FORMATS if fmt_id(f) in a.formats.split(",")]
+    results = {
+        (fmt, T): bench_format(fmt, T, a.reps, configs, not a.no_reference)
+        for T in map(int, a.tokens.split(","))
+        for fmt in chosen
+    }
     report = dict(device=name, torch=torch.__version__, copy_bw=copy_bw, reps=a.reps, formats=[])
     print(f"\n{name}; torch {torch.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read+write)")
-    print(
-        f"T={T}, A={A}, D={D}, I={I}, pool {S} slots, {a.reps} reps; error vs fp32 reference in parentheses"
-    )
-    hdr = f"{'format':<16}{'path':<14}{'median us':>10}{'min us':>9}{'max us':>9}{'GB/s':>8}{'% copy':>8}{'% 4.8T':>8}"
+    print(f"A={A}, D={D}, I={I}, pool {S} slots, {a.reps} reps; default tile {K.DEFAULT_GEMV}")
+    hdr = f"{'format':<22}{'path':<14}{'median us':>10}{'min us':>9}{'max us':>9}{'GB/s':>8}{'% copy':>8}{'% 4.8T':>8}"
     print(hdr)
     print("-" * len(hdr))
-    for fmt, r in results.items():
-        label = fmt_id(fmt)
+    for (fmt, T), r in results.items():
+        label = f"{fmt_id(fmt)} T={T}"
         entry = dict(
-            format=label, payload_bytes=r["payload"], max_rel_err=r["err"], sweep=r["sweep"], paths={}
+            format=fmt_id(fmt),
+            tokens=T,
+            payload_bytes=r["payload"],
+            distinct_experts=r["distinct"],
+            max_rel_err=r["err"],
+            sweep=r["sweep"],
+            paths={},
         )
         entry["kernels_us"] = r["kernels"]
         for path, ts in r["rows"].items():
@@ -151,20 +176,31 @@ def main() -> None:
             bw = r["payload"] / med
             entry["paths"][path] = dict(median_s=med, min_s=min(ts), max_s=max(ts), bytes_per_s=bw)
             print(
-                f"{label:<16}{path:<14}{med * 1e6:>10.1f}{min(ts) * 1e6:>9.1f}{max(ts) * 1e6:>9.1f}"
+                f"{label:<22}{path:<14}{med * 1e6:>10.1f}{min(ts) * 1e6:>9.1f}{max(ts) * 1e6:>9.1f}"
                 f"{bw / 1e9:>8.0f}{100 * bw / copy_bw:>7.1f}%{100 * bw / PEAK:>7.1f}%"
             )
-        print(f"{'':<16}(max error {r['err']:.1e} of the output's scale; {r['payload'] / 1e6:.1f} MB read)")
+        print(
+            f"{'':<22}(max error {r['err']:.1e} of the output's scale; {r['distinct']:.1f} experts, "
+            f"{r['payload'] / 1e6:.1f} MB read)"
+        )
         report["formats"].append(entry)
     print("\nDevice time per kernel of one moe_gemv call (torch profiler, mean of 20, us)")
-    for fmt, r in results.items():
-        print(f"{fmt_id(fmt):<16}", "  ".join(f"{k[:40]}: {v:.1f}" for k, v in r["kernels"].items()))
+    for (fmt, T), r in results.items():
+        print(
+            f"{fmt_id(fmt) + f' T={T}':<20}", "  ".join(f"{k[:40]}: {v:.1f}" for k, v in r["kernels"].items())
+        )
     if not a.no_sweep:
-        print("\nGEMV tile sweep (graph replay, median us): r = rows/program, b = row bytes/step, w = warps")
-        for fmt, r in results.items():
-            print(f"{fmt_id(fmt):<16}", "  ".join(f"{k}: {v * 1e6:.1f}" for k, v in r["sweep"].items()))
+        print(
+            "\nGEMV tile sweep (graph replay, median us): r = h columns/program, b = row bytes/step, w = warps, d = down rows/program"
+        )
+        for (fmt, T), r in results.items():
+            print(
+                f"{fmt_id(fmt) + f' T={T}':<20}",
+                "  ".join(f"{k}: {v * 1e6:.1f}" for k, v in r["sweep"].items()),
+            )
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {a.json}")
 
 
 if __name__ == "__main__":

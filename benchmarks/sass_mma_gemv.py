@@ -1,5 +1,6 @@
 """Static count: SASS instructions per int4 weight value, ``qgemv_mma`` tiles against ``qgemv`` at
-N = 1..8, compiled for sm_90 on the CPU (no GPU needed: Triton compiles to a cubin anywhere).
+N = 1..8, the nibble-plane GEMV, and the routed-expert decode kernels, compiled for sm_90 on the
+CPU (no GPU needed: Triton compiles to a cubin anywhere).
 
     PYTHONPATH=... python3 benchmarks/sass_mma_gemv.py
 
@@ -79,11 +80,34 @@ def report_planes() -> None:
     POINTERS.update(part="*fp32", count="*i32")
     for block_r, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
         for norm in (0, 1):
-            const = COMMON | dict(C=C, G=32, BLOCK_R=block_r, SPLIT=2, NORM=norm, BLOCK_C=C, INTERPRET=False)
+            const = COMMON | dict(
+                C=C, G=32, BLOCK_R=block_r, SPLIT=2, NORM=norm, BLOCK_C=C, INTERPRET=False, PREFETCH=0
+            )
             const = {k: v for k, v in const.items() if k in P._planes_kernel.arg_names}
             ops = sass_ops(P._planes_kernel, const, warps, loop_body=True)
             name = f"planes r{block_r} w{warps}{' norm' if norm else ''} (a step)"
             report(name, ops, block_r, warps, cols=4 * 32)
+
+
+def report_experts() -> None:
+    """The routed-expert decode kernels (kernels/moe_triton.py) at Qwen3.6's geometry (D 2048,
+    I 512, A 8), int4 g32, the default tile: per weight value of one program (gate_up: its gate
+    and up rows over D; down: its rows of one expert over I). The down count includes the branch
+    that only a tile's last program to arrive runs (summing the token's experts)."""
+    from edgerun.kernels import moe_triton as MT
+
+    POINTERS.update(wpool="*u8", spool="*u8", slots="*i64", table="*i64", ids="*i64", gscales="*fp32")
+    POINTERS.update(h="*fp32", far_reads="*i64", uses="*i64", rw="*bf16", shared="*bf16", part="*fp32")
+    POINTERS.update(count="*i32")
+    cfg = MT.DEFAULT_GEMV
+    common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, PDL=True)
+    rows = 2 * cfg.block_r
+    const = common | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
+    ops = sass_ops(MT._gate_up_kernel, const, cfg.num_warps)
+    report(f"experts gate_up r{rows} w{cfg.num_warps}", ops, rows, cfg.num_warps, cols=2048)
+    const = common | dict(D=2048, A_P2=8, BLOCK_R=cfg.down_rows, BLOCK_K=512, SHARED=True, INTO=True, CODE=1)
+    ops = sass_ops(MT._down_kernel, const, cfg.num_warps)
+    report(f"experts down r{cfg.down_rows} w{cfg.num_warps}", ops, cfg.down_rows, cfg.num_warps, cols=512)
 
 
 def main() -> None:
@@ -102,6 +126,7 @@ def main() -> None:
         name = f"qgemv N={n} r{cfg.block_r} w{cfg.num_warps}"
         report(name, sass_ops(K._qgemv_kernel, const, cfg.num_warps), cfg.block_r, cfg.num_warps)
     report_planes()
+    report_experts()
 
 
 if __name__ == "__main__":

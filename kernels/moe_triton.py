@@ -4,11 +4,18 @@ Shape legend: T = tokens, A = active experts per token, P = T·A (token, expert)
 U = distinct experts in a step, S = slots, D = hidden, I = expert width, g = group size.
 
 Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequantized:
-  1. gate_up GEMV + SiLU(gate)·up for every pair -> h fp32 [P, I]; a program per (pair, row tile).
-  2. down GEMV, router weight and the sum over a token's A experts -> [T, D]; a program per
-     (token, row tile) ranks the token's A entries by expert id itself and loops over them in
-     that order. No atomics: the sum order is fixed, so the bits are too, whatever order the
-     router listed the experts in.
+  1. gate_up GEMV + SiLU(gate)·up for every pair -> h fp32 [P, I]; a program per (pair, row tile),
+     the tile's gate and up rows interleaved so that one pass over x serves both.
+  2. down GEMV times the global scale and the router weight for every pair -> fp32 parts
+     [P, D], a program per (pair, row tile), so a token's A experts run in parallel; the program
+     that arrives last at the tile's counter (an atomic counter, reset by it) adds the token's
+     parts in ascending expert id order and finishes the rows. No atomics on data: the sum order
+     is fixed, so the bits are too, whatever order the router listed the experts in and whichever
+     program came last.
+Both run the dense GEMV's step (``qgemv``'s ``_accumulate``: 32-bit words decoded without
+conversions, a scale group summed in registers): 5.0 and 7.3 SASS instructions a weight value at
+the default tile, against 9.5 and 11.6 for the per-byte decode with shuffled group sums they
+replaced (static counts, sm_90; docs/benchmarks.md).
 Prefill (many tokens per expert, ``moe_grouped``), a grouped GEMM with no host round trip: the
 (token, expert) pairs are sorted by slot on the device (one expert a slot) and cut into tiles of
 one expert each (``align_pairs``: a counting sort in one program); gate_up + SiLU·up per tile,
@@ -40,6 +47,7 @@ from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
+from edgerun.kernels.qlinear_triton import SUB, _accumulate, _pow2_divisor, _scales, _words
 
 INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,13 +64,15 @@ VIEWS = {
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Fixed tile shape of the decode kernels (fixed: it decides the reduction order). The
-    default was the fastest or within noise of it for int4 g32, int8 and bf16 in the sweep of
-    benchmarks/bench_moe_kernel.py on an H200 (docs/benchmarks.md)."""
+    """Fixed tile shape of the decode kernels (fixed: it decides the reduction order, so one
+    tile serves every token count). The default was the fastest at 4 tokens and within 0.4 us of
+    the fastest at 1 in the sweep of benchmarks/bench_moe_kernel.py on an H200, int4 g32
+    (docs/benchmarks.md, 2026-12-04)."""
 
-    block_r: int = 4  # output rows per program (launch 1: rows of gate and of up each)
+    block_r: int = 4  # columns of h per program of launch 1 (each a gate and an up row)
     row_bytes: int = 512  # weight bytes of each row loaded per step
     num_warps: int = 2
+    down_rows: int = 16  # rows of an expert's down projection per program of launch 2
 
 
 DEFAULT_GEMV = GemvConfig()
@@ -73,45 +83,23 @@ DEFAULT_GEMV = GemvConfig()
 
 
 @triton.jit
-def _rows_dot(
-    w,
-    s,
-    r0,
-    x,
-    zero,
-    C: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """sum_c W[r0 + r, c] * x[c] for BLOCK_R rows of an [R, C] component at w (its scales at s),
-    fp32, every scale applied but an int4 tensor's global one. Groups are summed, then scaled."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in tl.static_range(0, C, BLOCK_K):  # unrolled: every load of the row can be in flight
-        if QUANT == 2:
-            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            lo, hi = _nibbles(tl.load(w + rows[:, None] * (C // 2) + j[None, :]), zero)
-            xe = tl.load(x + 2 * j).to(tl.float32)
-            xo = tl.load(x + 2 * j + 1).to(tl.float32)
-            part = lo * xe[None, :] + hi * xo[None, :]
-            part = tl.sum(tl.reshape(part, [BLOCK_R, BLOCK_K // G, G // 2]), axis=2)
-            gi = k0 // G + tl.arange(0, BLOCK_K // G)
-            acc += tl.sum(part * _e4m3(tl.load(s + rows[:, None] * (C // G) + gi[None, :])), axis=1)
-        else:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x + cols).to(tl.float32)
-            part = tl.load(w + rows[:, None] * C + cols[None, :]).to(tl.float32) * xv[None, :]
-            if QUANT == 1 and G > 0:
-                part = tl.sum(tl.reshape(part, [BLOCK_R, BLOCK_K // G, G]), axis=2)
-                gi = k0 // G + tl.arange(0, BLOCK_K // G)
-                acc += tl.sum(part * tl.load(s + rows[:, None] * (C // G) + gi[None, :]), axis=1)
-            else:
-                acc += tl.sum(part, axis=1)
-    if QUANT == 1 and G == 0:
-        acc *= tl.load(s + rows)
-    return acc
+def _rows_dot(x, w, s, rows, zero, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+              GROUPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_R]: sum_c W[r, c] x[c] for weight ``rows`` (int64) of an [R, C] component at w
+    (its scales at s), every scale applied but an int4 tensor's global one. The dense GEMV's own
+    step (``qgemv``'s ``_accumulate`` for one row: 32-bit words decoded without conversions,
+    each step's group sums in registers), so an expert's weight value costs what a projection's
+    does."""
+    wd0 = _words(w, rows, 0, C, QUANT, BLOCK_K)
+    scale0 = wd0
+    if GROUPED:
+        scale0 = _scales(s, rows, 0, C, G, QUANT, BLOCK_K)
+    y = _accumulate(x, 0, w, s, rows, zero, wd0, scale0, x, 0.0, 1, 1, C, QUANT, G, GROUPED,
+                    BLOCK_R, BLOCK_K, SUM, 0, 0, 16, False)  # fmt: skip
+    y = tl.sum(y, axis=1)  # [BLOCK_R, 1]: the one row's sums
+    if QUANT == 1 and not GROUPED:
+        y *= tl.load(s + rows)  # int8 scaled per row
+    return y
 
 
 @triton.jit
@@ -159,15 +147,18 @@ def _gate_up_kernel(
     A: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUM: tl.constexpr,
     TABLE: tl.constexpr,
     FAR: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
+    [j BLOCK_R / 2, (j + 1) BLOCK_R / 2)."""
     _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
-    r0 = tl.program_id(1) * BLOCK_R
     slot = _slot(slots, table, ids, p, TABLE)
     if FAR:
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
@@ -175,14 +166,16 @@ def _gate_up_kernel(
             tl.atomic_add(uses + tl.load(ids + p), 1)  # and every pair by its expert
     w = wpool + _at(slot, split, w_block, w_far) + w_off
     s = spool + _at(slot, split, s_block, s_far) + s_off
-    xt = x + (p // A) * D
-    gate = _rows_dot(w, s, r0, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
-    up = _rows_dot(w, s, r0 + I, xt, zero, D, QUANT, G, BLOCK_R, BLOCK_K)
+    # row i of the tile: the gate row (i even) or the up row (odd) of h column i // 2, so one
+    # pass over x's columns (each converted once) serves both
+    i = tl.arange(0, BLOCK_R)
+    OUT_R: tl.constexpr = BLOCK_R // 2
+    rows = (tl.program_id(1) * OUT_R + i // 2 + (i % 2) * I).to(tl.int64)
+    y = _rows_dot(x + (p // A) * D, w, s, rows, zero, D, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
     if QUANT == 2:
-        g = tl.load(gscales + slot * 2)
-        gate *= g
-        up *= g
-    tl.store(h + p * I + r0 + tl.arange(0, BLOCK_R), gate * tl.sigmoid(gate) * up)
+        y *= tl.load(gscales + slot * 2)
+    gate, up = tl.split(tl.reshape(y, [OUT_R, 2]))
+    tl.store(h + p * I + tl.program_id(1) * OUT_R + tl.arange(0, OUT_R), gate * tl.sigmoid(gate) * up)
 
 
 @triton.jit(do_not_specialize=["zero"])
@@ -197,6 +190,8 @@ def _down_kernel(
     gscales,
     shared,
     out,
+    part,
+    count,
     w_block,
     s_block,
     w_off,
@@ -211,8 +206,10 @@ def _down_kernel(
     A_P2: tl.constexpr,
     QUANT: tl.constexpr,
     G: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUM: tl.constexpr,
     TABLE: tl.constexpr,
     SHARED: tl.constexpr,
     INTO: tl.constexpr,
@@ -221,34 +218,50 @@ def _down_kernel(
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
     the residual and gets out + (routed [+ shared]) instead, rounded where the model's
-    ``x.add_(routed + shared)`` rounds."""
+    ``x.add_(routed + shared)`` rounds.
+
+    Program (p, j): rows [j BLOCK_R, (j + 1) BLOCK_R) of pair p's expert times h[p], times its
+    global scale and router weight, into ``part`` [P, D] fp32: the A experts of a token run in
+    parallel. The program that arrives last at ``count[t, j]`` (an atomic counter, reset by it)
+    adds the token's A parts in ascending expert id (then position) order and finishes the rows,
+    so the sum's order, and the bits, depend neither on the order the router listed the experts
+    in, nor on which program came last, nor on the other tokens."""
     _grid_sync(PDL)
-    t = tl.program_id(0)
-    r0 = tl.program_id(1) * BLOCK_R
-    # each entry's rank in (expert id, position) order: the experts are summed by ascending id
-    ar = tl.arange(0, A_P2)
-    valid = ar < A
-    eid = tl.load(ids + t * A + ar, mask=valid, other=0)
-    before = (eid[None, :] < eid[:, None]) | ((eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None]))
-    rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
-    rank = tl.where(valid, rank, A_P2)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for r in tl.static_range(A):
-        p = t * A + tl.sum(tl.where(rank == r, ar, 0))
-        slot = _slot(slots, table, ids, p, TABLE)
-        w = wpool + _at(slot, split, w_block, w_far) + w_off
-        s = spool + _at(slot, split, s_block, s_far) + s_off
-        y = _rows_dot(w, s, r0, h + p * I, zero, I, QUANT, G, BLOCK_R, BLOCK_K)
-        if QUANT == 2:
-            y *= tl.load(gscales + slot * 2 + 1)
-        acc += y * tl.load(rw + p).to(tl.float32)
-    cols = t * D + r0 + tl.arange(0, BLOCK_R)
-    if INTO:
-        acc = _round(acc, CODE)
-        if SHARED:
-            acc = _round(acc + tl.load(shared + cols).to(tl.float32), CODE)
-        acc = _round(tl.load(out + cols).to(tl.float32) + acc, CODE)
-    tl.store(out + cols, acc.to(out.dtype.element_ty))
+    p = tl.program_id(0)  # pair t*A + a
+    t = p // A
+    j = tl.program_id(1)
+    r0 = j * BLOCK_R
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    slot = _slot(slots, table, ids, p, TABLE)
+    w = wpool + _at(slot, split, w_block, w_far) + w_off
+    s = spool + _at(slot, split, s_block, s_far) + s_off
+    y = _rows_dot(h + p * I, w, s, rows, zero, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+    if QUANT == 2:
+        y *= tl.load(gscales + slot * 2 + 1)
+    tl.store(part + p * D + rows, y * tl.load(rw + p).to(tl.float32))
+    tl.debug_barrier()  # every thread's part stored before the arrival is released
+    if tl.atomic_add(count + t * (D // BLOCK_R) + j, 1, sem="acq_rel") == A - 1:
+        # each entry's rank in (expert id, position) order: the experts are summed by ascending id
+        ar = tl.arange(0, A_P2)
+        valid = ar < A
+        eid = tl.load(ids + t * A + ar, mask=valid, other=0)
+        before = (eid[None, :] < eid[:, None]) | (
+            (eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None])
+        )
+        rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
+        rank = tl.where(valid, rank, A_P2)
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for r in tl.static_range(A):
+            q = t * A + tl.sum(tl.where(rank == r, ar, 0))
+            acc += tl.load(part + q * D + rows, cache_modifier=".cg")
+        tl.store(count + t * (D // BLOCK_R) + j, 0)  # ready for the next call
+        cols = t * D + rows
+        if INTO:
+            acc = _round(acc, CODE)
+            if SHARED:
+                acc = _round(acc + tl.load(shared + cols).to(tl.float32), CODE)
+            acc = _round(tl.load(out + cols).to(tl.float32) + acc, CODE)
+        tl.store(out + cols, acc.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -555,19 +568,17 @@ def _align_kernel(
 # Host side
 
 
-def _pow2_divisor(n: int, at_most: int) -> int:
-    """Largest power of two <= at_most that divides n."""
-    p = 1
-    while p * 2 <= at_most and n % (p * 2) == 0:
-        p *= 2
-    return p
-
-
 def _block_k(cols: int, layout: BlockLayout, row_bytes: int) -> int | None:
-    """Columns per step: about row_bytes of weights, whole scale groups, dividing cols."""
+    """Columns per step: about row_bytes of weights, whole scale groups and 32-bit words,
+    dividing cols."""
     p = _pow2_divisor(cols, row_bytes * 8 // BITS[layout.quant])
-    p = max(p, layout.group_size, 2 if layout.quant == "int4" else 1)
+    p = max(p, layout.group_size, 32 // BITS[layout.quant])
     return p if cols % p == 0 else None
+
+
+def _sum(block_k: int, G: int, grouped: bool) -> int:
+    """Columns of a step summed before they join the accumulator: a scale group, else SUB."""
+    return G if grouped else min(SUB, block_k)
 
 
 def unsupported(layout: BlockLayout) -> str | None:
@@ -695,26 +706,51 @@ def moe_gemv(
     tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
     h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
-    br = _pow2_divisor(I, config.block_r)
+    grouped = layout.quant == "int4" or (layout.quant == "int8" and G > 0)
+    br = 2 * _pow2_divisor(I, config.block_r)  # a gate and an up row for each of block_r columns of h
     bk = _block_k(D, layout, config.row_bytes)
-    _gate_up_kernel[(T * A, I // br)](
+    _gate_up_kernel[(T * A, 2 * I // br)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0,
-        D=D, I=I, A=A, QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk, TABLE=table is not None, FAR=count,
-        num_warps=config.num_warps, **pdl_kwargs(x.device),
+        D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=_sum(bk, G, grouped),
+        TABLE=table is not None, FAR=count, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
-    br = _pow2_divisor(D, config.block_r)
+    br = _pow2_divisor(D, config.down_rows)
     bk = _block_k(I, layout, config.row_bytes)
-    _down_kernel[(T, D // br)](
-        h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out,
-        *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
-        D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, BLOCK_R=br, BLOCK_K=bk,
-        TABLE=table is not None, SHARED=shared is not None, INTO=resid is not None,
-        CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps, **pdl_kwargs(x.device),
+    part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
+    _down_kernel[(T * A, D // br)](
+        h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
+        _counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
+        D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
+        BLOCK_K=bk, SUM=_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
+        INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS = 1 << 15  # counters first allocated: 128 tokens of a 4096-wide model at 16 rows a tile
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The down kernel's arrival counters on ``device``: int32, at least ``n``, all 0 between
+    calls (each call's last arrivals reset theirs). Kept for the process, one set a device: the
+    engine runs its MoE launches on one stream at a time. Allocated (zeroed) at a device's first
+    call, or when a call needs more, which must not be during graph capture: a captured fill
+    would not have run before the next eager call (the engine's warm-up steps run first)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            have = 0 if c is None else c.numel()
+            raise RuntimeError(
+                f"moe_gemv needs {n} arrival counters on {device} and has {have}: call it once "
+                "outside graph capture first (a warm-up of as many tokens)"
+            )
+        c = _COUNTERS[device] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
+    return c
 
 
 def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[int, int], x) -> None:

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.moe_triton import INTERPRETED, _mma, _pow2_divisor
+from edgerun.kernels.moe_triton import INTERPRETED, _mma
 from edgerun.kernels.qlinear_triton import (
     EPILOGUE_CODE,
     MAX_TOKENS,
@@ -58,6 +58,7 @@ from edgerun.kernels.qlinear_triton import (
     _check_norm,
     _finish,
     _normed,
+    _pow2_divisor,
     _scales,
     _tile_rows,
     _values,

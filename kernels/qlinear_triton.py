@@ -46,7 +46,6 @@ import triton.language as tl
 from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.moe_triton import _pow2_divisor
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
@@ -94,6 +93,14 @@ FEW = {
     "plain": GemvConfig(8, 1024, 4, rolled_from=4),
 }
 MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
+
+
+def _pow2_divisor(n: int, at_most: int) -> int:
+    """Largest power of two <= at_most that divides n."""
+    p = 1
+    while p * 2 <= at_most and n % (p * 2) == 0:
+        p *= 2
+    return p
 
 
 # --------------------------------------------------------------------------------------------

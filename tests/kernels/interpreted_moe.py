@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from moe_cases import FORMATS, fmt_id, layout_for, random_step, rel_err
+from moe_cases import FORMATS, check_gemv_tokens_alone, fmt_id, layout_for, random_step, rel_err
 
 from edgerun.bundle.quant import dequantize_block, rotate_groups
 from edgerun.kernels import moe_triton as K
@@ -37,6 +37,11 @@ def test_gemv_matches_reference_and_repeats(fmt):
     assert torch.equal(out, K.moe_gemv(x, pool, slots[:, perm], ids[:, perm], w[:, perm], layout, gs))
     bf = K.moe_gemv(x.bfloat16(), pool, slots, ids, w, layout, gs)
     assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("int8", None, "none")], ids=fmt_id)
+def test_gemv_tokens_are_their_calls_alone(fmt):
+    check_gemv_tokens_alone(K, layout_for(fmt), 4, 3, 5, torch.Generator().manual_seed(7), "cpu")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
@@ -181,3 +186,16 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     assert int(reads) == far_pairs
     ref = moe_experts_ref(x, near, slots, ids, w, layout, gs, far=FarTier(rows))
     assert torch.equal(ref, moe_experts_ref(x, pool, slots, ids, w, layout, gs))
+
+
+def test_counters_are_kept_and_never_allocated_during_capture(monkeypatch):
+    cpu = torch.device("cpu")
+    c = K._counters(cpu, 10)
+    assert c.dtype == torch.int32 and c.numel() >= 10 and not c.any()
+    assert K._counters(cpu, 5) is c  # one set a device, kept
+    # a fill captured into a graph would not have run before the next eager call: refused
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gpu = torch.device("cuda", 7)
+    monkeypatch.delitem(K._COUNTERS, gpu, raising=False)
+    with pytest.raises(RuntimeError, match="outside graph capture"):
+        K._counters(gpu, 10)

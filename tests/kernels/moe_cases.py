@@ -58,3 +58,26 @@ def random_step(
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| over max |ref|: error relative to the output's scale."""
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def check_gemv_tokens_alone(K, layout, T, A, S, gen, device) -> None:
+    """``moe_gemv``'s rows of T tokens, each equal to the token's call alone (``torch.equal``),
+    into a residual with a shared expert's output as the model calls it, three times over: the
+    down kernel's last program to arrive sums a token's experts, and which one that is must
+    not change the bits. Tokens share experts (S small against T A), as a batch's rows do."""
+    x, pool, slots, ids, w, layout, gs = random_step(layout, T, A, S, gen, device, torch.bfloat16)
+    resid = torch.randn(T, x.shape[1], generator=gen, device=device).bfloat16()
+    shared = torch.randn(T, x.shape[1], generator=gen, device=device).bfloat16()
+
+    def run(rows):
+        r = resid[rows].clone()
+        return K.moe_gemv(x[rows], pool, slots[rows], ids[rows], w[rows], layout, gs, into=(r, shared[rows]))
+
+    every = slice(0, T)
+    out = run(every)
+    for _ in range(2):
+        assert torch.equal(run(every), out)
+    for t in range(T):
+        assert torch.equal(run(slice(t, t + 1)), out[t : t + 1]), (
+            f"token {t} of {T} differs from its call alone"
+        )

@@ -1,5 +1,5 @@
 """The Triton expert kernels on a CUDA device: every scheme against the reference, bit-for-bit
-repeats, exact dequantization, the start-up probe, and a pool past 2^31 bytes.
+repeats, a token's rows equal to its call alone, exact dequantization, the start-up probe, and a pool past 2^31 bytes.
 
 Skipped without CUDA (CI has none); run on the GPU machine before resolving. Tolerances: the
 GEMV path computes in fp32 and differs from the fp32 reference only in summation order (1e-4
@@ -9,7 +9,7 @@ probe's TOLERANCE (its docstring says why).
 
 import pytest
 import torch
-from moe_cases import FORMATS, REAL_FORMATS, fmt_id, layout_for, random_step, rel_err
+from moe_cases import FORMATS, REAL_FORMATS, check_gemv_tokens_alone, fmt_id, layout_for, random_step, rel_err
 
 from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool
@@ -83,6 +83,13 @@ def test_grouped_in_expert_ranges_equals_one_call(fmt):
         part = torch.where((ids >= lo) & (ids <= hi), slots, 0)
         acc = moe_experts(x, pool, part, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
     assert torch.equal(acc.to(x.dtype), want)
+
+
+@pytest.mark.parametrize("fmt", REAL_FORMATS, ids=fmt_id)
+def test_gemv_tokens_are_their_calls_alone(fmt):
+    from edgerun.kernels import moe_triton as K
+
+    check_gemv_tokens_alone(K, layout_for(fmt, **REAL), 8, 8, 24, gen(21), "cuda")
 
 
 def test_policy_dispatches_to_the_kernels():
