@@ -47,7 +47,7 @@ from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
-from edgerun.kernels.qlinear_triton import SUB, _accumulate, _pow2_divisor, _scales, _words
+from edgerun.kernels.qlinear_triton import _accumulate, _pow2_divisor, _scales, _words, step_sum
 
 INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
@@ -576,11 +576,6 @@ def _block_k(cols: int, layout: BlockLayout, row_bytes: int) -> int | None:
     return p if cols % p == 0 else None
 
 
-def _sum(block_k: int, G: int, grouped: bool) -> int:
-    """Columns of a step summed before they join the accumulator: a scale group, else SUB."""
-    return G if grouped else min(SUB, block_k)
-
-
 def unsupported(layout: BlockLayout) -> str | None:
     """Why these kernels cannot compute ``layout``'s experts; None when they can."""
     if layout.quant not in QUANT_CODE:
@@ -712,7 +707,7 @@ def moe_gemv(
     _gate_up_kernel[(T * A, 2 * I // br)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0,
-        D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=_sum(bk, G, grouped),
+        D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
         TABLE=table is not None, FAR=count, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
@@ -724,7 +719,7 @@ def moe_gemv(
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
         _counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
         D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
-        BLOCK_K=bk, SUM=_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
+        BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
         INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
         **pdl_kwargs(x.device),
     )  # fmt: skip

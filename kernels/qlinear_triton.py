@@ -495,7 +495,13 @@ def _tile(w: QWeight, config: GemvConfig) -> tuple[int, int, bool]:
     if grouped:
         block_k = max(block_k, w.group)
     block_k = max(block_k, PER_WORD.get(w.scheme, 1))
-    return block_k, (w.group if grouped else min(SUB, block_k)), grouped
+    return block_k, step_sum(block_k, w.group, grouped), grouped
+
+
+def step_sum(block_k: int, group: int, grouped: bool) -> int:
+    """Columns of a step summed before they join an accumulator: a scale group, else SUB (the
+    GEMV step's ``SUM``, for the projections and the experts alike)."""
+    return group if grouped else min(SUB, block_k)
 
 
 def _where(t: torch.Tensor) -> str:
