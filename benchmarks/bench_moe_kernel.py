@@ -11,6 +11,8 @@ blocks come from HBM. Rows:
 
 - triton graph: one captured ``moe_gemv`` (sort, 2 kernels) replayed: device time, no Python;
 - triton eager: ``moe_gemv`` called from Python (launch overhead included);
+- grouped graph (``--grouped``): one captured ``moe_grouped`` (the prefill's grouped GEMM) on
+  the same tokens, to place ``gemv_max_tokens``;
 - reference: ``moe_experts_ref`` (dequantize_block + torch matmul per expert), bf16.
 
 Bandwidth = payload bytes of the distinct blocks the step must read (weights + scales; padding not
@@ -66,7 +68,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), 20))
 
 
-def bench_format(fmt, T: int, reps: int, configs: list, reference: bool) -> dict:
+def bench_format(fmt, T: int, reps: int, configs: list, reference: bool, grouped: bool = False) -> dict:
     layout = layout_for(fmt, hidden=D, inter=I)
     g = torch.Generator(device="cuda").manual_seed(0)
     pool, gscales = random_pool(layout, S, generator=g, device="cuda")
@@ -86,14 +88,15 @@ def bench_format(fmt, T: int, reps: int, configs: list, reference: bool) -> dict
     def gemv(cfg=K.DEFAULT_GEMV):
         return K.moe_gemv(x, pool, slots, ids, w, layout, gscales, config=cfg)
 
-    def graph_times(cfg):
+    def graph_times(cfg, step=None):
+        step = step or (lambda: gemv(cfg))
         for i in range(3):
             load(i)
-            gemv(cfg)
+            step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = gemv(cfg)
+            out = step()
         load(5)
         graph.replay()
         ref = moe_experts_ref(x.float(), pool, slots, ids, w, layout, gscales)
@@ -106,6 +109,10 @@ def bench_format(fmt, T: int, reps: int, configs: list, reference: bool) -> dict
     t_graph, err = graph_times(K.DEFAULT_GEMV)
     rows["triton graph"] = t_graph
     rows["triton eager"] = timed(gemv, reps, load)
+    if grouped:  # the prefill kernel on the same tokens: where the GEMV stops paying (gemv_max_tokens)
+        rows["grouped graph"], _ = graph_times(
+            None, lambda: K.moe_grouped(x, pool, slots, ids, w, layout, gscales)
+        )
     if reference:
         rows["reference"] = timed(
             lambda: moe_experts_ref(x, pool, slots, ids, w, layout, gscales), reps, load
@@ -143,13 +150,14 @@ def main() -> None:
         "--formats", default=",".join(map(fmt_id, FORMATS)), help="of " + ",".join(map(fmt_id, FORMATS))
     )
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference path")
+    ap.add_argument("--grouped", action="store_true", help="time the prefill's grouped GEMM too")
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
     configs = [] if a.no_sweep else [K.GemvConfig(*map(int, c.split(","))) for c in a.sweep.split()]
     chosen = [f for f in FORMATS if fmt_id(f) in a.formats.split(",")]
     results = {
-        (fmt, T): bench_format(fmt, T, a.reps, configs, not a.no_reference)
+        (fmt, T): bench_format(fmt, T, a.reps, configs, not a.no_reference, a.grouped)
         for T in map(int, a.tokens.split(","))
         for fmt in chosen
     }

@@ -18,6 +18,13 @@ from edgerun.errors import ConfigError
 from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
 
 IMPLS = ("reference", "triton", "cpu", "cpu_grouped")
+# tokens of a step at or below which the fused dequant+GEMV (``moe_gemv``) runs rather than the
+# grouped GEMM (``moe_grouped``), by the experts' format: where the GEMV stopped being faster on
+# an H200 at Qwen3.6's geometry (benchmarks/bench_moe_kernel.py --grouped, docs/benchmarks.md,
+# "Prompts of up to 256 tokens on the decode kernels"): int4 still 0.90x at 256 tokens, int8
+# 0.84x at 128 and 1.07x at 192, bf16 0.90x at 96 and 1.05x at 128. Every decode step (a batch
+# of at most 8 rows, a verify window) is below all three.
+GEMV_MAX_TOKENS = {"int4": 256, "int8": 128, "bf16": 96}
 
 
 @dataclass(frozen=True)
@@ -25,13 +32,20 @@ class MoeKernelPolicy:
     impl: str = "reference"  # reference: dequantize_block + combine_experts; triton: kernels/moe_triton.py;
     # cpu: torch's int4 / int8 weight-only CPU GEMMs on slots repacked once per fill (kernels/moe_cpu.py);
     # cpu_grouped: one C call per layer from the slots' own bytes (kernels/moe_cpu_grouped.py)
-    gemv_max_tokens: int = 8  # triton, T at or below: fused dequant+GEMV; above: the grouped GEMM
+    # triton, T at or below: fused dequant+GEMV; above: the grouped GEMM (None: GEMV_MAX_TOKENS)
+    gemv_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ConfigError(f"expert kernel {self.impl!r} is not one of {', '.join(IMPLS)}")
-        if self.gemv_max_tokens < 0:
+        if self.gemv_max_tokens is not None and self.gemv_max_tokens < 0:
             raise ConfigError(f"gemv_max_tokens must be >= 0, got {self.gemv_max_tokens}")
+
+    def gemv_tokens(self, layout: BlockLayout) -> int:
+        """The most tokens of a step of ``layout``'s experts that the GEMV runs."""
+        if self.gemv_max_tokens is not None:
+            return self.gemv_max_tokens
+        return GEMV_MAX_TOKENS[layout.quant]
 
 
 def moe_experts(
@@ -71,13 +85,12 @@ def moe_experts(
     part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if part and (table is not None or into is not None):
         raise ValueError("a step run in parts takes neither a slot table nor a residual")
-    fused = policy.impl == "triton" and x.shape[0] <= policy.gemv_max_tokens and not part
-    if fused:
+    if policy.impl == "triton" and x.shape[0] <= policy.gemv_tokens(layout):
         from edgerun.kernels import moe_triton
 
         return moe_triton.moe_gemv(
             x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
-            far=far,
+            far=far, **part,
         )  # fmt: skip
     if table is not None:
         slot_idx = table[expert_ids]

@@ -122,7 +122,7 @@ def _at(slot, split, block, far):
 # Kernels
 
 
-@triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see bits_triton._field)
+@triton.jit(do_not_specialize=["zero", "lo", "hi"])  # a runtime 0 (see bits_triton._field); any range
 def _gate_up_kernel(
     x,
     wpool,
@@ -142,6 +142,8 @@ def _gate_up_kernel(
     w_far,
     s_far,
     zero,
+    lo,
+    hi,
     D: tl.constexpr,
     I: tl.constexpr,
     A: tl.constexpr,
@@ -153,12 +155,18 @@ def _gate_up_kernel(
     SUM: tl.constexpr,
     TABLE: tl.constexpr,
     FAR: tl.constexpr,
+    RANGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
-    [j BLOCK_R / 2, (j + 1) BLOCK_R / 2)."""
+    [j BLOCK_R / 2, (j + 1) BLOCK_R / 2). RANGE: pairs whose expert is outside lo..hi do
+    nothing (their slot is not read)."""
     _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
+    if RANGE:
+        e = tl.load(ids + p)
+        if (e < lo) | (e > hi):
+            return
     slot = _slot(slots, table, ids, p, TABLE)
     if FAR:
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
@@ -178,7 +186,7 @@ def _gate_up_kernel(
     tl.store(h + p * I + tl.program_id(1) * OUT_R + tl.arange(0, OUT_R), gate * tl.sigmoid(gate) * up)
 
 
-@triton.jit(do_not_specialize=["zero"])
+@triton.jit(do_not_specialize=["zero", "lo", "hi"])
 def _down_kernel(
     h,
     wpool,
@@ -200,6 +208,8 @@ def _down_kernel(
     w_far,
     s_far,
     zero,
+    lo,
+    hi,
     D: tl.constexpr,
     I: tl.constexpr,
     A: tl.constexpr,
@@ -214,6 +224,8 @@ def _down_kernel(
     SHARED: tl.constexpr,
     INTO: tl.constexpr,
     CODE: tl.constexpr,
+    RANGE: tl.constexpr,
+    ACC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
@@ -225,20 +237,30 @@ def _down_kernel(
     parallel. The program that arrives last at ``count[t, j]`` (an atomic counter, reset by it)
     adds the token's A parts in ascending expert id (then position) order and finishes the rows,
     so the sum's order, and the bits, depend neither on the order the router listed the experts
-    in, nor on which program came last, nor on the other tokens."""
+    in, nor on which program came last, nor on the other tokens.
+
+    RANGE (a step in parts, ``moe_gemv``'s ``expert_range``): pairs whose expert is outside
+    lo..hi compute nothing but still arrive, and only the experts in lo..hi are summed; with ACC
+    the sum starts from ``out`` (fp32) rather than 0 and is stored unrounded, so consecutive
+    ranges in ascending order add exactly what one call adds, in the same order."""
     _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
     r0 = j * BLOCK_R
     rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    slot = _slot(slots, table, ids, p, TABLE)
-    w = wpool + _at(slot, split, w_block, w_far) + w_off
-    s = spool + _at(slot, split, s_block, s_far) + s_off
-    y = _rows_dot(h + p * I, w, s, rows, zero, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
-    if QUANT == 2:
-        y *= tl.load(gscales + slot * 2 + 1)
-    tl.store(part + p * D + rows, y * tl.load(rw + p).to(tl.float32))
+    run = True
+    if RANGE:
+        e = tl.load(ids + p)
+        run = (e >= lo) & (e <= hi)
+    if run:
+        slot = _slot(slots, table, ids, p, TABLE)
+        w = wpool + _at(slot, split, w_block, w_far) + w_off
+        s = spool + _at(slot, split, s_block, s_far) + s_off
+        y = _rows_dot(h + p * I, w, s, rows, zero, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+        if QUANT == 2:
+            y *= tl.load(gscales + slot * 2 + 1)
+        tl.store(part + p * D + rows, y * tl.load(rw + p).to(tl.float32))
     tl.debug_barrier()  # every thread's part stored before the arrival is released
     if tl.atomic_add(count + t * (D // BLOCK_R) + j, 1, sem="acq_rel") == A - 1:
         # each entry's rank in (expert id, position) order: the experts are summed by ascending id
@@ -250,17 +272,27 @@ def _down_kernel(
         )
         rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
         rank = tl.where(valid, rank, A_P2)
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        cols = t * D + rows
+        if ACC:
+            acc = tl.load(out + cols)
+        else:
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for r in tl.static_range(A):
             q = t * A + tl.sum(tl.where(rank == r, ar, 0))
-            acc += tl.load(part + q * D + rows, cache_modifier=".cg")
+            if RANGE:
+                e = tl.sum(tl.where(rank == r, eid, 0))
+                if (e >= lo) & (e <= hi):
+                    acc += tl.load(part + q * D + rows, cache_modifier=".cg")
+            else:
+                acc += tl.load(part + q * D + rows, cache_modifier=".cg")
         tl.store(count + t * (D // BLOCK_R) + j, 0)  # ready for the next call
-        cols = t * D + rows
         if INTO:
             acc = _round(acc, CODE)
             if SHARED:
                 acc = _round(acc + tl.load(shared + cols).to(tl.float32), CODE)
             acc = _round(tl.load(out + cols).to(tl.float32) + acc, CODE)
+        else:  # rounded as torch rounds (the interpreter's own cast truncates; the GPU's is the same)
+            acc = _round(acc, CODE)
         tl.store(out + cols, acc.to(out.dtype.element_ty))
 
 
@@ -671,23 +703,40 @@ def moe_gemv(
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     far: FarTier | None = None,
+    acc: torch.Tensor | None = None,
+    expert_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Decode: fused dequant + GEMV from the pool, two launches (four with a rotation). Same
-    contract as ``moe_experts_ref``, except that everything runs in fp32 and is rounded to
-    ``out_dtype`` once. Slots must be in range (not checked: that would cost a device sync).
+    """Decode, and prompts of up to a few hundred tokens (``moe.GEMV_MAX_TOKENS``): fused
+    dequant + GEMV from the pool, two launches (four with a rotation). Same contract as
+    ``moe_experts_ref``, except that everything runs in fp32 and is rounded to ``out_dtype``
+    once. Slots must be in range (not checked: that would cost a device sync).
 
     ``table`` (int64 [E], every expert of the layer held): the slot of an entry is
     ``table[expert_ids]``, looked up inside the kernels (``slot_idx`` is then not read).
     ``into`` (resid [T, D], shared [T, D] or None): the result is added into ``resid`` in place,
     as ``resid.add_(routed + shared)`` rounds, and ``resid`` is returned. ``far``: slots S.. are
-    the far tier's rows, read in place (``moe_experts``)."""
+    the far tier's rows, read in place (``moe_experts``). ``expert_range`` (lo, hi) with ``acc``
+    (fp32 [T, D]): a step in parts, as ``moe_grouped`` runs one: only those experts run (the
+    others' slots are not read), added into ``acc`` in ascending id order, unrounded; parts over
+    consecutive ranges in ascending order give one call's sum, bit for bit."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
     resid, shared = into if into is not None else (None, None)
     if resid is not None:
         _check_into(resid, shared, (T, D), x)
-    out = resid if resid is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    if expert_range is not None:
+        if acc is None or resid is not None or table is not None:
+            raise ValueError("a step in parts (expert_range) takes an fp32 acc, and neither into nor table")
+        _check_into(acc, None, (T, D), x)
+        if acc.dtype != torch.float32:
+            raise ValueError(f"acc must be float32, got {acc.dtype}")
+        out = acc
+    elif acc is not None:
+        raise ValueError("acc is the running sum of a step in parts: give expert_range too")
+    else:
+        out = resid if resid is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    lo, hi = expert_range if expert_range is not None else (0, 0)
     if T == 0:
         return out
     slots = slot_idx.to(torch.int64).contiguous()  # no copy (and no launch) when already so
@@ -706,9 +755,10 @@ def moe_gemv(
     bk = _block_k(D, layout, config.row_bytes)
     _gate_up_kernel[(T * A, 2 * I // br)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
-        split, w_far, s_far, 0,
+        split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
-        TABLE=table is not None, FAR=count, num_warps=config.num_warps, **pdl_kwargs(x.device),
+        TABLE=table is not None, FAR=count, RANGE=expert_range is not None, num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
@@ -718,16 +768,18 @@ def moe_gemv(
     _down_kernel[(T * A, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
         _counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
-        D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
+        lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
         BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
-        INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), num_warps=config.num_warps,
-        **pdl_kwargs(x.device),
+        INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
+        ACC=expert_range is not None, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-COUNTERS = 1 << 15  # counters first allocated: 128 tokens of a 4096-wide model at 16 rows a tile
+# smaller sets a larger one replaced: graphs captured on them still read them
+_RETIRED: list[torch.Tensor] = []
+COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model at 16 rows a tile
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -735,7 +787,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     calls (each call's last arrivals reset theirs). Kept for the process, one set a device: the
     engine runs its MoE launches on one stream at a time. Allocated (zeroed) at a device's first
     call, or when a call needs more, which must not be during graph capture: a captured fill
-    would not have run before the next eager call (the engine's warm-up steps run first)."""
+    would not have run before the next eager call (the engine's warm-up steps run first). A set
+    that a larger one replaces is kept, never freed: a CUDA graph captured on it (a decode step)
+    reads it at every replay."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -744,6 +798,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
                 f"moe_gemv needs {n} arrival counters on {device} and has {have}: call it once "
                 "outside graph capture first (a warm-up of as many tokens)"
             )
+        if c is not None:
+            _RETIRED.append(c)
         c = _COUNTERS[device] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
     return c
 

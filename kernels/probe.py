@@ -78,7 +78,10 @@ def _probe(
     why = moe_triton.unsupported(layout)
     if why:
         return False, why
-    ok, worst = _cases(layout, device, top_k, policy, sorted({1, policy.gemv_max_tokens + 1}), torch.bfloat16)
+    # the GEMV at one token and at its most (a prompt), the grouped GEMM past it
+    n = policy.gemv_tokens(layout)
+    tokens = sorted({t for t in (1, n, n + 1) if t > 0})
+    ok, worst = _cases(layout, device, top_k, policy, tokens, torch.bfloat16)
     if not ok:
         return False, worst
     torch.cuda.synchronize(device)

@@ -838,10 +838,11 @@ class PrefillGraphs:
     ``valid`` marking the prompt's rows (``CausalLM.hidden``): padded rows leave the DeltaNet
     state untouched and come after every prompt row causally; their KV lands past the position,
     where decode masks it and later tokens overwrite it; their routed-expert rows are computed
-    and dropped (rows are independent, ``kernels/moe_triton.moe_grouped``). The logits are those
-    of the last prompt row. Only the first chunk of a sequence (position 0) and only when every
-    expert step is capturable (every MoE layer in table mode) replays; anything else runs the
-    same forward eagerly and is counted (``prefill_eager_chunks``, and why in :attr:`why_eager`).
+    and dropped (rows are independent, in ``kernels/moe_triton``'s ``moe_gemv`` and
+    ``moe_grouped`` alike). The logits are those of the last prompt row. Only the first chunk
+    of a sequence (position 0) and only when every expert step is capturable (every MoE layer
+    in table mode) replays; anything else runs the same forward eagerly and is counted
+    (``prefill_eager_chunks``, and why in :attr:`why_eager`).
     """
 
     def __init__(self, decoder: DecodeGraphs, limit: int = PREFILL_GRAPH_TOKENS) -> None:

@@ -69,7 +69,9 @@ class KernelPolicy:
     experts: str = "auto"  # auto: triton (CUDA) or cpu (CPU) where its probe passes, else reference
     graphs: str = "auto"  # auto/on: capture on CUDA; off: the same step, eagerly
     dense: str = "auto"  # auto: fused Triton decode kernels where their probe passes, else torch
-    gemv_max_tokens: int = 8  # triton: at or below, fused GEMV; above, the grouped GEMM
+    # triton: at or below, fused GEMV; above, the grouped GEMM (None: by the experts' format,
+    # kernels/moe.GEMV_MAX_TOKENS)
+    gemv_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
@@ -260,5 +262,5 @@ def _resolve_delta_chunk(policy: KernelPolicy, device: torch.device, args, dtype
         out.fallbacks["deltanet_prefill"] = f"{result.name} not selected: {result.reason}"
 
 
-def _sizes(policy: KernelPolicy) -> tuple[int]:
+def _sizes(policy: KernelPolicy) -> tuple[int | None]:
     return (policy.gemv_max_tokens,)

@@ -26,7 +26,7 @@ from edgerun.cache.policy import fetches
 from edgerun.cache.slots import SlotRef
 from edgerun.config import CacheConfig
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
-from edgerun.models.layers import EXACT_ROWS, SparseMoe
+from edgerun.models.layers import EXACT_ROWS, MAX_GEMV_ROWS, SparseMoe
 
 REFERENCE = MoeKernelPolicy()
 
@@ -203,10 +203,11 @@ class StreamingExperts(nn.Module):
         return acc.to(x.dtype)
 
     def _splits(self, x: torch.Tensor) -> bool:
-        """A step the CPU experts split: a decode step (at most the GEMV kernel's tokens), not
-        being captured into a CUDA graph (the split reads the routing back to the host)."""
+        """A step the CPU experts split: a decode step (at most MAX_GEMV_ROWS rows: a batch
+        step, a verify window; a prompt chunk that short too), not being captured into a CUDA
+        graph (the split reads the routing back to the host)."""
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        return x.shape[0] <= self.policy.gemv_max_tokens and not capturing
+        return x.shape[0] <= MAX_GEMV_ROWS and not capturing
 
     def _prefetch_next(self) -> None:
         if self.prefetcher is not None:

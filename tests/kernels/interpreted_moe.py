@@ -83,19 +83,33 @@ def test_align_kernel_is_the_torch_tiling(part):
     assert sorted(r for r in rows.tolist() if r < ids.numel()) == kept  # every kept pair once
 
 
-def test_grouped_in_parts_equals_one_call():
+@pytest.mark.parametrize("kernel", ["grouped", "gemv"])
+def test_in_parts_equals_one_call(kernel):
+    """A streamed prompt's experts in ascending-id parts (more distinct experts than slots)
+    give the bits of one call, on either kernel: a streamed prompt is its resident prompt."""
     from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
 
     layout = layout_for(("int4", 16, "none"))
-    policy = MoeKernelPolicy("triton", gemv_max_tokens=0)
+    policy = MoeKernelPolicy("triton", gemv_max_tokens=0 if kernel == "grouped" else None)
     x, pool, slots, ids, w, _, gs = random_step(layout, 12, 2, 6, torch.Generator().manual_seed(3))
     x = x.bfloat16()
     want = moe_experts(x, pool, slots, ids, w, layout, gs, policy)
+    if kernel == "gemv":
+        assert torch.equal(want, K.moe_gemv(x, pool, slots, ids, w, layout, gs))
     acc = accumulator(x, policy)
     for lo, hi in ((0, 1), (2, 2), (3, 5)):
         part = torch.where((ids >= lo) & (ids <= hi), slots, 0)  # other entries: any slot, never read
         acc = moe_experts(x, pool, part, ids, w, layout, gs, policy, acc=acc, expert_range=(lo, hi))
     assert torch.equal(acc.to(x.dtype), want)
+    # an entry outside the range is not read: a slot past the pool there changes nothing
+    if kernel == "gemv":
+        acc2 = accumulator(x, policy)
+        for lo, hi in ((0, 1), (2, 2), (3, 5)):
+            part = torch.where((ids >= lo) & (ids <= hi), slots, 10**6)
+            acc2 = moe_experts(x, pool, part, ids, w, layout, gs, policy, acc=acc2, expert_range=(lo, hi))
+        assert torch.equal(acc2, acc)
+        with pytest.raises(ValueError, match="expert_range"):
+            K.moe_gemv(x, pool, slots, ids, w, layout, gs, acc=acc)
 
 
 @triton.jit
@@ -193,6 +207,12 @@ def test_counters_are_kept_and_never_allocated_during_capture(monkeypatch):
     c = K._counters(cpu, 10)
     assert c.dtype == torch.int32 and c.numel() >= 10 and not c.any()
     assert K._counters(cpu, 5) is c  # one set a device, kept
+    # a larger need replaces the set, and the old one stays alive (a captured graph reads it)
+    monkeypatch.setitem(K._COUNTERS, cpu, c)
+    monkeypatch.setattr(K, "_RETIRED", [])
+    bigger = K._counters(cpu, c.numel() + 1)
+    assert bigger is not c and bigger.numel() > c.numel() and not bigger.any()
+    assert K._RETIRED == [c] and K._counters(cpu, 5) is bigger
     # a fill captured into a graph would not have run before the next eager call: refused
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     gpu = torch.device("cuda", 7)

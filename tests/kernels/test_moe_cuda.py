@@ -11,7 +11,7 @@ import pytest
 import torch
 from moe_cases import FORMATS, REAL_FORMATS, check_gemv_tokens_alone, fmt_id, layout_for, random_step, rel_err
 
-from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
+from edgerun.kernels.moe import GEMV_MAX_TOKENS, MoeKernelPolicy, moe_experts
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool
 from edgerun.kernels.probe import TOLERANCE, probe
 
@@ -67,13 +67,14 @@ def test_grouped_real_geometry(fmt):
     assert torch.equal(out, K.moe_grouped(x, pool, slots[:, perm], ids[:, perm], w[:, perm], layout, gs))
 
 
+@pytest.mark.parametrize("kernel", ["grouped", "gemv"])
 @pytest.mark.parametrize("fmt", REAL_FORMATS[2:], ids=fmt_id)
-def test_grouped_in_expert_ranges_equals_one_call(fmt):
+def test_in_expert_ranges_equals_one_call(fmt, kernel):
     """Prefill with more experts than slots: ascending-id parts into one fp32 sum give the bits
-    of one call (each token's experts are added in the same order)."""
+    of one call (each token's experts are added in the same order), on either kernel."""
     from edgerun.kernels.moe import accumulator
 
-    policy = MoeKernelPolicy("triton")
+    policy = MoeKernelPolicy("triton", gemv_max_tokens=0 if kernel == "grouped" else None)
     x, pool, slots, ids, w, layout, gs = random_step(
         layout_for(fmt, **REAL), 24, 8, 16, gen(9), device="cuda", x_dtype=torch.bfloat16
     )
@@ -100,6 +101,11 @@ def test_policy_dispatches_to_the_kernels():
     for T, path in ((4, K.moe_gemv), (5, K.moe_grouped)):
         args = random_step(layout, T, 8, 10, gen(T), device="cuda", x_dtype=torch.bfloat16)
         assert torch.equal(moe_experts(*args, policy=policy), path(*args))
+    # by default the format's measured boundary (kernels/moe.GEMV_MAX_TOKENS)
+    most = GEMV_MAX_TOKENS["int4"]
+    for T, path in ((most, K.moe_gemv), (most + 1, K.moe_grouped)):
+        args = random_step(layout, T, 8, 256, gen(T), device="cuda", x_dtype=torch.bfloat16)
+        assert torch.equal(moe_experts(*args, policy=MoeKernelPolicy("triton")), path(*args))
 
 
 @pytest.mark.parametrize("fmt", REAL_FORMATS + [("int8", 64, "hadamard"), ("int4", 16, "none")], ids=fmt_id)
