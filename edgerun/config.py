@@ -314,6 +314,7 @@ class CacheConfig:
     # speculative decoding's draft tokens K: the plan counts the MTP head and its quota floor
     # holds a verify window's top_k x (K + 1) experts; 0: none
     draft_tokens: int = 0
+    prefill_lanes: int = 1  # a CUDA batch's prompts prefilled at once: the plan counts each lane
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

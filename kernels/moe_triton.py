@@ -48,6 +48,7 @@ from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import _accumulate, _pow2_divisor, _scales, _words, step_sum
+from edgerun.kernels.scratch import SCRATCH_SET
 
 INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
@@ -776,7 +777,7 @@ def moe_gemv(
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 # smaller sets a larger one replaced: graphs captured on them still read them
 _RETIRED: list[torch.Tensor] = []
 COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model at 16 rows a tile
@@ -784,13 +785,15 @@ COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """The down kernel's arrival counters on ``device``: int32, at least ``n``, all 0 between
-    calls (each call's last arrivals reset theirs). Kept for the process, one set a device: the
-    engine runs its MoE launches on one stream at a time. Allocated (zeroed) at a device's first
+    calls (each call's last arrivals reset theirs). Kept for the process, one set a device and
+    scratch set (``kernels/scratch.py``: calls that may overlap on different streams, prompts
+    prefilled in lanes, use sets of their own). Allocated (zeroed) at a set's first
     call, or when a call needs more, which must not be during graph capture: a captured fill
     would not have run before the next eager call (the engine's warm-up steps run first). A set
     that a larger one replaces is kept, never freed: a CUDA graph captured on it (a decode step)
     reads it at every replay."""
-    c = _COUNTERS.get(device)
+    key = (device, SCRATCH_SET.get())
+    c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             have = 0 if c is None else c.numel()
@@ -800,7 +803,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
             )
         if c is not None:
             _RETIRED.append(c)
-        c = _COUNTERS[device] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
+        c = _COUNTERS[key] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
     return c
 
 

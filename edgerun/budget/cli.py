@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     parser.add_argument(
+        "--prefill-lanes", type=int, default=1, help="a CUDA batch's prompts prefilled at once (serve's; 1)"
+    )
+    parser.add_argument(
         "--trace", metavar="FILE", help="route trace (JSONL) to size quotas and predict misses"
     )
     parser.add_argument("--format", choices=FORMATS, default="table")
@@ -147,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
             draft_tokens=spec.draft_tokens if spec is not None else 0,
             tier_reads=ns.tier_reads,
             expert_kernel=ns.expert_kernel,
+            prefill_lanes=ns.prefill_lanes,
         )
         trace = read_trace(ns.trace) if ns.trace else None
         result = plan(
@@ -184,6 +188,7 @@ def plan_for_bundle(
     draft_tokens: int = 0,
     tier_reads: str | None = None,
     expert_kernel: str = "cpu",
+    prefill_lanes: int = 1,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
@@ -211,6 +216,7 @@ def plan_for_bundle(
             draft_tokens=draft_tokens,
             tier_reads=tier_reads or PlanOptions.tier_reads,
             expert_kernel=expert_kernel,
+            prefill_lanes=prefill_lanes,
         ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,

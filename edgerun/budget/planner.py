@@ -88,6 +88,7 @@ class PlanOptions:
     cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
     quota: int | None = None  # exact per-layer quota; None: the largest that fits
     draft_tokens: int = 0  # speculative decoding: a verify window of K + 1 rows needs k x (K + 1) experts
+    prefill_lanes: int = 1  # a CUDA batch's prompts prefilled at once (engine/graphs.PrefillLanes)
     # discrete: a pinned host tier that holds every expert is read in place by the GPU over PCIe
     # (in-place: the far tier, every expert reachable from one slot table) or copied into VRAM slots
     tier_reads: str = "in-place"
@@ -556,6 +557,20 @@ class _Sizer:
                     "there, then are copied into their entries",
                 )
             )
+            lanes = min(opt.prefill_lanes, batch)
+            if lanes > 1:  # each lane: a scratch state, its prefill graphs' pool, a cuBLAS workspace
+                state = items[-1].nbytes
+                graphs = self.prefill_graph_item(context, batch)
+                pool = graphs.nbytes if graphs is not None else 0
+                items.append(
+                    Item(
+                        "prefill_lanes",
+                        main,
+                        lanes * (state + pool + ws // 2),
+                        f"{lanes} prefill lanes x (a scratch state {format_bytes(state)} + prefill graphs "
+                        f"{format_bytes(pool)} + a cuBLAS workspace {format_bytes(ws // 2)})",
+                    )
+                )
         if self.blocks:
             staging_pool = HOST_POOL if dev.discrete else main
             items.append(

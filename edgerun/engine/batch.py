@@ -41,6 +41,7 @@ class Row:
     ahead: object = None  # the step queued ahead of its feed (graphs.Queued), on CUDA
     ahead_token: int | None = None  # the token that step consumed: the next feed must be it
     left: bool = False  # it left the batch (its slot is free)
+    ready: object = None  # CUDA: the event its prefill lane recorded (engine/graphs.PrefillLanes)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
 from edgerun.errors import EdgerunError
 from edgerun.kernels.moe import add_into
+from edgerun.kernels.scratch import scratch_set
 from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep, exact_rows
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -387,13 +388,7 @@ class DecodeGraphs:
 
     def reset(self) -> DecodeState:
         """The static state, emptied for a new sequence (KV past the position is masked)."""
-        for entry in self.state.layers:
-            if isinstance(entry, DeltaState):
-                entry.conv.zero_()
-                entry.recurrent.zero_()
-                entry.trail = None
-        self.state.pos = 0
-        return self.state
+        return empty_state(self.state)
 
     def step(self, token: int | None) -> torch.Tensor:
         """Consume ``token`` (None: the greedy token the previous step chose, on the device) at
@@ -845,9 +840,21 @@ class PrefillGraphs:
     (``prefill_eager_chunks``, and why in :attr:`why_eager`).
     """
 
-    def __init__(self, decoder: DecodeGraphs, limit: int = PREFILL_GRAPH_TOKENS) -> None:
+    def __init__(
+        self,
+        decoder: DecodeGraphs,
+        limit: int = PREFILL_GRAPH_TOKENS,
+        state: DecodeState | None = None,
+        lane: int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """``state`` (default: the decoder's static state), ``lane`` and ``stream``: a prefill
+        lane's own scratch state, scratch set (``kernels/scratch.py``) and stream, which it
+        warms up and captures on (:class:`PrefillLanes`); by default the side stream."""
         self.decoder = decoder
-        self.buckets = prefill_buckets(min(limit, decoder.capacity))
+        self.state = state if state is not None else decoder.state
+        self.lane, self.stream = lane, stream
+        self.buckets = prefill_buckets(min(limit, decoder.capacity, self.state.max_len))
         self.graphs: dict[
             int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
         ] = {}
@@ -885,16 +892,21 @@ class PrefillGraphs:
         n_valid.fill_(n)
         graph.replay()
         self.hidden = hidden[:, :n]  # the MTP head's input (speculative decoding's prompts)
-        d.state.pos = start + n
+        self.state.pos = start + n
         d.count_table_hits(n)
         d.counters.prefill_graph_chunks += 1
         return logits[0]
 
+    def reset(self) -> DecodeState:
+        """The state emptied for a new sequence (the decoder's own, or the lane's)."""
+        return empty_state(self.state)
+
     def _forward(self, tokens, n_valid, logits, hidden) -> None:
         model = self.decoder.model
         valid = torch.arange(tokens.shape[1], device=tokens.device) < n_valid
-        hidden.copy_(model.hidden(tokens, self.decoder.state, valid=valid))
-        logits.copy_(model.lm_head(hidden[0].index_select(0, n_valid - 1)))
+        with scratch_set(self.lane):
+            hidden.copy_(model.hidden(tokens, self.state, valid=valid))
+            logits.copy_(model.lm_head(hidden[0].index_select(0, n_valid - 1)))
 
     def _capture(self, b: int):
         """Warm up (Triton compiles and autotunes, library handles) on a side stream, then capture
@@ -908,13 +920,13 @@ class PrefillGraphs:
         hidden = torch.zeros(1, b, d.args.hidden_size, dtype=d.dtype, **kw)
         table = [i for i, mode in d.modes.items() if mode == "table"]
         hits = {i: d.cache.slots[i].counters.hits for i in table}  # the two runs below serve no request
-        stream = side_stream(d.device)
+        stream = self.stream or side_stream(d.device)
         stream.wait_stream(torch.cuda.current_stream(d.device))
         try:
             with torch.cuda.stream(stream):
                 self._forward(tokens, n_valid, logits, hidden)
             torch.cuda.current_stream(d.device).wait_stream(stream)
-            d.reset()
+            self.reset()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -927,8 +939,73 @@ class PrefillGraphs:
             )
             return None
         finally:
-            d.reset()
+            self.reset()
             for i, n in hits.items():
                 d.cache.slots[i].counters.hits = n
         d.counters.prefill_captures += 1
         return graph, tokens, n_valid, logits, hidden
+
+
+def empty_state(state: DecodeState) -> DecodeState:
+    """``state`` emptied for a new sequence: DeltaNet states zeroed, position 0 (KV past the
+    position is masked)."""
+    for entry in state.layers:
+        if isinstance(entry, DeltaState):
+            entry.conv.zero_()
+            entry.recurrent.zero_()
+            entry.trail = None
+    state.pos = 0
+    return state
+
+
+class PrefillLanes:
+    """The first chunks of several batch sequences' prompts prefilled at the same time: short
+    prompts are bound by the latency of many small kernels, so one prompt leaves most of the GPU
+    idle and the prompts of requests that arrive together (a batch's joiners) would otherwise
+    run one after another. Each of ``n`` lanes has a stream, a scratch state (one chunk long), a
+    scratch set for the kernels that keep counters (``kernels/scratch.py``) and prefill graphs
+    of its own, warmed up and captured on its stream (so cuBLAS's per-stream workspace is its
+    own too); prompts take the lanes in turn.
+
+    A lane runs what the one-sequence prefill graph runs, over buffers of its own: a prompt's
+    bits do not depend on its lane or on the prompts beside it (the batch's start-up probe and
+    tests/engine/test_batch_cuda.py check it). :meth:`run` returns the chunk's last logits and
+    an event recorded on the lane's stream after the sequence's state was copied into its slot:
+    wait for it before reading either (``Runner._batch_tokens``)."""
+
+    def __init__(self, decoder: DecodeGraphs, n: int, tokens: int, limit: int = PREFILL_GRAPH_TOKENS) -> None:
+        if n < 2:
+            raise ValueError(f"prefill lanes: at least 2, got {n}")
+        self.decoder = decoder
+        model, device = decoder.model, decoder.device
+        self.lanes = []
+        for k in range(n):
+            state = model.new_state(1, tokens, device=device)
+            stream = torch.cuda.Stream(device)
+            self.lanes.append(PrefillGraphs(decoder, limit, state, lane=k + 1, stream=stream))
+        self.turn = 0
+
+    def run(self, ids: torch.Tensor, into: DecodeState) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """The first chunk ``ids`` [1, n] of the sequence whose state is ``into`` through the
+        next lane: (its last logits [V], the event to wait for), or None where no graph
+        replays it (the caller runs it as a lone prompt)."""
+        lane = self.lanes[self.turn]
+        if lane.bucket(0, ids.shape[1]) is None:
+            return None
+        self.turn = (self.turn + 1) % len(self.lanes)
+        main = torch.cuda.current_stream(self.decoder.device)
+        lane.stream.wait_stream(main)  # the chunk's ids, the slot zeroed, its last occupant's steps
+        with torch.cuda.stream(lane.stream):
+            lane.reset()
+            logits = lane.run(ids, 0)
+            if logits is None:  # its capture failed (a fallback the decoder names)
+                main.wait_stream(lane.stream)
+                return None
+            lane.state.copy_into(into)
+            logits = logits.clone()
+            done = torch.cuda.Event()
+            done.record(lane.stream)
+        # the caching allocator frees blocks in their stream's order: the main stream reads these
+        logits.record_stream(main)
+        ids.record_stream(lane.stream)
+        return logits, done

@@ -28,6 +28,7 @@ from edgerun.engine.graphs import (
     DecodeCounters,
     DecodeGraphs,
     PrefillGraphs,
+    PrefillLanes,
     RowSteps,
     expert_mode,
     greedy_pick,
@@ -79,6 +80,10 @@ class Runner:
         self.decoder = None  # DecodeGraphs on CUDA, sized for the longest request so far
         self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
         self.prefill_graphs = True  # prompts' first chunks through PrefillGraphs where they can be
+        # a batch's prompts' first chunks in this many lanes at once (engine/graphs.PrefillLanes;
+        # 1: one after another on the decoder's own prefill graphs)
+        self.prefill_lanes = 1
+        self.lanes: PrefillLanes | None = None
         self.routes = None  # a RouteRecorder (engine/trace.py) that also takes the decoder's steps
         self._fallback_steps: dict[str, int] = {}  # engine steps run under each kernel/graph/pool fallback
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
@@ -95,13 +100,23 @@ class Runner:
         self.planes = 0  # projections on the tensor-core GEMV (a batch's, ``_use_planes``)
         self.planes_refused: str | None = None  # why its probe kept them off it
 
-    def enable_batch(self, size: int, planes: bool = True) -> None:
+    def enable_batch(self, size: int, planes: bool = True, lanes: int = 1) -> None:
         """Decode up to ``size`` requests together (engine/batch.py): each one's generator
         joins a slot of one state pool and its decode steps are multi-row steps over every
         request decoding; refused, saying why, where it cannot run. 1: one request at a time.
-        ``planes``: on CUDA, the large int4 projections on the tensor-core GEMV (``_use_planes``)."""
+        ``planes``: on CUDA, the large int4 projections on the tensor-core GEMV (``_use_planes``).
+        ``lanes``: on CUDA, joiners' first prompt chunks prefill in that many lanes at once
+        (engine/graphs.PrefillLanes); at most ``size``."""
         if size < 1:
             raise EdgerunError(f"batch must be >= 1, got {size}")
+        if lanes < 1:
+            raise EdgerunError(f"prefill lanes must be >= 1, got {lanes}")
+        if lanes > 1 and (size < 2 or self.device.type != "cuda"):
+            raise EdgerunError(
+                f"prefill lanes {lanes}: lanes prefill a CUDA batch's prompts (batch {size} on "
+                f"{self.device}); use 1"
+            )
+        self.prefill_lanes, self.lanes = min(lanes, size), None
         if size > 1 and self.speculative is not None:
             raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
         if size > 1 and self.device.type == "cuda":
@@ -216,6 +231,7 @@ class Runner:
             return logits
         finally:
             for r in rows:
+                self._settle(r)
                 self.batch.leave(r)
 
     def _advance_rows(self, rows: list[Row]) -> list[int] | None:
@@ -441,7 +457,10 @@ class Runner:
         text = self.kernels.describe()
         text += f"; {self.decoder.describe()}" if self.decoder is not None else ""
         text += f"; {self.row_steps.describe()}" if self.row_steps is not None else ""
-        return text + (f"; {self.planes} projection(s) on the tensor-core GEMV" if self.planes else "")
+        text += f"; {self.planes} projection(s) on the tensor-core GEMV" if self.planes else ""
+        return text + (
+            f"; a batch's prompts prefill in {self.prefill_lanes} lanes" if self.prefill_lanes > 1 else ""
+        )
 
     @classmethod
     def load(
@@ -547,7 +566,19 @@ class Runner:
         """Consume the prompt in chunks of ``prefill_chunk`` tokens; returns the last logits [V]."""
         for chunk in self.prefill_chunks(state, ids):
             logits = chunk
+        if self.batch is not None:
+            for row in self.batch.rows:
+                if row.state is state:
+                    self._settle(row)
         return logits
+
+    def _settle(self, row: Row) -> None:
+        """The main stream waits (the host does not) for the prefill lane's work on ``row``
+        (its slot's state, its first logits): before either is read, and before its slot is
+        freed for another sequence."""
+        if row.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(row.ready)
+            row.ready = None
 
     @torch.inference_mode()
     def prefill_chunks(
@@ -599,6 +630,16 @@ class Runner:
         states): a prompt of a batch costs what it costs alone. Its last logits [V], a copy
         (other sequences prefill before this one samples)."""
         scratch = self.new_state(min(self.prefill_chunk, self.max_context))
+        if self.prefill_lanes > 1 and self._graphs_replay(scratch):
+            tokens = min(self.prefill_chunk, self.max_context)
+            if self.lanes is None or self.lanes.decoder is not self.decoder:
+                limit = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS)
+                self.lanes = PrefillLanes(self.decoder, self.prefill_lanes, tokens, limit)
+            ran = self.lanes.run(chunk, state)
+            if ran is not None:
+                row = next(r for r in self.batch.rows if r.state is state)
+                logits, row.ready = ran  # the lane's work: waited for before its first use
+                return logits
         logits = self._prefill_graphed(scratch, chunk, 0)
         if logits is None:
             self.steps.prefill_eager_chunks += 1
@@ -610,12 +651,18 @@ class Runner:
         """The chunk through the decoder's prefill graphs (``engine/graphs.PrefillGraphs``): its
         last logits, or None where it does not replay (not the decoder's state, a route
         recorder's forward hooks to feed, not the first chunk, a step that cannot be captured)."""
-        d = self.decoder
-        if d is None or state is not d.state or self.routes is not None or not self.prefill_graphs:
+        if not self._graphs_replay(state):
             return None
+        d = self.decoder
         if d.prefill is None:
             d.prefill = PrefillGraphs(d, min(self.prefill_chunk, PREFILL_GRAPH_TOKENS))
         return d.prefill.run(chunk, start)
+
+    def _graphs_replay(self, state: DecodeState) -> bool:
+        """Whether a chunk on ``state`` may replay a prefill graph: it is the decoder's static
+        state, no route recorder needs the forward's hooks, and prefill graphs are on."""
+        d = self.decoder
+        return d is not None and state is d.state and self.routes is None and self.prefill_graphs
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token: int) -> torch.Tensor:
@@ -661,6 +708,7 @@ class Runner:
             yield from self._generate(request, sampler, stats, t_request, row)
         finally:
             if row is not None:
+                self._settle(row)
                 self.batch.leave(row)  # ended or closed (client gone): the slot is free at once
 
     def _generate(
@@ -753,6 +801,7 @@ class Runner:
     def _batch_tokens(self, row: Row, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
         """:meth:`_tokens` for a sequence of the batch: its logits come from the batch's step."""
         row.greedy = sampler.params.greedy  # it feeds the step's picks: its steps may run ahead
+        self._settle(row)  # prefilled in a lane: its logits and its slot are the lane's work
         token = sampler(logits)
         yield token
         for _ in range(n - 1):

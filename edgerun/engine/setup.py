@@ -140,6 +140,7 @@ def cache_config(
     providers=None,
     model: Path | None = None,
     draft_tokens: int = 0,
+    prefill_lanes: int = 1,
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
@@ -200,6 +201,7 @@ def cache_config(
         unified_memory=unified,
         warm=warm,
         draft_tokens=draft_tokens,
+        prefill_lanes=prefill_lanes,
     )
     if profile is None:
         return base
@@ -327,6 +329,7 @@ def _planned(
         quota=fixed,
         trace=config.trace,
         draft_tokens=config.draft_tokens,
+        prefill_lanes=config.prefill_lanes,
         tier_reads=config.tier_reads,
         expert_kernel=expert_kernel,
     )

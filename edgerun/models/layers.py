@@ -22,6 +22,7 @@ from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
 from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
+from edgerun.kernels.scratch import SCRATCH_SET
 from edgerun.models.args import ModelArgs
 
 # set within a speculative verify window or a batch's step (``exact_rows``): every row computed
@@ -91,6 +92,7 @@ class QLinear(nn.Module):
         # ``weight`` holds the bytes repacked in nibble planes, and these are its tile and counters
         self.planes = None
         self.planes_count: torch.Tensor | None = None
+        self.lane_counts: dict[int, torch.Tensor] = {}  # scratch sets 1.. (kernels/scratch.py)
 
     @classmethod
     def of(cls, m: nn.Module) -> QLinear:
@@ -134,6 +136,7 @@ class QLinear(nn.Module):
         else:
             self.weight = _frozen(P.unpack_planes(w))
             self.planes, self.planes_count = None, None
+        self.lane_counts = {}
 
     def forward(
         self,
@@ -171,7 +174,7 @@ class QLinear(nn.Module):
                 nrm,
                 norm_out,
                 self.planes,
-                self.planes_count,
+                self._planes_count(),
             )  # each row in the MMA's columns of its own: one row's bits whatever the rows (no ``alone``)
         if self.gemv and x.dim() == 2 and x.shape[0] <= limit:
             from edgerun.kernels import qlinear_triton
@@ -210,6 +213,22 @@ class QLinear(nn.Module):
         lead = x.shape[:-1]
         flat = self._reference(x.reshape(-1, x.shape[-1]), w, epilogue, None, gate, None, None, matmul)
         return flat.reshape(*lead, flat.shape[-1])
+
+    def _planes_count(self) -> torch.Tensor:
+        """The tensor-core GEMV's arrival counters of this context's scratch set: calls on a
+        prefill lane's stream may overlap the main stream's, so each lane has a set of its own,
+        allocated at its first call (a warm-up, outside graph capture)."""
+        k = SCRATCH_SET.get()
+        if k == 0:
+            return self.planes_count
+        if k not in self.lane_counts:
+            if self.planes_count.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.extra_repr()}: scratch set {k}'s counters are first needed during graph "
+                    "capture; run the lane once outside capture first"
+                )
+            self.lane_counts[k] = torch.zeros_like(self.planes_count)
+        return self.lane_counts[k]
 
     def _reference(self, x, w, epilogue, out, gate, nrm, norm_out, matmul=None) -> torch.Tensor:
         """``qlinear_ref`` on x [N, C] (``matmul``: the CPU kernels' product in its stead, whose

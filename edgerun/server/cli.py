@@ -53,6 +53,7 @@ _FLAGS = (
     "queue_size",
     "batch",
     "batch_gemv",
+    "prefill_lanes",
     "request_timeout",
     "grace_period",
     "default_max_tokens",
@@ -113,6 +114,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a CUDA batch's large int4 projections: planes (default), the tensor-core GEMV whose cost hardly "
         "grows with the rows decoding together; rows, the GEMV a batch-1 daemon runs, faster for one request "
         "and slower for several (docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--prefill-lanes",
+        type=int,
+        help="a CUDA batch's prompts arriving together prefill in this many lanes at once (default 1: one "
+        "after another); each lane holds a scratch state, prefill graphs and a cuBLAS workspace of its own",
     )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
@@ -295,6 +302,7 @@ def cache_plan(opts: ServeOptions):
         trace=opts.trace,
         providers=opts.providers,
         draft_tokens=spec.draft_tokens if (spec := opts.speculative_config()) is not None else 0,
+        prefill_lanes=opts.prefill_lanes,
     )
 
 
@@ -335,7 +343,11 @@ class EngineLoader:
             prefill_chunk=opts.prefill_chunk,
             speculative=opts.speculative_config(),
         )
-        runner.enable_batch(serve_batch(opts, runner.device.type), planes=opts.batch_gemv == "planes")
+        runner.enable_batch(
+            serve_batch(opts, runner.device.type),
+            planes=opts.batch_gemv == "planes",
+            lanes=opts.prefill_lanes,
+        )
         return RunnerEngine(runner, source, name, self.profile, self.plan)
 
 

@@ -72,6 +72,9 @@ class ServeOptions:
     # the cost at 4 rows); either way for every row count, so a request's tokens never depend on
     # its neighbours
     batch_gemv: str = "planes"
+    # a CUDA batch's prompts that arrive together prefill in this many lanes at once (1: one after
+    # another; engine/graphs.PrefillLanes). Off by default until measured against 1.
+    prefill_lanes: int = 1
     max_connections: int = 256
     max_connections_per_uid: int = 64  # per client uid (SO_PEERCRED); past it, its oldest idle one closes
     request_timeout: float = 300.0  # seconds, queueing included
@@ -100,6 +103,8 @@ class ServeOptions:
             raise ConfigError(
                 f"serve option 'batch_gemv' must be 'planes' or 'rows', got {self.batch_gemv!r}"
             )
+        if self.prefill_lanes < 1:
+            raise ConfigError(f"serve option 'prefill_lanes' must be at least 1, got {self.prefill_lanes}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
         for name in (

@@ -106,6 +106,10 @@ def test_batch_refusals(demo):
     runner = copy.copy(demo)
     with pytest.raises(EdgerunError, match="batch must be >= 1"):
         runner.enable_batch(0)
+    with pytest.raises(EdgerunError, match="lanes prefill a CUDA batch's prompts"):
+        runner.enable_batch(2, lanes=2)  # a CPU batch has no streams to prefill on at once
+    with pytest.raises(EdgerunError, match="prefill lanes must be >= 1"):
+        runner.enable_batch(2, lanes=0)
     runner.enable_batch(2)
     rows = [runner.batch.join(8), runner.batch.join(8)]
     with pytest.raises(EdgerunError, match="all 2 batch slots are taken"):

@@ -77,6 +77,30 @@ def test_greedy_among_neighbours_equals_alone(bundles, arch, quota, batch, graph
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_in_lanes_equal_alone(dense_bundles, arch):
+    """Prompts that arrive together prefill at once in lanes of their own (streams, scratch
+    states and counter sets, graphs captured per lane): each request's tokens are still its
+    tokens alone in a batch-1 runner, joined all in one round or staggered."""
+    runner = _load(dense_bundles[arch], 16)
+    prompts, max_tokens = PROMPTS[:B], MAX_TOKENS[:B]
+    single = [
+        runner.generate_ids(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, max_tokens)
+    ]
+    runner.enable_batch(B, lanes=B)
+    before = runner.prefill_counts()["graph"]
+    for joins in ([0] * B, [0, 0, 1, 3]):
+        got = together(runner, prompts, max_tokens, joins)
+        for i in range(B):
+            assert torch.equal(torch.tensor(got[i]), torch.tensor(single[i])), (joins, i)
+    assert runner.lanes is not None and len(runner.lanes.lanes) == B
+    assert runner.prefill_counts()["graph"] - before == 2 * B  # every first chunk replayed in a lane
+    assert runner.batch.running == 0
+    with pytest.raises(EdgerunError, match="lanes"):
+        runner.enable_batch(1, lanes=2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_int4_dense_rows_and_the_probe(dense_bundles, arch):
     runner = _load(dense_bundles[arch], 16)
     runner.enable_batch(B)

@@ -122,8 +122,16 @@ def test_a_projection_goes_on_and_off_the_planes_with_its_bytes_intact():
     m.use_planes(True)
     assert torch.equal(m.weight, P.repack_planes(w)) and m.planes == P.planes_config(96, 256, 32)
     assert m.planes_count is not None and not m.planes_count.any()
+    # a prefill lane's calls (another stream, kernels/scratch.py) count on a set of their own
+    from edgerun.kernels.scratch import scratch_set
+
+    assert m._planes_count() is m.planes_count
+    with scratch_set(2):
+        lane = m._planes_count()
+        assert lane is not m.planes_count and lane.shape == m.planes_count.shape and not lane.any()
+        assert m._planes_count() is lane
     m.use_planes(False)
-    assert torch.equal(m.weight, w.weight) and m.planes is None
+    assert torch.equal(m.weight, w.weight) and m.planes is None and m.lane_counts == {}
     with pytest.raises(ValueError, match="int8"):
         QLinear(random_qweight("int8", 8, 128, 128, g)).use_planes(True)
 

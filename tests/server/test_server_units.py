@@ -295,6 +295,11 @@ def test_serve_batch_option_default_and_plan(tmp_path):
     assert ServeOptions().merged(load_serve_config(cfg)).batch_gemv == "rows"
     with pytest.raises(ConfigError, match="'batch_gemv' must be 'planes' or 'rows', got 'mma'"):
         ServeOptions(batch_gemv="mma")
+    cfg.write_text("batch: 6\nprefill_lanes: 4\n")
+    assert ServeOptions().prefill_lanes == 1
+    assert ServeOptions().merged(load_serve_config(cfg)).prefill_lanes == 4
+    with pytest.raises(ConfigError, match="'prefill_lanes' must be at least 1, got 0"):
+        ServeOptions(prefill_lanes=0)
     assert serve_batch(ServeOptions(), "cpu") == DEFAULT_BATCH and serve_batch(ServeOptions(), "cuda") == 1
     assert serve_batch(ServeOptions(batch=3), "cuda") == 3  # asked for: refused at load, by name
     profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
