@@ -628,10 +628,12 @@ class Runner:
         decoder's static state, through its prefill graphs where they replay; counted as
         either), then copied into the sequence's entry of the pool (KV 0..n, the DeltaNet
         states): a prompt of a batch costs what it costs alone. Its last logits [V], a copy
-        (other sequences prefill before this one samples)."""
-        scratch = self.new_state(min(self.prefill_chunk, self.max_context))
-        if self.prefill_lanes > 1 and self._graphs_replay(scratch):
-            tokens = min(self.prefill_chunk, self.max_context)
+        (other sequences prefill before this one samples). With prefill lanes, in the next lane
+        (``PrefillLanes``) at the same time as the other joiners' prompts."""
+        tokens = min(self.prefill_chunk, self.max_context)
+        if self.prefill_lanes > 1 and (self.decoder is None or self.decoder.capacity < tokens):
+            self.new_state(tokens)  # the decoder the lanes' graphs belong to
+        if self.prefill_lanes > 1 and self._graphs_replay(self.decoder.state):
             if self.lanes is None or self.lanes.decoder is not self.decoder:
                 limit = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS)
                 self.lanes = PrefillLanes(self.decoder, self.prefill_lanes, tokens, limit)
@@ -640,6 +642,7 @@ class Runner:
                 row = next(r for r in self.batch.rows if r.state is state)
                 logits, row.ready = ran  # the lane's work: waited for before its first use
                 return logits
+        scratch = self.new_state(tokens)
         logits = self._prefill_graphed(scratch, chunk, 0)
         if logits is None:
             self.steps.prefill_eager_chunks += 1
