@@ -551,26 +551,11 @@ class _Sizer:
                 Item(
                     "batch_prefill_state",
                     main,
-                    positions * kv_bytes_per_token(args, opt.kv_dtype) * (n_full > 0)
-                    + (deltanet_state_bytes(args, 1, opt.dense_dtype) if n_lin else 0),
+                    self.prefill_state_bytes(positions),
                     f"one sequence's static state ({positions} positions): a batch's first prompt chunks run "
                     "there, then are copied into their entries",
                 )
             )
-            lanes = min(opt.prefill_lanes, batch)
-            if lanes > 1:  # each lane: a scratch state, its prefill graphs' pool, a cuBLAS workspace
-                state = items[-1].nbytes
-                graphs = self.prefill_graph_item(context, batch)
-                pool = graphs.nbytes if graphs is not None else 0
-                items.append(
-                    Item(
-                        "prefill_lanes",
-                        main,
-                        lanes * (state + pool + ws // 2),
-                        f"{lanes} prefill lanes x (a scratch state {format_bytes(state)} + prefill graphs "
-                        f"{format_bytes(pool)} + a cuBLAS workspace {format_bytes(ws // 2)})",
-                    )
-                )
         if self.blocks:
             staging_pool = HOST_POOL if dev.discrete else main
             items.append(
@@ -594,23 +579,38 @@ class _Sizer:
             out[it.pool] -= it.nbytes
         return out
 
+    def prefill_state_bytes(self, positions: int) -> int:
+        """One sequence's decode state of ``positions`` positions (KV and DeltaNet states)."""
+        args, opt = self.args, self.options
+        kv = positions * kv_bytes_per_token(args, opt.kv_dtype) if args.full_attention_layers else 0
+        return kv + (deltanet_state_bytes(args, 1, opt.dense_dtype) if args.linear_attention_layers else 0)
+
     def prefill_graph_item(self, context: int, batch: int) -> Item | None:
         """The prefill graphs' private pool (``engine/graphs.PrefillGraphs``: a first chunk's
         workspace, held beside the eager chunks'), where they run: CUDA graphs on a CUDA device
-        and every expert held (they replay only then)."""
+        and every expert held (they replay only then). A batch's prefill lanes
+        (``PrefillLanes``, which replay only where these do) each add their own: a pool like it,
+        a scratch state of a chunk, a cuBLAS workspace."""
         args, opt = self.args, self.options
         if not (opt.cuda_graphs and self.device.has_cuda):
             return None
         per_token = token_workspace_bytes(args, opt.dense_dtype)
         graphed = min(max(batch, min(opt.prefill_chunk, context)), PREFILL_GRAPH_TOKENS)
         extra, how = self.chunk_extra
-        return Item(
-            "prefill_graph_pool",
-            self.main_pool,
-            graphed * per_token + extra,
-            f"prefill graphs (every expert held or read in place): {graphed} tok x {per_token} B"
-            + (f" + {how}" if how else ""),
+        pool = graphed * per_token + extra
+        what = f"prefill graphs (every expert held or read in place): {graphed} tok x {per_token} B" + (
+            f" + {how}" if how else ""
         )
+        lanes = min(opt.prefill_lanes, batch)
+        if lanes > 1:
+            state = self.prefill_state_bytes(min(opt.prefill_chunk, context))
+            ws = library_workspace_bytes(self.device.compute_capability) // 2
+            what += (
+                f"; {lanes} prefill lanes x (that pool + a scratch state {format_bytes(state)} + a cuBLAS "
+                f"workspace {format_bytes(ws)})"
+            )
+            pool += lanes * (pool + state + ws)
+        return Item("prefill_graph_pool", self.main_pool, pool, what)
 
     def slot_bytes(self, quotas: Sequence[int]) -> int:
         return sum(q * b for q, b in zip(quotas, self.slot_costs))

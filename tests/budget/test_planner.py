@@ -98,22 +98,28 @@ def test_tiny_qwen3_5_every_category_byte_exact():
     assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 462_380, 452_180, 10_200)
 
 
-def test_prefill_lanes_each_hold_a_state_a_graph_pool_and_a_workspace():
+def test_prefill_lanes_each_hold_a_graph_pool_a_state_and_a_workspace():
+    """A batch's prefill lanes replay only where the prefill graphs do: the graphs' item counts
+    each lane's own pool, scratch state (a chunk) and cuBLAS workspace, at most one lane a row."""
     from edgerun.budget.planner import library_workspace_bytes
 
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
     base = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16))
     lanes = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16, prefill_lanes=4))
-    items = {it.name: it.nbytes for it in lanes.items}
-    assert "prefill_lanes" not in {it.name for it in base.items}
-    pool = 16 * 5192 + 32 * 6 * 24 * 4  # the prefill graphs' item: 16 tokens + the tile padding
-    # at most one lane a batch row: 2
-    assert items["prefill_lanes"] == 2 * (
-        TINY35_ITEMS["batch_prefill_state"] + pool + library_workspace_bytes("8.7") // 2
-    )
-    assert lanes.quotas == base.quotas == (6, 6, 6, 6)  # every expert either way: only the lanes differ
-    assert lanes.pools[0].used - base.pools[0].used == items["prefill_lanes"]
+    assert lanes.quotas == base.quotas == (6, 6, 6, 6)  # every expert held: the graphs replay
+    pool = 16 * 5192 + 32 * 6 * 24 * 4  # 16 tokens + the grouped step's tile padding
+    assert {it.name: it.nbytes for it in base.items}["prefill_graph_pool"] == pool
+    # a 16-token scratch state: K,V 2 layers x 2 heads x 16 x 2 B a position + one DeltaNet state
+    state = 16 * 2 * 2 * 2 * 16 * 2 + 4032
+    want = pool + 2 * (pool + state + library_workspace_bytes("8.7") // 2)
+    assert {it.name: it.nbytes for it in lanes.items}["prefill_graph_pool"] == want
+    assert lanes.pools[0].used - base.pools[0].used == want - pool
+    # streamed (a quota below E): no prefill graphs, so no lanes either
+    streamed = PlanOptions(prefill_chunk=16, prefill_lanes=4, quota=5)
+    assert "prefill_graph_pool" not in {
+        it.name for it in plan(args, specs, experts, profile(10**8), 64, 2, streamed).items
+    }
 
 
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
