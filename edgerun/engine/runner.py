@@ -116,7 +116,6 @@ class Runner:
                 f"prefill lanes {lanes}: lanes prefill a CUDA batch's prompts (batch {size} on "
                 f"{self.device}); use 1"
             )
-        self.prefill_lanes, self.lanes = min(lanes, size), None
         if size > 1 and self.speculative is not None:
             raise EdgerunError("speculative decoding and batched decoding do not combine yet; choose one")
         if size > 1 and self.device.type == "cuda":
@@ -133,6 +132,7 @@ class Runner:
         if fits is not None:  # a step's lookup holds every row's experts at once
             self._refuse_rows(f"batch {size}: a step of {size} rows", size, "B", f"--batch {fits} fits")
         self.batch, self.row_steps = None, None
+        self.prefill_lanes, self.lanes = min(lanes, size), None
         self.model.share_rows(False)
         self._use_planes(size if planes else 1)
         if size > 1:
