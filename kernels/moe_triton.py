@@ -123,6 +123,18 @@ def _at(slot, split, block, far):
 # Kernels
 
 
+@triton.jit
+def _expert_ranks(ids, t, A: tl.constexpr, A_P2: tl.constexpr):
+    """Token t's entries (positions ``ar``, expert ids ``eid``) and each one's rank in (expert id,
+    position) order, the order its experts are summed in (padding entries rank A_P2)."""
+    ar = tl.arange(0, A_P2)
+    valid = ar < A
+    eid = tl.load(ids + t * A + ar, mask=valid, other=0)
+    before = (eid[None, :] < eid[:, None]) | ((eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None]))
+    rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
+    return ar, eid, tl.where(valid, rank, A_P2)
+
+
 @triton.jit(do_not_specialize=["zero", "lo", "hi"])  # a runtime 0 (see bits_triton._field); any range
 def _gate_up_kernel(
     x,
@@ -265,14 +277,7 @@ def _down_kernel(
     tl.debug_barrier()  # every thread's part stored before the arrival is released
     if tl.atomic_add(count + t * (D // BLOCK_R) + j, 1, sem="acq_rel") == A - 1:
         # each entry's rank in (expert id, position) order: the experts are summed by ascending id
-        ar = tl.arange(0, A_P2)
-        valid = ar < A
-        eid = tl.load(ids + t * A + ar, mask=valid, other=0)
-        before = (eid[None, :] < eid[:, None]) | (
-            (eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None])
-        )
-        rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
-        rank = tl.where(valid, rank, A_P2)
+        ar, eid, rank = _expert_ranks(ids, t, A, A_P2)
         cols = t * D + rows
         if ACC:
             acc = tl.load(out + cols)
@@ -530,12 +535,7 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = c < D
-    ar = tl.arange(0, A_P2)
-    valid = ar < A
-    eid = tl.load(ids + t * A + ar, mask=valid, other=0)
-    before = (eid[None, :] < eid[:, None]) | ((eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None]))
-    rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
-    rank = tl.where(valid, rank, A_P2)
+    ar, eid, rank = _expert_ranks(ids, t, A, A_P2)
     if ACC:
         acc = tl.load(acc_in + t * D + c, mask=cmask, other=0.0)
     else:
