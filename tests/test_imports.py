@@ -87,6 +87,20 @@ def test_plan_runs_without_torch():
     assert "expert quota:" in proc.stdout
 
 
+# ---- the demo runs without Triton -----------------------------------------------------------
+
+BLOCK_TRITON = "import sys; sys.modules['triton'] = None  # any import of triton now fails\n"
+
+
+def test_demo_generates_without_triton():
+    """``make demo`` installs no Triton (a CPU machine): loading the demo model and generating
+    must not import it (a projection turned off the tensor-core GEMV it never used did, once)."""
+    argv = ["generate", "--max-tokens", "4", "--seed", "1", "--device", "cpu", "In the beginning"]
+    proc = run_python(f"{BLOCK_TRITON}from edgerun.cli import main\nsys.exit(main({argv!r}))\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "generated 4 tok" in proc.stdout + proc.stderr
+
+
 # ---- the server does not import the command line -------------------------------------------
 
 

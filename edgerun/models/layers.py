@@ -120,11 +120,12 @@ class QLinear(nn.Module):
         """Run decode-sized inputs on the tensor-core GEMV (``qgemv_planes``, whose cost hardly
         grows with the rows: a batch's steps) or not: the weight's bytes are repacked in place
         (no second copy), or back. Its bits differ from ``qgemv``'s, so a batch that uses it
-        uses it for every row count, one-row steps included."""
-        from edgerun.kernels import qlinear_planes as P
-
+        uses it for every row count, one-row steps included. Nothing to change imports nothing:
+        a machine without Triton (the CPU demo) turns the planes off at load."""
         if on == (self.planes is not None):
             return
+        from edgerun.kernels import qlinear_planes as P
+
         w = self.qweight()
         if on:
             why = P.planes_unsupported(w, torch.bfloat16)
