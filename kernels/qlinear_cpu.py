@@ -13,6 +13,8 @@ the stored weight (the same bytes again for int4; int8 shares them).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from edgerun.bundle.quant import e4m3_value
@@ -43,10 +45,21 @@ def unsupported(w: QWeight) -> str | None:
     return None
 
 
+# the int8 kernel's vector loads fault on a weight that is not 16-byte aligned (a segfault, not
+# an error); a bundle's dense.safetensors places a tensor only 8-byte aligned
+ALIGN = 64
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it in fresh (aligned) memory where its data is not ``ALIGN``-aligned."""
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+
 def pack(w: QWeight) -> Packed:
-    """``w`` as the CPU kernels take it (check ``unsupported`` first)."""
+    """``w`` as the CPU kernels take it (check ``unsupported`` first): int8 the stored bytes in
+    place where they are aligned, else a copy."""
     if w.scheme == "int8":
-        return w.weight, w.scales[:, 0].contiguous(), 0
+        return aligned(w.weight), w.scales[:, 0].contiguous(), 0
     scale = (e4m3_value(w.scales) * w.row_scale[:, None]).t()  # [G, R], exact
     return repack_int4(w.weight), torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(ACT), w.group
 
@@ -60,6 +73,17 @@ def linear(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     else:  # the fp32 row scales in fp32 after the kernel (as bf16 they would be rounded)
         y = torch.ops.aten._weight_int8pack_mm(xb, w, torch.ones_like(s, dtype=ACT)).float() * s
     return y.to(x.dtype)
+
+
+def misaligned(w: QWeight) -> QWeight:
+    """``w`` with its weight bytes 8 bytes past an aligned address, as a bundle's mapped file may
+    place them (the probe checks ``pack`` on such a weight, not only on fresh memory)."""
+    raw = w.weight.reshape(-1).view(torch.uint8)
+    buf = torch.empty(raw.numel() + ALIGN + 8, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % ALIGN + 8
+    buf[start : start + raw.numel()].copy_(raw)
+    moved = buf[start : start + raw.numel()].view(w.weight.dtype).view(w.weight.shape)
+    return dataclasses.replace(w, weight=moved)
 
 
 def probe(cases) -> ProbeResult:
@@ -77,7 +101,7 @@ def probe(cases) -> ProbeResult:
     worst, skipped = 0.0, []
     try:
         for scheme, cols, group in kinds:
-            w = random_qweight(scheme, 2 * BLOCK_N, cols, group, gen)
+            w = misaligned(random_qweight(scheme, 2 * BLOCK_N, cols, group, gen))
             why = unsupported(w)
             if why:
                 skipped.append(why)

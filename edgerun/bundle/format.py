@@ -125,14 +125,16 @@ def inventory_fingerprint(dense: list[tuple[str, str, tuple[int, ...]]]) -> str:
 
 def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
     """(name, dtype code, shape, nbytes) in file order -> the header bytes (8-byte length + JSON,
-    space-padded so the data starts on an 8-byte boundary). Tensors follow back to back."""
+    space-padded so the data starts on a 64-byte boundary: a mapped file's tensors then start as
+    aligned as the bytes before them allow, which the CPU's int8 kernel needs). Tensors follow
+    back to back."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, dtype, shape, nbytes in tensors:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    text += b" " * (-(8 + len(text)) % 64)
     return len(text).to_bytes(8, "little") + text
 
 

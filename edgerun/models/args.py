@@ -150,29 +150,38 @@ def _tname(types: tuple[type, ...]) -> str:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of an HF config: a nested ``text_config`` wins over the top level."""
+    """The language-model part of an HF config: a nested ``text_config`` wins over the top level,
+    but for ``tie_word_embeddings``, which the top level decides (as transformers' multimodal
+    model ties its lm_head; its ``save_pretrained`` writes ``false`` inside and ``true`` outside)."""
     inner = cfg.get("text_config")
     if isinstance(inner, dict):
         merged = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
         merged.update(inner)
         merged["model_type"] = cfg.get("model_type", inner.get("model_type"))
+        if "tie_word_embeddings" in cfg:  # the multimodal model ties (or not) by its own key
+            merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         return merged
     return cfg
 
 
-def rope_settings(r: ConfigReader) -> tuple[float, float, tuple[int, ...] | None]:
+def rope_settings(
+    r: ConfigReader, partial_default: float = 1.0
+) -> tuple[float, float, tuple[int, ...] | None]:
     """(rope_theta, partial_rotary_factor, mrope_section) from either the v5 ``rope_parameters``
-    dict or the older top-level ``rope_theta`` / ``rope_scaling`` keys."""
-    params = r.cfg.get("rope_parameters") or r.cfg.get("rope_scaling") or {}
+    dict or the older top-level ``rope_theta`` / ``rope_scaling`` keys, as the reference reads
+    them: a ``rope_scaling`` dict replaces ``rope_parameters`` whole, and a key neither holds
+    comes from the top level, else the architecture's default (``partial_default``)."""
+    key = "rope_scaling" if r.cfg.get("rope_scaling") else "rope_parameters"
+    params = r.cfg.get(key) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{r.source}: key 'rope_parameters' must be a mapping, got {params!r}")
+        raise ConfigError(f"{r.source}: key {key!r} must be a mapping, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(
-            f"{r.source}: rope_parameters.rope_type {rope_type!r} is not supported (supported: 'default')"
+            f"{r.source}: {key}.rope_type {rope_type!r} is not supported (supported: 'default')"
         )
     theta = params.get("rope_theta", r.cfg.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", r.cfg.get("partial_rotary_factor", 1.0))
+    partial = params.get("partial_rotary_factor", r.cfg.get("partial_rotary_factor", partial_default))
     section = params.get("mrope_section")
     try:
         theta, partial = float(theta), float(partial)

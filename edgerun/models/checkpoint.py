@@ -64,13 +64,24 @@ class LoadReport:
         )
 
 
-def checkpoint_files(ckpt: Path) -> list[Path]:
+def _weight_map(ckpt: Path) -> tuple[Path, dict[str, str]] | None:
+    """The sharded checkpoint's index (its path, tensor -> shard file name), or None unsharded."""
     index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index (needs 'weight_map')") from exc
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a valid safetensors index (needs 'weight_map')") from exc
+    return index, weight_map
+
+
+def checkpoint_files(ckpt: Path) -> list[Path]:
+    found = _weight_map(ckpt)
+    if found is not None:
+        index, weight_map = found
         files = sorted({ckpt / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -91,6 +102,19 @@ def read_entries(ckpt: Path) -> tuple[dict[str, TensorEntry], int]:
             if name in entries:
                 raise CheckpointError(f"tensor {name!r} appears in both {entries[name].file} and {f}")
             entries[name] = e
+    index = _weight_map(ckpt)
+    if index is not None:  # the index and the shards must agree: either one damaged is named
+        path, weight_map = index
+        for name, fname in weight_map.items():
+            if name not in entries:
+                raise CheckpointError(f"{path}: lists tensor {name!r} in {fname}, which does not hold it")
+            if (ckpt / fname).resolve() != Path(entries[name].file).resolve():
+                raise CheckpointError(
+                    f"{path}: lists tensor {name!r} in {fname}, but it is in {Path(entries[name].file).name}"
+                )
+        for name, e in entries.items():
+            if name not in weight_map:
+                raise CheckpointError(f"{path}: does not list tensor {name!r} (in {Path(e.file).name})")
     return entries, len(files)
 
 

@@ -34,9 +34,7 @@ def model_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
             raise ConfigError(
                 f"{source}: layer_types[{i}] = {t!r}; expected {A.FULL_ATTENTION!r} or {A.LINEAR_ATTENTION!r}"
             )
-    theta, partial, section = A.rope_settings(r)
-    if "rope_parameters" not in cfg and "partial_rotary_factor" not in cfg:
-        partial = 0.25  # the reference's default for this architecture
+    theta, partial, section = A.rope_settings(r, partial_default=0.25)  # the reference's default here
     mtp = r.get("mtp_num_hidden_layers", 0)
     args = ModelArgs(
         model_type="qwen3_5_moe",

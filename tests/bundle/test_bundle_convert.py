@@ -263,6 +263,13 @@ def test_dense_dtype_on_request_only(sources, bundles, tmp_path):
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_the_dense_file_data_starts_64_byte_aligned(bundles):
+    """A mapped dense.safetensors' tensors start as aligned as the bytes before them allow: its
+    data on a 64-byte boundary (the CPU's int8 kernel reads weights in place only where aligned)."""
+    with open(bundles("qwen3_moe", "int8") / F.DENSE, "rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % 64 == 0
+
+
 def test_a_second_conversion_into_the_same_directory_is_refused(sources, tmp_path):
     import fcntl
     import os

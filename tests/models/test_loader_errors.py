@@ -129,6 +129,81 @@ def test_unsupported_rope_type_is_refused(ckpt):
         load_args(ckpt)
 
 
+def test_rope_parameters_without_a_partial_factor_take_the_architecture_default(ckpt):
+    """Qwen3.5-MoE rotates a quarter of each head unless its config says otherwise, also when its
+    ``rope_parameters`` leave the factor out (the reference's config class fills 0.25 in)."""
+    from transformers import AutoConfig
+
+    _edit_config(ckpt, lambda c: c["rope_parameters"].pop("partial_rotary_factor", None))
+    _, args = load_args(ckpt)
+    hf = AutoConfig.from_pretrained(ckpt).rope_parameters["partial_rotary_factor"]
+    assert args.partial_rotary_factor == hf == 0.25
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_as_the_reference_reads_it(ckpt):
+    """A ``rope_scaling`` dict (Qwen's advice for long contexts) replaces ``rope_parameters``,
+    as in transformers: its yarn is refused by that key's name, not run as plain RoPE."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    _edit_config(ckpt, lambda c: c.__setitem__("rope_scaling", yarn))
+    with pytest.raises(ConfigError, match=r"rope_scaling\.rope_type 'yarn' is not supported"):
+        load_args(ckpt)
+    _edit_config(ckpt, lambda c: c.__setitem__("rope_scaling", None))
+    load_args(ckpt)
+
+
+def test_a_multimodal_config_ties_by_its_top_level_key(hf_checkpoints, tmp_path):
+    """transformers' ``save_pretrained`` of a tied multimodal Qwen3.5-MoE writes
+    ``tie_word_embeddings`` true at the top level and false in ``text_config``, and no lm_head:
+    the model ties by the top level's."""
+    dst = rewrite(hf_checkpoints["qwen3_5_moe"][1], tmp_path / "mm", fused=True, multimodal=True)
+    _edit(dst, lambda t: t.pop("lm_head.weight", None))
+
+    def tie(c):
+        c["tie_word_embeddings"] = True
+        c["text_config"]["tie_word_embeddings"] = False
+
+    _edit_config(dst, tie)
+    model, args, _ = load_model(dst)
+    assert args.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def _sharded(hf_checkpoints, tmp_path, edit):
+    dst = rewrite(hf_checkpoints["qwen3_moe"][1], tmp_path / "sh", shards=2)
+    index = dst / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    edit(doc["weight_map"])
+    index.write_text(json.dumps(doc))
+    return dst, index
+
+
+def test_an_index_and_its_shards_must_agree(hf_checkpoints, tmp_path):
+    """A tensor the index lists where no shard holds it, one it places in the wrong shard and one
+    a shard holds that the index does not list: each refused, naming the index and the tensor."""
+    dst, index = _sharded(
+        hf_checkpoints, tmp_path / "a", lambda m: m.__setitem__("model.extra.weight", next(iter(m.values())))
+    )
+    with pytest.raises(
+        CheckpointError, match=r"index\.json: lists tensor 'model\.extra\.weight' in model-0000"
+    ):
+        load_model(dst)
+
+    def move(m):
+        name = sorted(m)[0]
+        m[name] = (
+            "model-00002-of-00002.safetensors"
+            if m[name].startswith("model-00001")
+            else "model-00001-of-00002.safetensors"
+        )
+
+    dst, _ = _sharded(hf_checkpoints, tmp_path / "b", move)
+    with pytest.raises(CheckpointError, match=r"lists tensor .* but it is in model-0000"):
+        load_model(dst)
+    dst, _ = _sharded(hf_checkpoints, tmp_path / "c", lambda m: m.pop(sorted(m)[-1]))
+    with pytest.raises(CheckpointError, match=r"index\.json: does not list tensor"):
+        load_model(dst)
+
+
 def test_loading_is_lazy_for_matching_dtype(hf_checkpoints):
     """Same-dtype tensors are views of the file mapping, not copies; projections fused into one
     GEMV (q/k/v here) are the one copy loading makes."""
