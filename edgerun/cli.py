@@ -16,6 +16,7 @@ from edgerun.flags import (
     add_model_argument,
     add_speculative_arguments,
     parse_context,
+    positive_int,
     speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
@@ -55,7 +56,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="max context length: 4096 or 32k (default: the model's)",
     )
     p.add_argument(
-        "--prefill-chunk", type=int, default=512, help="prompt tokens a prefill step takes at once"
+        "--prefill-chunk", type=positive_int, default=512, help="prompt tokens a prefill step takes at once"
     )
     p.add_argument(
         "--threads",
@@ -516,14 +517,16 @@ def main(argv: list[str] | None = None) -> int:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         getattr(ns, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    # every message starts ``edgerun COMMAND:`` (docs/cli.md); -v also names the module
     logging.basicConfig(
-        level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s"
+        level=logging.DEBUG if ns.verbose else logging.WARNING,
+        format=f"edgerun {ns.command}: %(message)s" + (" [%(name)s]" if ns.verbose else ""),
     )
     try:
         return ns.func(ns)
     except EdgerunError as exc:
         print(f"edgerun {ns.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return getattr(exc, "exit_status", EXIT_USAGE)  # the daemon's failures: 1
     except KeyboardInterrupt:
         return 130
 

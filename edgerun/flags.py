@@ -46,6 +46,28 @@ def parse_context(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
 
 
+def positive_int(text: str) -> int:
+    """A count of at least 1 (``--prefill-chunk``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return value
+
+
+def octal_mode(text: str) -> int:
+    """A file mode in octal, like 0660 (``--socket-mode``)."""
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"an octal file mode like 0660 (0 to 0777), got {text!r}")
+    return value
+
+
 class _Renamed(argparse.Action):
     """An old spelling: stores into the new flag's dest, and says it is deprecated."""
 

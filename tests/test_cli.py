@@ -268,3 +268,22 @@ def test_trace_reads_a_text_and_simulate_studies_and_replays_prefetch(tmp_path, 
     assert re.search(r"^belady/lfu-layer +4 +[\d.]+ +[\d.]+ +[\d.]+ +1\.000 ", rows, re.M), rows
     assert main(["trace", "prompt", "--text", str(text), "--out", str(out), "--device", "cpu"]) == 2
     assert "give either prompts or --text FILE" in capsys.readouterr().err
+
+
+def test_a_context_past_the_models_is_said_and_a_prefill_chunk_below_1_refused(
+    hf_checkpoints, capsys, caplog
+):
+    """``--context`` above the model's maximum runs at its maximum and says so (no flag is
+    silently changed); ``--prefill-chunk 0`` is bad usage (exit 2), not a traceback."""
+    ckpt = str(hf_checkpoints["qwen3_moe"][1])
+    argv = ["generate", "--model", ckpt, "--token-ids", "3", "--max-tokens", "1", "--device", "cpu"]
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--context", "99999999"]) == 0
+    assert "context 99999999 is more than the model's 512 (max_position_embeddings): 512 used" in caplog.text
+    capsys.readouterr()
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--prefill-chunk", bad])
+        assert (
+            e.value.code == 2 and "--prefill-chunk: a whole number of at least 1" in capsys.readouterr().err
+        )

@@ -11,7 +11,7 @@ class SpeculativeStats:
     steps: int = 0  # verify steps
     drafted: int = 0
     accepted: int = 0
-    emitted: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
+    emitted: int = 0  # tokens of verify steps the request took (accepted drafts + one a step, up to its end)
     windows: int = 0  # streamed experts: (verify window, MoE layer) pairs
     window_experts: int = 0  # streamed experts: the distinct experts those needed, summed
 

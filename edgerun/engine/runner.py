@@ -9,6 +9,7 @@ watchdog, or stop (closing the generator) without waiting for the rest of the pr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import resource
 import statistics
 import time
@@ -47,6 +48,7 @@ from edgerun.models.providers import ProviderPolicy, Resolution
 from edgerun.tokenizer import StreamDecoder, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"
+log = logging.getLogger(__name__)
 
 
 def peak_memory(device: torch.device) -> int:
@@ -69,6 +71,13 @@ class Runner:
         self.args = args
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be at least 1, got {prefill_chunk!r}")
+        if max_context and max_context > args.max_position_embeddings:
+            log.warning(
+                "context %d is more than the model's %d (max_position_embeddings): %d used",
+                max_context, args.max_position_embeddings, args.max_position_embeddings,
+            )  # fmt: skip
         self.max_context = min(max_context or args.max_position_embeddings, args.max_position_embeddings)
         self.prefill_chunk = prefill_chunk
         eos = tokenizer.eos_token_ids if tokenizer else args.eos_token_ids
@@ -745,31 +754,33 @@ class Runner:
             tokens = self._speculative_tokens(
                 state, logits, sampler, params.max_tokens, prompt_ids, drafter, stats
             )
-        for i, token in enumerate(self._counted(tokens)):
-            if i == 0:
-                now = time.perf_counter()
-                stats.prefill_s, stats.ttft_s, t0 = now - t0, now - t_request, now
-            stats.generated_tokens += 1
-            if token in self.eos_ids and not params.ignore_eos:
-                finish = "stop"
-                break
-            delta, stopped = text.push(token)
-            if row is not None and not stopped and stats.generated_tokens < params.max_tokens:
-                self.batch.feed(row, token)  # before the yield: the next step, whoever runs it, has it
-            yield Event(delta, token)
-            if stopped:
-                finish = "stop"
-                break
-        if stats.generated_tokens > 1:
-            stats.decode_s = time.perf_counter() - t0
-        stats.peak_memory_bytes = peak_memory(self.device)
-        if stats.speculative is not None:
-            if windows0 is not None:
-                now = self.cache.totals()
-                stats.speculative.windows = now.verify_windows - windows0.verify_windows
-                stats.speculative.window_experts = now.window_experts - windows0.window_experts
-            self.spec_totals.add(stats.speculative)
-            self.last_speedup = stats.speedup
+        try:
+            for i, token in enumerate(self._counted(tokens)):
+                if i == 0:
+                    now = time.perf_counter()
+                    stats.prefill_s, stats.ttft_s, t0 = now - t0, now - t_request, now
+                stats.generated_tokens += 1
+                if token in self.eos_ids and not params.ignore_eos:
+                    finish = "stop"
+                    break
+                delta, stopped = text.push(token)
+                if row is not None and not stopped and stats.generated_tokens < params.max_tokens:
+                    self.batch.feed(row, token)  # before the yield: the next step, whoever runs it, has it
+                yield Event(delta, token)
+                if stopped:
+                    finish = "stop"
+                    break
+            if stats.generated_tokens > 1:
+                stats.decode_s = time.perf_counter() - t0
+            stats.peak_memory_bytes = peak_memory(self.device)
+        finally:  # a cancelled or failed request's verify steps count too, as its decode steps do
+            if stats.speculative is not None:
+                if windows0 is not None:
+                    now = self.cache.totals()
+                    stats.speculative.windows = now.verify_windows - windows0.verify_windows
+                    stats.speculative.window_experts = now.window_experts - windows0.window_experts
+                self.spec_totals.add(stats.speculative)
+                self.last_speedup = stats.speedup
         yield Event(text.flush(), None, finish, stats)
 
     def _counted(self, tokens: Iterator[int]) -> Iterator[int]:
@@ -846,10 +857,10 @@ class Runner:
             drafter.extend(hidden[:, : len(emitted)])
             spec.steps += 1
             spec.drafted += k
-            spec.accepted += len(emitted) - 1
-            spec.emitted += len(emitted)
+            spec.accepted += len(emitted) - 1  # the drafts' quality, whether or not all are used
             for token in emitted:
                 seq.append(token)
+                spec.emitted += 1  # a token the request takes (it may stop at an EOS or stop string)
                 yield token
 
     def _verify(self, state: DecodeState, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -894,14 +905,16 @@ def check_rows(probe: str, alone: list[torch.Tensor], rows: torch.Tensor, differ
 
 class _TextStream:
     """Detokenizes incrementally and applies stop strings: a tail that could still grow into a
-    stop string is held back; on a match the output ends just before it."""
+    stop string is held back; on a match the output ends just before it. Only the text not sent
+    yet, and the ``hold`` characters before it, are kept, so a token's work is bounded by the
+    stop strings' lengths, not by the output's."""
 
     def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
         self.decoder = StreamDecoder(tokenizer) if tokenizer else None
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
-        self.sent = 0
+        self.sent = 0  # of ``text``
         self.done = False
 
     def push(self, token: int) -> tuple[str, bool]:
@@ -917,15 +930,23 @@ class _TextStream:
                 return delta, True
         upto = max(self.sent, len(self.text) - self._partial_stop())
         delta, self.sent = self.text[self.sent : upto], upto
+        if self.sent > 2 * self.hold + 64:  # drop what no stop string can reach any more
+            drop = self.sent - self.hold - 1
+            self.text, self.sent = self.text[drop:], self.sent - drop
         return delta, False
 
     def _partial_stop(self) -> int:
-        """Length of the longest tail of the text that is the start of some stop string."""
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+        """Length of the longest tail of the text that is the start of some stop string: for each,
+        the first place in its reach holding its first character whose tail it starts with."""
+        best, n = 0, len(self.text)
+        for s in self.stop:
+            i = self.text.find(s[0], max(0, n - len(s) + 1))
+            while i != -1 and n - i > best:
+                if s.startswith(self.text[i:]):
+                    best = n - i
+                    break
+                i = self.text.find(s[0], i + 1)
+        return best
 
     def flush(self) -> str:
         if self.decoder is None or self.done:

@@ -62,6 +62,7 @@ class Sampler:
             probs = torch.softmax(sorted_logits, dim=-1)
             # drop a token when the mass before it already reaches top_p (the first always stays)
             drop = (probs.cumsum(-1) - probs) >= p.top_p
+            drop[0] = False  # a top_p that underflows fp32 (1e-320) would drop it too
             logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
         return torch.softmax(logits, dim=-1)
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # each held-back tail is checked against them every token
 # A stream writes at most this often: tokens that arrive meanwhile share one write and one chunk.
 # On a small CPU, a loop wake-up, a write and the client's parsing per token cost several percent.
 STREAM_FLUSH_S = 0.02
@@ -259,6 +260,10 @@ class App:
                 400, "this model has no tokenizer: send the prompt as a list of token ids", param=param
             )
         chat = not isinstance(text, str)
+        for where, t in (
+            [(f"{param}[{i}].content", m["content"]) for i, m in enumerate(text)] if chat else [(param, text)]
+        ):
+            _check_unicode(where, t)
         size = sum(_utf8_len(m["content"]) for m in text) if chat else _utf8_len(text)
         context = engine.limits.max_context
         most = context * tok.max_token_bytes * BYTES_MARGIN
@@ -559,6 +564,16 @@ def _check_model(body: dict, served: str) -> None:
         raise _unknown_model(name, served)
 
 
+def _check_unicode(where: str, text: str) -> None:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is no character: refused by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HTTPError(
+            400, f"'{where}' holds an unpaired UTF-16 surrogate at character {exc.start}", param=where
+        ) from None
+
+
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
@@ -609,6 +624,30 @@ def _messages(value: Any, roles: frozenset[str]) -> list[dict[str, str]]:
 
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None}
 
+# OpenAI (and vLLM) fields the engine does not implement, each with the values that ask for
+# nothing: any other value would change the output, so it is refused by name, not ignored
+_NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _asks_nothing(value, neutral: tuple) -> bool:
+    if isinstance(value, bool):  # True == 1, but a flag is no number
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return any(isinstance(n, (int, float)) and value == n for n in neutral)
+    return any(type(value) is type(n) and value == n for n in neutral)
+
 
 def _sampling(
     body: dict, chat: bool, prompt_len: int, context: int, opts: ApiOptions
@@ -620,6 +659,11 @@ def _sampling(
         same = value == default and type(value) is type(default)  # True == 1, but n=true is no count
         if value is not None and not same and not (name == "logprobs" and value is False):
             raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {default!r})", param=name)
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not _asks_nothing(value, neutral):
+            only = " or ".join(_show(n) for n in neutral)
+            raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {only})", param=name)
     name = "max_tokens"
     max_tokens = _field(body, name, int)
     if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
@@ -638,6 +682,10 @@ def _sampling(
         )
     if stop is not None and len(stop) > MAX_STOP:
         raise HTTPError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    if stop is not None and (longest := max(len(s) for s in stop)) > MAX_STOP_CHARS:
+        raise HTTPError(
+            400, f"a 'stop' string has {longest} characters; at most {MAX_STOP_CHARS}", param="stop"
+        )
     seed = _field(body, "seed", int)
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise HTTPError(400, f"'seed' must fit in 64 bits, got {seed}", param="seed")

@@ -13,7 +13,14 @@ from typing import Any
 
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
-from edgerun.flags import add_device_arguments, add_model_argument, add_speculative_arguments, parse_context
+from edgerun.flags import (
+    add_device_arguments,
+    add_model_argument,
+    add_speculative_arguments,
+    octal_mode,
+    parse_context,
+    positive_int,
+)
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import (
     CPU_EXPERTS,
@@ -93,13 +100,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context", type=parse_context, help="max context per request: 4096 or 32k (default: the model's)"
     )
-    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--prefill-chunk", type=positive_int)
     p.add_argument(
         "--threads",
         type=int,
         help="torch CPU threads (default: 1 for models up to 100M params, else one per core)",
     )
-    p.add_argument("--socket-mode", type=lambda s: int(s, 8), help="octal, default 0660")
+    p.add_argument("--socket-mode", type=octal_mode, help="octal, default 0660")
     p.add_argument("--socket-group", help="group owning the socket")
     p.add_argument("--queue-size", type=int, help="requests that may wait for the engine (default 16)")
     p.add_argument(

@@ -42,12 +42,24 @@ class UnixHTTPConnection(http.client.HTTPConnection):
             raise
 
 
+class DaemonUnavailable(EdgerunError):
+    """No answer from the daemon: it is not there, or it closed the connection or a stream
+    before finishing. Not the user's input, so the command exits 1, not 2."""
+
+    exit_status = 1
+
+
 class ServerError(EdgerunError):
-    def __init__(self, status: int, body: Any) -> None:
+    """The daemon's refusal (4xx: the request; the command exits 2) or failure (5xx, or an error
+    event inside a stream: exits 1)."""
+
+    def __init__(self, status: int, body: Any, streaming: bool = False) -> None:
         err = body.get("error", {}) if isinstance(body, dict) else {}
         message = err.get("message") if isinstance(err, dict) else None
-        super().__init__(f"server answered {status}: {message or body}")
+        what = "the stream failed" if streaming else f"server answered {status}"
+        super().__init__(f"{what}: {message or body}")
         self.status, self.body = status, body
+        self.exit_status = 1 if streaming or status >= 500 else 2
 
 
 class Client:
@@ -62,10 +74,15 @@ class Client:
         try:
             conn.request(method, url, body=data, headers=headers)
             return conn, conn.getresponse()
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+        except (http.client.HTTPException, ConnectionResetError, BrokenPipeError) as exc:
+            conn.close()  # connected, then no answer
+            raise DaemonUnavailable(
+                f"the daemon at {self.path} closed the connection without answering ({type(exc).__name__})"
+            ) from None
+        except OSError as exc:  # missing, refused, a path too long for a socket, ...
             conn.close()
-            raise EdgerunError(
-                f"cannot connect to {self.path}: {exc.strerror}; is `edgerun serve` running?"
+            raise DaemonUnavailable(
+                f"cannot connect to {self.path}: {exc.strerror or exc}; is `edgerun serve` running?"
             ) from None
 
     def stream(self, url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -73,18 +90,30 @@ class Client:
         conn, resp = self._send("POST", url, {**body, "stream": True})
         try:
             if resp.status >= 400:
-                raise ServerError(resp.status, json.loads(resp.read() or b"{}"))
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    raise ServerError(200, event)
-                yield event
+                try:
+                    body = json.loads(resp.read() or b"{}")
+                except ValueError:
+                    body = {}
+                raise ServerError(resp.status, body)
+            try:
+                for line in resp:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise ServerError(200, event, streaming=True)
+                    yield event
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                raise DaemonUnavailable(
+                    f"the stream from {self.path} broke: {type(exc).__name__}: {exc}"
+                ) from None
+            raise DaemonUnavailable(
+                f"the daemon at {self.path} ended the stream before it finished (no [DONE])"
+            )
         finally:
             conn.close()
 
@@ -186,15 +215,26 @@ def chat(ns: Any) -> int:
         turn(ns.message)
         return 0
     interactive = sys.stdin.isatty()
+    failed = 0
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
         line = sys.stdin.readline()
         if not line or line.strip() in ("/quit", "/exit"):
-            return 0
+            return 1 if failed else 0
         if line.strip() == "/reset":
             del history[1 if ns.system else 0 :]
             continue
         if line.strip():
-            turn(line.rstrip("\n"))
+            kept = len(history)
+            try:
+                turn(line.rstrip("\n"))
+            except EdgerunError as exc:  # one failed turn ends neither the conversation nor its history
+                del history[kept:]
+                sys.stdout.write("\n")
+                print(
+                    f"edgerun chat: error: {exc} (the message was dropped; the conversation goes on)",
+                    file=sys.stderr,
+                )
+                failed += 1

@@ -26,7 +26,7 @@ from typing import Any
 
 from edgerun.errors import EdgerunError, StorageError
 from edgerun.server.api import FAILED, STOPPING, ApiOptions, App
-from edgerun.server.engine_process import ProcessWorker
+from edgerun.server.engine_process import STOP_SIGNALS, ProcessWorker
 from edgerun.server.engine_worker import Engine, EngineWorker, WorkerHooks
 from edgerun.server.http import Connection, Limits
 from edgerun.server.metrics import Metrics
@@ -44,7 +44,6 @@ from edgerun.server.sdnotify import Notifier, watchdog_interval
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # 2: a user error, as the CLI exits; not restarted
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 FAILED_LINGER_S = 1.0  # how long /health reports a failed engine before the process exits
 GIL_SWITCH_S = 0.0005
 

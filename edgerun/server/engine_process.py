@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# what stops the daemon (a drain): SIGHUP too, which a closed terminal sends its process group
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 CHILD_QUEUE = 1 << 20  # the daemon bounds the queue; the child's never refuses what it was sent
 STATS_TIMEOUT_S = 2.0  # /metrics waits this long for the child's snapshot, then shows the last one
 STOP_KILL_S = 1.0  # after this, a child that has not stopped is killed
@@ -282,12 +284,13 @@ class ProcessWorker:
 
 def child_main(conn: Connection, load: Callable, ping_every: float, parent: int) -> None:
     """The engine process: an ``EngineWorker`` whose hooks and job events go up the pipe, fed
-    by the requests that come down it. It ignores SIGTERM/SIGINT (the daemon drains and stops
-    it) and dies with the daemon."""
+    by the requests that come down it. It ignores the daemon's stop signals (the daemon drains
+    and stops it; a closed terminal's SIGHUP reaches the whole process group) and dies with the
+    daemon."""
     _die_with(parent)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:  # tqdm's default lock is a multiprocessing one, which this process would leave behind
         from tqdm import tqdm
 

@@ -276,6 +276,8 @@ async def read_request(inp: Input, writer: asyncio.StreamWriter, limits: Limits)
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         body = await inp.readexactly(n) if n else b""
         path = unquote(target.partition("?")[0])
+        if any(c < " " or c == "\x7f" for c in path):  # %0a etc.: no path has them, and the log must not
+            raise HTTPError(400, "the request path decodes to control characters", close=True)
         return Request(method, target, path, version, headers, body)
 
     try:

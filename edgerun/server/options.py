@@ -105,10 +105,20 @@ class ServeOptions:
             )
         if self.prefill_lanes < 1:
             raise ConfigError(f"serve option 'prefill_lanes' must be at least 1, got {self.prefill_lanes}")
+        # what the engine would refuse only once the model is loaded, said before anything loads
+        if self.speculative is not None and self.batch is not None and self.batch > 1:
+            raise ConfigError(
+                "serve options 'speculative' and 'batch' above 1 do not combine yet; choose one"
+            )
+        if self.prefill_lanes > 1 and self.device == "cpu":
+            raise ConfigError("serve option 'prefill_lanes' above 1 needs CUDA (lanes are CUDA streams)")
+        if self.prefill_lanes > 1 and self.batch == 1:
+            raise ConfigError("serve option 'prefill_lanes' above 1 needs a batch above 1 ('batch')")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")
         for name in (
             "queue_size",
+            "prefill_chunk",
             "max_connections",
             "max_connections_per_uid",
             "default_max_tokens",

@@ -50,6 +50,15 @@ def test_top_p_keeps_smallest_nucleus():
     assert seen == {0, 1}
 
 
+@pytest.mark.parametrize("top_p", [1e-320, 5e-324, 1e-45, 1e-9])
+def test_a_top_p_below_fp32_keeps_the_most_likely_token(top_p):
+    """A top_p that rounds to 0 in fp32 (1e-320) drops no token by underflow: the nucleus is the
+    most likely token, as for any top_p below its probability."""
+    logits = _logits()
+    s = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0))
+    assert {s(logits) for _ in range(20)} == {int(logits.argmax())}
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [

@@ -83,6 +83,26 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(sou
             assert torch.equal(runner.decode_step(window, 9), runner.decode_step(after[kept], 9))
 
 
+def test_speculative_counts_are_the_tokens_a_request_takes():
+    """A request that ends inside a verify window (its text's stop string) counts only the tokens
+    it took as emitted; one cancelled mid-decode still adds its verify steps to the totals."""
+    spec = Runner.load(None, device="cpu", speculative=S.SpeculativeConfig("mtp", 3))
+    free = list(spec.generate(spec.request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))))
+    text = "".join(e.text for e in free)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    events = list(
+        spec.generate(spec.request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))))
+    )
+    stats = events[-1].stats
+    assert events[-1].finish_reason == "stop" and stats.generated_tokens < 40
+    assert stats.speculative.emitted == stats.generated_tokens - 1
+    before = spec.spec_totals.steps
+    gen = spec.generate(spec.request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+    taken = [next(gen) for _ in range(12)]
+    gen.close()  # the client went away
+    assert sum(e.token_id is not None for e in taken) > 1 and spec.spec_totals.steps > before
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("source", ["hf", "bf16", "streamed", "demo"])
 def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, source, k):

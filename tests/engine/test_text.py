@@ -138,3 +138,40 @@ def test_stop_string_text_is_held_back_until_it_cannot_match():
 def test_earliest_of_several_stop_strings_wins():
     text, stopped = _run(_TextStream(_CharTok(), ("cd", "bcde")), "abcdef")
     assert stopped and text == "ab"
+
+
+def _held_reference(text: str, stop: tuple[str, ...]) -> int:
+    """What may be sent of ``text`` while it could still grow into a stop string: all but its
+    longest tail that starts some stop string (the definition, by brute force)."""
+    hold = max(len(s) for s in stop) - 1
+    for k in range(min(hold, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stop):
+            return len(text) - k
+    return len(text)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stop_strings_against_the_definition(seed):
+    """Random texts over a small alphabet with random stop strings (overlapping prefixes, repeats):
+    after every token exactly the definition's text has been sent, the output ends before the
+    earliest stop string, and the stream keeps only a bounded tail whatever the output's length."""
+    import random
+
+    rng = random.Random(seed)
+    stop = tuple(
+        "".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))
+    )
+    text = "".join(rng.choice("abc") for _ in range(400))
+    first = min((i for s in stop if (i := text.find(s)) >= 0), default=None)
+    stream, sent, stopped = _TextStream(_CharTok(), stop), "", False
+    for n, ch in enumerate(text, 1):
+        delta, stopped = stream.push(ord(ch))
+        sent += delta
+        if stopped:
+            break
+        assert sent == text[: _held_reference(text[:n], stop)]
+        assert len(stream.text) <= 2 * stream.hold + 64 + 1
+    if first is None:
+        assert not stopped and sent + stream.flush() == text
+    else:
+        assert stopped and sent == text[:first]

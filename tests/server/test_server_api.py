@@ -283,6 +283,23 @@ BAD_COMPLETIONS = {
     "n = true": ({"prompt": "hi", "n": True}, 400, "n"),
     "best_of = true": ({"prompt": "hi", "best_of": True}, 400, "best_of"),
     "logprobs": ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    # fields the engine does not implement, asking for something: refused, never ignored
+    "presence_penalty": ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "frequency_penalty": ({"prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    "repetition_penalty": ({"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    "min_p": ({"prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    "min_tokens": ({"prompt": "hi", "min_tokens": 3}, 400, "min_tokens"),
+    "logit_bias": ({"prompt": "hi", "logit_bias": {"324": -100}}, 400, "logit_bias"),
+    "response_format json": (
+        {"prompt": "hi", "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    "tools": ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    "tool_choice required": ({"prompt": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    "presence_penalty true": ({"prompt": "hi", "presence_penalty": True}, 400, "presence_penalty"),
+    "stop too long": ({"prompt": "hi", "stop": ["x" * 1025]}, 400, "stop"),
+    "lone surrogate": ({"prompt": "hi \ud800 there"}, 400, "prompt"),
     "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model"),
     "model a number": ({"prompt": "hi", "model": 5}, 400, "model"),
 }
@@ -300,12 +317,29 @@ BAD_CHAT = {
         "messages[0].content",
     ),
     "chat too long": ({"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    "chat lone surrogate": (
+        {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "hi \ud83d"}]},
+        400,
+        "messages[1].content",
+    ),
     "max_completion_tokens beyond context": (
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 999},
         400,
         "max_completion_tokens",
     ),
 }
+
+
+def test_fields_that_ask_for_nothing_are_accepted(daemon):
+    """The neutral values real clients send by default (the openai package's zeros, an empty
+    logit_bias, no tools) change nothing, so they pass."""
+    body = {
+        "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0, "logit_bias": {},
+        "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+    }  # fmt: skip
+    status, out = request(daemon.sock, "POST", "/v1/completions", body)
+    assert status == 200, out
 
 
 @pytest.mark.parametrize(
@@ -334,6 +368,8 @@ BAD_HTTP = {
     "header without colon": (b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400),
     "space before colon": (b"GET /health HTTP/1.1\r\nHost : x\r\n\r\n", 400),
     "folded header": (b"GET /health HTTP/1.1\r\nA: b\r\n c\r\n\r\n", 400),
+    # a newline in the decoded path would forge a line of the request log
+    "encoded newline in the path": (b"GET /x%0aedgerun%20serve:%20stopped%0d HTTP/1.1\r\n\r\n", 400),
     "100 headers": (
         b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n",
         431,

@@ -363,6 +363,24 @@ def test_the_engine_process_dies_with_the_daemon(tmp_path):
         daemon.stop()
 
 
+def test_a_closed_terminals_sighup_drains_the_daemon_and_spares_its_engine(tmp_path):
+    """A terminal that closes sends SIGHUP to its process group: the engine process ignores it,
+    and the daemon stops as for SIGTERM (a drain, exit 0, its socket removed), not at once."""
+    sock = tmp_path / "hup.sock"
+    daemon = Daemon(fake_argv(sock), sock)
+    try:
+        daemon.wait_health(200)
+        child = int(re.search(r"engine in a process of its own \(pid (\d+)", daemon.log()).group(1))
+        os.kill(child, signal.SIGHUP)
+        time.sleep(0.3)
+        assert _alive(child) and get(sock, "/health")[0] == 200
+        daemon.proc.send_signal(signal.SIGHUP)
+        assert daemon.proc.wait(15) == 0, daemon.log()
+        assert "signal SIGHUP" in daemon.log() and not sock.exists()
+    finally:
+        daemon.stop()
+
+
 def _alive(pid: int) -> bool:
     try:  # a zombie (killed, not yet reaped by init) counts as gone
         return open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"

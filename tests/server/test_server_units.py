@@ -300,6 +300,7 @@ def test_serve_batch_option_default_and_plan(tmp_path):
     assert ServeOptions().merged(load_serve_config(cfg)).prefill_lanes == 4
     with pytest.raises(ConfigError, match="'prefill_lanes' must be at least 1, got 0"):
         ServeOptions(prefill_lanes=0)
+
     assert serve_batch(ServeOptions(), "cpu") == DEFAULT_BATCH and serve_batch(ServeOptions(), "cuda") == 1
     assert serve_batch(ServeOptions(batch=3), "cuda") == 3  # asked for: refused at load, by name
     profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
@@ -310,3 +311,116 @@ def test_serve_batch_option_default_and_plan(tmp_path):
         match=r"at context 2048, batch 100000, .* Largest batch that fits at context 2048: \d+\.",
     ):
         cache_plan(ServeOptions(profile=profile, device="cpu", batch=100_000, context=2048))
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(speculative="mtp", batch=4), "'speculative' and 'batch' above 1 do not combine"),
+        (dict(prefill_lanes=2, device="cpu"), "'prefill_lanes' above 1 needs CUDA"),
+        (dict(prefill_lanes=2, batch=1), "'prefill_lanes' above 1 needs a batch above 1"),
+        (dict(prefill_chunk=0), "'prefill_chunk' must be at least 1"),
+    ],
+)
+def test_options_the_engine_would_refuse_after_loading_are_refused_before(kw, says):
+    """A usage error found before the socket is bound or the model loads: exit 2 at once."""
+    with pytest.raises(ConfigError, match=says):
+        ServeOptions(**kw)
+
+
+def _one_shot_server(path, answers: list[bytes]) -> threading.Thread:
+    """A Unix socket that reads each request's head and answers with the next of ``answers``
+    (then closes the connection): a daemon that breaks off, for the client's side."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve():
+        with srv:
+            for answer in answers:
+                conn, _ = srv.accept()
+                with conn:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(65536)
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = next(
+                        (
+                            int(h.split(b":")[1])
+                            for h in head.split(b"\r\n")
+                            if h.lower().startswith(b"content-length")
+                        ),
+                        0,
+                    )
+                    while len(body) < length:
+                        body += conn.recv(65536)
+                    conn.sendall(answer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+CUT = SSE_HEAD + b'data: {"choices": [{"text": "half"}]}\n\n'  # no [DONE]: the daemon went away
+FAILED = SSE_HEAD + b'data: {"error": {"message": "engine error: boom"}}\n\n'
+REFUSED = b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 40\r\nConnection: close\r\n\r\n{"error": {"message": "no, not this"}}  '
+OK = SSE_HEAD + b'data: {"choices": [{"delta": {"content": "fine"}}]}\n\ndata: [DONE]\n\n'
+
+
+def test_the_client_names_a_cut_stream_a_closed_connection_and_a_bad_socket_path(tmp_path):
+    """A stream that ends without [DONE], a connection closed without an answer and a socket
+    path too long for AF_UNIX each end the command with its own message and exit 1 (the
+    daemon's fault, not the user's); an error inside the stream says so."""
+    sock = tmp_path / "d.sock"
+    _one_shot_server(sock, [CUT, b"", FAILED, REFUSED])
+    c = client.Client(sock, timeout=10)
+    body = {"prompt": "x"}
+    with pytest.raises(
+        client.DaemonUnavailable, match=r"ended the stream before it finished \(no \[DONE\]\)"
+    ) as e:
+        list(c.stream("/v1/completions", body))
+    assert e.value.exit_status == 1
+    with pytest.raises(client.DaemonUnavailable, match="closed the connection without answering"):
+        list(c.stream("/v1/completions", body))
+    with pytest.raises(client.ServerError, match="the stream failed: engine error: boom") as e:
+        list(c.stream("/v1/completions", body))
+    assert e.value.exit_status == 1
+    with pytest.raises(client.ServerError, match="server answered 400: no, not this") as e:
+        list(c.stream("/v1/completions", body))
+    assert e.value.exit_status == 2
+    long = tmp_path / ("x" * 120 + ".sock")
+    with pytest.raises(client.DaemonUnavailable, match="cannot connect to .*is `edgerun serve` running"):
+        list(client.Client(long).stream("/v1/completions", body))
+
+
+def test_a_failed_chat_turn_keeps_the_conversation(tmp_path, monkeypatch, capsys):
+    """`edgerun chat` reading stdin: a refused message is dropped from the history with an error
+    line, the next one is sent without it, and the exit status says a turn failed."""
+    import argparse
+    import io
+
+    sock = tmp_path / "c.sock"
+    seen = []
+    real = client.Client.stream
+
+    def spy(self, url, body):
+        seen.append([m["content"] for m in body["messages"]])
+        return real(self, url, body)
+
+    monkeypatch.setattr(client.Client, "stream", spy)
+    _one_shot_server(sock, [OK, REFUSED, OK])
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntoo long\nthree\n"))
+    ns = argparse.Namespace(
+        socket=sock,
+        system=None,
+        message=None,
+        max_tokens=4,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=None,
+    )
+    assert client.chat(ns) == 1
+    assert seen == [["one"], ["one", "fine", "too long"], ["one", "fine", "three"]]
+    assert "error: server answered 400: no, not this (the message was dropped" in capsys.readouterr().err
