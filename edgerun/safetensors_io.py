@@ -74,7 +74,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
             raise CheckpointError(f"{path}: header length {hlen} exceeds the file size {size}")
         try:
             header = json.loads(f.read(hlen))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object")
@@ -83,9 +83,19 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
         try:
-            dtype, shape, (lo, hi) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from exc
+        if not (
+            isinstance(dtype, str)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(lo) is int
+            and type(hi) is int
+        ):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry (dtype a string, shape and "
+                f"data_offsets whole numbers >= 0; got {json.dumps(info)[:120]})"
+            )
         if dtype not in ITEMSIZE:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         want = math.prod(shape) * ITEMSIZE[dtype]

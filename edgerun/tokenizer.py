@@ -24,8 +24,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
     return data if isinstance(data, dict) else {}
 
 
@@ -58,7 +58,10 @@ class Tokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(f"{d}: no tokenizer.json (pass token ids instead, or add the tokenizer files)")
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a damaged file
+            raise ConfigError(f"{path}: not a usable tokenizer ({exc})") from None
         tcfg = _read_json(d / "tokenizer_config.json")
         gcfg = _read_json(d / "generation_config.json")
         template = tcfg.get("chat_template")

@@ -95,10 +95,11 @@ def from_bundle(path: str | Path, providers: ProviderPolicy | None = None) -> Mo
         )
     try:
         m = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{mpath}: manifest is not valid JSON ({exc})") from exc
-    if not isinstance(m, dict):
-        raise ConfigError(f"{mpath}: manifest must be a JSON object")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{mpath}: manifest is not valid JSON ({type(exc).__name__}: {exc})") from exc
+    from edgerun.bundle.format import check_identity
+
+    check_identity(m, mpath)  # the version this edgerun reads, the manifest's own hash
     cfg = m.get("model_config", m.get("config"))
     if not isinstance(cfg, dict):
         raise ConfigError(f"{mpath}: manifest key 'model_config' (the HF config) is missing or not an object")

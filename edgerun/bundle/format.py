@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,7 +287,20 @@ class Manifest:
         }
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1) + "\n"
+        doc = self.to_json()
+        doc[MANIFEST_HASH] = manifest_fingerprint(doc)
+        return json.dumps(doc, indent=1) + "\n"
+
+
+# the manifest's own hash (of its canonical JSON without this key): a manifest edited or damaged
+# into another valid one (a rotation, a norm's eps, a layer's file) no longer passes for the
+# bundle convert wrote. Bundles written before it have none, and are read as they were.
+MANIFEST_HASH = "manifest_blake2b"
+
+
+def manifest_fingerprint(doc: dict[str, Any]) -> str:
+    """``fingerprint`` of ``doc`` as JSON gives it back (tuples as lists), without its own hash."""
+    return fingerprint(json.loads(json.dumps({k: v for k, v in doc.items() if k != MANIFEST_HASH})))
 
 
 def _list(x: Any) -> Any:
@@ -306,6 +321,61 @@ def _ints(r: ConfigReader, key: str, low: int = 0) -> tuple[int, ...]:
     return tuple(value)
 
 
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def _hex(r: ConfigReader, key: str, digits: int) -> str:
+    value = r.require(key, str)
+    if len(value) != digits or not _HEX.fullmatch(value):
+        raise BundleError(f"{r.source}: key {key!r} must be {digits} hex digits, got {value[:40]!r}")
+    return value
+
+
+def _hexes(r: ConfigReader, key: str, digits: int) -> tuple[str, ...]:
+    value = r.require(key, list)
+    for i, h in enumerate(value):
+        if not (isinstance(h, str) and len(h) == digits and _HEX.fullmatch(h)):
+            raise BundleError(
+                f"{r.source}: key '{key}[{i}]' must be {digits} hex digits, got {str(h)[:40]!r}"
+            )
+    return tuple(value)
+
+
+def _strings(r: ConfigReader, key: str) -> tuple[str, ...]:
+    value = r.require(key, list)
+    if not all(isinstance(v, str) and v for v in value):
+        raise BundleError(f"{r.source}: key {key!r} must be a list of file names, got {str(value)[:60]}")
+    return tuple(value)
+
+
+def _finite(r: ConfigReader, key: str) -> float:
+    value = r.require(key, float)
+    if not math.isfinite(value):
+        raise BundleError(f"{r.source}: key {key!r} must be a finite number, got {value}")
+    return value
+
+
+def check_identity(doc: Any, path: Path) -> int:
+    """A parsed manifest's format name, version (returned) and own hash, checked before any other
+    key: a future version is refused by its number, not by a missing key."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise BundleError(f"{path}: key 'format' is {got!r}, expected {FORMAT_NAME!r}: not an edgerun bundle")
+    version = doc.get("version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise BundleError(
+            f"{path}: unknown bundle format version {version!r} (this edgerun reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))})"
+        )
+    recorded = doc.get(MANIFEST_HASH)
+    if recorded is not None and recorded != manifest_fingerprint(doc):
+        raise BundleError(
+            f"{path}: its contents do not match its key {MANIFEST_HASH!r}: the manifest was edited or "
+            "damaged after convert wrote it"
+        )
+    return version
+
+
 def read_manifest(bundle: str | Path) -> Manifest:
     """Parse and schema-check ``bundle/manifest.json``. The format name and version are checked
     first, so a future version is refused by its number, not by a missing key."""
@@ -314,17 +384,9 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise BundleError(f"{Path(bundle)}: not a bundle (no {MANIFEST})")
     try:
         doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        got = doc.get("format") if isinstance(doc, dict) else None
-        raise BundleError(f"{path}: key 'format' is {got!r}, expected {FORMAT_NAME!r}: not an edgerun bundle")
-    version = doc.get("version")
-    if isinstance(version, bool) or version not in READ_VERSIONS:
-        raise BundleError(
-            f"{path}: unknown bundle format version {version!r} (this edgerun reads versions "
-            f"{', '.join(map(str, READ_VERSIONS))})"
-        )
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise BundleError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
+    version = check_identity(doc, path)
     try:
         return _parse(doc, path, version)
     except ConfigError as exc:
@@ -344,7 +406,7 @@ def _parse(doc: dict[str, Any], path: Path, version: int) -> Manifest:
         value_range=None if q.cfg.get("value_range") is None else _ints(q, "value_range", low=-(2**31)),
         scale_format=q.require("scale_format", str),
         rotation=q.require("rotation", str),
-        rel_rmse=q.require("rel_rmse", float),
+        rel_rmse=_finite(q, "rel_rmse"),
     )
     if quant.bits != QUANT_BITS[scheme]:
         raise BundleError(
@@ -381,17 +443,15 @@ def _parse(doc: dict[str, Any], path: Path, version: int) -> Manifest:
                 block_bytes=rec.require("block_bytes"),
                 components=tuple(comps),
                 sidecar=sidecar,
-                block_blake2b=tuple(rec.require("block_blake2b", list)),
-                rel_rmse=rec.require("rel_rmse", float),
-                block_xxh3=None
-                if rec.cfg.get("block_xxh3") is None
-                else tuple(rec.require("block_xxh3", list)),
+                block_blake2b=_hexes(rec, "block_blake2b", 2 * PART_DIGEST),
+                rel_rmse=_finite(rec, "rel_rmse"),
+                block_xxh3=None if rec.cfg.get("block_xxh3") is None else _hexes(rec, "block_xxh3", 16),
             )
         )
     files = {}
     for name, raw in top.require("files", dict).items():
         fr = _obj(raw, path, f"files[{name!r}]")
-        files[name] = FileRecord(fr.require("bytes"), fr.require("blake2b", str))
+        files[name] = FileRecord(fr.require("bytes"), _hex(fr, "blake2b", 2 * FILE_DIGEST))
     model = _obj(top.require("model", dict), path, "model")
     dense = _obj(top.require("dense", dict), path, "dense")
     if version >= 2:
@@ -411,7 +471,7 @@ def _parse(doc: dict[str, Any], path: Path, version: int) -> Manifest:
         dense_dtype=dense.require("dtype", str),
         dense_tensors=dense.require("tensors", dict),
         layers=tuple(layers),
-        tokenizer_files=tuple(_obj(top.require("tokenizer", dict), path, "tokenizer").require("files", list)),
+        tokenizer_files=_strings(_obj(top.require("tokenizer", dict), path, "tokenizer"), "files"),
         files=files,
         dense_quant=dense_quant,
         version=version,

@@ -216,6 +216,17 @@ class _Meta:
             raise ConfigError(f"{self.path}: GGUF key {key!r} is missing")
         return self.get(key)
 
+    def count(self, key: str, hf_key: str, default: int | None = None) -> int:
+        """An integer key, within what a config's ``hf_key`` may be (``A.SIZE_LIMITS``): checked
+        before anything is sized from it."""
+        value = self.require(key) if default is None else self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{self.path}: GGUF key {key!r} must be an integer, got {value!r}")
+        lo, hi = A.SIZE_LIMITS.get(hf_key, (0, 1 << 31))
+        if not lo <= value <= hi:
+            raise ConfigError(f"{self.path}: GGUF key {key!r} is {value}; a model's is {lo} to {hi}")
+        return value
+
 
 def _hf_config(meta: _Meta, arch: str, tensors: dict[str, Part]) -> dict[str, Any]:
     """The HF config the GGUF metadata describes (the keys convert_hf_to_gguf.py writes)."""
@@ -225,10 +236,12 @@ def _hf_config(meta: _Meta, arch: str, tensors: dict[str, Part]) -> dict[str, An
         raise ConfigError(
             f"{meta.path}: GGUF key '{p}rope.scaling.type' is {scaling!r}; only 'none' is supported"
         )
-    n_layers = meta.require(p + "block_count") - meta.get(p + "nextn_predict_layers", 0)
-    heads = meta.require(p + "attention.head_count")
-    hidden = meta.require(p + "embedding_length")
-    head_dim = meta.get(p + "attention.key_length", hidden // heads)
+    n_layers = meta.count(p + "block_count", "num_hidden_layers") - meta.count(
+        p + "nextn_predict_layers", "mtp_num_hidden_layers", 0
+    )
+    heads = meta.count(p + "attention.head_count", "num_attention_heads")
+    hidden = meta.count(p + "embedding_length", "hidden_size")
+    head_dim = meta.count(p + "attention.key_length", "head_dim", max(hidden // heads, 1))
     embd = tensors.get("token_embd.weight")
     vocab = embd.shape[0] if embd else len(meta.require("tokenizer.ggml.tokens"))
     rope = {"rope_type": "default", "rope_theta": meta.get(p + "rope.freq_base", 10000.0)}

@@ -242,16 +242,32 @@ def load_bundle_model(
 
 
 def _check_paths(root: Path, m: F.Manifest) -> None:
-    """Every path the manifest names stays inside the bundle."""
-    names = [m.dense_file, *m.tokenizer_files, *m.files]
+    """Every path the manifest names stays inside the bundle, also through a symbolic link (so
+    nothing outside it is read, or passes for part of it), and no file serves two roles."""
+    roles = [m.dense_file, *m.tokenizer_files]
     for rec in m.layers:
-        names.append(rec.file)
+        roles.append(rec.file)
         if rec.sidecar is not None:
-            names.append(rec.sidecar.file)
-    for n in names:
+            roles.append(rec.sidecar.file)
+    inside = root.resolve()
+    seen: dict[Path, str] = {}
+    for i, n in enumerate([*roles, *m.files]):
         p = Path(n)
         if p.is_absolute() or ".." in p.parts or n == F.MANIFEST:
             raise BundleError(f"{root / F.MANIFEST}: path {n!r} does not name a file inside the bundle")
+        real = (root / p).resolve()
+        if not real.is_relative_to(inside):
+            raise BundleError(
+                f"{root / F.MANIFEST}: path {n!r} leads outside the bundle (to {real}, through a symbolic link)"
+            )
+        if i < len(roles):  # ``files`` lists them all again, on purpose
+            if real in seen:
+                twice = f"{n!r} twice" if n == seen[real] else f"{n!r} and {seen[real]!r}, one file,"
+                raise BundleError(
+                    f"{root / F.MANIFEST}: names {twice} for two roles (each layer's experts and scales, "
+                    "the dense file and each tokenizer file are files of their own)"
+                )
+            seen[real] = n
 
 
 def _check_tokenizer(root: Path, m: F.Manifest) -> None:

@@ -366,7 +366,7 @@ def read_warm(path: Path | None) -> dict[int, list[int]] | None:
     try:
         raw = json.loads(Path(path).read_text())
         return {int(layer): counts for layer, counts in raw["frequencies"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ConfigError(
             f"{path}: not a warm-set file (expects {{'frequencies': {{layer: [counts]}}}}): {exc}"
         ) from exc

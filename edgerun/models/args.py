@@ -142,7 +142,40 @@ class ConfigReader:
             raise ConfigError(f"{self.source}: key {key!r} must be {_tname(types)}, got {value!r}")
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise ConfigError(f"{self.source}: key {key!r} must not be negative, got {value}")
+        if isinstance(value, int) and key in SIZE_LIMITS:
+            lo, hi = SIZE_LIMITS[key]
+            if not lo <= value <= hi:
+                raise ConfigError(f"{self.source}: key {key!r} is {value}; a model's is {lo} to {hi}")
         return value
+
+
+_HEADS = (1, 4096)
+# the sizes a config may give, far past every released model's, so that a damaged or hostile
+# config.json is refused by its key before anything is sized from it (a layer count of 10^9
+# would build tables of 10^9 entries first); 0 is refused where a division or a loop needs one
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 4096),
+    "hidden_size": (1, 1 << 17),
+    "num_attention_heads": _HEADS,
+    "num_key_value_heads": _HEADS,
+    "head_dim": (1, 4096),
+    "num_experts": (1, 1 << 16),
+    "num_local_experts": (1, 1 << 16),
+    "num_experts_per_tok": (1, 1 << 16),
+    "moe_intermediate_size": (1, 1 << 20),
+    "intermediate_size": (0, 1 << 20),  # 0: no dense MLP layer
+    "shared_expert_intermediate_size": (0, 1 << 20),
+    "vocab_size": (1, 1 << 24),
+    "max_position_embeddings": (1, 1 << 24),
+    "linear_num_key_heads": _HEADS,
+    "linear_num_value_heads": _HEADS,
+    "linear_key_head_dim": (1, 4096),
+    "linear_value_head_dim": (1, 4096),
+    "linear_conv_kernel_dim": (1, 64),
+    "full_attention_interval": (1, 4096),
+    "decoder_sparse_step": (1, 4096),
+    "mtp_num_hidden_layers": (0, 16),
+}
 
 
 def _tname(types: tuple[type, ...]) -> str:
@@ -207,8 +240,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no config.json found")
     try:
         cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
     return cfg

@@ -73,7 +73,7 @@ def _weight_map(ckpt: Path) -> tuple[Path, dict[str, str]] | None:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index (needs 'weight_map')") from exc
     return index, weight_map
 

@@ -94,10 +94,12 @@ def _header_from_dict(raw: Any, where: str) -> TraceHeader:
     if raw[FORMAT_KEY] != FORMAT_VERSION:
         raise ConfigError(f"{where}: route trace version {raw[FORMAT_KEY]!r} is not supported (expected 1)")
     model = raw.get("model") or {}
-    for key in ("num_layers", "num_experts", "top_k"):
-        if not isinstance(raw.get(key), int) or raw[key] <= 0:
-            raise ConfigError(f"{where}: header key {key!r} must be a positive integer, got {raw.get(key)!r}")
-    moe = raw.get("moe_layers", list(range(raw["num_layers"])))
+    for key, most in (("num_layers", 4096), ("num_experts", 1 << 16), ("top_k", 1 << 16)):
+        if not isinstance(raw.get(key), int) or isinstance(raw[key], bool) or not 0 < raw[key] <= most:
+            raise ConfigError(
+                f"{where}: header key {key!r} must be an integer in 1..{most}, got {raw.get(key)!r}"
+            )
+    moe = raw["moe_layers"] if "moe_layers" in raw else list(range(raw["num_layers"]))
     if not isinstance(moe, list) or not all(isinstance(i, int) and 0 <= i < raw["num_layers"] for i in moe):
         raise ConfigError(f"{where}: header key 'moe_layers' must list layer indices below num_layers")
     if raw["top_k"] > raw["num_experts"]:
@@ -149,6 +151,8 @@ def read_trace(path: str | Path) -> RouteTrace:
                 raw = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from exc
+            except RecursionError:
+                raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
             if header is None:
                 header = _header_from_dict(raw, where)
             else:

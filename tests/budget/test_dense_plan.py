@@ -105,6 +105,7 @@ def _manifest(tmp_path, dense_quant):
     b = tmp_path / "bundle"
     b.mkdir(exist_ok=True)
     manifest = {
+        "format": "edgerun-bundle",
         "version": 2,
         "model_config": {**QWEN3_MOE, "model_type": "qwen3_moe", "hidden_size": 64, "head_dim": 16},
         "quant": {"scheme": "int8", "group_size": 0},

@@ -95,6 +95,8 @@ def test_checkpoint_reads_only_config_json(tmp_path, capsys):
 def _bundle(tmp_path, manifest):
     b = tmp_path / "bundle"
     b.mkdir(exist_ok=True)
+    if isinstance(manifest, dict):  # what names a bundle of a version this edgerun reads
+        manifest = {"format": "edgerun-bundle", "version": 1, **manifest}
     (b / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
     return str(b)
 
@@ -146,6 +148,12 @@ def test_plan_for_bundle_uses_measured_resident_bytes(tmp_path):
             {"model_config": {**QWEN3_MOE, "model_type": "qwen3_moe"}, "quant": "int8", "block_bytes": 5000},
             "layer 0 block_bytes must be a positive multiple of 4096",
         ),
+        # a bundle of a version this edgerun does not read is refused by plan as by verify
+        (
+            {"version": 3, "model_config": {**QWEN3_MOE, "model_type": "qwen3_moe"}},
+            "unknown bundle format version 3",
+        ),
+        ({"format": None, "model_config": {}}, "key 'format' is None, expected 'edgerun-bundle'"),
     ],
 )
 def test_bad_bundles_say_why(tmp_path, capsys, manifest, message):

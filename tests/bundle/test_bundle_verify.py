@@ -24,9 +24,13 @@ def test_good_bundle_passes(bundles, capsys):
     assert report.bytes_hashed == sum(r.bytes for r in report.manifest.files.values())
 
 
-def _edit_manifest(path, fn):
+def _edit_manifest(path, fn, stamp=True):
+    """Edit the manifest; ``stamp``: record its own hash again (an edit made on purpose, which
+    the checks after that hash must catch), else leave the hash as convert wrote it."""
     m = json.loads((path / F.MANIFEST).read_text())
     fn(m)
+    if stamp:
+        m[F.MANIFEST_HASH] = F.manifest_fingerprint(m)
     (path / F.MANIFEST).write_text(json.dumps(m))
 
 
@@ -69,7 +73,57 @@ def flipped_dense_byte(p, bundles):
     _flip(p / F.DENSE, entries["model.norm.weight"].start + 5)
 
 
+def manifest_edited_in_place(p, bundles):  # a valid manifest for another model: its hash says so
+    _edit_manifest(p, lambda m: m["model_config"].update(rms_norm_eps=0.5), stamp=False)
+
+
+def expert_file_linked_outside(p, bundles):
+    outside = p.parent / "elsewhere.bin"
+    (p / "experts/L02.bin").rename(outside)
+    (p / "experts/L02.bin").symlink_to(outside)
+
+
+def two_layers_one_file(p, bundles):
+    _edit_manifest(p, lambda m: m["layers"][0].update(file=m["layers"][1]["file"]))
+
+
+def checksum_not_hex(p, bundles):
+    _edit_manifest(p, lambda m: m["layers"][1]["block_xxh3"].__setitem__(2, "z" * 16))
+
+
+def tokenizer_file_not_a_name(p, bundles):
+    _edit_manifest(p, lambda m: m["tokenizer"]["files"].append(7))
+
+
+def float_version(p, bundles):
+    _edit_manifest(p, lambda m: m.update(version=2.0))
+
+
+def nested_too_deep(p, bundles):
+    (p / F.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def dense_offsets_not_integers(p, bundles):
+    raw = (p / F.DENSE).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    lo, hi = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [float(lo), float(hi)]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))
+    assert len(text) == n
+    (p / F.DENSE).write_bytes(raw[:8] + text + raw[8 + n :])
+
+
 CASES = {
+    manifest_edited_in_place: (False, r"do not match its key 'manifest_blake2b': the manifest was edited"),
+    expert_file_linked_outside: (False, r"path 'experts/L02.bin' leads outside the bundle .*symbolic link"),
+    two_layers_one_file: (False, r"names 'experts/L02.bin' twice for two roles"),
+    checksum_not_hex: (False, r"key 'block_xxh3\[2\]' must be 16 hex digits, got 'zzzzzzzzzzzzzzzz'"),
+    tokenizer_file_not_a_name: (False, r"\[tokenizer\]: key 'files' must be a list of file names"),
+    float_version: (False, r"unknown bundle format version 2.0 "),
+    nested_too_deep: (False, r"manifest.json: not valid JSON \(RecursionError"),
+    dense_offsets_not_integers: (False, r"tensor 'model.norm.weight' has a malformed header entry"),
     truncated_expert_file: (
         False,
         r"experts/L02.bin: truncated expert file: 20580 bytes, expected 24576 .* expert 5's block at offset 20480",

@@ -123,6 +123,22 @@ def test_unknown_config_keys_are_ignored(ckpt):
     assert args.num_hidden_layers == 4
 
 
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("num_hidden_layers", 10**9, "is 1000000000; a model's is 1 to 4096"),
+        ("num_attention_heads", 0, "is 0; a model's is 1 to 4096"),
+        ("vocab_size", 2**40, "is 1099511627776; a model's is 1 to 16777216"),
+    ],
+)
+def test_a_size_past_any_models_is_refused_by_its_key_before_anything_is_sized(ckpt, key, value, says):
+    """A damaged or hostile config.json (a layer count of 10^9 would build tables of 10^9 entries
+    first; 0 heads would divide by zero) is refused by the key it gives."""
+    _edit_config(ckpt, lambda c: c.__setitem__(key, value))
+    with pytest.raises(ConfigError, match=rf"key '{key}' {says}"):
+        load_args(ckpt)
+
+
 def test_unsupported_rope_type_is_refused(ckpt):
     _edit_config(ckpt, lambda c: c.__setitem__("rope_parameters", {"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ConfigError, match=r"rope_type 'yarn' is not supported"):
