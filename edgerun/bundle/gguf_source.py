@@ -374,7 +374,14 @@ def open_gguf(path: str | Path, with_tokenizer: bool = True) -> GGUFCheckpoint:
         for t in r.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             parts[t.name] = Part(t.name, f, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
+        _check_spans(f, [p for p in parts.values() if p.file == f])
     config = _hf_config(meta, arch, parts)
+    vocab = config["vocab_size"]
+    for key in ("eos_token_id", "bos_token_id"):
+        if config.get(key) is not None and not 0 <= config[key] < vocab:
+            raise ConfigError(
+                f"{files[0]}: GGUF key 'tokenizer.ggml.{key}' is {config[key]}, outside the vocabulary of {vocab}"
+            )
     source = f"{files[0]} (GGUF metadata)"
     args = architecture(config["model_type"], source).model_args(config, source)
     problems, entries, used = [], {}, set()
@@ -413,6 +420,24 @@ def open_gguf(path: str | Path, with_tokenizer: bool = True) -> GGUFCheckpoint:
         header_hashes={f.name: _header_hash(f, r.data_offset) for f, r in zip(files, readers)},
         problems=problems,
     )
+
+
+def _check_spans(f: Path, parts: list[Part]) -> None:
+    """Each tensor's data inside the file and apart from every other's (a damaged offset would
+    read another tensor's bytes, or past the end), named with its offsets."""
+    size = f.stat().st_size
+    last = None
+    for p in sorted(parts, key=lambda p: p.start):
+        if p.start + p.nbytes > size:
+            raise CheckpointError(
+                f"{f}: tensor {p.name!r} spans bytes [{p.start}, {p.start + p.nbytes}), past the end of the file ({size} bytes)"
+            )
+        if last is not None and p.start < last.start + last.nbytes:
+            raise CheckpointError(
+                f"{f}: tensors {last.name!r} (bytes [{last.start}, {last.start + last.nbytes})) and {p.name!r} "
+                f"(from byte {p.start}) overlap: the file is damaged"
+            )
+        last = p
 
 
 def _entry(name: str, parts: tuple[Part, ...], kind: str, heads: tuple[int, int, int, int]) -> GGUFEntry:

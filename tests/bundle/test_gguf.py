@@ -6,6 +6,7 @@ rebuilt from metadata; refusals before writing; headers-only planning."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -346,6 +347,41 @@ def test_unknown_architecture_and_quant_type_are_refused_before_writing(hf, tmp_
     with pytest.raises(ConfigError, match="nc.gguf: GGUF key 'qwen35moe.ssm.conv_kernel' is missing"):
         convert(no_conv, tmp_path / "out", ConvertOptions())
     assert not (tmp_path / "out").exists()
+
+
+def test_hostile_metadata_is_refused_by_its_key_before_anything_is_sized(hf, tmp_path):
+    """A block count of 2^31 (tables of that many layers), a float where a count goes, 0 heads (a
+    division) and an EOS id past the vocabulary: each refused by its GGUF key."""
+    g = write_gguf(hf["qwen3_moe"], tmp_path / "m.gguf")
+    V = gguf.GGUFValueType
+    cases = {
+        "qwen3moe.block_count": ((2**31, V.UINT32), r"is 2147483648; a model's is 1 to 4096"),
+        "qwen3moe.attention.head_count": ((0, V.UINT32), r"is 0; a model's is 1 to 4096"),
+        "qwen3moe.embedding_length": ((64.0, V.FLOAT32), r"must be an integer, got 64.0"),
+        "tokenizer.ggml.eos_token_id": ((10**9, V.UINT32), r"is 1000000000, outside the vocabulary of"),
+    }
+    for i, (key, (value, says)) in enumerate(cases.items()):
+        bad = _rewrite(g, tmp_path / f"bad{i}.gguf", kv={key: value})
+        with pytest.raises(ConfigError, match=rf"GGUF key '{re.escape(key)}' {says}"):
+            convert(bad, tmp_path / "out", ConvertOptions())
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensors_whose_data_overlap_are_refused(hf, tmp_path):
+    """A damaged tensor offset that points into another tensor's data: refused, both named."""
+    g = write_gguf(hf["qwen3_moe"], tmp_path / "m.gguf")
+    r = gguf.GGUFReader(g)
+    first, second = sorted(r.tensors, key=lambda t: int(t.data_offset))[:2]
+    data = bytearray(g.read_bytes())
+    # the tensor-info block holds each name's data offset (relative to the data section) as a u64
+    rel = int(second.data_offset) - int(r.data_offset)
+    at = data.index(second.name.encode()) + len(second.name) + 4 + 8 * len(second.shape) + 4
+    assert int.from_bytes(data[at : at + 8], "little") == rel
+    data[at : at + 8] = (int(first.data_offset) - int(r.data_offset)).to_bytes(8, "little")
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"overlap: the file is damaged"):
+        convert(bad, tmp_path / "out", ConvertOptions())
 
 
 def test_mtp_blocks_are_ignored(hf, tmp_path):
