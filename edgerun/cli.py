@@ -143,7 +143,8 @@ def run_generate(ns: argparse.Namespace) -> int:
     cache, plan = _cache_config(
         ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace, draft_tokens=draft
     )
-    log = None if ns.quiet else (lambda line: print(f"edgerun: {line}", file=sys.stderr, flush=True))
+    prefix = f"edgerun {ns.command}: "
+    log = None if ns.quiet else (lambda line: print(prefix + line, file=sys.stderr, flush=True))
     runner = rt.load(
         ns.model,
         progress=ns.progress,
@@ -156,7 +157,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     if not ns.quiet:
         print(
-            provenance(runner, ns.model, str(ns.profile) if ns.profile else None, plan),
+            prefix + provenance(runner, ns.model, str(ns.profile) if ns.profile else None, plan),
             file=sys.stderr,
             flush=True,
         )
@@ -373,7 +374,7 @@ def run_trace(ns: argparse.Namespace) -> int:
                 runner.generate_ids(runner.tokenizer.encode(prompt), SamplingParams(max_tokens=ns.max_tokens))
         finally:
             rec.close()
-    print(f"{ns.out}: {rec.writer.count} tokens, {rec.step} steps", file=sys.stderr)
+    print(f"edgerun trace: {ns.out}: {rec.writer.count} tokens, {rec.step} steps", file=sys.stderr)
     if ns.frequencies:
         freq = frequencies(read_trace(ns.out))
         ns.frequencies.write_text(json.dumps({"frequencies": {str(k): v for k, v in freq.items()}}))
@@ -496,7 +497,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from edgerun import __version__
 
-    parser = argparse.ArgumentParser(prog="edgerun", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="edgerun",
+        description="Run Mixture-of-Experts models whose experts stream from disk: edgerun COMMAND ... (docs/cli.md).",
+    )
     parser.add_argument("--version", action="version", version=f"edgerun {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -528,7 +532,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgerun {ns.command}: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_status", EXIT_USAGE)  # the daemon's failures: 1
     except KeyboardInterrupt:
+        try:  # the text so far ends its line; the stats line was not reached
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print(f"edgerun {ns.command}: interrupted", file=sys.stderr)
+        except OSError:
+            pass
         return 130
+    except BrokenPipeError:  # `... | head`: whoever read the output has what they wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
 
 
 if __name__ == "__main__":

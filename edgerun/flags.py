@@ -68,6 +68,11 @@ def octal_mode(text: str) -> int:
     return value
 
 
+def add_renamed(p: argparse.ArgumentParser, old: str, new: str, dest: str, **kw) -> None:
+    """``old``, an earlier spelling of ``new`` (dest ``dest``), kept for one release with a note."""
+    p.add_argument(old, dest=dest, action=_Renamed, new=new, **kw)
+
+
 class _Renamed(argparse.Action):
     """An old spelling: stores into the new flag's dest, and says it is deprecated."""
 
@@ -78,7 +83,7 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser, ns, value, option_string=None) -> None:
         deprecated(parser.prog, option_string, self.new)
-        _store_once(parser, ns, self.dest, value, option_string)
+        _store_once(parser, ns, self.dest, self.const if self.nargs == 0 else value, option_string)
 
 
 def _store_once(parser, ns, dest: str, value, flag: str) -> None:
@@ -155,7 +160,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         metavar="METHOD",
         default=None,
-        help="speculative decoding: 'mtp' drafts with the model's own MTP head (CPU only so far; default off)",
+        help="speculative decoding: 'mtp' drafts with the model's own MTP head (CPU and CUDA; default off)",
     )
     p.add_argument(
         "--draft-tokens",

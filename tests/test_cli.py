@@ -22,7 +22,7 @@ def test_generate_token_ids_matches_runner(hf_checkpoints, capsys):
     out, err = capsys.readouterr()
     expected = Runner.load(ckpt, device="cpu").generate_ids([3, 4, 5], SamplingParams(max_tokens=6))
     assert out.split() == [str(t) for t in expected]
-    assert "edgerun: model" in err and "fallbacks: none" in err  # provenance line
+    assert "edgerun generate: model" in err and "fallbacks: none" in err  # provenance line
     assert "prompt 3 tok, generated 6 tok" in err and "decode" in err and "peak memory" in err
     # TTFT and the prefill rate, apart from the decode rate
     line = re.search(r"TTFT (\d+) ms, prefill ([0-9.]+) tok/s, decode ([0-9.]+) tok/s", err)
@@ -143,7 +143,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_start_up_line_is_several_short_lines(capsys):
     assert main(["generate", "--token-ids", "3", "--max-tokens", "1", "--device", "cpu"]) == 0
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("edgerun: model demo (")
+    assert lines[0].startswith("edgerun generate: model demo (")
     shown = [line.strip().split(" ")[0] for line in lines[1:6]]
     assert shown == ["device", "experts", "kernels:", "fallbacks:", "loaded"], lines
     assert all(len(line) <= 160 for line in lines[:6]), lines
@@ -287,3 +287,43 @@ def test_a_context_past_the_models_is_said_and_a_prefill_chunk_below_1_refused(
         assert (
             e.value.code == 2 and "--prefill-chunk: a whole number of at least 1" in capsys.readouterr().err
         )
+
+
+def test_first_contact_defects_stay_fixed(tmp_path, capsys):
+    """Found by following the README as a newcomer: output piped into `head` ends quietly; a
+    missing bundle path is bad input (2); chat without a daemon is no daemon (1); convert with no
+    arguments shows its usage; plan takes convert's --group; the bench helps say whole sentences."""
+    run = [sys.executable, "-m", "edgerun.cli"]
+    head = subprocess.run(
+        f"{' '.join(run)} generate --max-tokens 60 --ignore-eos 'And God said' | head -c 5",
+        shell=True, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert "Traceback" not in head.stderr and "BrokenPipeError" not in head.stderr, head.stderr
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main(["chat", "--socket", str(tmp_path / "none.sock"), "hi"]) == 1
+    assert "cannot connect" in capsys.readouterr().err
+    assert main(["convert"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: edgerun convert") and "the arguments src and dst are required" in err
+    for bench in ("decode", "prefill", "streaming"):
+        out = subprocess.run(
+            [*run, "bench", bench, "--help"], capture_output=True, text=True, timeout=60
+        ).stdout
+        desc = out.split("\n\n")[1]
+        assert desc.rstrip().endswith("."), (bench, desc)
+
+
+def test_the_start_up_line_counts_a_bundles_parameters_as_its_checkpoints(tmp_path, capsys):
+    """Streamed experts and packed int4 bytes do not change how many parameters the model has."""
+    from edgerun.bundle.convert import ConvertOptions, convert
+    from edgerun.engine.runner import DEMO_MODEL
+
+    ckpt = DEMO_MODEL
+    convert(ckpt, tmp_path / "b", ConvertOptions("int4", dense="int4"))
+    counts = []
+    for model in (ckpt, tmp_path / "b"):
+        argv = ["generate", "--model", str(model), "--token-ids", "3", "--max-tokens", "1", "--device", "cpu"]
+        assert main([*argv, "--quota", "2"] if model != ckpt else argv) == 0
+        counts.append(re.search(r"top-\d+, ([0-9.]+M) params\)", capsys.readouterr().err).group(1))
+    assert counts[0] == counts[1]

@@ -356,7 +356,9 @@ def release(runner: Runner) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="edgerun bench decode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="edgerun bench decode", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("--dir", type=Path, required=True, help="local disk for the bundle")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prompt", type=int, default=1024)

@@ -35,6 +35,7 @@ from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.setup import cache_config
+from edgerun.flags import add_renamed
 from edgerun.tools import calibrate
 
 
@@ -178,7 +179,9 @@ def run_config(name, bundle_dir, quota, prompts, repeats, chunk, profile, eager_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="edgerun bench prefill", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="edgerun bench prefill", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("--dir", type=Path, required=True, help="local disk for the bundle")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prompt", default="512,1024", help="prompt lengths, comma-separated")
@@ -186,7 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the whole prompt)")
     ap.add_argument("--budgets", default="resident", help="resident and/or device budgets in GiB")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (default: all 40)")
-    ap.add_argument("--profile", action="store_true", help="profile one prefill of the first prompt")
+    ap.add_argument(
+        "--torch-profile",
+        dest="profile",
+        action="store_true",
+        help="torch.profiler over one prefill of the first prompt",
+    )
+    # the old spelling: everywhere else --profile names a device profile
+    add_renamed(ap, "--profile", "--torch-profile", "profile", nargs=0, const=True)
     ap.add_argument(
         "--eager-too",
         action="store_true",

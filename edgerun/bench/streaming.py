@@ -241,7 +241,9 @@ def bench(name: str, bundle_dir: Path, quotas: list[int], tokens: int, repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="edgerun bench streaming", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="edgerun bench streaming", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgerun-bench"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)

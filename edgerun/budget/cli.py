@@ -23,6 +23,7 @@ from edgerun.flags import (
     EXIT_USAGE,
     add_device_arguments,
     add_model_argument,
+    add_renamed,
     add_speculative_arguments,
     check_device_arguments,
     parse_context,
@@ -64,14 +65,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", metavar="FILE", help="route trace (JSONL) to size quotas and predict misses"
     )
-    parser.add_argument("--format", choices=FORMATS, default="table")
     parser.add_argument(
         "--quant", choices=QUANTS, default=None, help="expert quantization without a bundle (int4)"
     )
-    parser.add_argument("--group-size", type=int, default=None, help="quantization group (int4 default 32)")
+    parser.add_argument(
+        "--group",
+        dest="group_size",
+        type=int,
+        default=None,
+        help="expert quantization group (int4 default 32)",
+    )
+    add_renamed(parser, "--group-size", "--group", "group_size", type=int)  # convert's spelling now
+    parser.add_argument(
+        "--format", choices=FORMATS, default="table", help="table (default), or json / yaml for machines"
+    )
     add_dense_arguments(parser, default=None, what=" (without a bundle; a bundle's manifest says)")
-    parser.add_argument("--dense-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
-    parser.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    parser.add_argument(
+        "--dense-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default="bf16",
+        help="plain resident weights' dtype (bf16)",
+    )
+    parser.add_argument(
+        "--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="KV cache dtype (bf16)"
+    )
     parser.add_argument(
         "--quota", type=int, default=None, help="exact expert slots per layer (default: most that fit)"
     )

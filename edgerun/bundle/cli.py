@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.bundle.layout import QUANTS
@@ -79,6 +80,8 @@ def run_convert(ns: argparse.Namespace) -> int:
         print(gguf_support())
         return 0
     if ns.src is None or ns.dst is None:
+        if getattr(ns, "_parser", None) is not None:  # the usage first, as argparse's errors
+            ns._parser.print_usage(sys.stderr)
         print(f"{PROG}convert: error: the arguments src and dst are required", file=sys.stderr)
         return EXIT_USAGE
     from edgerun.bundle.convert import ConvertOptions, convert, dry_run_report, plan_conversion
@@ -119,6 +122,9 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 def run_verify(ns: argparse.Namespace) -> int:
     from edgerun.bundle.verify import verify_bundle
 
+    if not Path(ns.dst).exists():  # nothing to verify: bad input (exit 2), not a failed bundle
+        print(f"{PROG}verify: error: {ns.dst}: no such file or directory", file=sys.stderr)
+        return EXIT_USAGE
     try:
         report = verify_bundle(
             ns.dst, deep=ns.deep, providers=ProviderPolicy.from_namespace(ns), progress=ns.progress

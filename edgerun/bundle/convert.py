@@ -465,6 +465,7 @@ class Progress:
     def log(self, msg: str) -> None:
         if self.stream is None:
             return
+        msg = "edgerun convert: " + msg  # every message names its command (docs/cli.md)
         if self.bar is not None:
             self.bar.write(msg, file=self.stream)
         else:

@@ -3,7 +3,10 @@ formatter for ``generate``, ``serve`` and the benchmarks."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from edgerun.models.inventory import tensor_specs
 
 
 def cache_line(cache, tokens: int) -> str:
@@ -65,18 +68,20 @@ def experts_text(runner) -> str:
 
 
 def provenance(runner, model_dir: Path | None, profile: str | None = None, plan: str | None = None) -> str:
-    """What runs, as a few short lines (the first starts ``edgerun: model``, the rest are
-    indented): model and bundle, device, dtype, threads, how experts are held, the kernel policy
+    """What runs, as a few short lines (the first starts ``model``, for the caller to prefix with
+    its ``edgerun COMMAND:``; the rest are indented): model and bundle, device, dtype, threads, how experts are held, the kernel policy
     as resolved, every fallback with its reason, what loading did, the architecture's provider,
     and the device profile and the plan when there is one."""
     import torch
 
     a = runner.args
-    n_params = sum(p.numel() for p in runner.model.parameters())
+    # the model's parameters by its tensor inventory: streamed experts and packed int4 bytes
+    # would make the modules' own count wrong for a bundle
+    n_params = sum(math.prod(spec.shape) for spec in tensor_specs(a))
     dtype = next(runner.model.parameters()).dtype
     fallbacks = "; ".join(f"{k}: {v}" for k, v in runner.fallbacks().items()) or "none"
     lines = [
-        f"edgerun: model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
+        f"model {model_dir or 'demo'} ({a.model_type}, {a.num_hidden_layers} layers, "
         f"{a.num_experts} experts top-{a.num_experts_per_tok}, {n_params / 1e6:.1f}M params)",
         f"device {runner.device}, dtype {str(dtype).removeprefix('torch.')}, threads {torch.get_num_threads()}"
         + (f" ({runner.threads_note})" if runner.threads_note else "")

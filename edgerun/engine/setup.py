@@ -85,7 +85,7 @@ def runtime(
     asked = device
     device = device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda: no CUDA device is available (use cpu)")
+        raise ConfigError("device cuda: no CUDA device is available (use --device cpu)")
     why = "--device cpu" if asked else "no CUDA device is available"
     if device == "cpu":
         for flag, value in (("--expert-kernel", experts), ("--dense-kernel", dense)):

@@ -37,6 +37,7 @@ _FLAGS = (
     "served_model_name",
     "profile",
     "quota",
+    "host_quota",
     "read_mode",
     "read_depth",
     "reader",
@@ -86,6 +87,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--quota",
         type=int,
         help="expert slots per MoE layer of a bundle (with --profile: checked against its plan; default: the plan's)",
+    )
+    p.add_argument(
+        "--host-quota",
+        type=int,
+        help="--quota on a CUDA device: a pinned host tier of this many experts per layer behind the device slots",
     )
     add_read_arguments(p)
     add_prefetch_argument(p)
@@ -297,6 +303,7 @@ def cache_plan(opts: ServeOptions):
         quota=opts.quota,
         profile=opts.profile,
         context=opts.context,
+        host_quota=opts.host_quota,
         batch=serve_batch(opts, device),
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,

@@ -51,7 +51,12 @@ LoadEngine = Callable[[Callable[[str], None]], Engine]
 
 
 def say(msg: str) -> None:
-    print(f"edgerun serve: {msg}", file=sys.stderr, flush=True)
+    """A line on stderr; where nobody reads it any more (a closed pipe, a gone terminal) the
+    daemon carries on, and stops when asked, without it."""
+    try:
+        print(f"edgerun serve: {msg}", file=sys.stderr, flush=True)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -165,16 +170,18 @@ class Daemon:
         if self.app.state != FAILED:
             self.app.state, self.app.message = STOPPING, reason
         self.notifier.notify("STOPPING=1", f"STATUS=stopping ({reason})")
-        say(f"stopping ({reason}); draining for up to {self.opts.grace_period:g} s")
-        server.close()
-        for conn in list(self.conns):
-            conn.close_if_idle()
-        await self._drain()
-        heartbeat.cancel()
-        self.worker.stop()
-        if not await loop.run_in_executor(None, self.worker.join, 1.0):
-            say("the engine did not stop within 1 s; exiting without it")
-        self._unlink()
+        try:
+            say(f"stopping ({reason}); draining for up to {self.opts.grace_period:g} s")
+            server.close()
+            for conn in list(self.conns):
+                conn.close_if_idle()
+            await self._drain()
+        finally:  # whatever failed above, the engine is stopped and the socket removed
+            heartbeat.cancel()
+            self.worker.stop()
+            if not await loop.run_in_executor(None, self.worker.join, 1.0):
+                say("the engine did not stop within 1 s; exiting without it")
+            self._unlink()
         say(f"stopped in {time.monotonic() - t_stop:.1f} s (exit status {code})")
         return code
 
@@ -263,7 +270,7 @@ class Daemon:
             return
         info = {**info, "engine_process": self.worker.pid}
         self.app.set_ready(engine, info)
-        say(info.get("provenance", f"model {engine.model_id}").removeprefix("edgerun: "))
+        say(info.get("provenance", f"model {engine.model_id}"))
         say(f"engine {self.worker.describe()}")
         say(probe)
         self.app.message = f"serving {engine.model_id} on {self.where}"

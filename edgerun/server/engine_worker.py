@@ -279,7 +279,8 @@ class Job:
             "prompt_n": len(self.request.prompt_ids),
             "prompt_ms": _ms(self.prefill_s),
             "prompt_per_second": round(self.prefill_tps, 3),
-            "predicted_n": stats.generated_tokens if stats else 0,
+            # the decode steps after the first token (which prefill produced): n / ms = per_second
+            "predicted_n": max(stats.generated_tokens - 1, 0) if stats else 0,
             "predicted_ms": _ms(stats.decode_s if stats else 0.0),
             "predicted_per_second": round(stats.decode_tps, 3) if stats else 0.0,
         }
@@ -293,7 +294,7 @@ class Job:
             return f"{head}; cancelled in {self.phase} after {done}"
         t = self.timings(stats)
         return (
-            f"{head}, generated {t['predicted_n']} tok ({finish}); queue {t['queue_ms']:.0f} ms, "
+            f"{head}, generated {stats.generated_tokens if stats else 0} tok ({finish}); queue {t['queue_ms']:.0f} ms, "
             f"TTFT {t['ttft_ms']:.0f} ms, prefill {t['prompt_per_second']:.1f} tok/s "
             f"({t['prompt_ms']:.0f} ms), decode {t['predicted_per_second']:.1f} tok/s"
         )

@@ -35,6 +35,7 @@ class ServeOptions:
     served_model_name: str | None = None  # the id clients send as "model"; default: the dir's name
     profile: Path | None = None  # configs/*.yaml (DeviceProfile): every model is planned against it
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
+    host_quota: int | None = None  # CUDA, with quota: a pinned host tier of this many experts a layer
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
     reader: str | None = None  # the reads' system call: preadv | io_uring | auto; None: preadv

@@ -66,7 +66,9 @@ def find_socket(env: Mapping[str, str] = os.environ, trusted: frozenset[int] | N
             check_owner(path, trusted_uids() if trusted is None else trusted)
             return path
     tried = ", ".join(dict.fromkeys(str(p) for p in candidates))
-    raise EdgerunError(f"no edgerun socket found (tried {tried}); is the daemon running? pass --socket")
+    err = EdgerunError(f"no edgerun socket found (tried {tried}); is the daemon running? pass --socket")
+    err.exit_status = 1  # no daemon: not the user's input (docs/cli.md)
+    raise err
 
 
 def trusted_uids() -> frozenset[int]:

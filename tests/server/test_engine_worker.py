@@ -188,7 +188,7 @@ def test_timings_histograms_and_log_line_of_a_finished_request(worker):
     t = job.timings(final.stats)
     assert 0 <= t["queue_ms"] < t["ttft_ms"] and t["prompt_ms"] >= CHUNKS * 20 * 0.5
     assert t["ttft_ms"] == pytest.approx(t["queue_ms"] + t["prompt_ms"], abs=0.01)
-    assert t["prompt_n"] == len(PROMPT) and t["predicted_n"] == 2 and t["predicted_per_second"] == 100.0
+    assert t["prompt_n"] == len(PROMPT) and t["predicted_n"] == 1 and t["predicted_per_second"] == 100.0
     assert t["prompt_per_second"] == pytest.approx(len(PROMPT) / (t["prompt_ms"] / 1e3), rel=1e-3)
     c = worker.counters
     buckets, total, count = c.ttft.snapshot()
@@ -238,7 +238,7 @@ def test_the_answer_carries_timings_beside_usage():
         "prompt_n": 3,
         "prompt_ms": 2000.0,
         "prompt_per_second": 1.5,
-        "predicted_n": 2,
+        "predicted_n": 1,
         "predicted_ms": 250.0,
         "predicted_per_second": 4.0,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fake_engine import DIE, FATAL, HANG, RAISE, SLOW
-from server_helpers import Daemon, get, post, serve_argv
+from server_helpers import ROOT, Daemon, get, post, serve_argv
 
 from edgerun.engine.runner import DEMO_MODEL
 from edgerun.server.client import UnixHTTPConnection
@@ -379,6 +379,32 @@ def test_a_closed_terminals_sighup_drains_the_daemon_and_spares_its_engine(tmp_p
         assert "signal SIGHUP" in daemon.log() and not sock.exists()
     finally:
         daemon.stop()
+
+
+def test_a_daemon_whose_stderr_closed_still_stops_on_sigterm(tmp_path):
+    """`edgerun serve ... 2>&1 | head -3`: once nobody reads its messages, the daemon serves on,
+    and SIGTERM still drains it, stops its engine and removes its socket."""
+    import subprocess
+
+    sock = tmp_path / "pipe.sock"
+    proc = subprocess.Popen(fake_argv(sock), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        proc.stderr.readline()
+        proc.stderr.close()  # the reader went away
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None
+            try:
+                if get(sock, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0 and not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _alive(pid: int) -> bool:
