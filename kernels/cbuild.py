@@ -73,8 +73,11 @@ def build(
     ).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{digest}.so"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        try:  # a cache directory that cannot be made (read-only, no inodes, no permission): no build
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        except OSError as e:
+            raise BuildError(f"cannot write the build cache {out.parent}: {e.strerror or e}") from e
         os.close(fd)
         try:
             r = subprocess.run(

@@ -31,6 +31,7 @@ import errno
 import mmap
 import os
 import queue
+import stat
 import threading
 import time
 import weakref
@@ -246,7 +247,12 @@ class BlockReader:
                 self._retired.append(self._fds.pop(key))
             if key in self._fds:
                 return self._fds[key], direct
-            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            # a file put where the expert file was (``fresh``: opened again after a failed check;
+            # the bundle's paths were checked at load) may be a FIFO, which would block the open,
+            # or a symbolic link out of the bundle: neither is waited on nor followed, and only a
+            # regular file is read
+            nofollow = os.O_NOFOLLOW if fresh else 0
+            flags = os.O_RDONLY | os.O_NONBLOCK | nofollow | (getattr(os, "O_DIRECT", 0) if direct else 0)
             try:
                 fd = os.open(path, flags)
             except OSError as exc:
@@ -259,11 +265,23 @@ class BlockReader:
                     key = (path, False)
                     if key in self._fds:
                         return self._fds[key], False
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = self._open_plain(path, nofollow)
                 else:
-                    raise StorageError(f"cannot open expert file {path}: {exc.strerror}") from exc
+                    why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+                    raise StorageError(f"cannot open expert file {path}: {why}") from exc
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise StorageError(f"cannot open expert file {path}: not a regular file")
             self._fds[key] = fd
             return fd, direct
+
+    @staticmethod
+    def _open_plain(path: Path, nofollow: int) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow)
+        except OSError as exc:
+            why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+            raise StorageError(f"cannot open expert file {path}: {why}") from exc
 
     @property
     def stats(self) -> ReadStats:
@@ -378,7 +396,7 @@ class BlockReader:
                     view = memoryview(self._buffers[buf])[: self.block_bytes]
                 with self._lock:
                     self._stats.rereads += 1
-                n, dt = self._pread(r.path, r.index, view, again=True)
+                n, dt = self._reread(r.path, r.index, view, "its checksum failed")
                 r.check(view)  # failing twice: the block is damaged where it is stored
                 pool.count(n, dt)
                 result = N.OK
@@ -388,7 +406,7 @@ class BlockReader:
                 )
             if result == N.SHORT:
                 raise StorageError(
-                    f"{r.path}: short read of block {r.index} at offset {offset}: {got} of {self.block_bytes} bytes"
+                    f"{r.path}: short read of expert {r.index}'s block at offset {offset}: {got} of {self.block_bytes} bytes (the file is shorter than the bundle says)"
                 )
             if result == N.CUDA_ERROR:
                 raise StorageError(
@@ -526,12 +544,22 @@ class BlockReader:
         if check is not None:
             try:
                 check(view)
-            except ChecksumError:
+            except ChecksumError as exc:
                 with self._lock:
                     self._stats.rereads += 1
-                self._pread(path, index, view, again=True)
+                self._reread(path, index, view, str(exc))
                 check(view)  # failing twice: the block is damaged where it is stored
         return n, dt
+
+    def _reread(self, path: Path, index: int, view: memoryview, why: str) -> tuple[int, float]:
+        """Block ``index`` read again through a fresh descriptor after ``why`` (a failed check);
+        a re-read that fails says both."""
+        try:
+            return self._pread(path, index, view, again=True)
+        except StorageError as exc:
+            raise StorageError(
+                f"expert {index}'s block of {path} was read again because {why}, and: {exc}"
+            ) from exc
 
     def _account(self, n: int, dt: float, staged: bool) -> None:
         with self._lock:
@@ -563,7 +591,7 @@ class BlockReader:
             self._end()
         if n != self.block_bytes:
             raise StorageError(
-                f"{path}: short read of block {index} at offset {offset}: {n} of {self.block_bytes} bytes"
+                f"{path}: short read of expert {index}'s block at offset {offset}: {n} of {self.block_bytes} bytes (the file is shorter than the bundle says)"
             )
         return n, dt
 

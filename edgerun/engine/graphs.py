@@ -46,7 +46,7 @@ from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
 from edgerun.errors import EdgerunError
 from edgerun.kernels.moe import add_into
 from edgerun.kernels.scratch import scratch_set
-from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep, exact_rows
+from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep, exact_rows, verify_window
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # decode steps between two moves of a far tier's device slots toward its most used experts
@@ -464,7 +464,7 @@ class DecodeGraphs:
         this state, made (and, with graphs, captured) on a window of N rows' first use; counted
         as this decoder's steps are."""
         w = self.window(len(tokens), most)
-        with exact_rows():
+        with verify_window():
             w.run_window(tokens)
         self.fallbacks.update(w.fallbacks)
         return w.logits.clone(), w.hidden.clone()

@@ -54,7 +54,17 @@ log = logging.getLogger(__name__)
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # the process's high-water mark (Linux reports KiB); getrusage's can lag the current
+    # resident size, which a peak is never below
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM:", "VmRSS:")):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return peak
 
 
 class Runner:

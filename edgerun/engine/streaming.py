@@ -26,7 +26,7 @@ from edgerun.cache.policy import fetches
 from edgerun.cache.slots import SlotRef
 from edgerun.config import CacheConfig
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
-from edgerun.models.layers import EXACT_ROWS, MAX_GEMV_ROWS, SparseMoe
+from edgerun.models.layers import MAX_GEMV_ROWS, VERIFY_WINDOW, SparseMoe
 
 REFERENCE = MoeKernelPolicy()
 
@@ -160,7 +160,7 @@ class StreamingExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [N, D], ids/weights [N, A]
         c, i = self.cache, self.layer
-        if ids.shape[0] > 1 and EXACT_ROWS.get():  # a verify window: the union of its rows' experts
+        if ids.shape[0] > 1 and VERIFY_WINDOW.get():  # a verify window: the union of its rows' experts
             c.count_window(i, len(set(ids.flatten().tolist())))
         # every expert held: the slots are looked up on the device (Triton), or in one index op
         # for a CPU decode step (no eviction bookkeeping: a layer holding every expert never evicts)

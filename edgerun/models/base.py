@@ -22,6 +22,7 @@ from edgerun.models.layers import (
     SparseMoe,
     StaticStep,
     exact_rows,
+    verify_window,
 )
 
 PLANES_MIN_VALUES = 2048 * 4096  # a projection this large or larger goes on the tensor-core GEMV in a batch
@@ -295,7 +296,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)
         positions = torch.arange(start, start + T, device=tokens.device)
         rope = self.rotary(positions, x.dtype)
-        with exact_rows() if rows else nullcontext():
+        with verify_window() if rows else nullcontext():
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, rope, None if state is None else state.layers[i], start, rows, valid)
         if state is not None:

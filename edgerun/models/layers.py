@@ -43,6 +43,22 @@ def exact_rows():
         EXACT_ROWS.reset(token)
 
 
+# set within a speculative verify window only (not a batch's step): a streamed layer counts the
+# union of the window's experts (``edgerun_verify_window_experts_total``)
+VERIFY_WINDOW: ContextVar[bool] = ContextVar("edgerun_verify_window", default=False)
+
+
+@contextmanager
+def verify_window():
+    """``exact_rows``, for a speculative verify window's rows (counted as one)."""
+    token = VERIFY_WINDOW.set(True)
+    try:
+        with exact_rows():
+            yield
+    finally:
+        VERIFY_WINDOW.reset(token)
+
+
 # at or below this many rows of input, a QLinear whose kernel was selected runs the Triton GEMV:
 # for a plain weight cuBLAS is faster from 3 rows on; for int8 / int4 the GEMV still beats an exact
 # dequantization then cuBLAS at 8 (benchmarks/bench_dense_gemv.py on an H200, docs/benchmarks.md)

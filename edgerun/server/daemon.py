@@ -282,7 +282,7 @@ class Daemon:
         message = (
             f"{what}: {type(exc).__name__}: {exc}" if not isinstance(exc, EdgerunError) else f"{what}: {exc}"
         )
-        if not loading:
+        if not loading and not isinstance(exc, EdgerunError):  # a bug: its traceback, once
             log.error(message, exc_info=exc)
         say(message)
         self.app.state, self.app.message = FAILED, message

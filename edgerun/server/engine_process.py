@@ -331,7 +331,10 @@ def child_main(conn: Connection, load: Callable, ping_every: float, parent: int)
 
     def fatal(exc: BaseException, loading: bool) -> None:
         if not loading:
-            log.error("the engine failed", exc_info=exc)
+            if not isinstance(
+                exc, EdgerunError
+            ):  # a bug: its traceback; a named fault (storage): the daemon's line
+                log.error("the engine failed", exc_info=exc)
             snapshot(-1)  # its last counts (read faults, failures) stay in /metrics
         send(("fatal", _portable(exc), loading))
 

@@ -496,6 +496,7 @@ class EngineWorker:
             except BaseException as exc:
                 for other in self.running:
                     other.deliver(engine_failed(exc))
+                self.counters.failed += len(self.running)  # each running request failed with it
                 self.hooks.fatal(exc, False)
                 return False
             self.hooks.ping()

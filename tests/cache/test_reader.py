@@ -82,7 +82,9 @@ def test_short_file_is_a_short_read(expert_file, tmp_path, backend):
     short = tmp_path / "short.bin"
     short.write_bytes(data[: BB * 3 + 100])
     r = BlockReader(BB, staging=1, mode="buffered", reader=backend)
-    with pytest.raises(StorageError, match=r"short read of block 3 at offset 24576: 100 of 8192 bytes"):
+    with pytest.raises(
+        StorageError, match=r"short read of expert 3's block at offset 24576: 100 of 8192 bytes"
+    ):
         r.read_into(short, 3, lambda v: None, 16)
     r.close()
 

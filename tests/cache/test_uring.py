@@ -3,6 +3,7 @@ errors (file and offset named), short reads continued, and io_uring that cannot 
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,10 +82,12 @@ def test_truncated_file_is_a_short_read_naming_file_and_offset(expert_file, tmp_
     for mode in ("direct", "buffered") if direct_supported(short) else ("buffered",):
         r = BlockReader(BB, staging=1, mode=mode, reader=reader)
         with pytest.raises(
-            StorageError, match=rf"{short}: short read of block 3 at offset 24576: 4196 of 8192"
+            StorageError, match=rf"{short}: short read of expert 3's block at offset 24576: 4196 of 8192"
         ):
             r.read_into(short, 3, lambda v: None, 16)
-        with pytest.raises(StorageError, match=rf"{short}: short read of block 5 at offset 40960: 0 of 8192"):
+        with pytest.raises(
+            StorageError, match=rf"{short}: short read of expert 5's block at offset 40960: 0 of 8192"
+        ):
             r.read_into(short, 5, lambda v: None, 16)  # wholly past the end
         r.close()
 
@@ -116,10 +119,21 @@ def test_a_short_read_is_continued(expert_file):
 @needs_uring
 @pytest.mark.parametrize("reader", ["preadv", "io_uring"])
 def test_an_io_error_names_the_file_block_and_offset(tmp_path, reader):
-    """The kernel's error from the read itself (a directory: EISDIR), not from opening the file."""
+    """The kernel's error from the read itself, not from opening the file: /proc/self/mem is a
+    regular file whose bytes at an unmapped address (16 KiB) fail with EIO. (A directory or a
+    FIFO is refused at the open: only a regular file is read.)"""
     r = BlockReader(BB, staging=1, mode="buffered", reader=reader)
-    with pytest.raises(StorageError, match=rf"{tmp_path}: reading block 2 at offset 16384: .*Is a directory"):
+    mem = Path("/proc/self/mem")
+    with pytest.raises(
+        StorageError, match=r"/proc/self/mem: reading block 2 at offset 16384: .*Input/output error"
+    ):
+        r.read_into(mem, 2, lambda v: None, 4)
+    with pytest.raises(StorageError, match=rf"cannot open expert file {tmp_path}: not a regular file"):
         r.read_into(tmp_path, 2, lambda v: None, 4)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    with pytest.raises(StorageError, match=r"f: not a regular file"):  # not a wait for a writer
+        r.read_into(fifo, 2, lambda v: None, 4)
     r.close()
 
 

@@ -85,6 +85,8 @@ def test_tiny_greedy_among_neighbours_equals_alone(bundles, arch, experts):
     check_invariance(runner)
     if experts == "streamed":
         assert sum(runner.cache.layer_stats(i).misses for i in runner.args.moe_layers) > 0
+        # a batch's multi-row steps are no speculative verify windows (edgerun_verify_window_*)
+        assert runner.cache.totals().verify_windows == 0
 
 
 def test_multi_row_step_is_each_rows_one_row_step(bundles):

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from edgerun.engine.policy import KernelPolicy, resolve
@@ -63,3 +64,17 @@ def test_resolve_on_cpu_names_the_cpu_choice(monkeypatch):
         "AVX512-BF16, no AMX: float32 by default"
     )
     assert resolve(KernelPolicy(), torch.device("meta")).cpu == ""
+
+
+def test_a_build_cache_that_cannot_be_written_is_a_build_error(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME on a full, read-only or foreign filesystem: the C kernel is not built (a
+    BuildError, which the engine turns into a named fallback), not a failed load."""
+    from edgerun.kernels import cbuild
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # its edgerun/kernels cannot be made
+    src = tmp_path / "k.c"
+    src.write_text("int f(void) { return 1; }\n")
+    with pytest.raises(cbuild.BuildError, match="cannot write the build cache"):
+        cbuild.build(src, ["cc"], ["-shared", "-fPIC"], what="a test kernel")

@@ -325,3 +325,23 @@ def test_requests_run_a_batch_at_a_time_a_long_prompt_interleaved_with_the_other
     assert log.index((3, "chunk")) > log.index((1, "closed")), log
     assert w.counters.queue.snapshot()[2] == 3 and w.counters.inter_token.snapshot()[2] == 5 + 1
     assert not w.running and w.batch == 2
+
+
+def test_a_storage_fault_that_fails_the_engine_counts_its_running_requests_failed(worker):
+    """A fatal fault (the bundle can no longer be read intact) fails every running request with
+    the engine: each counts in the failures /metrics shows."""
+    from edgerun.errors import StorageError
+
+    engine = worker.engine
+    real = engine._step
+
+    def broken():
+        real()
+        if engine.chunks_run == 1:
+            raise StorageError("experts/L00.bin: expert 3's block fails its checksum")
+
+    engine._step = broken
+    job, items = submit(worker)
+    engine.run(3)
+    wait_for(lambda: any(line.startswith("fatal: ") for line in worker.lines), "the engine did not fail")
+    assert worker.counters.failed == 1 and any(getattr(i, "status", None) for i in items)

@@ -50,7 +50,7 @@ def test_a_storage_fault_fails_the_engine_and_a_restart_refuses_the_bundle(bundl
             f.write_bytes(b"\x77" * f.stat().st_size)  # in place: same file, other bytes
         status, answer = post(sock, "/v1/completions", {**body, "prompt": [9, 10, 11, 12, 13]})
         # 5xx bodies and /health name the file without its directories (the log has it whole)
-        named = rf"(?<![/\w]){f.name}: (short read of block \d+ at offset \d+|layer {layer} expert \d+'s block \(bytes \[\d+, \d+\)\) fails its checksum)"
+        named = rf"(?<![/\w]){f.name}: (short read of expert \d+'s block at offset \d+|layer {layer} expert \d+'s block \(bytes \[\d+, \d+\)\) fails its checksum)"
         assert status == 500 and re.search(named, answer["error"]["message"]), answer
         status, health = get(sock, "/health")
         assert status == 503 and health["status"] == "failed" and re.search(named, health["message"])
