@@ -239,41 +239,57 @@ class BlockReader:
 
     def _fd(self, path: Path, fresh: bool = False) -> tuple[int, bool]:
         """(fd, direct) for path, opening it on first use (``fresh``: again, in case the file was
-        replaced since)."""
+        replaced since: the same descriptor number then reads the new file, so re-opens leave no
+        descriptor behind; a read already in the kernel ends on the old file)."""
         with self._lock:
             direct = self.mode != "buffered" and "direct_read" not in self._stats.fallbacks
             key = (path, direct)
-            if fresh and key in self._fds:
-                self._retired.append(self._fds.pop(key))
+            replaced = self._fds.pop(key) if fresh and key in self._fds else None
             if key in self._fds:
                 return self._fds[key], direct
-            # a file put where the expert file was (``fresh``: opened again after a failed check;
-            # the bundle's paths were checked at load) may be a FIFO, which would block the open,
-            # or a symbolic link out of the bundle: neither is waited on nor followed, and only a
-            # regular file is read
-            nofollow = os.O_NOFOLLOW if fresh else 0
-            flags = os.O_RDONLY | os.O_NONBLOCK | nofollow | (getattr(os, "O_DIRECT", 0) if direct else 0)
             try:
-                fd = os.open(path, flags)
-            except OSError as exc:
-                if direct and exc.errno == errno.EINVAL:
-                    reason = f"{path}: filesystem does not support O_DIRECT"
-                    if self.mode == "direct":
-                        raise ReadError(f"{reason} (set read_mode: buffered or auto)") from exc
-                    self._stats.fallbacks["direct_read"] = reason
-                    direct = False
-                    key = (path, False)
-                    if key in self._fds:
-                        return self._fds[key], False
-                    fd = self._open_plain(path, nofollow)
-                else:
-                    why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
-                    raise StorageError(f"cannot open expert file {path}: {why}") from exc
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                fd, got = self._open_checked(path, direct, fresh)
+            except BaseException:
+                if replaced is not None:
+                    self._retired.append(replaced)  # closed with the reader
+                raise
+            if replaced is not None:
+                if got == direct:  # the old number now reads the new file
+                    os.dup2(fd, replaced)
+                    os.close(fd)
+                    fd = replaced
+                else:  # O_DIRECT refused this time: the old descriptor is retired
+                    self._retired.append(replaced)
+            key = (path, got)
+            if key in self._fds:  # opened plain after a refused O_DIRECT, and one was open already
                 os.close(fd)
-                raise StorageError(f"cannot open expert file {path}: not a regular file")
+                return self._fds[key], got
             self._fds[key] = fd
-            return fd, direct
+            return fd, got
+
+    def _open_checked(self, path: Path, direct: bool, fresh: bool) -> tuple[int, bool]:
+        """A new descriptor of ``path``, a regular file, and whether it reads O_DIRECT. A file put
+        where the expert file was (``fresh``: opened again after a failed check; the bundle's
+        paths were checked at load) may be a FIFO, which would block the open, or a symbolic link
+        out of the bundle: neither is waited on nor followed."""
+        nofollow = os.O_NOFOLLOW if fresh else 0
+        flags = os.O_RDONLY | os.O_NONBLOCK | nofollow | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+                raise StorageError(f"cannot open expert file {path}: {why}") from exc
+            reason = f"{path}: filesystem does not support O_DIRECT"
+            if self.mode == "direct":
+                raise ReadError(f"{reason} (set read_mode: buffered or auto)") from exc
+            self._stats.fallbacks["direct_read"] = reason
+            direct = False
+            fd = self._open_plain(path, nofollow)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StorageError(f"cannot open expert file {path}: not a regular file")
+        return fd, direct
 
     @staticmethod
     def _open_plain(path: Path, nofollow: int) -> int:

@@ -226,3 +226,25 @@ def test_a_sinks_fence_is_waited_for_before_its_buffer_is_read_into_again(expert
     staged.release(_Fence(log, 7))
     r.close()
     assert log == [("read", 3, True), ("wait", 3), ("read", 5, True), ("wait", 5), ("wait", 7)]
+
+
+def test_reopening_a_replaced_file_leaves_no_descriptor_behind(tmp_path):
+    """An expert file replaced under a running reader is opened again after a failed check: the
+    same descriptor number then reads the new file, so replacements do not pile up open (and
+    disk-pinning) descriptors; a FIFO put there instead is refused, not waited on."""
+    f = tmp_path / "L00.bin"
+    f.write_bytes(b"a" * 8192 * 4)
+    r = BlockReader(8192, staging=1, mode="buffered")
+    fd, _ = r._fd(f)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(4):
+        new = tmp_path / "new.bin"
+        new.write_bytes(bytes([98 + i]) * 8192 * 4)
+        os.replace(new, f)
+        assert r._fd(f, fresh=True)[0] == fd and os.pread(fd, 4, 0) == bytes([98 + i]) * 4
+    assert len(os.listdir("/proc/self/fd")) == before and r._retired == []
+    f.unlink()
+    os.mkfifo(f)
+    with pytest.raises(StorageError, match="not a regular file"):
+        r._fd(f, fresh=True)
+    r.close()
