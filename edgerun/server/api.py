@@ -642,11 +642,7 @@ _NEUTRAL: dict[str, tuple] = {
 
 
 def _asks_nothing(value, neutral: tuple) -> bool:
-    if isinstance(value, bool):  # True == 1, but a flag is no number
-        return False
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return any(isinstance(n, (int, float)) and value == n for n in neutral)
-    return any(type(value) is type(n) and value == n for n in neutral)
+    return not isinstance(value, bool) and value in neutral  # True == 1, but a flag is no number
 
 
 def _sampling(
