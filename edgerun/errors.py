@@ -5,6 +5,13 @@ class EdgerunError(Exception):
     """Base class: a user-facing error with a complete message."""
 
 
+class DaemonUnavailable(EdgerunError):
+    """A client got no answer from the daemon: none at the socket, or it closed the connection or
+    a stream before finishing. Not the user's input, so the command exits 1, not 2."""
+
+    exit_status = 1
+
+
 class ConfigError(EdgerunError, ValueError):
     """A configuration file or key is missing, unknown or has an impossible value."""
 

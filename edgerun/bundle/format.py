@@ -324,9 +324,13 @@ def _ints(r: ConfigReader, key: str, low: int = 0) -> tuple[int, ...]:
 _HEX = re.compile(r"[0-9a-f]+")
 
 
+def _is_hex(h: Any, digits: int) -> bool:
+    return isinstance(h, str) and len(h) == digits and _HEX.fullmatch(h) is not None
+
+
 def _hex(r: ConfigReader, key: str, digits: int) -> str:
     value = r.require(key, str)
-    if len(value) != digits or not _HEX.fullmatch(value):
+    if not _is_hex(value, digits):
         raise BundleError(f"{r.source}: key {key!r} must be {digits} hex digits, got {value[:40]!r}")
     return value
 
@@ -334,7 +338,7 @@ def _hex(r: ConfigReader, key: str, digits: int) -> str:
 def _hexes(r: ConfigReader, key: str, digits: int) -> tuple[str, ...]:
     value = r.require(key, list)
     for i, h in enumerate(value):
-        if not (isinstance(h, str) and len(h) == digits and _HEX.fullmatch(h)):
+        if not _is_hex(h, digits):
             raise BundleError(
                 f"{r.source}: key '{key}[{i}]' must be {digits} hex digits, got {str(h)[:40]!r}"
             )

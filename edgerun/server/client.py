@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import DaemonUnavailable, EdgerunError
 from edgerun.server.paths import UntrustedSocket, check_owner, check_peer, find_socket, trusted_uids
 
 
@@ -40,13 +40,6 @@ class UnixHTTPConnection(http.client.HTTPConnection):
             self.sock.close()
             self.sock = None
             raise
-
-
-class DaemonUnavailable(EdgerunError):
-    """No answer from the daemon: it is not there, or it closed the connection or a stream
-    before finishing. Not the user's input, so the command exits 1, not 2."""
-
-    exit_status = 1
 
 
 class ServerError(EdgerunError):

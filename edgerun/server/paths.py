@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from edgerun.errors import EdgerunError
+from edgerun.errors import DaemonUnavailable, EdgerunError
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ def find_socket(env: Mapping[str, str] = os.environ, trusted: frozenset[int] | N
             check_owner(path, trusted_uids() if trusted is None else trusted)
             return path
     tried = ", ".join(dict.fromkeys(str(p) for p in candidates))
-    err = EdgerunError(f"no edgerun socket found (tried {tried}); is the daemon running? pass --socket")
-    err.exit_status = 1  # no daemon: not the user's input (docs/cli.md)
-    raise err
+    raise DaemonUnavailable(f"no edgerun socket found (tried {tried}); is the daemon running? pass --socket")
 
 
 def trusted_uids() -> frozenset[int]:
