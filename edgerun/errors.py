@@ -16,6 +16,13 @@ class ConfigError(EdgerunError, ValueError):
     """A configuration file or key is missing, unknown or has an impossible value."""
 
 
+class DeviceUnavailable(ConfigError):
+    """The device asked for is not there (no CUDA device): possibly not yet, at boot, before its
+    driver is ready, so a daemon exits 1 (restarted), not 2 (a configuration error)."""
+
+    exit_status = 1
+
+
 class CheckpointError(EdgerunError, ValueError):
     """A checkpoint directory or tensor does not match what the architecture expects."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy
-from edgerun.errors import ConfigError, EdgerunError
+from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # CPU threads when none are asked for: a model of at most this many parameters decodes fastest
@@ -85,7 +85,7 @@ def runtime(
     asked = device
     device = device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda: no CUDA device is available (use --device cpu)")
+        raise DeviceUnavailable("device cuda: no CUDA device is available (use --device cpu)")
     why = "--device cpu" if asked else "no CUDA device is available"
     if device == "cpu":
         for flag, value in (("--expert-kernel", experts), ("--dense-kernel", dense)):

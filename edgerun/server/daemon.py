@@ -77,6 +77,13 @@ def run(opts: ServeOptions, load_engine: LoadEngine, env: Mapping[str, str] = os
     try:
         listener = activated_socket(env)
         path, owned = None, listener is None
+        if listener is not None and (
+            opts.socket is not None or opts.socket_group is not None or opts.socket_mode != 0o660
+        ):
+            say(  # the socket unit's ListenStream=, SocketMode= and SocketGroup= rule it
+                "warning: serving the socket systemd passed (fd 3); serve.yaml's socket, socket_mode "
+                "and socket_group apply only to a socket the daemon binds itself"
+            )
         if listener is None:
             path = opts.socket or default_socket_path(env)
             listener = bind_unix_socket(path, opts.socket_mode, opts.socket_group)
@@ -288,7 +295,9 @@ class Daemon:
         self.app.state, self.app.message = FAILED, message
         self.notifier.notify(f"STATUS={message}")
         self.app.abort_all(503, message)
-        self.failed_code = EXIT_CONFIG if loading and isinstance(exc, EdgerunError) else EXIT_FAILED
+        # a configuration error is not restarted (2); a device not there yet is (DeviceUnavailable: 1)
+        config = loading and isinstance(exc, EdgerunError)
+        self.failed_code = getattr(exc, "exit_status", EXIT_CONFIG) if config else EXIT_FAILED
         if not loading and isinstance(exc, StorageError):
             return  # up, failed, saying why in /health and /metrics until the watchdog restarts it
         self._loop.call_later(FAILED_LINGER_S, self.request_stop, message, self.failed_code)

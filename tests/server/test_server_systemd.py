@@ -27,6 +27,11 @@ def test_units_declare_the_lifecycle():
         assert line in service
     socket_unit = (UNITS / "edgerun.socket").read_text()
     assert "ListenStream=/run/edgerun/edgerun.sock" in socket_unit and "SocketMode=0660" in socket_unit
+    # found by review: a group listed here that a host lacks fails every start (216/GROUP), so the
+    # account gets video/render where they exist; the C build cache and CUDA's under CacheDirectory
+    directives = [line.split("=", 1)[0] for line in service.splitlines() if not line.startswith("#")]
+    assert "SupplementaryGroups" not in directives and "Wants" not in directives
+    assert "XDG_CACHE_HOME=%C/edgerun" in service and "CUDA_CACHE_PATH=%C/edgerun/nv" in service
 
 
 @pytest.mark.skipif(
@@ -62,3 +67,16 @@ def test_install_script_installs_units_that_verify_as_installed(tmp_path):
     )  # fmt: skip
     exposure = float(score.stdout.rsplit("edgerun.service:", 1)[1].split()[0])
     assert exposure <= 3.0, score.stdout[-2000:]
+    # again (an upgrade): an edited profile and serve.yaml are kept, the shipped profile beside it
+    edited = root / "etc/edgerun/devices/orin.yaml"
+    edited.write_text(edited.read_text() + "# mine\n")
+    res = subprocess.run([*cmd, "--torch", pin, "--gpu", "no"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert edited.read_text().endswith("# mine\n") and (edited.parent / "orin.yaml.new").is_file()
+    assert "kept the existing" in res.stdout
+    res = subprocess.run([*cmd, "--uninstall"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and not (units / "edgerun.service").exists() and not prefix.exists()
+    assert (root / "etc/edgerun/serve.yaml").is_file()  # the configuration stays
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--root", str(root), "--prefix", "/opt/a b"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "spaces, quotes" in bad.stderr
