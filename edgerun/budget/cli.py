@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgerun.budget import inputs
-from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan, resident_bytes
+from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan, resident_bytes, runtime_dtype
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
@@ -216,15 +216,16 @@ def plan_for_bundle(
     expert kernel that will run (engine/setup.plan_kernel); by default torch's, whose repacked copy
     of each int4 slot is the most a CPU kernel holds."""
     model = inputs.from_bundle(bundle, providers)
+    device = profile if isinstance(profile, DeviceProfile) else load_device_profile(profile)
     if draft_tokens:
         model = inputs.with_mtp(model, draft_tokens)
         if resident is not None and A.MTP not in resident:  # the head loads after the re-plan
-            resident = {**resident, A.MTP: resident_bytes(model.specs, PlanOptions.dense_dtype)[A.MTP]}
+            resident = {**resident, A.MTP: resident_bytes(model.specs, runtime_dtype(device))[A.MTP]}
     return plan(
         model.args,
         model.specs,
         model.experts,
-        profile if isinstance(profile, DeviceProfile) else load_device_profile(profile),
+        device,
         context or min(DEFAULT_CONTEXT, model.args.max_position_embeddings),
         batch,
         PlanOptions(
@@ -272,6 +273,7 @@ def plan_resident(
     )
     options = PlanOptions(
         dense_dtype=dtype,
+        kv_dtype=dtype,  # the engine's KV follows its compute dtype
         quota=src.args.num_experts,
         staging_buffers=1,  # nothing is read at run time; the planner wants one buffer per layout
         cuda_graphs=device == "cuda",

@@ -77,12 +77,24 @@ def expert_source_from_layout(
     return ExpertSource(quant, layout.group_size, (layout.block_bytes,) * len(args.moe_layers), "layout")
 
 
+def runtime_dtype(device: DeviceProfile) -> str:
+    """The dtype the engine computes in, and so holds plain resident tensors, KV and state in, on
+    ``device``: bf16 on CUDA (the checkpoints'); on a CPU the one this CPU's bf16 hardware calls
+    for (``kernels/cpu_features.py``: fp32 where bf16 measured no faster). Pure: no torch."""
+    if device.has_cuda:
+        return "bf16"
+    from edgerun.kernels import cpu_features
+
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cpu_features.read().default_dtype()]
+
+
 @dataclass(frozen=True)
 class PlanOptions:
-    dense_dtype: str = "bf16"  # every plain resident (non-expert) tensor and the activations
+    # every plain resident (non-expert) tensor and the activations; None: the device's runtime_dtype
+    dense_dtype: str | None = None
     # which resident linear weights are quantized, and how (a bundle's: its manifest's)
     dense: DenseScheme = DenseScheme()
-    kv_dtype: str = "bf16"
+    kv_dtype: str | None = None  # None: dense_dtype's (the engine's KV follows its compute dtype)
     staging_buffers: int | None = None  # pinned read buffers of one block each; None: 2 * top_k
     prefill_chunk: int = 512  # tokens per prefill forward: sizes the activation workspace
     cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
@@ -819,6 +831,8 @@ def plan(
     """Plan one model on one device. ``resident`` overrides the spec-derived bytes per category
     (the engine re-plans with what loading measured)."""
     options = options or PlanOptions()
+    dense_dtype = options.dense_dtype or runtime_dtype(device)
+    options = replace(options, dense_dtype=dense_dtype, kv_dtype=options.kv_dtype or dense_dtype)
     _dtype_bytes(options.dense_dtype, "dense_dtype")
     _dtype_bytes(options.kv_dtype, "kv_dtype")
     computed, details = _resident(specs, options.dense_dtype, options.dense)

@@ -135,8 +135,9 @@ def test_a_bundles_dense_quant_is_planned(tmp_path, capsys):
 
 
 def test_planned_bytes_are_the_stored_bytes_of_a_bundle(tmp_path):
-    """A synthesized v2 bundle (bf16 plain tensors, int4 linear weights, int8 lm_head): the
-    planner's bytes per category are dense.safetensors' bytes per category."""
+    """A synthesized v2 bundle (bf16 plain tensors, int4 linear weights, int8 lm_head): on a CUDA
+    device (which computes in bf16, the plain tensors' stored dtype) the planner's bytes per
+    category are dense.safetensors' bytes per category."""
     from edgerun.bundle.reader import Bundle
     from edgerun.models.inventory import categorize
     from edgerun.tools import synth_bundle as S
@@ -148,11 +149,39 @@ def test_planned_bytes_are_the_stored_bytes_of_a_bundle(tmp_path):
     stored = dict.fromkeys(RESIDENT_CATEGORIES, 0)
     for name, e in b.dense.items():
         stored[categorize(name.removesuffix(DL.SCALES).removesuffix(DL.GLOBAL))] += e.nbytes
-    p = plan_for_bundle(out, str(ROOT / "configs" / "cpu.yaml"), 64)
+    p = plan_for_bundle(out, str(ROOT / "configs" / "orin.yaml"), 64)
     assert {c: p.item(c).nbytes for c in RESIDENT_CATEGORIES if stored[c]} == {
         c: n for c, n in stored.items() if n
     }
     assert p.dense_quant == "int4 g32, lm_head int8 per row"
+
+
+def test_a_cpu_plan_counts_what_the_cpu_engine_holds(tmp_path):
+    """On a CPU profile the plain resident tensors, KV and state are planned in the dtype the CPU
+    engine computes in (fp32 where bf16 hardware measured no faster), not the bundle's bf16: the
+    planned resident bytes are what loading measures, the KV the state's own."""
+    from edgerun.budget.planner import runtime_dtype
+    from edgerun.config import CacheConfig, load_device_profile
+    from edgerun.engine.runner import Runner
+    from edgerun.engine.setup import measured_resident
+    from edgerun.tools import synth_bundle as S
+
+    out = S.synth_bundle(tmp_path / "b", S.tiny_config("qwen3_5_moe"), dense="int8", threads=2)
+    cpu = str(ROOT / "configs" / "cpu.yaml")
+    dtype = runtime_dtype(load_device_profile(cpu))
+    p = plan_for_bundle(out, cpu, 64)
+    assert p.dense_dtype == p.kv_dtype == dtype
+    runner = Runner.load(out, device="cpu", cache=CacheConfig(4))
+    held = measured_resident(runner.model)
+    planned = {c: p.item(c).nbytes for c in held if held[c]}
+    # loading fuses the shared expert's gate row into the router's GEMV, which measures it as a
+    # router's: the two categories are compared together
+    for d in (held, planned):
+        d["routers"] = d.get("routers", 0) + d.pop("shared_experts", 0)
+    assert planned == {c: n for c, n in held.items() if n}
+    state = runner.new_state(64)
+    kv = sum(t.nbytes for layer in state.layers if hasattr(layer, "k") for t in (layer.k, layer.v))
+    assert p.item("kv_cache").nbytes == kv
 
 
 def test_quantized_bytes_formula_and_widths_int4_cannot_group():

@@ -125,7 +125,9 @@ def test_prefill_lanes_each_hold_a_graph_pool_a_state_and_a_workspace():
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
     _, args, specs = tiny("qwen3_moe")  # 3 layers, layer 1 dense (mlp_only_layers), no gate, no CUDA
     cpu = profile(1_000_000, cuda_context=0, compute_capability=None)
-    p = plan(args, specs, expert_source_from_layout(args, "int8"), cpu, 32, 1)
+    p = plan(
+        args, specs, expert_source_from_layout(args, "int8"), cpu, 32, 1, PlanOptions(dense_dtype="bf16")
+    )
     assert {it.name: it.nbytes for it in p.items} == {
         "os_reserve": 1000,
         "cuda_context": 0,
@@ -484,9 +486,10 @@ def test_real_models_fit_or_refuse_as_the_arithmetic_says(model_inputs, profiles
     mi, dev = model_inputs[model], profiles[device]
     m = QWEN36 if model.startswith("qwen3.6") else QWEN3
     assert mi.experts.block_bytes == (m["block"],) * m["layers"]
+    bf16 = PlanOptions(dense_dtype="bf16")  # ``expected`` counts at bf16 (a CPU's runtime dtype may differ)
     for context in (4096, 32768, mi.args.max_position_embeddings):
         for batch in (1, 4):
-            p = plan(mi.args, mi.specs, mi.experts, dev, context, batch)
+            p = plan(mi.args, mi.specs, mi.experts, dev, context, batch, bf16)
             want = expected(m, dev, context, batch)
             assert p.fits == (want is not None), (context, batch, p.refusal)
             assert all(q >= mi.args.num_experts_per_tok for q in p.quotas)
@@ -494,10 +497,10 @@ def test_real_models_fit_or_refuse_as_the_arithmetic_says(model_inputs, profiles
                 r = p.refusal
                 assert (
                     r.max_context is None
-                    or plan(mi.args, mi.specs, mi.experts, dev, r.max_context, batch).fits
+                    or plan(mi.args, mi.specs, mi.experts, dev, r.max_context, batch, bf16).fits
                 )
                 if r.max_context is not None:
-                    assert not plan(mi.args, mi.specs, mi.experts, dev, r.max_context + 1, batch).fits
+                    assert not plan(mi.args, mi.specs, mi.experts, dev, r.max_context + 1, batch, bf16).fits
                     assert f"{r.max_context} tokens" in r.message
                 continue
             quota, host = want
