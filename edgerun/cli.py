@@ -191,7 +191,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(f"[{stats.line()}]", file=sys.stderr)
     if runner.cache is not None:
-        print(f"[{cache_line(runner.cache, stats.prompt_tokens + stats.generated_tokens)}]", file=sys.stderr)
+        # the tokens that ran through the model: the last one generated was never fed back
+        ran = stats.prompt_tokens + max(stats.generated_tokens - 1, 0)
+        print(f"[{cache_line(runner.cache, ran)}]", file=sys.stderr)
     return 0
 
 
@@ -347,6 +349,11 @@ def run_trace(ns: argparse.Namespace) -> int:
         raise EdgerunError("give either prompts or --text FILE (exactly one)")
     if ns.text is not None and not ns.text.is_file():
         raise EdgerunError(f"--text {ns.text}: no such file")
+    if ns.segment is not None and ns.segment < 1:
+        raise EdgerunError(f"--segment must be at least 1 token, got {ns.segment}")
+    for flag, out in (("--out", ns.out), ("--frequencies", ns.frequencies)):  # before the model runs
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise EdgerunError(f"{flag} {out}: no directory {Path(out).resolve().parent} to write it in")
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
     cache, _ = _cache_config(ns, rt, providers)
@@ -417,9 +424,19 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from collections import Counter
 
     from edgerun.tools.routes import read_trace
-    from edgerun.tools.simulate import policy_study, simulate
+    from edgerun.tools.simulate import POLICIES, policy_study, simulate
 
+    if ns.prefetch_depth < 0:
+        raise EdgerunError(f"--prefetch-depth must be 0 or more, got {ns.prefetch_depth}")
+    if ns.study is not None and (ns.prefetch_depth or ns.policy != list(POLICIES)):
+        raise EdgerunError(
+            "--study replays its own set of policies without prefetch: drop --policy / --prefetch-depth"
+        )
     trace = read_trace(ns.trace)
+    E = trace.header.num_experts
+    if any(q > E for q in ns.quota):
+        print(f"edgerun simulate: quota above the {E} experts a layer has: {E} used", file=sys.stderr)
+        ns.quota = list(dict.fromkeys(min(q, E) for q in ns.quota))
     print(
         f"{ns.trace}: {len(trace.tokens)} tokens, {len(trace.header.moe_layers)} MoE layers, "
         f"{trace.header.num_experts} experts, top-{trace.header.top_k}"

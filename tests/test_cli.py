@@ -268,6 +268,23 @@ def test_trace_reads_a_text_and_simulate_studies_and_replays_prefetch(tmp_path, 
     assert re.search(r"^belady/lfu-layer +4 +[\d.]+ +[\d.]+ +[\d.]+ +1\.000 ", rows, re.M), rows
     assert main(["trace", "prompt", "--text", str(text), "--out", str(out), "--device", "cpu"]) == 2
     assert "give either prompts or --text FILE" in capsys.readouterr().err
+    # bad combinations are errors before anything runs (found by an audit: these ran, or traced)
+    for argv, says in (
+        (
+            ["simulate", str(out), "--quota", "4", "--prefetch-depth", "-1"],
+            "--prefetch-depth must be 0 or more",
+        ),
+        (
+            ["simulate", str(out), "--quota", "4", "--study", "2", "--policy", "lru"],
+            "--study replays its own",
+        ),
+        (["trace", "--text", str(text), "--segment", "0", "--out", str(out)], "--segment must be at least 1"),
+        (["trace", "x", "--out", str(tmp_path / "no" / "r.jsonl")], "no directory"),
+    ):
+        assert main(argv) == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert main(["simulate", str(out), "--quota", "99"]) == 0  # above the experts: said, then used
+    assert "quota above the 16 experts a layer has: 16 used" in capsys.readouterr().err
 
 
 def test_a_context_past_the_models_is_said_and_a_prefill_chunk_below_1_refused(

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import threading
 import time
 from pathlib import Path
 
-from edgerun.bench.serve_socket import PROMPT, start_daemon
+from edgerun.bench.serve_socket import PROMPT, start_daemon, stop_daemon
 from edgerun.server.client import UnixHTTPConnection
 
 
@@ -182,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             {b: sock for b, (_, sock) in daemons.items()}, prompts, clients, ns.tokens, ns.rounds
         )
     finally:
-        for daemon, _ in daemons.values():
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
+        for daemon, sock in daemons.values():
+            stop_daemon(daemon, sock)
     if isinstance(results, str):
         print(f"{results}; no rates printed")
         return 1

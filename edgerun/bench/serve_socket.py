@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -121,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 return 1
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
+        stop_daemon(daemon, sock)
     a, b = statistics.median(local), statistics.median(remote)
     print(
         f"model {ns.model or 'demo'}: {ns.tokens} tokens, {ns.rounds} rounds (median), "
@@ -152,7 +152,7 @@ def start_daemon(
     tmp = Path(tempfile.mkdtemp(prefix="edgerun-bench-"))
     sock = tmp / "edgerun.sock"
     argv = [sys.executable, "-m", "edgerun.cli", "serve", "--socket", str(sock), "--device", device, *extra]
-    argv += ["--model", str(model)] if model else []
+    argv += ["--model", str(Path(model).resolve())] if model else []  # the daemon runs from ROOT
     argv += ["--threads", str(threads)] if threads else []
     log = open(tmp / "serve.log", "wb")
     daemon = subprocess.Popen(
@@ -171,15 +171,27 @@ def start_daemon(
             print((tmp / "serve.log").read_text(), file=sys.stderr)
             daemon.kill()
             daemon.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
             return None, None
         time.sleep(0.1)
     return daemon, sock
 
 
+def stop_daemon(daemon: subprocess.Popen, sock: Path) -> None:
+    """SIGTERM ``daemon`` (a drain), wait for it, and remove its temp dir (socket, log)."""
+    daemon.send_signal(signal.SIGTERM)
+    daemon.wait(60)
+    shutil.rmtree(sock.parent, ignore_errors=True)
+
+
 def thread_cpu(pid: int) -> float:
-    """CPU seconds of the daemon's main thread, which runs the event loop (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of the daemon's main thread, which runs the event loop (Linux /proc: the
+    scheduler's nanoseconds where the kernel keeps them, else clock ticks of 10 ms)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def over_health(sock: Path) -> int:

@@ -10,6 +10,7 @@ from edgerun.models.inventory import tensor_specs
 
 
 def cache_line(cache, tokens: int) -> str:
+    """The cache's counters; ``tokens``: those that ran through the model (misses/token)."""
     t = cache.totals()
     return (
         f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "

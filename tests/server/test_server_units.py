@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -424,3 +425,19 @@ def test_a_failed_chat_turn_keeps_the_conversation(tmp_path, monkeypatch, capsys
     assert client.chat(ns) == 1
     assert seen == [["one"], ["one", "fine", "too long"], ["one", "fine", "three"]]
     assert "error: server answered 400: no, not this (the message was dropped" in capsys.readouterr().err
+
+
+def test_the_socket_benches_daemon_takes_a_relative_model_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """`edgerun bench socket|concurrent --model demob` from the directory holding demob: the daemon
+    (started from the checkout) gets the path resolved; stopped, its temp dir is gone."""
+    import shutil
+
+    from edgerun.bench.serve_socket import over_health, start_daemon, stop_daemon
+    from edgerun.engine.runner import DEMO_MODEL
+
+    shutil.copytree(DEMO_MODEL, tmp_path / "demo")
+    monkeypatch.chdir(tmp_path)
+    daemon, sock = start_daemon(Path("demo"), 1, wait=120)
+    assert daemon is not None and over_health(sock) == 200
+    stop_daemon(daemon, sock)
+    assert daemon.returncode == 0 and not sock.parent.exists()
