@@ -290,7 +290,7 @@ def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):
     model = inputs.with_mtp(inputs.from_bundle(sources["int4"]), 2)
     context = 64
     p = plan(model.args, model.specs, model.experts, load_device_profile("configs/cpu.yaml"), context, 1,
-             PlanOptions(draft_tokens=2))  # fmt: skip
+             PlanOptions(draft_tokens=2, dense_dtype="bf16"))  # the runner's dtype  # fmt: skip
     item = next(it for it in p.items if it.name == "speculative_state")
     head = runner.model.mtp.new_state(context, "cpu", torch.bfloat16)
     state = runner.model.new_state(1, context)
