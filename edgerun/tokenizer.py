@@ -22,10 +22,9 @@ from edgerun.errors import ConfigError
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
+    from edgerun.models.args import read_json
+
+    data = read_json(path)
     return data if isinstance(data, dict) else {}
 
 

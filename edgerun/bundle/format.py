@@ -20,7 +20,7 @@ import xxhash
 from edgerun.bundle import dense_layout as DL
 from edgerun.bundle.layout import ALIGN, Component
 from edgerun.errors import ConfigError, EdgerunError
-from edgerun.models.args import ConfigReader
+from edgerun.models.args import ConfigReader, read_json
 
 FORMAT_NAME = "edgerun-bundle"
 FORMAT_VERSION = 2  # what convert writes
@@ -386,10 +386,7 @@ def read_manifest(bundle: str | Path) -> Manifest:
     path = Path(bundle) / MANIFEST
     if not path.is_file():
         raise BundleError(f"{Path(bundle)}: not a bundle (no {MANIFEST})")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise BundleError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
+    doc = read_json(path, BundleError)
     version = check_identity(doc, path)
     try:
         return _parse(doc, path, version)

@@ -232,16 +232,22 @@ def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def read_json(path: Path, error: type[Exception] = ConfigError) -> Any:
+    """``path`` parsed as JSON; text that is not JSON (or nested past the parser's depth, or not
+    UTF-8) is ``error`` naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise error(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json found")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
+    cfg = read_json(path)
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
     return cfg
