@@ -272,32 +272,28 @@ class BlockReader:
         where the expert file was (``fresh``: opened again after a failed check; the bundle's
         paths were checked at load) may be a FIFO, which would block the open, or a symbolic link
         out of the bundle: neither is waited on nor followed."""
-        nofollow = os.O_NOFOLLOW if fresh else 0
-        flags = os.O_RDONLY | os.O_NONBLOCK | nofollow | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if fresh else 0)
         try:
-            fd = os.open(path, flags)
+            try:
+                fd = os.open(path, flags | (getattr(os, "O_DIRECT", 0) if direct else 0))
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                reason = f"{path}: filesystem does not support O_DIRECT"
+                if self.mode == "direct":
+                    raise ReadError(f"{reason} (set read_mode: buffered or auto)") from exc
+                self._stats.fallbacks["direct_read"] = reason
+                direct = False
+                fd = os.open(path, flags)
+        except ReadError:
+            raise
         except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
-                raise StorageError(f"cannot open expert file {path}: {why}") from exc
-            reason = f"{path}: filesystem does not support O_DIRECT"
-            if self.mode == "direct":
-                raise ReadError(f"{reason} (set read_mode: buffered or auto)") from exc
-            self._stats.fallbacks["direct_read"] = reason
-            direct = False
-            fd = self._open_plain(path, nofollow)
+            why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+            raise StorageError(f"cannot open expert file {path}: {why}") from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise StorageError(f"cannot open expert file {path}: not a regular file")
         return fd, direct
-
-    @staticmethod
-    def _open_plain(path: Path, nofollow: int) -> int:
-        try:
-            return os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow)
-        except OSError as exc:
-            why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
-            raise StorageError(f"cannot open expert file {path}: {why}") from exc
 
     @property
     def stats(self) -> ReadStats:
@@ -421,9 +417,7 @@ class BlockReader:
                     f"{r.path}: reading block {r.index} at offset {offset}: {OSError(err, os.strerror(err))}"
                 )
             if result == N.SHORT:
-                raise StorageError(
-                    f"{r.path}: short read of expert {r.index}'s block at offset {offset}: {got} of {self.block_bytes} bytes (the file is shorter than the bundle says)"
-                )
+                raise self._short_read(r.path, r.index, got)
             if result == N.CUDA_ERROR:
                 raise StorageError(
                     f"{r.path} block {r.index}: the copy to the device failed (CUresult {err})"
@@ -567,6 +561,12 @@ class BlockReader:
                 check(view)  # failing twice: the block is damaged where it is stored
         return n, dt
 
+    def _short_read(self, path: Path, index: int, got: int) -> StorageError:
+        return StorageError(
+            f"{path}: short read of expert {index}'s block at offset {index * self.block_bytes}: "
+            f"{got} of {self.block_bytes} bytes (the file is shorter than the bundle says)"
+        )
+
     def _reread(self, path: Path, index: int, view: memoryview, why: str) -> tuple[int, float]:
         """Block ``index`` read again through a fresh descriptor after ``why`` (a failed check);
         a re-read that fails says both."""
@@ -606,9 +606,7 @@ class BlockReader:
             dt = time.perf_counter() - t0
             self._end()
         if n != self.block_bytes:
-            raise StorageError(
-                f"{path}: short read of expert {index}'s block at offset {offset}: {n} of {self.block_bytes} bytes (the file is shorter than the bundle says)"
-            )
+            raise self._short_read(path, index, n)
         return n, dt
 
     def _read_all(self, fd: int, view: memoryview, offset: int, direct: bool) -> int:
