@@ -55,7 +55,7 @@ def say(msg: str) -> None:
     daemon carries on, and stops when asked, without it."""
     try:
         print(f"edgerun serve: {msg}", file=sys.stderr, flush=True)
-    except (BrokenPipeError, OSError):
+    except OSError:  # a broken pipe among them
         pass
 
 
@@ -78,7 +78,9 @@ def run(opts: ServeOptions, load_engine: LoadEngine, env: Mapping[str, str] = os
         listener = activated_socket(env)
         path, owned = None, listener is None
         if listener is not None and (
-            opts.socket is not None or opts.socket_group is not None or opts.socket_mode != 0o660
+            opts.socket is not None
+            or opts.socket_group is not None
+            or opts.socket_mode != ServeOptions.socket_mode
         ):
             say(  # the socket unit's ListenStream=, SocketMode= and SocketGroup= rule it
                 "warning: serving the socket systemd passed (fd 3); serve.yaml's socket, socket_mode "

@@ -331,9 +331,8 @@ def child_main(conn: Connection, load: Callable, ping_every: float, parent: int)
 
     def fatal(exc: BaseException, loading: bool) -> None:
         if not loading:
-            if not isinstance(
-                exc, EdgerunError
-            ):  # a bug: its traceback; a named fault (storage): the daemon's line
+            # a bug: its traceback; a named fault (storage): the daemon's one line
+            if not isinstance(exc, EdgerunError):
                 log.error("the engine failed", exc_info=exc)
             snapshot(-1)  # its last counts (read faults, failures) stay in /metrics
         send(("fatal", _portable(exc), loading))

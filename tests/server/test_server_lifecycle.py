@@ -528,6 +528,8 @@ def test_socket_activation_serves_on_fd_3(tmp_path):
     try:
         daemon.wait_health(200, timeout=30)
         assert not (tmp_path / "unused.sock").exists()
+        # the --socket it was given applies to nothing under activation, and it says so
+        assert "serving the socket systemd passed (fd 3)" in daemon.log()
     finally:
         assert daemon.stop() == 0
     assert path.exists()  # systemd's socket: not ours to remove
