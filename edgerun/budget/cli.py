@@ -83,11 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dense-dtype",
         choices=tuple(DTYPE_BYTES),
-        default="bf16",
-        help="plain resident weights' dtype (bf16)",
+        default=None,
+        help="plain resident tensors' and activations' dtype (default: the engine's on the device: "
+        "bf16 on CUDA, this CPU's compute dtype on a profile without CUDA)",
     )
     parser.add_argument(
-        "--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="KV cache dtype (bf16)"
+        "--kv-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default=None,
+        help="KV cache dtype (default: --dense-dtype's)",
     )
     parser.add_argument(
         "--quota", type=int, default=None, help="exact expert slots per layer (default: most that fit)"

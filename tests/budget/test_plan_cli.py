@@ -83,6 +83,37 @@ def test_errors_exit_2(capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
+def test_the_plans_dtype_is_the_engines_on_the_device_unless_asked(tmp_path, capsys):
+    """`edgerun plan` on a profile without CUDA counts plain tensors and KV in the dtype the CPU
+    engine computes in (``runtime_dtype``); on CUDA in bf16; --dense-dtype / --kv-dtype override."""
+    from edgerun.budget.planner import runtime_dtype
+    from edgerun.config import load_device_profile
+
+    cpu = str(ROOT / "configs" / "cpu.yaml")
+    model = str(ROOT / "configs" / "models" / "qwen3-30b-a3b.json")
+    want = runtime_dtype(load_device_profile(cpu))
+    for profile, dtype in ((cpu, want), (ORIN, "bf16")):
+        main(["--profile", profile, "--model", model, "--format", "json"])
+        p = report.from_json(capsys.readouterr().out)
+        assert (p.dense_dtype, p.kv_dtype) == (dtype, dtype)
+    main(
+        [
+            "--profile",
+            cpu,
+            "--model",
+            model,
+            "--format",
+            "json",
+            "--dense-dtype",
+            "fp16",
+            "--kv-dtype",
+            "bf16",
+        ]
+    )
+    p = report.from_json(capsys.readouterr().out)
+    assert (p.dense_dtype, p.kv_dtype) == ("fp16", "bf16")
+
+
 def test_checkpoint_reads_only_config_json(tmp_path, capsys):
     ckpt = tmp_path / "tiny-moe"
     ckpt.mkdir()
