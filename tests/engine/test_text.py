@@ -175,3 +175,14 @@ def test_stop_strings_against_the_definition(seed):
         assert not stopped and sent + stream.flush() == text
     else:
         assert stopped and sent == text[:first]
+
+
+def test_a_damaged_tokenizer_json_is_named(tmp_path, tok_dir):
+    """The tokenizers library raises a bare Exception on a damaged file: a ConfigError naming it."""
+    import shutil
+
+    shutil.copytree(tok_dir, tmp_path / "t")
+    path = tmp_path / "t" / "tokenizer.json"
+    path.write_text(path.read_text()[:-40])
+    with pytest.raises(ConfigError, match=r"tokenizer.json: not a usable tokenizer"):
+        Tokenizer.from_dir(tmp_path / "t")

@@ -456,6 +456,19 @@ def test_load_failure_exits_nonzero(tmp_path):
         daemon.stop()
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_not_there_exits_1_to_be_restarted(tmp_path):
+    """No CUDA device (at boot, before the driver is up) is no configuration error: exit 1, which
+    systemd restarts (RestartPreventExitStatus=2 keeps exit 2 for a bad serve.yaml)."""
+    sock = tmp_path / "nocuda.sock"
+    daemon = Daemon(serve_argv("--socket", str(sock), "--device", "cuda"), sock)
+    try:
+        assert daemon.proc.wait(60) == 1
+        assert "no CUDA device is available" in daemon.log()
+    finally:
+        daemon.stop()
+
+
 def test_a_flood_of_idle_and_slow_connections_leaves_health_answering(tmp_path):
     """300 connections from one uid that never complete a request: the daemon keeps at most
     max_connections_per_uid (64) of them, closing the longest-waiting for each newcomer, and
