@@ -140,7 +140,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     providers = ProviderPolicy.from_namespace(ns)
     spec = speculative_config(ns)
     draft = spec.draft_tokens if spec is not None else 0
-    cache, plan = _cache_config(
+    cache, plan, _ = _cache_config(
         ns, rt, providers, warm=read_warm(ns.warm), trace=ns.trace, draft_tokens=draft
     )
     prefix = f"edgerun {ns.command}: "
@@ -223,8 +223,8 @@ def _refuse_local_flags(ns: argparse.Namespace) -> None:
 
 
 def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, draft_tokens: int = 0):
-    """(expert cache settings or None: resident, the plan's summary or None) of ``generate`` /
-    ``trace``: from --quota and/or the --profile plan, which every model is checked against
+    """How ``generate`` / ``trace`` hold the experts, with the plan's summary (engine/setup.Planned):
+    from --quota and/or the --profile plan, which every model is checked against
     (``draft_tokens``: speculative decoding's K, which the plan counts)."""
     from edgerun.engine.setup import plan_experts
 
@@ -356,7 +356,7 @@ def run_trace(ns: argparse.Namespace) -> int:
             raise EdgerunError(f"{flag} {out}: no directory {Path(out).resolve().parent} to write it in")
     rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
     providers = ProviderPolicy.from_namespace(ns)
-    cache, _ = _cache_config(ns, rt, providers)
+    cache = _cache_config(ns, rt, providers).cache
     runner = rt.load(
         ns.model,
         progress=ns.progress,

@@ -21,6 +21,19 @@ UNIFIED = "unified"
 DISCRETE = "discrete"
 MEMORY_KINDS = (UNIFIED, DISCRETE)
 
+# a CUDA batch's prompts that arrive together prefill in up to this many lanes at once
+# (engine/graphs.PrefillLanes) unless serve's --prefill-lanes says: 4 prompts of 11 tokens at 40
+# layers took 41 ms to their last first token in 4 lanes, 61 ms one after another (H200,
+# docs/benchmarks.md, 2026-12-05)
+DEFAULT_PREFILL_LANES = 4
+
+
+def default_prefill_lanes(device: str, batch: int) -> int:
+    """The lanes a batch of ``batch`` on ``device`` prefills in when nothing (an option, a plan)
+    says: up to DEFAULT_PREFILL_LANES on CUDA, 1 on the CPU (lanes are CUDA streams)."""
+    return min(DEFAULT_PREFILL_LANES, batch) if device == "cuda" else 1
+
+
 # Decimal prefixes are powers of 1000, binary ones (Ki, Mi, ...) powers of 1024, as in Kubernetes.
 _MULTIPLIERS = {
     "": 1,
@@ -314,7 +327,9 @@ class CacheConfig:
     # speculative decoding's draft tokens K: the plan counts the MTP head and its quota floor
     # holds a verify window's top_k x (K + 1) experts; 0: none
     draft_tokens: int = 0
-    prefill_lanes: int = 1  # a CUDA batch's prompts prefilled at once: the plan counts each lane
+    # a CUDA batch's prompts prefilled at once, as the plan counted them; None: no plan resolved
+    # them (engine/setup.default_prefill_lanes)
+    prefill_lanes: int | None = None
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

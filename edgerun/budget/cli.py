@@ -14,7 +14,7 @@ from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan,
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
-from edgerun.config import DeviceProfile, load_device_profile
+from edgerun.config import DEFAULT_PREFILL_LANES, DeviceProfile, load_device_profile
 from edgerun.engine.policy import EXPERT_KERNELS
 from edgerun.errors import EdgerunError
 from edgerun.flags import (
@@ -60,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     parser.add_argument(
-        "--prefill-lanes", type=int, default=1, help="a CUDA batch's prompts prefilled at once (serve's; 1)"
+        "--prefill-lanes",
+        type=int,
+        default=None,
+        help="a CUDA batch's prompts prefilled at once (serve's; default: up to "
+        f"{DEFAULT_PREFILL_LANES} where every expert is held in VRAM and their pools fit beside it, else 1)",
     )
     parser.add_argument(
         "--trace", metavar="FILE", help="route trace (JSONL) to size quotas and predict misses"
@@ -209,7 +213,7 @@ def plan_for_bundle(
     draft_tokens: int = 0,
     tier_reads: str | None = None,
     expert_kernel: str = "cpu",
-    prefill_lanes: int = 1,
+    prefill_lanes: int | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
@@ -257,11 +261,13 @@ def plan_resident(
     providers: ProviderPolicy | None = None,
     batch: int = 1,
     draft_tokens: int = 0,
+    prefill_lanes: int | None = None,
 ):
     """(plan, streamed): the plan of an HF checkpoint (None: the shipped demo model) loaded
     whole, every expert resident in ``dtype`` (bf16, fp16 or fp32: what torch computes in), and,
     when that does not fit, the plan of the same model converted to an int4 bundle and streamed
-    (None when it fits). ``draft_tokens``: speculative decoding with the MTP head (planned too)."""
+    (None when it fits). ``draft_tokens``: speculative decoding with the MTP head (planned too);
+    ``prefill_lanes``: a batch's prompts prefilled at once (None: PlanOptions' default)."""
     path = Path(model) if model is not None else DEMO_MODEL
     device_profile = load_device_profile(profile)
 
@@ -282,6 +288,7 @@ def plan_resident(
         staging_buffers=1,  # nothing is read at run time; the planner wants one buffer per layout
         cuda_graphs=device == "cuda",
         draft_tokens=draft_tokens,
+        prefill_lanes=prefill_lanes,
     )
     args = (src.args, src.specs, experts, device_profile, context, batch, options, None)
     whole = plan(*args, model_name=src.name, notes=src.notes)
@@ -299,6 +306,7 @@ def plan_resident(
             dense_dtype="bf16" if dtype == "fp32" else dtype,
             cuda_graphs=device == "cuda",
             draft_tokens=draft_tokens,
+            prefill_lanes=prefill_lanes,
         ),
         None,
         model_name=int4.name,

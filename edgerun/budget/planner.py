@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from edgerun.budget.cpu_split import plan_note
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, dense_targets, quantized_nbytes, scheme_label
 from edgerun.bundle.layout import expert_block_layout
-from edgerun.config import DeviceProfile, format_bytes
+from edgerun.config import DEFAULT_PREFILL_LANES, DeviceProfile, format_bytes
 from edgerun.engine.policy import cpu_expert_kernel
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
@@ -100,7 +100,9 @@ class PlanOptions:
     cuda_graphs: bool = True  # captured decode graphs keep a private pool (CUDA devices only)
     quota: int | None = None  # exact per-layer quota; None: the largest that fits
     draft_tokens: int = 0  # speculative decoding: a verify window of K + 1 rows needs k x (K + 1) experts
-    prefill_lanes: int = 1  # a CUDA batch's prompts prefilled at once (engine/graphs.PrefillLanes)
+    # a CUDA batch's prompts prefilled at once (engine/graphs.PrefillLanes); None: up to
+    # DEFAULT_PREFILL_LANES where every expert is held in VRAM and they fit beside it, else 1
+    prefill_lanes: int | None = None
     # discrete: a pinned host tier that holds every expert is read in place by the GPU over PCIe
     # (in-place: the far tier, every expert reachable from one slot table) or copied into VRAM slots
     tier_reads: str = "in-place"
@@ -191,6 +193,7 @@ class Plan:
     refusal: Refusal | None
     notes: tuple[str, ...] = ()
     dense_quant: str = PLAIN  # the resident linear weights' scheme (DenseScheme.label)
+    prefill_lanes: int = 1  # a batch's prompts prefilled at once, as counted (PlanOptions.prefill_lanes)
 
     @property
     def fits(self) -> bool:
@@ -597,7 +600,7 @@ class _Sizer:
         kv = positions * kv_bytes_per_token(args, opt.kv_dtype) if args.full_attention_layers else 0
         return kv + (deltanet_state_bytes(args, 1, opt.dense_dtype) if args.linear_attention_layers else 0)
 
-    def prefill_graph_item(self, context: int, batch: int) -> Item | None:
+    def prefill_graph_item(self, context: int, batch: int, lanes: int = 1) -> Item | None:
         """The prefill graphs' private pool (``engine/graphs.PrefillGraphs``: a first chunk's
         workspace, held beside the eager chunks'), where they run: CUDA graphs on a CUDA device
         and every expert held (they replay only then). A batch's prefill lanes
@@ -613,7 +616,7 @@ class _Sizer:
         what = f"prefill graphs (every expert held or read in place): {graphed} tok x {per_token} B" + (
             f" + {how}" if how else ""
         )
-        lanes = min(opt.prefill_lanes, batch)
+        lanes = min(lanes, batch)
         if lanes > 1:
             state = self.prefill_state_bytes(min(opt.prefill_chunk, context))
             ws = library_workspace_bytes(self.device.compute_capability) // 2
@@ -934,8 +937,11 @@ def plan(
         quotas = _uniform_quotas(free[main], sizer.slot_costs, floors, E)
     assert quotas is not None  # the overflow check passed at the floor
     far = _far_tier(sizer, free, options, L, E)
+    lanes = min(options.prefill_lanes or 1, batch)
     graph_pool = (
-        sizer.prefill_graph_item(context, batch) if L and (far or all(q == E for q in quotas)) else None
+        sizer.prefill_graph_item(context, batch, lanes)
+        if L and (far or all(q == E for q in quotas))
+        else None
     )
     if far and graph_pool is not None and options.quota is None:
         # every expert reachable (VRAM slots or the far tier): prompts replay prefill graphs, whose
@@ -969,6 +975,15 @@ def plan(
             f"the prefill graphs' pool ({format_bytes(graph_pool.nbytes)}) does not fit beside every expert held: "
             f"a prompt may go over the cap by up to that much; quota {E - 1} leaves room (prompts then run eagerly)"
         )
+    if options.prefill_lanes is None and graph_pool is not None and not far and batch > 1:
+        # lanes by default only where they take no expert slot: every expert held in VRAM, and
+        # the lanes' pools beside them
+        wide_lanes = min(DEFAULT_PREFILL_LANES, batch)
+        wide = sizer.prefill_graph_item(context, batch, wide_lanes)
+        if wide is not None and sizer.slot_bytes(quotas) + wide.nbytes <= free[main]:
+            graph_pool, lanes = wide, wide_lanes
+    if graph_pool is None:
+        lanes = 1  # no prefill graphs replay, so no lanes run
     items = fixed + [sizer.slot_item(quotas)] + ([graph_pool] if graph_pool is not None else [])
 
     host_quotas: tuple[int, ...] = ()
@@ -1018,6 +1033,7 @@ def plan(
         prediction=prediction,
         refusal=None,
         notes=tuple(notes),
+        prefill_lanes=lanes,
     )
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy
@@ -140,7 +140,7 @@ def cache_config(
     providers=None,
     model: Path | None = None,
     draft_tokens: int = 0,
-    prefill_lanes: int = 1,
+    prefill_lanes: int | None = None,
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
@@ -213,6 +213,15 @@ def cache_config(
     )
 
 
+class Planned(NamedTuple):
+    """What :func:`plan_experts` settled: how the experts are held, the plan's start-up summary,
+    and the lanes a CUDA batch's prompts prefill in (the plan's count where a plan was made)."""
+
+    cache: CacheConfig | None  # None: every expert resident
+    summary: str | None  # None: no plan
+    prefill_lanes: int | None  # None: neither asked nor planned (config.default_prefill_lanes)
+
+
 def plan_experts(
     model: Path | None,
     device: str,
@@ -224,12 +233,13 @@ def plan_experts(
     batch: int = 1,
     providers=None,
     **streaming,
-) -> tuple[CacheConfig | None, str | None]:
-    """(cache settings or None: experts resident, the plan's summary or None) for a model run
-    on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`): a bundle streams with
+) -> Planned:
+    """How a model run on ``device`` (cpu | cuda) in ``dtype`` (a name of :data:`DTYPES`) holds
+    its experts, with the plan's summary and the batch's prefill lanes: a bundle streams with
     ``quota`` and/or the ``profile`` plan (:func:`cache_config`; ``streaming``: its other
     settings); any other model is held whole, and with a profile it is planned whole first and
-    refused, naming what would fit, when it does not fit."""
+    refused, naming what would fit, when it does not fit. ``streaming["prefill_lanes"]``: the
+    lanes asked for; None: the plan's, or without a plan None (the device's default, once known)."""
     from edgerun.bundle.format import MANIFEST, check_finished
 
     if model is not None:
@@ -245,15 +255,17 @@ def plan_experts(
         model=model,
         **streaming,
     )
+    asked = streaming.get("prefill_lanes")
     if cache is not None:
-        return cache, cache.summary
+        return Planned(cache, cache.summary, cache.prefill_lanes)
     if profile is None:
-        return None, None
+        return Planned(None, None, asked)
     # runtime()'s dtype: on the cpu by this CPU's hardware, the checkpoint's (planned as bf16) on cuda
     name = default_dtype(device) if (dtype or "auto") == "auto" else dtype
     planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "bf16")
     draft = streaming.get("draft_tokens", 0)
-    return None, resident_plan(model, profile, context, device, planned, providers, batch, draft)
+    summary, lanes = resident_plan(model, profile, context, device, planned, providers, batch, draft, asked)
+    return Planned(None, summary, lanes if device == "cuda" else 1)
 
 
 def resident_plan(
@@ -265,15 +277,18 @@ def resident_plan(
     providers=None,
     batch: int = 1,
     draft_tokens: int = 0,
-) -> str:
-    """The start-up summary of a model held whole (every expert resident) on ``profile``, or a
-    refusal naming what would fit: a bundle streamed within the profile's plan (``draft_tokens``:
-    speculative decoding's K, whose MTP head and state the plans count). Pure: no torch."""
+    prefill_lanes: int | None = None,
+) -> tuple[str, int]:
+    """(the start-up summary, the prefill lanes counted) of a model held whole (every expert
+    resident) on ``profile``, or a refusal naming what would fit: a bundle streamed within the
+    profile's plan (``draft_tokens``: speculative decoding's K, whose MTP head and state the plans
+    count; ``prefill_lanes``: a batch's lanes asked, None: as many as fit, up to the default).
+    Pure: no torch."""
     from edgerun.budget.cli import plan_resident
 
     p, streamed = plan_resident(
         model, profile, context, device=device, dtype=dtype, providers=providers, batch=batch,
-        draft_tokens=draft_tokens,
+        draft_tokens=draft_tokens, prefill_lanes=prefill_lanes,
     )  # fmt: skip
     if not p.fits:
         name = model or "the demo model"
@@ -301,9 +316,10 @@ def resident_plan(
     return (
         f"plan {p.device}, context {p.context}"
         + (f", batch {p.batch}" if p.batch > 1 else "")
+        + (f" (prompts in {p.prefill_lanes} lanes)" if p.prefill_lanes > 1 else "")
         + f": every expert resident ({p.quant}), "
         f"{free / 2**30:.2f} GiB headroom"
-    )
+    ), p.prefill_lanes
 
 
 def _planned(
@@ -339,6 +355,7 @@ def _planned(
     summary = (
         f"plan {p.device}, context {p.context}"
         + (f", batch {p.batch}" if p.batch > 1 else "")
+        + (f" (prompts in {p.prefill_lanes} lanes)" if p.prefill_lanes > 1 else "")
         + f": quota {'/'.join(map(str, sorted(set(p.quotas))))} per layer"
         + (" (as asked)" if fixed else f" (from route trace {config.trace})" if config.trace else "")
         + f", predicted {pred.misses_per_token:.2f} misses/token, {pred.tok_s:.1f} tok/s bound ({pred.model} routing)"
@@ -354,6 +371,7 @@ def _planned(
         host_quotas=host,
         budget=p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes,
         summary=summary,
+        prefill_lanes=p.prefill_lanes,
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgerun.config import DEFAULT_PREFILL_LANES, default_prefill_lanes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import (
@@ -131,8 +132,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-lanes",
         type=int,
-        help="a CUDA batch's prompts arriving together prefill in this many lanes at once (default 1: one "
-        "after another); each lane holds a scratch state, prefill graphs and a cuBLAS workspace of its own",
+        help="a CUDA batch's prompts arriving together prefill in this many lanes at once (1: one after "
+        f"another; default: up to {DEFAULT_PREFILL_LANES} where the plan has room for them beside every expert "
+        "held); each lane holds a scratch state, prefill graphs and a cuBLAS workspace of its own",
     )
     p.add_argument("--request-timeout", type=float, help="seconds per request, queueing included")
     p.add_argument("--grace-period", type=float, help="seconds SIGTERM lets running requests finish")
@@ -290,7 +292,8 @@ def serve_batch(opts: ServeOptions, device: str) -> int:
 
 
 def cache_plan(opts: ServeOptions):
-    """(expert cache settings or None: resident, the plan's summary or None). Planned before the
+    """How the experts are held, the plan's summary and the batch's prefill lanes
+    (engine/setup.Planned). Planned before the
     daemon binds (no torch), so a model that does not fit the device profile is refused up front,
     naming what would (the largest batch, when the batch is what does not fit)."""
     from edgerun.engine.setup import plan_experts, read_warm
@@ -330,6 +333,9 @@ class EngineLoader:
     profile: str | None = None
     cache: Any = None
     plan: str | None = None
+    prefill_lanes: int | None = (
+        None  # a batch's prompts prefilled at once (cache_plan's); None: the device's default
+    )
 
     def __call__(self, status: Callable[[str], None]):
         from edgerun.engine.setup import runtime
@@ -357,10 +363,12 @@ class EngineLoader:
             prefill_chunk=opts.prefill_chunk,
             speculative=opts.speculative_config(),
         )
+        batch = serve_batch(opts, runner.device.type)
+        lanes = self.prefill_lanes
         runner.enable_batch(
-            serve_batch(opts, runner.device.type),
+            batch,
             planes=opts.batch_gemv == "planes",
-            lanes=opts.prefill_lanes,
+            lanes=default_prefill_lanes(runner.device.type, batch) if lanes is None else lanes,
         )
         return RunnerEngine(runner, source, name, self.profile, self.plan)
 
@@ -383,8 +391,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         from edgerun.config import load_device_profile
 
         profile = load_device_profile(opts.profile).name
-    cache, plan = cache_plan(opts)
-    daemon.hard_exit(daemon.run(opts, EngineLoader(opts, profile, cache, plan)))
+    planned = cache_plan(opts)
+    loader = EngineLoader(opts, profile, planned.cache, planned.summary, planned.prefill_lanes)
+    daemon.hard_exit(daemon.run(opts, loader))
     return 0  # not reached
 
 

@@ -74,8 +74,9 @@ class ServeOptions:
     # its neighbours
     batch_gemv: str = "planes"
     # a CUDA batch's prompts that arrive together prefill in this many lanes at once (1: one after
-    # another; engine/graphs.PrefillLanes). Off by default until measured against 1.
-    prefill_lanes: int = 1
+    # another; engine/graphs.PrefillLanes). None: up to config.DEFAULT_PREFILL_LANES on CUDA where
+    # the plan has room (every expert held, the lanes' pools beside them), 1 on the CPU
+    prefill_lanes: int | None = None
     max_connections: int = 256
     max_connections_per_uid: int = 64  # per client uid (SO_PEERCRED); past it, its oldest idle one closes
     request_timeout: float = 300.0  # seconds, queueing included
@@ -104,16 +105,16 @@ class ServeOptions:
             raise ConfigError(
                 f"serve option 'batch_gemv' must be 'planes' or 'rows', got {self.batch_gemv!r}"
             )
-        if self.prefill_lanes < 1:
+        if self.prefill_lanes is not None and self.prefill_lanes < 1:
             raise ConfigError(f"serve option 'prefill_lanes' must be at least 1, got {self.prefill_lanes}")
         # what the engine would refuse only once the model is loaded, said before anything loads
         if self.speculative is not None and self.batch is not None and self.batch > 1:
             raise ConfigError(
                 "serve options 'speculative' and 'batch' above 1 do not combine yet; choose one"
             )
-        if self.prefill_lanes > 1 and self.device == "cpu":
+        if (self.prefill_lanes or 1) > 1 and self.device == "cpu":
             raise ConfigError("serve option 'prefill_lanes' above 1 needs CUDA (lanes are CUDA streams)")
-        if self.prefill_lanes > 1 and self.batch == 1:
+        if (self.prefill_lanes or 1) > 1 and self.batch == 1:
             raise ConfigError("serve option 'prefill_lanes' above 1 needs a batch above 1 ('batch')")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"serve option 'threads' must be at least 1, got {self.threads}")

@@ -105,7 +105,7 @@ def test_prefill_lanes_each_hold_a_graph_pool_a_state_and_a_workspace():
 
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
-    base = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16))
+    base = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16, prefill_lanes=1))
     lanes = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16, prefill_lanes=4))
     assert lanes.quotas == base.quotas == (6, 6, 6, 6)  # every expert held: the graphs replay
     pool = 16 * 5192 + 32 * 6 * 24 * 4  # 16 tokens + the grouped step's tile padding
@@ -115,11 +115,36 @@ def test_prefill_lanes_each_hold_a_graph_pool_a_state_and_a_workspace():
     want = pool + 2 * (pool + state + library_workspace_bytes("8.7") // 2)
     assert {it.name: it.nbytes for it in lanes.items}["prefill_graph_pool"] == want
     assert lanes.pools[0].used - base.pools[0].used == want - pool
+    assert (base.prefill_lanes, lanes.prefill_lanes) == (1, 2)
     # streamed (a quota below E): no prefill graphs, so no lanes either
     streamed = PlanOptions(prefill_chunk=16, prefill_lanes=4, quota=5)
-    assert "prefill_graph_pool" not in {
-        it.name for it in plan(args, specs, experts, profile(10**8), 64, 2, streamed).items
-    }
+    got = plan(args, specs, experts, profile(10**8), 64, 2, streamed)
+    assert "prefill_graph_pool" not in {it.name for it in got.items} and got.prefill_lanes == 1
+
+
+def test_prefill_lanes_by_default_only_where_they_take_no_expert_slot():
+    """Lanes not asked for (None): up to DEFAULT_PREFILL_LANES where every expert is held and
+    their pools fit beside it; where they do not, one lane and every expert still held (not a
+    slot fewer); none at batch 1, streamed, or without CUDA."""
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    one = PlanOptions(prefill_chunk=16, prefill_lanes=1)
+    auto = PlanOptions(prefill_chunk=16)
+    base = plan(args, specs, experts, profile(10**8), 64, 2, one)
+    wide = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16, prefill_lanes=2))
+    got = plan(args, specs, experts, profile(10**8), 64, 2, auto)
+    assert got.prefill_lanes == 2 and got.items == wide.items  # batch 2: at most a lane a row
+    # room for every expert and one lane's pool, not for two lanes'
+    extra = wide.pools[0].used - base.pools[0].used
+    tight = profile(10**8 - base.pools[0].headroom + extra - 1)
+    got = plan(args, specs, experts, tight, 64, 2, auto)
+    assert got.fits and got.quotas == base.quotas == (6, 6, 6, 6)
+    assert got.prefill_lanes == 1 and got.items == plan(args, specs, experts, tight, 64, 2, one).items
+    assert plan(args, specs, experts, profile(10**8), 64, 1, auto).prefill_lanes == 1
+    streamed = plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_chunk=16, quota=5))
+    assert streamed.prefill_lanes == 1
+    cpu = profile(10**8, cuda_context=0, compute_capability=None)
+    assert plan(args, specs, experts, cpu, 64, 2, auto).prefill_lanes == 1
 
 
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():

@@ -57,7 +57,7 @@ def test_resident_plan_counts_the_default_dtype(cpu):
     plans = {}
     for features in (AMX, NO_AMX):
         cpu(features, bf16=True)
-        _, plans[features.default_dtype()] = plan_experts(None, "cpu", "auto", profile=CPU_PROFILE)
+        plans[features.default_dtype()] = plan_experts(None, "cpu", "auto", profile=CPU_PROFILE).summary
     assert "every expert resident (bf16)" in plans["bfloat16"]
     assert "every expert resident (fp32)" in plans["float32"]
 

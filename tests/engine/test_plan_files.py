@@ -50,7 +50,7 @@ def test_serve_and_generate_size_per_layer_quotas_from_a_trace(files, tmp_path):
     # batches 4 requests, a plan this tiny profile does not hold)
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: {b}\nprofile: {profile}\ncontext: 64\ntrace: {trace}\nwarm: {warm}\nbatch: 1\n")
-    served, _ = cache_plan(serve_options(build_parser().parse_args(["serve", "--config", str(cfg)])))
+    served = cache_plan(serve_options(build_parser().parse_args(["serve", "--config", str(cfg)]))).cache
     assert served.quotas == want and served.warm == {
         layer: [1] * args.num_experts for layer in args.moe_layers
     }
@@ -85,7 +85,7 @@ def test_a_batch_that_does_not_fit_resident_names_the_batch_that_does(tmp_path):
     used = sum(pool.used for pool in one.pools)
     tight = tmp_path / "tight.yaml"
     tight.write_text(base.read_text().replace("memory_cap: 23GiB", f"memory_cap: {used + 2**20}"))
-    assert "every expert resident" in resident_plan(None, tight, 4096, "cpu", "fp32", batch=1)
+    assert "every expert resident" in resident_plan(None, tight, 4096, "cpu", "fp32", batch=1)[0]
     four, _ = plan_resident(None, tight, 4096, device="cpu", dtype="fp32", batch=4)
     assert not four.fits and 1 <= four.refusal.max_batch < 4
     with pytest.raises(EdgerunError) as err:

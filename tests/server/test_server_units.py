@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edgerun.config import DEFAULT_PREFILL_LANES, default_prefill_lanes
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.server import client, paths
 from edgerun.server.cli import serve_options
@@ -297,7 +298,7 @@ def test_serve_batch_option_default_and_plan(tmp_path):
     with pytest.raises(ConfigError, match="'batch_gemv' must be 'planes' or 'rows', got 'mma'"):
         ServeOptions(batch_gemv="mma")
     cfg.write_text("batch: 6\nprefill_lanes: 4\n")
-    assert ServeOptions().prefill_lanes == 1
+    assert ServeOptions().prefill_lanes is None  # the plan's, else config.default_prefill_lanes
     assert ServeOptions().merged(load_serve_config(cfg)).prefill_lanes == 4
     with pytest.raises(ConfigError, match="'prefill_lanes' must be at least 1, got 0"):
         ServeOptions(prefill_lanes=0)
@@ -305,13 +306,31 @@ def test_serve_batch_option_default_and_plan(tmp_path):
     assert serve_batch(ServeOptions(), "cpu") == DEFAULT_BATCH and serve_batch(ServeOptions(), "cuda") == 1
     assert serve_batch(ServeOptions(batch=3), "cuda") == 3  # asked for: refused at load, by name
     profile = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
-    _, plan = cache_plan(ServeOptions(profile=profile, device="cpu", batch=8, context=2048))
+    plan = cache_plan(ServeOptions(profile=profile, device="cpu", batch=8, context=2048)).summary
     assert "context 2048, batch 8: every expert resident" in plan
     with pytest.raises(
         EdgerunError,
         match=r"at context 2048, batch 100000, .* Largest batch that fits at context 2048: \d+\.",
     ):
         cache_plan(ServeOptions(profile=profile, device="cpu", batch=100_000, context=2048))
+
+
+def test_prefill_lanes_default_to_the_plans_then_the_devices():
+    """Lanes not asked for: a CUDA plan that holds every expert counts up to
+    DEFAULT_PREFILL_LANES (a lane a row at most), and serve runs what it counted; without a plan
+    the device decides once known (CUDA: up to the default, the CPU: one)."""
+    from edgerun.server.cli import cache_plan
+
+    thor = Path(__file__).resolve().parents[2] / "configs" / "jetson_thor.yaml"
+    for batch, lanes in ((8, DEFAULT_PREFILL_LANES), (2, 2), (1, 1)):
+        got = cache_plan(ServeOptions(profile=thor, batch=batch, context=2048))
+        assert got.prefill_lanes == lanes
+        assert (f"(prompts in {lanes} lanes)" in got.summary) == (lanes > 1)
+    assert cache_plan(ServeOptions(profile=thor, batch=8, context=2048, prefill_lanes=1)).prefill_lanes == 1
+    assert cache_plan(ServeOptions(batch=8)).prefill_lanes is None
+    assert cache_plan(ServeOptions(batch=8, prefill_lanes=2)).prefill_lanes == 2
+    assert default_prefill_lanes("cuda", 8) == DEFAULT_PREFILL_LANES and default_prefill_lanes("cuda", 3) == 3
+    assert default_prefill_lanes("cpu", 8) == 1
 
 
 @pytest.mark.parametrize(
