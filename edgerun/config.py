@@ -330,6 +330,9 @@ class CacheConfig:
     # a CUDA batch's prompts prefilled at once, as the plan counted them; None: no plan resolved
     # them (engine/setup.default_prefill_lanes)
     prefill_lanes: int | None = None
+    # the engine's compute dtype as the planner names it (fp32 | bf16 | fp16), which plain resident
+    # tensors, KV and state are held in; None: the device's (budget.planner.runtime_dtype)
+    dtype: str | None = None
 
     def quota_by_layer(self, layers: Sequence[int]) -> dict[int, int]:
         q = self.quotas

@@ -214,6 +214,7 @@ def plan_for_bundle(
     tier_reads: str | None = None,
     expert_kernel: str = "cpu",
     prefill_lanes: int | None = None,
+    dense_dtype: str | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
@@ -222,7 +223,8 @@ def plan_for_bundle(
     tensor inventory. ``draft_tokens``: speculative decoding with the MTP head (its bytes, which
     loading has not measured yet, and its verify windows' quota floor). ``expert_kernel``: the CPU
     expert kernel that will run (engine/setup.plan_kernel); by default torch's, whose repacked copy
-    of each int4 slot is the most a CPU kernel holds."""
+    of each int4 slot is the most a CPU kernel holds. ``dense_dtype``: the engine's compute dtype
+    (fp32 | bf16 | fp16) when asked for; None: the device's (planner.runtime_dtype)."""
     model = inputs.from_bundle(bundle, providers)
     device = profile if isinstance(profile, DeviceProfile) else load_device_profile(profile)
     if draft_tokens:
@@ -243,6 +245,7 @@ def plan_for_bundle(
             tier_reads=tier_reads or PlanOptions.tier_reads,
             expert_kernel=expert_kernel,
             prefill_lanes=prefill_lanes,
+            dense_dtype=dense_dtype,
         ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,

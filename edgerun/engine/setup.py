@@ -16,6 +16,7 @@ from edgerun.engine.policy import KernelPolicy
 from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PLANNED_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names -> the planner's
 # CPU threads when none are asked for: a model of at most this many parameters decodes fastest
 # on one thread, idle or beside other busy processes (the demo, 8M: 149 tok/s against 135 on two
 # threads idle, 94 against 20 loaded; benchmarks/threads_under_load.py, docs/benchmarks.md); a
@@ -141,6 +142,7 @@ def cache_config(
     model: Path | None = None,
     draft_tokens: int = 0,
     prefill_lanes: int | None = None,
+    dtype: str | None = None,
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
@@ -202,6 +204,7 @@ def cache_config(
         warm=warm,
         draft_tokens=draft_tokens,
         prefill_lanes=prefill_lanes,
+        dtype=dtype,
     )
     if profile is None:
         return base
@@ -245,6 +248,7 @@ def plan_experts(
     if model is not None:
         check_finished(model)
     bundle = model if model is not None and (Path(model) / MANIFEST).is_file() else None
+    asked = None if (dtype or "auto") == "auto" else PLANNED_DTYPES.get(dtype, dtype)
     cache = cache_config(
         bundle,
         quota=quota,
@@ -253,6 +257,7 @@ def plan_experts(
         batch=batch,
         providers=providers,
         model=model,
+        dtype=asked,
         **streaming,
     )
     asked = streaming.get("prefill_lanes")
@@ -261,8 +266,7 @@ def plan_experts(
     if profile is None:
         return Planned(None, None, asked)
     # runtime()'s dtype: on the cpu by this CPU's hardware, the checkpoint's (planned as bf16) on cuda
-    name = default_dtype(device) if (dtype or "auto") == "auto" else dtype
-    planned = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "bf16")
+    planned = asked or PLANNED_DTYPES.get(default_dtype(device), "bf16")
     draft = streaming.get("draft_tokens", 0)
     summary, lanes = resident_plan(model, profile, context, device, planned, providers, batch, draft, asked)
     return Planned(None, summary, lanes if device == "cuda" else 1)
@@ -348,6 +352,7 @@ def _planned(
         prefill_lanes=config.prefill_lanes,
         tier_reads=config.tier_reads,
         expert_kernel=expert_kernel,
+        dense_dtype=config.dtype,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)

@@ -92,3 +92,27 @@ def test_a_batch_that_does_not_fit_resident_names_the_batch_that_does(tmp_path):
         resident_plan(None, tight, 4096, "cpu", "fp32", batch=4)
     want = f"(--batch {four.refusal.max_batch}); or stream the experts from a bundle instead"
     assert want in str(err.value)
+
+
+def test_the_dtype_asked_for_is_the_one_planned(bundles, tmp_path):
+    """`--dtype` reaches a bundle's plan: plain resident tensors, KV and state are held in it, so
+    an fp32 engine's plan leaves fewer bytes for expert slots than a bf16 one's on the same cap."""
+    from edgerun.engine.setup import plan_experts
+
+    b = bundles[("qwen3_5_moe", "int4")]
+    half, full = (plan_for_bundle(b, CPU, 64, dense_dtype=d) for d in ("bf16", "fp32"))
+    assert (half.dense_dtype, full.dense_dtype) == ("bf16", "fp32")
+    fixed = sum(i.nbytes for i in full.items if i.name != "expert_slots")
+    profile = tmp_path / "small.yaml"
+    profile.write_text(
+        CPU.read_text().replace("memory_cap: 23GiB", f"memory_cap: {fixed + 14 * half.block_bytes[0]}")
+    )
+    got = {
+        d: plan_experts(b, "cpu", d, profile=profile, context=64).cache.quotas
+        for d in ("bfloat16", "float32")
+    }
+    want = {
+        d: dict(zip(half.moe_layers, plan_for_bundle(b, profile, 64, dense_dtype=n).quotas))
+        for d, n in (("bfloat16", "bf16"), ("float32", "fp32"))
+    }
+    assert got == want and sum(got["bfloat16"].values()) > sum(got["float32"].values())
