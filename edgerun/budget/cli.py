@@ -27,6 +27,7 @@ from edgerun.flags import (
     add_speculative_arguments,
     check_device_arguments,
     parse_context,
+    positive_int,
     speculative_config,
 )
 from edgerun.models import args as A
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     parser.add_argument(
         "--prefill-lanes",
-        type=int,
+        type=positive_int,
         default=None,
         help="a CUDA batch's prompts prefilled at once (serve's; default: up to "
         f"{DEFAULT_PREFILL_LANES} where every expert is held in VRAM and their pools fit beside it, else 1)",

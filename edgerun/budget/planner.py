@@ -853,6 +853,8 @@ def plan(
         raise ConfigError(f"batch must be >= 1, got {batch}")
     if options.prefill_chunk < 1:
         raise ConfigError(f"prefill_chunk must be >= 1, got {options.prefill_chunk}")
+    if options.prefill_lanes is not None and options.prefill_lanes < 1:
+        raise ConfigError(f"prefill_lanes must be >= 1, got {options.prefill_lanes}")
     staging = options.staging_buffers if options.staging_buffers is not None else 2 * k
     if L and staging < 1:
         raise ConfigError(f"staging_buffers must be >= 1, got {staging}")

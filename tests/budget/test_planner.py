@@ -145,6 +145,8 @@ def test_prefill_lanes_by_default_only_where_they_take_no_expert_slot():
     assert streamed.prefill_lanes == 1
     cpu = profile(10**8, cuda_context=0, compute_capability=None)
     assert plan(args, specs, experts, cpu, 64, 2, auto).prefill_lanes == 1
+    with pytest.raises(ConfigError, match="prefill_lanes must be >= 1, got 0"):
+        plan(args, specs, experts, profile(10**8), 64, 2, PlanOptions(prefill_lanes=0))
 
 
 def test_tiny_qwen3_moe_dense_mlp_and_quota_capped_at_num_experts():
