@@ -334,6 +334,32 @@ def test_prefill_lanes_default_to_the_plans_then_the_devices():
 
 
 @pytest.mark.parametrize(
+    "device, planned, asked, want",
+    [("cuda", None, 8, 4), ("cuda", None, 2, 2), ("cuda", 1, 8, 1), ("cuda", 3, 8, 3), ("cpu", None, 8, 1)],
+)
+def test_the_engine_loader_enables_the_lanes_planned_else_the_devices(
+    monkeypatch, device, planned, asked, want
+):
+    """What the daemon's engine factory hands ``Runner.enable_batch``: the lanes cache_plan
+    settled, else the device's default once the runner is on it."""
+    from types import SimpleNamespace
+
+    import edgerun.engine.setup as setup
+    import edgerun.server.engine_worker as worker
+    from edgerun.server.cli import EngineLoader
+
+    calls = []
+    runner = SimpleNamespace(
+        device=SimpleNamespace(type=device), enable_batch=lambda size, **kw: calls.append((size, kw))
+    )
+    rt = SimpleNamespace(device=device, load=lambda *a, **kw: runner)
+    monkeypatch.setattr(setup, "runtime", lambda *a, **kw: rt)
+    monkeypatch.setattr(worker, "RunnerEngine", lambda *a: a)
+    EngineLoader(ServeOptions(batch=asked), prefill_lanes=planned)(lambda line: None)
+    assert calls == [(asked, dict(planes=True, lanes=want))]
+
+
+@pytest.mark.parametrize(
     "kw, says",
     [
         (dict(speculative="mtp", batch=4), "'speculative' and 'batch' above 1 do not combine"),
