@@ -248,7 +248,7 @@ def plan_experts(
     if model is not None:
         check_finished(model)
     bundle = model if model is not None and (Path(model) / MANIFEST).is_file() else None
-    asked = None if (dtype or "auto") == "auto" else PLANNED_DTYPES.get(dtype, dtype)
+    dtype_asked = None if (dtype or "auto") == "auto" else PLANNED_DTYPES.get(dtype, dtype)
     cache = cache_config(
         bundle,
         quota=quota,
@@ -257,18 +257,20 @@ def plan_experts(
         batch=batch,
         providers=providers,
         model=model,
-        dtype=asked,
+        dtype=dtype_asked,
         **streaming,
     )
-    asked = streaming.get("prefill_lanes")
+    lanes_asked = streaming.get("prefill_lanes")
     if cache is not None:
         return Planned(cache, cache.summary, cache.prefill_lanes)
     if profile is None:
-        return Planned(None, None, asked)
+        return Planned(None, None, lanes_asked)
     # runtime()'s dtype: on the cpu by this CPU's hardware, the checkpoint's (planned as bf16) on cuda
-    planned = asked or PLANNED_DTYPES.get(default_dtype(device), "bf16")
+    planned = dtype_asked or PLANNED_DTYPES.get(default_dtype(device), "bf16")
     draft = streaming.get("draft_tokens", 0)
-    summary, lanes = resident_plan(model, profile, context, device, planned, providers, batch, draft, asked)
+    summary, lanes = resident_plan(
+        model, profile, context, device, planned, providers, batch, draft, lanes_asked
+    )
     return Planned(None, summary, lanes if device == "cuda" else 1)
 
 

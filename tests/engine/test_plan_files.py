@@ -116,3 +116,16 @@ def test_the_dtype_asked_for_is_the_one_planned(bundles, tmp_path):
         for d, n in (("bfloat16", "bf16"), ("float32", "fp32"))
     }
     assert got == want and sum(got["bfloat16"].values()) > sum(got["float32"].values())
+
+
+def test_a_whole_model_is_planned_in_the_dtype_asked_for_beside_lanes_asked_for():
+    """The resident plan of an HF checkpoint follows --dtype, and lanes asked for beside it are
+    lanes, not a dtype."""
+    from edgerun.engine.setup import plan_experts
+
+    for dtype, name in (("bfloat16", "bf16"), ("float32", "fp32")):
+        got = plan_experts(None, "cpu", dtype, profile=CPU, context=4096)
+        assert f"every expert resident ({name})" in got.summary and got.prefill_lanes == 1  # the CPU
+    thor = CPU.parent / "jetson_thor.yaml"
+    got = plan_experts(None, "cuda", "float32", profile=thor, context=4096, batch=4, prefill_lanes=2)
+    assert "(prompts in 2 lanes): every expert resident (fp32)" in got.summary and got.prefill_lanes == 2
