@@ -672,6 +672,8 @@ def _sampling(
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
+    if stop == []:  # OpenAI's API takes an empty list: no stop strings
+        stop = None
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise HTTPError(
             400, f"'stop' must be a string or a list of non-empty strings, got {_show(stop)}", param="stop"

@@ -53,8 +53,9 @@ LoadEngine = Callable[[Callable[[str], None]], Engine]
 def say(msg: str) -> None:
     """A line on stderr; where nobody reads it any more (a closed pipe, a gone terminal) the
     daemon carries on, and stops when asked, without it."""
-    try:
-        print(f"edgerun serve: {msg}", file=sys.stderr, flush=True)
+    try:  # one write, the newline in it: other threads' lines (the request log) never split it
+        sys.stderr.write(f"edgerun serve: {msg}\n")
+        sys.stderr.flush()
     except OSError:  # a broken pipe among them
         pass
 

@@ -131,6 +131,7 @@ class Input:
         self.reader = reader
         self.head = b""
         self.max_line = max_line
+        self.overflowed = False  # read-ahead past the bound was dropped: the connection must close
 
     async def wait_data(self) -> bool:
         if not self.head:
@@ -161,11 +162,14 @@ class Input:
             raise ClientGone from exc
 
     async def wait_eof(self) -> None:
-        """Returns when the peer closes; keeps (a bounded amount of) what it sends meanwhile."""
+        """Returns when the peer closes; keeps (a bounded amount of) what it sends meanwhile.
+        Past the bound it goes on reading, so a close is still seen at once, and drops the rest:
+        what it kept is then no whole request, so the connection closes after this answer."""
         while data := await self.reader.read(65536):
-            self.head += data
-            if len(self.head) > 4 * self.max_line:
-                await asyncio.get_running_loop().create_future()  # stop reading; cancelled later
+            if self.overflowed or len(self.head) + len(data) > 4 * self.max_line:
+                self.overflowed = True
+            else:
+                self.head += data
 
 
 class _TooLong(Exception):
@@ -308,7 +312,7 @@ class Exchange:
             "Server: edgerun",
             f"Date: {formatdate(usegmt=True)}",
             *(f"{k}: {v}" for k, v in headers),
-            f"Connection: {'keep-alive' if self.keep_alive else 'close'}",
+            f"Connection: {'keep-alive' if self.keep_alive and not self.conn.inp.overflowed else 'close'}",
         ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
@@ -473,7 +477,7 @@ class Connection:
                 time.monotonic() - started,
                 self.uid,
             )
-        return ex.keep_alive and not self.closing()
+        return ex.keep_alive and not self.closing() and not self.inp.overflowed
 
     async def _linger(self) -> None:
         """Half-close and discard what the client still sends, so it can read our error reply

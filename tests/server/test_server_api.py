@@ -212,6 +212,11 @@ def test_stop_string_ends_output(daemon):
     assert stop
     out = post(daemon.sock, "/v1/completions", {**body, "stop": stop})[1]["choices"][0]
     assert out["finish_reason"] == "stop" and out["text"] == text[: text.index(stop)]
+    # an empty list (OpenAI's API takes one) is no stop strings, on both endpoints
+    out = post(daemon.sock, "/v1/completions", {**body, "stop": []})
+    assert out[0] == 200 and out[1]["choices"][0]["text"] == text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": []}
+    assert post(daemon.sock, "/v1/chat/completions", chat)[0] == 200
 
 
 def test_concurrent_clients_all_served(daemon, runner):
@@ -478,6 +483,37 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(daemon):
     assert metric(daemon.sock, "edgerun_queue_depth") == 0
     assert metric(daemon.sock, "edgerun_generated_tokens_total") - generated < 2 * 500  # stopped early
     assert post(daemon.sock, "/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
+
+
+def test_a_client_that_sends_more_then_leaves_is_still_seen_leaving(daemon):
+    """Bytes after a request (a pipelined next one, or junk) are read ahead only up to a bound;
+    past it the rest is dropped, not left unread, so the client's close is still seen and its
+    generation cancelled; a pipelined request within the bound is answered after it."""
+    cancelled = metric(daemon.sock, "edgerun_requests_cancelled_total")
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    payload = json.dumps(body).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(daemon.sock))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        s.sendall(b"X" * 200_000)
+        time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while metric(daemon.sock, "edgerun_requests_cancelled_total") < cancelled + 1:
+        assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
+        time.sleep(0.05)
+    while metric(daemon.sock, "edgerun_requests_running") != 0:
+        assert time.monotonic() < deadline, "a cancelled generation still holds the engine"
+        time.sleep(0.05)
+    # past the bound, the connection answers and then closes (what it dropped was no request)
+    short = json.dumps({"prompt": [5, 6], "max_tokens": 2, "temperature": 0}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(daemon.sock))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(short), short))
+        s.sendall(b"X" * 200_000)
+        data = b"".join(iter(lambda: s.recv(65536), b""))
+    assert [int(x) for x in re.findall(rb"^HTTP/1.1 (\d+)", data, re.M)] == [200]
+    assert parse_response(data)[1]["connection"] == "close"
 
 
 def test_metrics_families(daemon, runner):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -486,3 +487,14 @@ def test_the_socket_benches_daemon_takes_a_relative_model_and_leaves_nothing_beh
     assert daemon is not None and over_health(sock) == 200
     stop_daemon(daemon, sock)
     assert daemon.returncode == 0 and not sock.parent.exists()
+
+
+def test_a_daemon_line_is_one_write(monkeypatch):
+    """say() writes its line and newline at once: the request log's lines, written from another
+    thread, cannot land between them (journald reads line by line)."""
+    from edgerun.server.daemon import say
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", SimpleNamespace(write=writes.append, flush=lambda: None))
+    say("ready: serving demo")
+    assert writes == ["edgerun serve: ready: serving demo\n"]
