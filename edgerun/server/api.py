@@ -189,8 +189,9 @@ class App:
         if self.state == READY:
             body = {"status": "ok", "model": self.engine.model_id, "queue_depth": self.worker.depth}
             await ex.send_json(200, body)
-        else:
-            await ex.send_json(503, {"status": self.state, "message": hide_dirs(self.message)})
+        else:  # loading or stopping: worth asking again, as a 503 from the API says (Retry-After)
+            body = {"status": self.state, "message": hide_dirs(self.message)}
+            await ex.send_json(503, body, _retry(503, self.opts) if self.state == LOADING else ())
 
     async def metrics_text(self, req: Request, ex: Exchange) -> None:
         stats = await self.worker.engine_stats(self.engine)
@@ -662,9 +663,15 @@ def _sampling(
             raise HTTPError(400, f"'{name}' = {_show(value)} is not supported (only {only})", param=name)
     name = "max_tokens"
     max_tokens = _field(body, name, int)
-    if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
-        name = "max_completion_tokens"
-        max_tokens = _field(body, name, int)
+    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's newer name for it
+        newer = _field(body, "max_completion_tokens", int)  # checked even beside max_tokens
+        if max_tokens is not None and newer != max_tokens:
+            raise HTTPError(
+                400,
+                f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({newer}) disagree; give one",
+                param="max_completion_tokens",
+            )
+        name, max_tokens = "max_completion_tokens", newer
     if (
         max_tokens is None
     ):  # the default, clipped to the context left (the prompt's own limit is checked later)

@@ -332,6 +332,16 @@ BAD_CHAT = {
         400,
         "max_completion_tokens",
     ),
+    "max_completion_tokens not a count beside max_tokens": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_completion_tokens": "x"},
+        400,
+        "max_completion_tokens",
+    ),
+    "max_completion_tokens disagreeing with max_tokens": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_completion_tokens": 3},
+        400,
+        "max_completion_tokens",
+    ),
 }
 
 

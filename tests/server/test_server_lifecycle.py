@@ -199,6 +199,10 @@ def test_loading_answers_503_then_ready(fake):
     if status == 503:  # (unless this test ran after the others)
         assert body["status"] == "loading"
         conn = UnixHTTPConnection(fake.sock, 10)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 or resp.getheader("Retry-After") == "1"  # loading: ask again
         conn.request("POST", "/v1/completions", body=b'{"prompt": [1]}')
         resp = conn.getresponse()
         assert resp.status == 503 and resp.getheader("Retry-After") == "1"
