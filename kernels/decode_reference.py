@@ -142,9 +142,10 @@ def random_router_inputs(
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """``Rotary.inv_freq``: fp32 [R/2], computed on torch's default device (the CPU, or meta
-    while a model is built there), then moved to ``device`` if one is given."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
+    """``Rotary.inv_freq``: fp32 [R/2], computed on the CPU (also while a model is built on the
+    meta device, where arange would import torch's compiler stack), then moved to ``device`` if
+    one is given."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim
     inv = 1.0 / (theta**exponents)
     return inv if device is None else inv.to(device)
 

@@ -88,7 +88,11 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # built on the meta device and loaded after: given a weight, nn.Embedding skips its
+        # random init, whose meta-device normal_ imports torch's compiler stack (dynamo, triton:
+        # ~125 MiB of RSS and a second of start-up on the CPU)
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
 
