@@ -307,7 +307,7 @@ def plan_resident(
         context,
         batch,
         PlanOptions(
-            dense_dtype="bf16" if dtype == "fp32" else dtype,
+            dense_dtype=dtype,  # the bundle runs in the dtype the checkpoint would
             cuda_graphs=device == "cuda",
             draft_tokens=draft_tokens,
             prefill_lanes=prefill_lanes,

@@ -300,8 +300,7 @@ def resident_plan(
         name = model or "the demo model"
         fewer = p.refusal.max_batch if batch > 1 and p.refusal.max_batch else None
         text = (
-            f"{name} with every expert resident ({p.num_experts} per layer, {p.quant}) does not fit on "
-            f"{p.device}: {p.refusal.message} "
+            f"{name} with every expert resident ({p.num_experts} per layer, {p.quant}): {p.refusal.message} "
             + (
                 f"It fits decoding {fewer} request(s) at once (--batch {fewer}); or stream"
                 if fewer

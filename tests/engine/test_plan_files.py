@@ -129,3 +129,22 @@ def test_a_whole_model_is_planned_in_the_dtype_asked_for_beside_lanes_asked_for(
     thor = CPU.parent / "jetson_thor.yaml"
     got = plan_experts(None, "cuda", "float32", profile=thor, context=4096, batch=4, prefill_lanes=2)
     assert "(prompts in 2 lanes): every expert resident (fp32)" in got.summary and got.prefill_lanes == 2
+
+
+def test_the_bundle_a_refusal_names_is_planned_as_it_will_run(bundles, tmp_path):
+    """A whole checkpoint that does not fit names the int4 bundle that would, planned in the
+    dtype the engine runs (here fp32): converted and planned as a bundle, it fits with the same
+    quotas (it was planned at bf16, so the suggestion could fail when applied)."""
+    from edgerun.budget.cli import plan_resident
+    from edgerun.bundle.convert import ConvertOptions, convert
+
+    src = bundles[("qwen3_5_moe", "int4")].parent / "qwen3_5_moe"
+    whole, _ = plan_resident(src, CPU, 64, device="cpu", dtype="fp32")
+    profile = tmp_path / "tight.yaml"
+    cap = f"memory_cap: {whole.pools[0].used - 1}"
+    profile.write_text(CPU.read_text().replace("memory_cap: 23GiB", cap))
+    whole, streamed = plan_resident(src, profile, 64, device="cpu", dtype="fp32")
+    assert not whole.fits and streamed.fits and streamed.dense_dtype == "fp32"
+    convert(src, tmp_path / "b", ConvertOptions("int4"))
+    real = plan_for_bundle(tmp_path / "b", profile, 64, dense_dtype="fp32")
+    assert real.fits and real.quotas == streamed.quotas

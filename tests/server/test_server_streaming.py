@@ -85,7 +85,7 @@ def test_a_resident_model_that_does_not_fit_the_profile_is_refused_before_bindin
     profile = tmp_path / "tiny.yaml"
     cpu = (DEMO_MODEL.parents[1] / "configs" / "cpu.yaml").read_text()
     # the demo held whole does not fit; converted to int4 and streamed, it would
-    profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.025GiB"))
+    profile.write_text(cpu.replace("memory_cap: 23GiB", "memory_cap: 3.045GiB"))
     sock = tmp_path / "m.sock"
     argv = serve_argv("--profile", str(profile), "--device", "cpu", "--socket", str(sock), "--batch", "1")
     d = Daemon(argv, sock)  # batch 1: the streamed plan the refusal names fits one request at a time
@@ -94,7 +94,7 @@ def test_a_resident_model_that_does_not_fit_the_profile_is_refused_before_bindin
     finally:
         d.stop()
     log = d.log()
-    assert "the demo model with every expert resident (16 per layer, fp32) does not fit on" in log
+    assert "the demo model with every expert resident (16 per layer, fp32): does not fit on" in log
     assert "Stream the experts from a bundle instead: `edgerun convert" in log and not sock.exists()
     assert "(planned: quota " in log  # what would fit, planned
 
