@@ -247,6 +247,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, 
         trace=trace,
         providers=providers,
         draft_tokens=draft_tokens,
+        expert_kernel=ns.expert_kernel or "auto",
     )
 
 

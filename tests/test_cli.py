@@ -157,7 +157,7 @@ def test_a_resident_model_is_planned_against_the_profile(tmp_path, capsys):
     assert "every expert resident (fp32)" in capsys.readouterr().err
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text(
-        (ROOT / "configs" / "cpu.yaml").read_text().replace("memory_cap: 23GiB", "memory_cap: 3.025GiB")
+        (ROOT / "configs" / "cpu.yaml").read_text().replace("memory_cap: 23GiB", "memory_cap: 3.045GiB")
     )
     assert main([*argv, str(tiny)]) == 2
     err = capsys.readouterr().err

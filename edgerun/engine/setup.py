@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from edgerun.config import CacheConfig
-from edgerun.engine.policy import KernelPolicy
+from edgerun.engine.policy import KernelPolicy, cpu_expert_kernel
 from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -143,6 +143,7 @@ def cache_config(
     draft_tokens: int = 0,
     prefill_lanes: int | None = None,
     dtype: str | None = None,
+    expert_kernel: str = "auto",
 ) -> CacheConfig | None:
     """How the routed experts of ``bundle`` are held: None (resident), or the cache's settings
     from the plan of ``bundle`` on the device ``profile`` (with ``quota``: that quota, checked
@@ -208,11 +209,14 @@ def cache_config(
     )
     if profile is None:
         return base
+    # the kernel --expert-kernel resolves to, as `edgerun plan` counts it: its probe runs at
+    # load, and the re-plan after it (replan) counts what then really runs
     return _planned(
         dataclasses.replace(base, profile=Path(profile), context=context, trace=trace, batch=batch),
         bundle,
         providers,
         quota,
+        expert_kernel=cpu_expert_kernel(expert_kernel),
     )
 
 

@@ -320,6 +320,7 @@ def cache_plan(opts: ServeOptions):
         providers=opts.providers,
         draft_tokens=spec.draft_tokens if (spec := opts.speculative_config()) is not None else 0,
         prefill_lanes=opts.prefill_lanes,
+        expert_kernel=opts.expert_kernel,
     )
 
 

@@ -148,3 +148,25 @@ def test_the_bundle_a_refusal_names_is_planned_as_it_will_run(bundles, tmp_path)
     convert(src, tmp_path / "b", ConvertOptions("int4"))
     real = plan_for_bundle(tmp_path / "b", profile, 64, dense_dtype="fp32")
     assert real.fits and real.quotas == streamed.quotas
+
+
+def test_generate_and_serve_plan_the_expert_kernel_edgerun_plan_counts(bundles, tmp_path):
+    """Before loading, a bundle's plan counts the CPU expert kernel --expert-kernel resolves to,
+    as `edgerun plan` does: where the grouped kernel (no repacked copies) fits and torch's
+    kernels (a repacked copy of each int4 slot) would not, generate and serve are not refused."""
+    from edgerun.bundle.convert import ConvertOptions, convert
+
+    b = tmp_path / "b"  # int4 in the default group: torch's kernels repack it
+    convert(bundles[("qwen3_5_moe", "int4")].parent / "qwen3_5_moe", b, ConvertOptions("int4"))
+    grouped = plan_for_bundle(b, CPU, 64, expert_kernel="cpu_grouped")
+    packed = plan_for_bundle(b, CPU, 64, expert_kernel="cpu")
+    assert packed.pools[0].used > grouped.pools[0].used  # the repacked copies
+    profile = tmp_path / "tight.yaml"
+    profile.write_text(CPU.read_text().replace("memory_cap: 23GiB", f"memory_cap: {grouped.pools[0].used}"))
+    assert plan_for_bundle(b, profile, 64, expert_kernel="cpu_grouped").fits
+    assert plan_for_bundle(b, profile, 64, expert_kernel="cpu").quotas != grouped.quotas
+    got = cache_config(b, profile=profile, context=64)  # --expert-kernel auto: the grouped kernel
+    want = plan_for_bundle(b, profile, 64, expert_kernel="cpu_grouped").quotas
+    assert list(got.quotas.values()) == list(want)
+    cpu = cache_config(b, profile=profile, context=64, expert_kernel="cpu")
+    assert sum(cpu.quotas.values()) < sum(got.quotas.values())
