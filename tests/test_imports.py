@@ -191,3 +191,18 @@ def test_loading_a_model_on_the_cpu_leaves_torchs_compiler_stack_unimported():
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_cpu_shape_caches_are_bounded_before_the_first_cpu_op():
+    """runtime() bounds oneDNN's and ideep's per-shape caches (a user's own setting wins), set
+    before any CPU op: the libraries read them once, at their first primitive."""
+    code = (
+        "import os\n"
+        "os.environ['LRU_CACHE_CAPACITY'] = '7'\n"
+        "from edgerun.engine.setup import runtime, SHAPE_CACHE_ENTRIES\n"
+        "runtime('cpu', 'auto', 1, None, None, None, None)\n"
+        "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] == str(SHAPE_CACHE_ENTRIES), os.environ['LRU_CACHE_CAPACITY'])\n"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "7"]

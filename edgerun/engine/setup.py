@@ -6,6 +6,7 @@ the engine actually holds (:func:`replan`). Importing this module does not impor
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,14 @@ from edgerun.engine.policy import KernelPolicy, cpu_expert_kernel
 from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# oneDNN's primitive cache and ideep's computation cache keep a primitive for every shape a CPU
+# matmul has seen, 1,024 of each by default: in bf16, where prompts of every length bring new
+# shapes, a long-running daemon's memory grew by about 4 MiB a request (the demo: 309 -> 822 MiB
+# RSS over 80 prompts of 1-700 tokens, still rising). 128 of each bounds it (flat at 543 MiB after
+# 16 requests), decode's shapes stay cached and its rate did not change (docs/benchmarks.md,
+# 2026-12-05). A value the user set wins.
+SHAPE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+SHAPE_CACHE_ENTRIES = 128
 PLANNED_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names -> the planner's
 # CPU threads when none are asked for: a model of at most this many parameters decodes fastest
 # on one thread, idle or beside other busy processes (the demo, 8M: 149 tok/s against 135 on two
@@ -81,6 +90,8 @@ def runtime(
     here, process-wide) and the kernel request, refusing what cannot run: a CUDA-only kernel or
     graph request on the CPU, or a device ``profile`` of another kind of device (its plan would
     size memory this process does not have)."""
+    for name in SHAPE_CACHES:  # read lazily by oneDNN and ideep: before this process's first CPU op
+        os.environ.setdefault(name, str(SHAPE_CACHE_ENTRIES))
     import torch
 
     asked = device
