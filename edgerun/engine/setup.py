@@ -19,9 +19,9 @@ from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # oneDNN's primitive cache and ideep's computation cache keep a primitive for every shape a CPU
 # matmul has seen, 1,024 of each by default: in bf16, where prompts of every length bring new
-# shapes, a long-running daemon's memory grew by about 4 MiB a request (the demo: 309 -> 822 MiB
-# RSS over 80 prompts of 1-700 tokens, still rising). 128 of each bounds it (flat at 543 MiB after
-# 16 requests), decode's shapes stay cached and its rate did not change (docs/benchmarks.md,
+# shapes, a long-running daemon's memory grew by about 4 MiB a request (the demo: 265 -> 833 MiB
+# RSS over 80 prompts of 1-700 tokens, still rising). 128 of each bounds it (flat at 547 MiB from
+# the 16th request), decode's shapes stay cached and its rate did not change (docs/benchmarks.md,
 # 2026-12-05). A value the user set wins.
 SHAPE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 SHAPE_CACHE_ENTRIES = 128

@@ -293,9 +293,9 @@ def serve_batch(opts: ServeOptions, device: str) -> int:
 
 def cache_plan(opts: ServeOptions):
     """How the experts are held, the plan's summary and the batch's prefill lanes
-    (engine/setup.Planned). Planned before the
-    daemon binds (no torch), so a model that does not fit the device profile is refused up front,
-    naming what would (the largest batch, when the batch is what does not fit)."""
+    (engine/setup.Planned). Planned before the daemon binds (no torch), so a model that does not
+    fit the device profile is refused up front, naming what would (the largest batch, when the
+    batch is what does not fit)."""
     from edgerun.engine.setup import plan_experts, read_warm
 
     device = planned_device(opts) or "cpu"
@@ -334,9 +334,8 @@ class EngineLoader:
     profile: str | None = None
     cache: Any = None
     plan: str | None = None
-    prefill_lanes: int | None = (
-        None  # a batch's prompts prefilled at once (cache_plan's); None: the device's default
-    )
+    # a batch's prompts prefilled at once (cache_plan's); None: the device's default
+    prefill_lanes: int | None = None
 
     def __call__(self, status: Callable[[str], None]):
         from edgerun.engine.setup import runtime
