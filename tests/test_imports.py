@@ -177,15 +177,16 @@ def test_benchmark_scripts_import_names_that_exist(script):
 
 
 def test_loading_a_model_on_the_cpu_leaves_torchs_compiler_stack_unimported():
-    """Building the model on the meta device and generating on the CPU never import
-    torch._dynamo (a meta-device arange or normal_ does, through torch._refs: ~125 MiB of RSS
-    and a second of start-up, for nothing)."""
+    """Building the model on the meta device and generating on the CPU, a prompt in several
+    chunks among it, never import torch._dynamo (a meta-device arange or normal_ does, through
+    torch._refs, and so does torch.nn.attention.bias: ~125 MiB of RSS and a second, for nothing;
+    in a request's prefill, a second without a watchdog ping)."""
     code = (
         "import sys\n"
         "from edgerun.engine.setup import runtime\n"
         "from edgerun.engine.params import SamplingParams\n"
-        "r = runtime('cpu', 'auto', 1, None, None, None, None).load(None)\n"
-        "r.generate_ids(r.tokenizer.encode('In the beginning'), SamplingParams(max_tokens=3))\n"
+        "r = runtime('cpu', 'auto', 1, None, None, None, None).load(None, prefill_chunk=4)\n"
+        "r.generate_ids(list(range(5, 40)), SamplingParams(max_tokens=3))  # later chunks too\n"
         "print(sorted(m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules))\n"
     )
     out = run_python(code)

@@ -98,6 +98,8 @@ def runtime(
     device = device or default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable("device cuda: no CUDA device is available (use --device cpu)")
+    if device == "cuda":  # a later prompt chunk's attention mask imports torch._dynamo: now, not in
+        import torch.nn.attention.bias  # noqa: F401  (a request's prefill; models/layers.causal_attention)
     why = "--device cpu" if asked else "no CUDA device is available"
     if device == "cpu":
         for flag, value in (("--expert-kernel", experts), ("--dense-kernel", dense)):

@@ -594,11 +594,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    from torch.nn.attention.bias import causal_lower_right
-
     if gqa:  # the lower-right mask's kernels take equal head counts
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.device.type == "cpu":
+        # what causal_lower_right runs on a CPU (no fused kernel takes it there: it materializes
+        # this mask), without importing torch.nn.attention.bias, which imports torch._dynamo: a
+        # second and ~120 MiB in the middle of a request's prefill
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_(S - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    from torch.nn.attention.bias import causal_lower_right  # imported at start-up on CUDA (runtime)
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
 
 

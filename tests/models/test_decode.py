@@ -72,3 +72,28 @@ def test_state_overflow_is_refused(models):
     state = model.new_state(1, 8)
     with pytest.raises(ValueError, match="exceeds the state's max_len 8"):
         model(torch.zeros(1, 9, dtype=torch.long), state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, T, S", [(4, 2, 5, 13), (4, 4, 1, 9), (8, 2, 7, 7), (2, 1, 3, 200)])
+def test_a_later_chunks_attention_on_the_cpu_is_causal_lower_right(dtype, heads, kv_heads, T, S):
+    """On the CPU a later prompt chunk's attention builds the lower-right causal mask itself
+    (torch.nn.attention.bias imports torch._dynamo): bit for bit what SDPA with
+    causal_lower_right computes there."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from edgerun.models.layers import causal_attention
+
+    g = torch.Generator().manual_seed(T * S)
+    q = torch.randn(1, heads, T, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, kv_heads, S, 16, generator=g).to(dtype) for _ in range(2))
+    rep = heads // kv_heads
+    kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if T == 1:
+        want = F.scaled_dot_product_attention(q, kr, vr)
+    elif T == S:
+        want = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    else:
+        want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal_lower_right(T, S))
+    assert torch.equal(causal_attention(q, k, v), want)
