@@ -162,14 +162,14 @@ class Input:
             raise ClientGone from exc
 
     async def wait_eof(self) -> None:
-        """Returns when the peer closes; keeps (a bounded amount of) what it sends meanwhile.
-        Past the bound it goes on reading, so a close is still seen at once, and drops the rest:
-        what it kept is then no whole request, so the connection closes after this answer."""
+        """Returns when the peer has sent all it will (EOF), keeping what it sent meanwhile, or
+        once that passes the bound: then the rest stays unread (``overflowed``: the connection
+        closes after this answer) and the caller, as after a half-close, polls for the hang-up."""
         while data := await self.reader.read(65536):
-            if self.overflowed or len(self.head) + len(data) > 4 * self.max_line:
+            self.head += data
+            if len(self.head) > 4 * self.max_line:
                 self.overflowed = True
-            else:
-                self.head += data
+                return
 
 
 class _TooLong(Exception):
@@ -363,7 +363,7 @@ class Exchange:
 
         async def watch() -> None:
             await self.conn.inp.wait_eof()
-            self.keep_alive = False  # nothing more will come
+            self.keep_alive = False  # nothing more will come, or nothing more will be read
             while not self.conn.peer_gone():  # a half-close: it still reads, so it gets its answer
                 await asyncio.sleep(HALF_CLOSED_POLL_S)
 

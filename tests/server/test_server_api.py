@@ -497,8 +497,8 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(daemon):
 
 def test_a_client_that_sends_more_then_leaves_is_still_seen_leaving(daemon):
     """Bytes after a request (a pipelined next one, or junk) are read ahead only up to a bound;
-    past it the rest is dropped, not left unread, so the client's close is still seen and its
-    generation cancelled; a pipelined request within the bound is answered after it."""
+    past it the rest stays unread and the client's hang-up is polled for, so its close is still
+    seen and its generation cancelled; the connection then closes after the answer."""
     cancelled = metric(daemon.sock, "edgerun_requests_cancelled_total")
     body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "temperature": 0}
     payload = json.dumps(body).encode()
