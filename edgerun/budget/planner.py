@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from edgerun.budget.cpu_split import plan_note
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, dense_targets, quantized_nbytes, scheme_label
 from edgerun.bundle.layout import expert_block_layout
-from edgerun.config import DEFAULT_PREFILL_LANES, DeviceProfile, format_bytes
+from edgerun.config import DeviceProfile, default_prefill_lanes, format_bytes
 from edgerun.engine.policy import cpu_expert_kernel
 from edgerun.errors import ConfigError
 from edgerun.models import args as A
@@ -77,6 +77,10 @@ def expert_source_from_layout(
     return ExpertSource(quant, layout.group_size, (layout.block_bytes,) * len(args.moe_layers), "layout")
 
 
+# torch's dtype names -> the planner's
+PLANNED_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def runtime_dtype(device: DeviceProfile) -> str:
     """The dtype the engine computes in, and so holds plain resident tensors, KV and state in, on
     ``device``: bf16 on CUDA (the checkpoints'); on a CPU the one this CPU's bf16 hardware calls
@@ -85,7 +89,7 @@ def runtime_dtype(device: DeviceProfile) -> str:
         return "bf16"
     from edgerun.kernels import cpu_features
 
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cpu_features.read().default_dtype()]
+    return PLANNED_DTYPES[cpu_features.read().default_dtype()]
 
 
 @dataclass(frozen=True)
@@ -980,7 +984,7 @@ def plan(
     if options.prefill_lanes is None and graph_pool is not None and not far and batch > 1:
         # lanes by default only where they take no expert slot: every expert held in VRAM, and
         # the lanes' pools beside them
-        wide_lanes = min(DEFAULT_PREFILL_LANES, batch)
+        wide_lanes = default_prefill_lanes("cuda", batch)  # graphs replay: a CUDA device
         wide = sizer.prefill_graph_item(context, batch, wide_lanes)
         if wide is not None and sizer.slot_bytes(quotas) + wide.nbytes <= free[main]:
             graph_pool, lanes = wide, wide_lanes

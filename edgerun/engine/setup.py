@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from edgerun.budget.planner import PLANNED_DTYPES
 from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy, cpu_expert_kernel
 from edgerun.errors import ConfigError, DeviceUnavailable, EdgerunError
@@ -25,7 +26,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # 2026-12-05). A value the user set wins.
 SHAPE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 SHAPE_CACHE_ENTRIES = 128
-PLANNED_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names -> the planner's
 # CPU threads when none are asked for: a model of at most this many parameters decodes fastest
 # on one thread, idle or beside other busy processes (the demo, 8M: 149 tok/s against 135 on two
 # threads idle, 94 against 20 loaded; benchmarks/threads_under_load.py, docs/benchmarks.md); a
