@@ -14,6 +14,7 @@ class SpeculativeStats:
     emitted: int = 0  # tokens of verify steps the request took (accepted drafts + one a step, up to its end)
     windows: int = 0  # streamed experts: (verify window, MoE layer) pairs
     window_experts: int = 0  # streamed experts: the distinct experts those needed, summed
+    device_steps: int = 0  # of ``steps``, those decided on the device (engine/spec_steps.py)
 
     @property
     def acceptance(self) -> float:
@@ -30,11 +31,14 @@ class SpeculativeStats:
         self.emitted += other.emitted
         self.windows += other.windows
         self.window_experts += other.window_experts
+        self.device_steps += other.device_steps
 
     def line(self) -> str:
         text = f"MTP acceptance {self.acceptance:.0%} ({self.accepted}/{self.drafted}), {self.tokens_per_step:.2f} tok/step"
         if self.windows:
             text += f", {self.window_experts / self.windows:.1f} experts/layer a verify window"
+        if self.device_steps:
+            text += f", {self.device_steps}/{self.steps} steps decided on the device"
         return text
 
 

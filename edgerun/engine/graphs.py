@@ -225,6 +225,7 @@ class DecodeGraphs:
         self._trail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their shared DeltaNet trail
         self._trail_rows = 0
         self.head_step: DecodeGraphs | None = None  # the MTP head's draft step (``draft_step``)
+        self.chains: dict = {}  # device-decided speculative steps by draft count (engine/spec_steps.py)
         self.fallbacks: dict[str, str] = {}
         self._warm = False
         self._far_steps = 0  # decode steps since load: a far tier's device set follows its use

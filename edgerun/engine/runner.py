@@ -39,6 +39,7 @@ from edgerun.engine.policy import KernelPolicy, Resolved, resolve
 from edgerun.engine.request import Limits, Request, check_request
 from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
+from edgerun.engine.spec_steps import SPEC_HEADROOM, SpecSteps, chain_unsupported
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, accept, draft_chooser
 from edgerun.engine.streaming import StreamingExperts
 from edgerun.errors import ConfigError, EdgerunError
@@ -737,7 +738,13 @@ class Runner:
         self, request: Request, sampler: Sampler, stats: GenerationStats, t_request: float, row: Row | None
     ) -> Iterator[Event]:
         prompt_ids, params = list(request.prompt_ids), request.params
-        state = self.new_state(len(prompt_ids) + params.max_tokens) if row is None else row.state
+        total = len(prompt_ids) + params.max_tokens
+        if (
+            self.speculative is not None
+            and total + SPEC_HEADROOM * self.speculative.draft_tokens <= self.max_context
+        ):
+            total += SPEC_HEADROOM * self.speculative.draft_tokens  # device-decided steps run ahead
+        state = self.new_state(total) if row is None else row.state
         text = _TextStream(self.tokenizer, params.stop)
         drafter = None
         if self.speculative is not None:
@@ -856,6 +863,10 @@ class Runner:
         seq.append(token)
         yield token
         k_max, spec = self.speculative.draft_tokens, stats.speculative
+        chain = self._spec_steps(state, drafter, sampler, len(prompt_ids) + n)
+        if chain is not None:
+            yield from self._device_tokens(state, seq, n - 1, drafter, chain, spec)
+            return
         choose = draft_chooser(sampler)
         while len(seq) - len(prompt_ids) < n:
             k = min(k_max, n - (len(seq) - len(prompt_ids)) - 1)
@@ -872,6 +883,62 @@ class Runner:
                 seq.append(token)
                 spec.emitted += 1  # a token the request takes (it may stop at an EOS or stop string)
                 yield token
+
+    def _spec_steps(
+        self, state: DecodeState, drafter: MtpDrafter, sampler: Sampler, total: int
+    ) -> SpecSteps | None:
+        """The device-decided speculative steps (engine/spec_steps.py) a request of ``total``
+        positions runs, or None where its steps are host-driven: a sampled request (the
+        rejection test draws on the host), a route recorder (it reads each step's routes),
+        a state off the decoder, room for fewer than 3K positions past the request (a step
+        may run past its end), or a step with host work (``chain_unsupported``, in
+        ``fallbacks`` as ``spec_host_steps``)."""
+        d, k = self.decoder, self.speculative.draft_tokens
+        if d is None or state is not d.state or drafter.step is None or not sampler.params.greedy:
+            return None
+        if self.routes is not None or total + SPEC_HEADROOM * k > d.capacity:
+            return None
+        if k not in d.chains:
+            why = chain_unsupported(d, drafter.step, k)
+            d.chains[k] = SpecSteps(d, drafter.step, k) if why is None else None
+            if why is not None:
+                d.fallbacks["spec_host_steps"] = f"greedy speculative steps run host-driven: {why}"
+        return d.chains[k]
+
+    def _device_tokens(
+        self, state: DecodeState, seq: list[int], n: int, drafter: MtpDrafter, chain: SpecSteps, spec
+    ) -> Iterator[int]:
+        """The ``n`` tokens after ``seq`` (the prompt and the first token) from device-decided
+        steps, each queued before the previous one is read (the pipelined form of the loop in
+        :meth:`_speculative_tokens`). The head drafts the first step's tokens from the prompt
+        on the host-driven path; each step then drafts the next one's on the device."""
+        if n <= 0:
+            return
+        drafts, _ = drafter.draft(seq, chain.k, None)
+        chain.start(state.pos, seq[-1], drafts)
+        pending, taken = self._spec_launch(chain), 0
+        while True:
+            # the step after the pending one, queued first unless the pending one surely ends the
+            # request (each step emits at least one token)
+            queued = self._spec_launch(chain) if n - taken > 1 else None
+            kept, tokens = chain.result(pending)
+            spec.steps += 1
+            spec.device_steps += 1
+            spec.drafted += chain.k
+            spec.accepted += kept
+            state.pos += kept + 1
+            for token in tokens[: n - taken]:
+                taken += 1
+                spec.emitted += 1
+                yield token
+            if taken >= n:
+                return
+            pending = queued
+
+    def _spec_launch(self, chain: SpecSteps) -> int:
+        handle = chain.launch()
+        self._count_step()
+        return handle
 
     def _verify(self, state: DecodeState, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A verify window: ``tokens`` at the state's next positions -> (logits [N, V], the final

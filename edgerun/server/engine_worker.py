@@ -222,7 +222,7 @@ class RunnerEngine:
         t = r.spec_totals
         return {
             "draft_tokens": r.speculative.draft_tokens,
-            **{k: getattr(t, k) for k in ("steps", "drafted", "accepted", "emitted")},
+            **{k: getattr(t, k) for k in ("steps", "device_steps", "drafted", "accepted", "emitted")},
             "acceptance": t.acceptance,
             "tokens_per_step": t.tokens_per_step,
             "speedup": r.last_speedup,

@@ -278,6 +278,13 @@ def render(
         for name, kind, help_, key in (
             ("edgerun_speculative_steps_total", "counter", "Speculative verify steps.", "steps"),
             (
+                "edgerun_speculative_device_steps_total",
+                "counter",
+                "Of the speculative verify steps, those decided on the device (verify, accept, roll "
+                "back and draft in one queued step); the rest were host-driven.",
+                "device_steps",
+            ),
+            (
                 "edgerun_speculative_acceptance_ratio",
                 "gauge",
                 "Accepted drafts / drafted tokens, all requests so far.",

@@ -23,6 +23,7 @@ from edgerun.engine.graphs import DecodeGraphs
 from edgerun.engine.policy import Resolved
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
+from edgerun.engine.spec_steps import SpecSteps
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig
 from edgerun.kernels.moe import MoeKernelPolicy
 from edgerun.models.layers import KVCache
@@ -142,26 +143,101 @@ def oracle_drafts(want: list[int], seed: int):
     return draft
 
 
+def oracle_device_drafts(want: list[int], seed: int):
+    """``SpecSteps._ops`` whose drafts for the next step are plain greedy's own tokens,
+    corrupted from a random draft on (a step of the device-decided loop drafts on the device;
+    on the CPU its operations run at once, so the next step's inputs can be rewritten here)."""
+    g = torch.Generator().manual_seed(seed)
+    real = SpecSteps._ops
+
+    def ops(self):
+        real(self)
+        v = self.verify
+        i = int(v.indices[1, 0]) - len(PROMPT)  # the next step's first row consumes want[i]
+        assert i >= len(want) or int(v.indices[2, 0]) == want[i]  # the step's choice: plain greedy's
+        out = [want[i + j] if i + j < len(want) else 0 for j in range(1, self.k + 1)]
+        bad = int(torch.randint(0, self.k + 1, (), generator=g))
+        self.drafts.copy_(torch.tensor(out[:bad] + [(t + 1) % V for t in out[bad:]]))
+        v.indices[2, 1:].copy_(self.drafts)
+
+    return ops
+
+
 def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
     """K = 1, 2, 3 with plain greedy's tokens as drafts, corrupted at random (every kept-prefix
-    length occurs; the MTP head's own drafts are the CPU path's code, test_speculative.py)."""
+    length occurs; the MTP head's own drafts are the CPU path's code, test_speculative.py):
+    steps decided on the device (verify, accept, roll back, draft, each step queued before
+    the last is read), every one of them, and the host-driven loop, which a sampled request
+    takes, here by ``_spec_steps`` declining."""
     runner = fused_runner(sources["bundle"], CacheConfig(64))
-    params = SamplingParams(max_tokens=5, ignore_eos=True)  # the first window may draft 3
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
     runner.speculative = None
     want = runner.generate_ids(PROMPT, params)
     accepted = 0
-    for k in (1, 2, 3):
-        monkeypatch.setattr(MtpDrafter, "draft", oracle_drafts(want, k))
-        runner.speculative = SpeculativeConfig("mtp", k)
-        scribble(runner.decoder.state)
-        events = list(runner.generate(runner.request(PROMPT, params)))
-        got = [e.token_id for e in events if e.token_id is not None]
-        assert torch.equal(torch.tensor(got), torch.tensor(want)), k
-        stats = events[-1].stats.speculative
-        assert stats.emitted == len(want) - 1 and stats.drafted >= stats.accepted, stats
-        accepted += stats.accepted
+    for device in (True, False):
+        if not device:
+            monkeypatch.setattr(Runner, "_spec_steps", lambda *a: None)
+        for k in (1, 2, 3):
+            monkeypatch.setattr(MtpDrafter, "draft", oracle_drafts(want, k))
+            monkeypatch.setattr(SpecSteps, "_ops", oracle_device_drafts(want, k))
+            runner.speculative = SpeculativeConfig("mtp", k)
+            scribble(runner.decoder.state)
+            events = list(runner.generate(runner.request(PROMPT, params)))
+            got = [e.token_id for e in events if e.token_id is not None]
+            assert torch.equal(torch.tensor(got), torch.tensor(want)), (device, k)
+            stats = events[-1].stats.speculative
+            assert stats.emitted == len(want) - 1 and stats.drafted >= stats.accepted, stats
+            assert stats.device_steps == (stats.steps if device else 0) and stats.steps > 0, stats
+            accepted += stats.accepted
     assert accepted > 0 and 4 in runner.decoder.windows  # K = 3 drafted 3
+    assert set(runner.decoder.chains) == {1, 2, 3} and "spec_host_steps" not in runner.fallbacks()
     assert runner.steps.graph_steps == runner.steps.mixed_steps == 0 and runner.steps.eager_steps > 0
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2])
+def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(sources, kept):
+    """One device-decided step of K = 2 whose drafts match plain greedy's for ``kept`` rows:
+    it reports them, emits plain greedy's tokens, leaves the decoder's state (KV up to the
+    kept rows, every DeltaNet state) equal to plain decoding's after the same tokens, and sets
+    the next step's inputs: the positions after the kept rows, the token that row chose."""
+    runner = fused_runner(sources["bundle"], CacheConfig(64), k=2)
+    d = runner.decoder
+    with torch.inference_mode():
+        state = d.reset()
+        first = int(runner.prefill(state, PROMPT).argmax())
+        start, tokens, after = state.pos, [first], {}
+        for i in range(3):
+            tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
+            after[i + 1] = copy.deepcopy(state)
+        scribble(d.reset())
+        runner.prefill(state, PROMPT)
+        chain = SpecSteps(d, d.draft_step(), 2)
+        d.draft_step().reset()
+        drafts = tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]]
+        chain.start(state.pos, first, drafts)
+        a, emitted = chain.result(chain.launch())
+        assert (a, emitted) == (kept, tokens[1 : kept + 2])
+        state.pos = start + kept + 1
+        assert _states_equal(state, after[kept + 1], start + kept + 1)
+        v = chain.verify
+        assert v.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
+        assert int(v.indices[2, 0]) == tokens[kept + 1]
+        assert torch.equal(v.indices[2, 1:], chain.drafts)
+
+
+def test_steps_with_host_work_stay_host_driven_and_say_so(sources):
+    """Streamed experts (quota 4: a layer's lookup reads the routing back between segments):
+    greedy speculative steps run the host-driven loop, named among the fallbacks, and the output
+    is still plain greedy's."""
+    runner = fused_runner(sources["bundle"], CacheConfig(4), k=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    spec, runner.speculative = runner.speculative, None
+    want = runner.generate_ids(PROMPT, params)
+    runner.speculative = spec
+    events = list(runner.generate(runner.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want
+    assert events[-1].stats.speculative.device_steps == 0
+    assert "the verify window reads back to the host" in runner.fallbacks()["spec_host_steps"]
 
 
 def test_the_draft_step_drafts_what_the_heads_forward_drafts(sources):

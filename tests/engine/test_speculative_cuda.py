@@ -99,6 +99,10 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(cuda_sources, setup, graphs,
         assert torch.equal(torch.tensor(got), torch.tensor(want))
     stats = events[-1].stats
     assert stats.speculative.emitted == len(want) - 1 and stats.row_step_s > 0
+    # greedy steps decided on the device wherever a step has no host work; streamed, host-driven
+    device = stats.speculative.steps if setup != "routed" else 0
+    assert stats.speculative.device_steps == device, stats.speculative
+    assert "spec_graphs" not in spec.fallbacks(), spec.fallbacks()
     c = spec.steps
     if graphs == "on":
         assert c.graph_steps + c.mixed_steps > 0 and "graphs" not in spec.fallbacks(), spec.fallbacks()
@@ -116,3 +120,40 @@ def test_the_demo_models_drafts_are_kept_and_its_output_is_plain_greedys(k):
     assert [e.token_id for e in events if e.token_id is not None] == plain.generate_ids(prompt, params)
     stats = events[-1].stats.speculative
     assert stats.accepted / stats.drafted > 0.3, stats
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+@pytest.mark.parametrize("setup", ["table", "stacked"])
+def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(
+    cuda_sources, setup, graphs
+):
+    """One device-decided step of K = 2 (engine/spec_steps.py) whose drafts match plain greedy's
+    for 0, 1 or 2 rows, eagerly and replayed from its graph: it reports the kept rows, emits
+    plain greedy's tokens, leaves the state (KV to the kept rows, every DeltaNet state) equal
+    to plain decoding's after the same tokens, and sets the next step's inputs."""
+    from edgerun.engine.spec_steps import SpecSteps
+
+    runner = _load(cuda_sources, setup, graphs)
+    d = runner.decoder
+    with torch.inference_mode():
+        state = runner.new_state(64)
+        first = int(runner.prefill(state, PROMPT).argmax())
+        start, tokens, after = state.pos, [first], {}
+        for i in range(3):
+            tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
+            after[i + 1] = copy.deepcopy(state)
+        chain = SpecSteps(d, d.draft_step(), 2)
+        for kept in (0, 1, 2, 2, 1, 0):  # the first step warms up and captures; then replays
+            d.reset()
+            runner.prefill(state, PROMPT)
+            d.draft_step().reset()
+            V = runner.args.vocab_size
+            chain.start(state.pos, first, tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]])
+            a, emitted = chain.result(chain.launch())
+            assert (a, emitted) == (kept, tokens[1 : kept + 2])
+            state.pos = start + kept + 1
+            assert _states_equal(state, after[kept + 1], start + kept + 1), kept
+            assert chain.verify.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
+            assert int(chain.verify.indices[2, 0]) == tokens[kept + 1]
+    if graphs == "on":
+        assert chain.graph is not None and "spec_graphs" not in runner.fallbacks(), runner.fallbacks()
