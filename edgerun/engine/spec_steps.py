@@ -34,6 +34,7 @@ import torch
 
 from edgerun.engine.graphs import DecodeGraphs, greedy_pick, side_stream
 from edgerun.engine.speculative import STEP_ROWS
+from edgerun.kernels import spec_triton
 from edgerun.models.layers import verify_window
 
 # positions past a request's end a device-decided step may touch: a step queued before the last
@@ -138,34 +139,28 @@ class SpecSteps:
         v, c, head, k = self.verify, self.catch_up, self.head, self.k
         with verify_window():
             _run(v)
-        best = v.indices[2]  # each row's greedy token (the window's head wrote it there)
-        match = best[:k] == self.drafts
-        torch.sum(torch.cumprod(match.long(), 0), 0, keepdim=True, out=self.kept)
-        a = self.kept
+        spec_triton.accept(v.indices, self.drafts, self.kept, self.out, c.indices, v.hidden, c.hidden_in)
         for i, (conv, recurrent) in v.trail.items():
             entry = v.state.layers[i]
-            entry.conv.copy_(conv.index_select(0, a).view_as(entry.conv))
-            entry.recurrent.copy_(recurrent.index_select(0, a).view_as(entry.recurrent))
-        self.out[:1].copy_(a)
-        self.out[1:].copy_(best)
-        c.hidden_in.copy_(v.hidden)
-        c.indices[1:].copy_(v.indices[1:])
+            spec_triton.rollback(conv, self.kept, entry.conv)
+            spec_triton.rollback(recurrent, self.kept, entry.recurrent)
         _run(c)
-        self.drafts[:1].copy_(c.indices[2].index_select(0, a))
-        if k > 1:
-            head.hidden_in.copy_(c.hidden.index_select(0, a))
-            head.indices[2].copy_(self.drafts[:1])
-            head.indices[1].copy_(v.indices[1].index_select(0, a) + 1)
-            for j in range(1, k):
-                if j > 1:
-                    head.hidden_in.copy_(head.hidden)
-                    head.indices[1].add_(1)
-                _run(head)
-                self.drafts[j : j + 1].copy_(head.indices[2])
-        next_pos = v.indices[1] + (a + 1)
-        v.indices[1].copy_(next_pos)
-        v.indices[2, :1].copy_(best.index_select(0, a))
-        v.indices[2, 1:].copy_(self.drafts)
+        spec_triton.next_inputs(
+            self.kept,
+            self.out,
+            c.indices,
+            c.hidden,
+            v.indices,
+            self.drafts,
+            head.indices,
+            head.hidden_in,
+            k > 1,
+        )
+        for j in range(1, k):
+            _run(head)
+            spec_triton.draft_on(
+                head.indices, head.hidden, head.hidden_in, self.drafts, v.indices, j, j + 1 < k
+            )
 
     def _warm_up(self) -> None:
         """The first step eagerly on a side stream (Triton compiles), then the capture (which

@@ -134,9 +134,9 @@ def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings
     from edgerun.engine.spec_steps import SpecSteps
 
     runner = _load(cuda_sources, setup, graphs)
-    d = runner.decoder
     with torch.inference_mode():
         state = runner.new_state(64)
+        d = runner.decoder
         first = int(runner.prefill(state, PROMPT).argmax())
         start, tokens, after = state.pos, [first], {}
         for i in range(3):

@@ -1,0 +1,121 @@
+"""The small steps between a device-decided speculative step's parts (engine/spec_steps.py), one
+launch each instead of a dozen torch ops: on a model whose step is a few hundred launches of a
+few microseconds, each launch saved is time saved.
+
+- ``accept``: a = the leading drafts equal to the argmax of the row before them; the step's
+  outputs (a, every row's argmax) for the host; the MTP head's catch-up window inputs (the
+  verify rows' positions, argmaxes and final normed hidden rows).
+- ``next_inputs``: after the head's window, its argmax at row a is the first draft; the next
+  verify window's positions (after the kept rows) and first two tokens; the head's draft step
+  inputs (position, token, hidden row a) when more drafts follow.
+- ``draft_on``: after a head draft step, its token is draft j (and the next window's row j + 1);
+  the next draft step's position and hidden row.
+
+Indices are int64, every row count is at most a few, and a hidden row is copied with its
+dtype: no arithmetic on values, so nothing here changes a bit. No kernel reads a location it
+(or another thread of its program) writes: a program's threads are not ordered.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _accept_kernel(
+    v_idx, drafts, kept, out, c_idx, v_hidden, c_hidden, N, K,
+    ND: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    j = tl.arange(0, NP)
+    rows = j < N
+    best = tl.load(v_idx + 2 * N + j, mask=rows, other=0)
+    d = tl.load(drafts + j, mask=j < K, other=0)
+    a = tl.min(tl.where((best != d) & (j < K), j, K), axis=0)
+    tl.store(kept, a)
+    tl.store(out, a)
+    tl.store(out + 1 + j, best, mask=rows)
+    tl.store(c_idx + N + j, tl.load(v_idx + N + j, mask=rows, other=0), mask=rows)
+    tl.store(c_idx + 2 * N + j, best, mask=rows)
+    for s in range(0, ND, BLOCK):
+        o = s + tl.arange(0, BLOCK)
+        tl.store(c_hidden + o, tl.load(v_hidden + o, mask=o < ND), mask=o < ND)
+
+
+@triton.jit
+def _next_kernel(
+    kept, out, c_idx, c_hidden, v_idx, drafts, h_idx, h_hidden, N,
+    D: tl.constexpr, MORE: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    a = tl.load(kept)
+    d1 = tl.load(c_idx + 2 * N + a)  # the head's argmax at row a
+    tl.store(drafts, d1)
+    p = tl.load(c_idx + N)  # the verify window's first position (its copy: v_idx is rewritten here)
+    j = tl.arange(0, NP)
+    tl.store(v_idx + N + j, p + a + 1 + j, mask=j < N)
+    tl.store(v_idx + 2 * N, tl.load(out + 1 + a))
+    tl.store(v_idx + 2 * N + 1, d1)
+    if MORE:  # the head's one-row draft step: position p + a + 1, token d1, hidden row a
+        tl.store(h_idx + 1, p + a + 1)
+        tl.store(h_idx + 2, d1)
+        for s in range(0, D, BLOCK):
+            o = s + tl.arange(0, BLOCK)
+            tl.store(h_hidden + o, tl.load(c_hidden + a * D + o, mask=o < D), mask=o < D)
+
+
+@triton.jit
+def _draft_kernel(
+    h_idx,
+    h_hidden_out,
+    h_hidden_in,
+    drafts,
+    v_idx,
+    j,
+    N,
+    D: tl.constexpr,
+    MORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.load(h_idx + 2)  # the draft step's argmax: draft j + 1
+    tl.store(drafts + j, t)
+    tl.store(v_idx + 2 * N + 1 + j, t)
+    if MORE:  # the next draft step runs at the position of the next window's row j
+        tl.store(h_idx + 1, tl.load(v_idx + N + j))
+        for s in range(0, D, BLOCK):
+            o = s + tl.arange(0, BLOCK)
+            tl.store(h_hidden_in + o, tl.load(h_hidden_out + o, mask=o < D), mask=o < D)
+
+
+def _np(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def accept(v_idx, drafts, kept, out, c_idx, v_hidden, c_hidden) -> None:
+    """``v_idx`` [3, N] (the verify window's slots/positions/argmaxes), ``drafts`` [K] -> ``kept``
+    [1], ``out`` [N + 1]; ``c_idx`` [3, N] and ``c_hidden`` [N, D] (the head window's inputs)."""
+    n, k = v_idx.shape[1], drafts.numel()
+    nd = v_hidden.numel()
+    _accept_kernel[(1,)](
+        v_idx, drafts, kept, out, c_idx, v_hidden, c_hidden, n, k, ND=nd, NP=_np(n), BLOCK=1024
+    )
+
+
+def next_inputs(kept, out, c_idx, c_hidden, v_idx, drafts, h_idx, h_hidden, more: bool) -> None:
+    """See the module docstring; ``h_idx`` [3, 1] and ``h_hidden`` [1, D]: the head's draft step."""
+    n, d = v_idx.shape[1], c_hidden.shape[-1]
+    _next_kernel[(1,)](
+        kept, out, c_idx, c_hidden, v_idx, drafts, h_idx, h_hidden, n, D=d, MORE=more, NP=_np(n), BLOCK=1024
+    )
+
+
+def draft_on(h_idx, h_hidden_out, h_hidden_in, drafts, v_idx, j: int, more: bool) -> None:
+    """After draft step ``j`` (1-based: drafts[j] is its token); see the module docstring."""
+    n, d = v_idx.shape[1], h_hidden_in.shape[-1]
+    _draft_kernel[(1,)](h_idx, h_hidden_out, h_hidden_in, drafts, v_idx, j, n, D=d, MORE=more, BLOCK=1024)
+
+
+def rollback(trail: torch.Tensor, kept: torch.Tensor, state: torch.Tensor) -> None:
+    """``state`` (a DeltaNet layer's conv or recurrent state, [1, ...]) becomes row ``kept`` of
+    ``trail`` ([rows, ...]): one gather into it."""
+    torch.index_select(trail, 0, kept, out=state)
