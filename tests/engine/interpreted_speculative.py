@@ -194,12 +194,11 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
     assert runner.steps.graph_steps == runner.steps.mixed_steps == 0 and runner.steps.eager_steps > 0
 
 
-@pytest.mark.parametrize("kept", [0, 1, 2])
-def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(sources, kept):
-    """One device-decided step of K = 2 whose drafts match plain greedy's for ``kept`` rows:
-    it reports them, emits plain greedy's tokens, leaves the decoder's state (KV up to the
-    kept rows, every DeltaNet state) equal to plain decoding's after the same tokens, and sets
-    the next step's inputs: the positions after the kept rows, the token that row chose."""
+def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(sources):
+    """Device-decided steps of K = 2 whose drafts match plain greedy's for 0, 1 or 2 rows: each
+    reports the kept rows, emits plain greedy's tokens, leaves the decoder's state (KV up to
+    the kept rows, every DeltaNet state) equal to plain decoding's after the same tokens, and
+    sets the next step's inputs: the positions after the kept rows, the token that row chose."""
     runner = fused_runner(sources["bundle"], CacheConfig(64), k=2)
     d = runner.decoder
     with torch.inference_mode():
@@ -209,20 +208,20 @@ def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings
         for i in range(3):
             tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
             after[i + 1] = copy.deepcopy(state)
-        scribble(d.reset())
-        runner.prefill(state, PROMPT)
         chain = SpecSteps(d, d.draft_step(), 2)
-        d.draft_step().reset()
-        drafts = tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]]
-        chain.start(state.pos, first, drafts)
-        a, emitted = chain.result(chain.launch())
-        assert (a, emitted) == (kept, tokens[1 : kept + 2])
-        state.pos = start + kept + 1
-        assert _states_equal(state, after[kept + 1], start + kept + 1)
-        v = chain.verify
-        assert v.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
-        assert int(v.indices[2, 0]) == tokens[kept + 1]
-        assert torch.equal(v.indices[2, 1:], chain.drafts)
+        for kept in (0, 1, 2):
+            scribble(d.reset())
+            runner.prefill(state, PROMPT)
+            d.draft_step().reset()
+            chain.start(state.pos, first, tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]])
+            a, emitted = chain.result(chain.launch())
+            assert (a, emitted) == (kept, tokens[1 : kept + 2])
+            state.pos = start + kept + 1
+            assert _states_equal(state, after[kept + 1], start + kept + 1), kept
+            v = chain.verify
+            assert v.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
+            assert int(v.indices[2, 0]) == tokens[kept + 1]
+            assert torch.equal(v.indices[2, 1:], chain.drafts)
 
 
 def test_steps_with_host_work_stay_host_driven_and_say_so(sources):
