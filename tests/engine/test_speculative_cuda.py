@@ -133,7 +133,7 @@ def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings
     to plain decoding's after the same tokens, and sets the next step's inputs."""
     from edgerun.engine.spec_steps import SpecSteps
 
-    runner = _load(cuda_sources, setup, graphs)
+    runner = _load(cuda_sources, setup, graphs, 2)
     with torch.inference_mode():
         state = runner.new_state(64)
         d = runner.decoder
