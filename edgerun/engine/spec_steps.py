@@ -64,8 +64,8 @@ def chain_unsupported(decoder: DecodeGraphs, head: DecodeGraphs, k: int) -> str 
 
 class SpecSteps:
     """Greedy speculative steps of ``k`` drafts over ``decoder``'s one-sequence state and the
-    MTP ``head`` step's (see the module docstring); made by :meth:`DecodeGraphs.spec_steps`
-    once ``chain_unsupported`` is None. With graphs on, the first step runs eagerly (Triton
+    MTP ``head`` step's (see the module docstring); made by ``Runner._spec_steps`` once
+    ``chain_unsupported`` is None, kept in the decoder's ``chains``. With graphs on, the first step runs eagerly (Triton
     compiles) and the rest replay one captured graph; a capture that fails leaves the steps
     eager, in the decoder's ``fallbacks`` (``spec_graphs``)."""
 
@@ -86,7 +86,6 @@ class SpecSteps:
         self._slot = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._warm = False
-        self.steps = 0  # steps run, for the engine's counts
 
     def start(self, pos: int, token: int, drafts: list[int]) -> None:
         """The first step's inputs: ``token`` (the last one chosen) at ``pos``, then ``drafts``
@@ -114,7 +113,6 @@ class SpecSteps:
             self.graph.replay()
             self.decoder.counters.graph_steps += 1
         self.verify.count_table_hits(self.n)
-        self.steps += 1
         h, self._slot = self._slot, self._slot ^ 1
         self.out_host[h].copy_(self.out, non_blocking=True)
         self.chosen_host[h].copy_(self.verify.chosen[:, 0], non_blocking=True)
