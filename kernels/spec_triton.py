@@ -87,6 +87,44 @@ def _draft_kernel(
             tl.store(h_hidden_in + o, tl.load(h_hidden_out + o, mask=o < D), mask=o < D)
 
 
+@triton.jit
+def _mtp_input_kernel(
+    tokens, embed, hidden, w_e, w_h, out, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, UNIT: tl.constexpr
+):
+    """Row r: [norm_e(embed[tokens[r]]), norm_h(hidden[r])] into out[r] (2D wide)."""
+    r = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    tok = tl.load(tokens + r)
+    for half in tl.static_range(2):
+        if half == 0:
+            x = tl.load(embed + tok * D + d, mask=m, other=0.0)
+            w = tl.load(w_e + d, mask=m, other=0.0)
+        else:
+            x = tl.load(hidden + r * D + d, mask=m, other=0.0)
+            w = tl.load(w_h + d, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        y = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps))
+        if UNIT:  # scale by (1 + w) in fp32, then the cast (Qwen3.5)
+            y = (y * (1.0 + w.to(tl.float32))).to(x.dtype)
+        else:  # cast, then scale by w in the model's dtype (Qwen3)
+            y = (w.to(tl.float32) * y.to(x.dtype).to(tl.float32)).to(x.dtype)
+        tl.store(out + r * 2 * D + half * D + d, y, mask=m)
+
+
+def mtp_input(tokens, embed, hidden, norm_e, norm_h, out) -> None:
+    """The MTP head's ``fc`` input in one launch: for each row r, the RMS norms (``norm_e``,
+    ``norm_h``: the head's ``pre_fc_norm_*`` modules, as ``kernels/dense_reference.rms_norm_ref``
+    computes them, up to the order of the sum of squares) of the embedding row of ``tokens[r]``
+    and of ``hidden[r]``, side by side in ``out`` [N, 2D]. Drafts only read it: a draft decides
+    what is verified, never what is emitted."""
+    n, dim = hidden.shape
+    _mtp_input_kernel[(n,)](
+        tokens, embed, hidden, norm_e.weight, norm_h.weight, out, float(norm_e.eps),
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), UNIT=bool(norm_e.unit_offset),
+    )  # fmt: skip
+
+
 def _np(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 

@@ -191,6 +191,7 @@ class DecodeGraphs:
         self.is_window = window is not None
         self.hidden: torch.Tensor | None = torch.zeros_like(self.x) if head is not None else None
         self.hidden_in = torch.zeros_like(self.x) if head is not None else None
+        self.both = torch.zeros(N, 2 * D, dtype=self.dtype, **kw) if head is not None else None  # fc's input
         if window is not None:
             why = rows_unsupported(self.static.fused, self.modes, self.layers, one_sequence=True)
             if why:
@@ -282,8 +283,23 @@ class DecodeGraphs:
     # ---- the operations ---------------------------------------------------------------
 
     def _embed(self) -> None:
-        torch.index_select(self.model.model.embed_tokens.weight, 0, self.indices[2], out=self.x)
-        if self.head is not None:  # the MTP head's input: fc(its norms of the embedding and hidden_in)
+        embed = self.model.model.embed_tokens.weight
+        if self.head is not None and self.static.fused:  # the MTP head's input in one launch
+            from edgerun.kernels import spec_triton  # Triton only with the fused kernels
+
+            h = self.head
+            spec_triton.mtp_input(
+                self.indices[2],
+                embed,
+                self.hidden_in,
+                h.pre_fc_norm_embedding,
+                h.pre_fc_norm_hidden,
+                self.both,
+            )
+            self.x.copy_(h.fc(self.both))
+        else:
+            torch.index_select(embed, 0, self.indices[2], out=self.x)
+        if self.head is not None and not self.static.fused:  # fc(its norms of the embedding and hidden_in)
             h = self.head
             both = torch.cat([h.pre_fc_norm_embedding(self.x), h.pre_fc_norm_hidden(self.hidden_in)], dim=-1)
             self.x.copy_(h.fc(both))
@@ -365,12 +381,14 @@ class DecodeGraphs:
     def _experts_stacked(self, i: int) -> None:
         buf = self.moe[i]
         mlp = self.layers[i].mlp
-        # ``gathered`` takes one token: a verify window's rows one at a time, each as its step
-        parts = [
-            mlp.experts.gathered(self.h[r : r + 1], buf.ids[r : r + 1], buf.weights[r : r + 1])
-            for r in range(self.rows)
-        ]
-        routed = parts[0] if self.rows == 1 else torch.cat(parts)
+        if self.head is not None and self.rows > 1:  # the MTP head's rows only draft: one pass
+            routed = mlp.experts.gathered_rows(self.h, buf.ids, buf.weights)
+        else:  # ``gathered`` takes one token: a verify window's rows one at a time, each as its step
+            parts = [
+                mlp.experts.gathered(self.h[r : r + 1], buf.ids[r : r + 1], buf.weights[r : r + 1])
+                for r in range(self.rows)
+            ]
+            routed = parts[0] if self.rows == 1 else torch.cat(parts)
         self.x.add_(mlp.combine(routed, self.shared if mlp.has_shared else None))
 
     def _head(self) -> None:

@@ -34,7 +34,6 @@ import torch
 
 from edgerun.engine.graphs import DecodeGraphs, greedy_pick, side_stream
 from edgerun.engine.speculative import STEP_ROWS
-from edgerun.kernels import spec_triton
 from edgerun.models.layers import verify_window
 
 # positions past a request's end a device-decided step may touch: a step queued before the last
@@ -134,6 +133,8 @@ class SpecSteps:
     # ---- the step's operations --------------------------------------------------------------
 
     def _ops(self) -> None:
+        from edgerun.kernels import spec_triton  # Triton only where a step runs (the demo runs without)
+
         v, c, head, k = self.verify, self.catch_up, self.head, self.k
         with verify_window():
             _run(v)

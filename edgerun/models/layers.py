@@ -894,6 +894,21 @@ class Experts(nn.Module):
         y = torch.bmm(down, (F.silu(gate) * up)[..., None])[..., 0]  # [A, D]
         return (y * w[:, None].to(y.dtype)).sum(0, keepdim=True).to(x.dtype)
 
+    def gathered_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`gathered` for N tokens in one pass: x [N, D], ids / weights [N, A] -> [N, D].
+        The batched products take all N x A (token, expert) pairs at once, so a row's bits may
+        depend on N: for the MTP head's rows only, whose drafts decide what is verified, never
+        what is emitted."""
+        n, a = ids.shape
+        ids, order = torch.sort(ids, dim=-1, stable=True)
+        w = weights.gather(-1, order)
+        gate_up = self.gate_up_proj.index_select(0, ids.reshape(-1))  # [N A, 2I, D]
+        down = self.down_proj.index_select(0, ids.reshape(-1))  # [N A, D, I]
+        h = x.to(gate_up.dtype)[:, None].expand(n, a, -1).reshape(n * a, -1, 1)
+        gate, up = torch.bmm(gate_up, h)[..., 0].chunk(2, dim=-1)
+        y = torch.bmm(down, (F.silu(gate) * up)[..., None])[..., 0].view(n, a, -1)
+        return (y * w[..., None].to(y.dtype)).sum(1).to(x.dtype)
+
 
 class SparseMoe(nn.Module):
     """Routed experts, plus (Qwen3.5) a shared expert scaled by a sigmoid gate."""

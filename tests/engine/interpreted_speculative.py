@@ -308,3 +308,32 @@ def test_the_window_probe_shares_the_gemv_where_its_rows_stay_exact(sources, mon
     line = runner._probe_windows(1)
     assert "each row by its own programs" in line
     assert "row 1 of a 2-row window differs" in runner.fallbacks()["verify_gemv"]
+
+
+@pytest.mark.parametrize("unit", [True, False])
+def test_the_mtp_heads_input_kernel_is_its_two_norms_side_by_side(unit):
+    """``spec_triton.mtp_input``: the embedding rows of the tokens and the hidden rows, each RMS
+    normed as ``RMSNorm`` does (both weight conventions), side by side. Only the order of the
+    sum of squares differs from torch's, which moves the norm's scale by a few fp32 ulps: equal
+    within 1e-6 of the values' scale. In fp32: the interpreter casts fp32 to bf16 by truncation
+    (a GPU rounds to nearest), so a bf16 comparison here would measure the interpreter."""
+    dtype = torch.float32
+    from edgerun.kernels import spec_triton
+    from edgerun.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    D, V = 48, 20  # a width that is not a power of two: the masked tail
+    embed = torch.randn(V, D, generator=g).to(dtype)
+    hidden = torch.randn(3, D, generator=g).to(dtype) * 4
+    norms = []
+    for _ in range(2):
+        n = RMSNorm(D, 1e-6, unit)
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(D, generator=g) * 0.1 + (0 if unit else 1))
+        norms.append(n.to(dtype))
+    tokens = torch.tensor([7, 0, 19])
+    out = torch.empty(3, 2 * D, dtype=dtype)
+    spec_triton.mtp_input(tokens, embed, hidden, norms[0], norms[1], out)
+    with torch.no_grad():
+        want = torch.cat([norms[0](embed[tokens]), norms[1](hidden)], dim=-1)
+    assert torch.allclose(out, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))

@@ -97,3 +97,28 @@ def test_a_later_chunks_attention_on_the_cpu_is_causal_lower_right(dtype, heads,
     else:
         want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal_lower_right(T, S))
     assert torch.equal(causal_attention(q, k, v), want)
+
+
+def test_gathered_rows_is_each_rows_gathered_step():
+    """``Experts.gathered_rows`` (the MTP head's window rows in one pass) computes what
+    ``gathered`` computes a row at a time: each row's experts in ascending id order, weighted.
+    fp32, where the batched product over all rows differs only in summation order from one
+    row's (1e-6 of the values' scale); a wrong id, weight or row order moves a row by O(1)."""
+    from types import SimpleNamespace
+
+    from edgerun.models.layers import Experts
+
+    experts = Experts(SimpleNamespace(num_experts=6, moe_intermediate_size=8, hidden_size=24))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(3, 24, generator=g)
+    ids = torch.tensor([[4, 1], [0, 5], [2, 2]])
+    weights = torch.rand(3, 2, generator=g)
+    with torch.no_grad():
+        rows = experts.gathered_rows(x, ids, weights)
+        alone = torch.cat(
+            [experts.gathered(x[r : r + 1], ids[r : r + 1], weights[r : r + 1]) for r in range(3)]
+        )
+    assert torch.allclose(rows, alone, rtol=1e-6, atol=1e-6 * float(alone.abs().max()))
