@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from test_speculative import _states_equal
+from test_speculative import _states_equal, check_device_steps
 
 from edgerun.bundle.convert import ConvertOptions, convert
 from edgerun.config import CacheConfig
@@ -195,33 +195,12 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, monkeypatch):
 
 
 def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(sources):
-    """Device-decided steps of K = 2 whose drafts match plain greedy's for 0, 1 or 2 rows: each
-    reports the kept rows, emits plain greedy's tokens, leaves the decoder's state (KV up to
-    the kept rows, every DeltaNet state) equal to plain decoding's after the same tokens, and
-    sets the next step's inputs: the positions after the kept rows, the token that row chose."""
+    """Device-decided steps of K = 2 whose drafts match plain greedy's for 0, 1 or 2 rows
+    (``check_device_steps``), each from a state whose KV was scribbled over first."""
     runner = fused_runner(sources["bundle"], CacheConfig(64), k=2)
     d = runner.decoder
     with torch.inference_mode():
-        state = d.reset()
-        first = int(runner.prefill(state, PROMPT).argmax())
-        start, tokens, after = state.pos, [first], {}
-        for i in range(3):
-            tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
-            after[i + 1] = copy.deepcopy(state)
-        chain = SpecSteps(d, d.draft_step(), 2)
-        for kept in (0, 1, 2):
-            scribble(d.reset())
-            runner.prefill(state, PROMPT)
-            d.draft_step().reset()
-            chain.start(state.pos, first, tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]])
-            a, emitted = chain.result(chain.launch())
-            assert (a, emitted) == (kept, tokens[1 : kept + 2])
-            state.pos = start + kept + 1
-            assert _states_equal(state, after[kept + 1], start + kept + 1), kept
-            v = chain.verify
-            assert v.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
-            assert int(v.indices[2, 0]) == tokens[kept + 1]
-            assert torch.equal(v.indices[2, 1:], chain.drafts)
+        check_device_steps(runner, d.reset(), PROMPT, (0, 1, 2), lambda: scribble(d.reset()))
 
 
 def test_steps_with_host_work_stay_host_driven_and_say_so(sources):

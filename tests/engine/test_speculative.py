@@ -56,6 +56,38 @@ def _states_equal(a, b, upto: int) -> bool:
     return True
 
 
+def check_device_steps(runner, state, prompt: list[int], kepts, reset):
+    """Device-decided steps of K = 2 (engine/spec_steps.py) over ``runner``'s decoder, from
+    ``prompt`` prefilled again after ``reset()`` each time, whose drafts match plain greedy's
+    for each of ``kepts`` rows: each reports the kept rows, emits plain greedy's tokens, leaves
+    the state (KV to the kept rows, every DeltaNet state) equal to plain decoding's after the
+    same tokens, and sets the next step's inputs (the positions after the kept rows, the token
+    that row chose, the drafts). Returns the steps."""
+    from edgerun.engine.spec_steps import SpecSteps
+
+    d, V = runner.decoder, runner.args.vocab_size
+    first = int(runner.prefill(state, prompt).argmax())
+    start, tokens, after = state.pos, [first], {}
+    for i in range(3):
+        tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
+        after[i + 1] = copy.deepcopy(state)
+    chain = SpecSteps(d, d.draft_step(), 2)
+    for kept in kepts:
+        reset()
+        runner.prefill(state, prompt)
+        d.draft_step().reset()
+        chain.start(state.pos, first, tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]])
+        a, emitted = chain.result(chain.launch())
+        assert (a, emitted) == (kept, tokens[1 : kept + 2])
+        state.pos = start + kept + 1
+        assert _states_equal(state, after[kept + 1], start + kept + 1), kept
+        v = chain.verify
+        assert v.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
+        assert int(v.indices[2, 0]) == tokens[kept + 1]
+        assert torch.equal(v.indices[2, 1:], chain.drafts)
+    return chain
+
+
 @pytest.mark.parametrize("source", ["hf", "int4"])
 def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(sources, source):
     runner = Runner.load(sources[source], device="cpu")

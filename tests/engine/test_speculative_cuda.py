@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from test_speculative import PROMPT, _states_equal
+from test_speculative import PROMPT, _states_equal, check_device_steps
 from test_speculative import sources as mtp_sources  # noqa: F401  (a fixture, by this name)
 
 from edgerun.config import CacheConfig
@@ -127,33 +127,12 @@ def test_the_demo_models_drafts_are_kept_and_its_output_is_plain_greedys(k):
 def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(
     cuda_sources, setup, graphs
 ):
-    """One device-decided step of K = 2 (engine/spec_steps.py) whose drafts match plain greedy's
-    for 0, 1 or 2 rows, eagerly and replayed from its graph: it reports the kept rows, emits
-    plain greedy's tokens, leaves the state (KV to the kept rows, every DeltaNet state) equal
-    to plain decoding's after the same tokens, and sets the next step's inputs."""
-    from edgerun.engine.spec_steps import SpecSteps
-
+    """Device-decided steps of K = 2 (engine/spec_steps.py) whose drafts match plain greedy's for
+    0, 1 or 2 rows (``check_device_steps``), eagerly and replayed from their graph: the first
+    step warms up and captures, the rest replay."""
     runner = _load(cuda_sources, setup, graphs, 2)
     with torch.inference_mode():
         state = runner.new_state(64)
-        d = runner.decoder
-        first = int(runner.prefill(state, PROMPT).argmax())
-        start, tokens, after = state.pos, [first], {}
-        for i in range(3):
-            tokens.append(int(runner.decode_step(state, tokens[-1]).argmax()))
-            after[i + 1] = copy.deepcopy(state)
-        chain = SpecSteps(d, d.draft_step(), 2)
-        for kept in (0, 1, 2, 2, 1, 0):  # the first step warms up and captures; then replays
-            d.reset()
-            runner.prefill(state, PROMPT)
-            d.draft_step().reset()
-            V = runner.args.vocab_size
-            chain.start(state.pos, first, tokens[1 : 1 + kept] + [(t + 1) % V for t in tokens[1 + kept : 3]])
-            a, emitted = chain.result(chain.launch())
-            assert (a, emitted) == (kept, tokens[1 : kept + 2])
-            state.pos = start + kept + 1
-            assert _states_equal(state, after[kept + 1], start + kept + 1), kept
-            assert chain.verify.indices[1].tolist() == list(range(start + kept + 1, start + kept + 4))
-            assert int(chain.verify.indices[2, 0]) == tokens[kept + 1]
+        chain = check_device_steps(runner, state, PROMPT, (0, 1, 2, 2, 1, 0), runner.decoder.reset)
     if graphs == "on":
         assert chain.graph is not None and "spec_graphs" not in runner.fallbacks(), runner.fallbacks()
