@@ -283,26 +283,20 @@ class DecodeGraphs:
     # ---- the operations ---------------------------------------------------------------
 
     def _embed(self) -> None:
-        embed = self.model.model.embed_tokens.weight
-        if self.head is not None and self.static.fused:  # the MTP head's input in one launch
+        embed, h = self.model.model.embed_tokens.weight, self.head
+        if h is not None and self.static.fused:  # the MTP head's input in one launch, then its fc
             from edgerun.kernels import spec_triton  # Triton only with the fused kernels
 
-            h = self.head
-            spec_triton.mtp_input(
-                self.indices[2],
-                embed,
-                self.hidden_in,
-                h.pre_fc_norm_embedding,
-                h.pre_fc_norm_hidden,
-                self.both,
-            )
+            norms = (h.pre_fc_norm_embedding, h.pre_fc_norm_hidden)
+            spec_triton.mtp_input(self.indices[2], embed, self.hidden_in, *norms, self.both)
             self.x.copy_(h.fc(self.both))
         else:
             torch.index_select(embed, 0, self.indices[2], out=self.x)
-        if self.head is not None and not self.static.fused:  # fc(its norms of the embedding and hidden_in)
-            h = self.head
-            both = torch.cat([h.pre_fc_norm_embedding(self.x), h.pre_fc_norm_hidden(self.hidden_in)], dim=-1)
-            self.x.copy_(h.fc(both))
+            if h is not None:  # the MTP head's input: fc(its norms of the embedding and hidden_in)
+                both = torch.cat(
+                    [h.pre_fc_norm_embedding(self.x), h.pre_fc_norm_hidden(self.hidden_in)], dim=-1
+                )
+                self.x.copy_(h.fc(both))
         if not self.static.fused:  # the fused attention kernel computes its rope from the position
             cos, sin = self.model.rotary(self.pos, self.dtype)
             self.static.cos.copy_(cos)

@@ -57,6 +57,8 @@ def test_served_greedy_with_mtp_equals_plain_greedy(daemon):
     emitted = metric(text, "edgerun_speculative_tokens_total", kind="emitted", **labels)
     steps = metric(text, "edgerun_speculative_steps_total", **labels)
     assert emitted == 39 and 0 < accepted <= drafted <= 2 * steps  # 40 tokens: the first from prefill
+    # on the CPU every step is host-driven (device-decided steps run on the CUDA decoder)
+    assert metric(text, "edgerun_speculative_device_steps_total", **labels) == 0
     assert metric(text, "edgerun_speculative_acceptance_ratio", **labels) == pytest.approx(accepted / drafted)
     assert metric(text, "edgerun_speculative_tokens_per_step", **labels) == pytest.approx(emitted / steps)
     assert metric(text, "edgerun_speculative_speedup", **labels) > 0
