@@ -11,9 +11,11 @@ few microseconds, each launch saved is time saved.
 - ``draft_on``: after a head draft step, its token is draft j (and the next window's row j + 1);
   the next draft step's position and hidden row.
 
-Indices are int64, every row count is at most a few, and a hidden row is copied with its
-dtype: no arithmetic on values, so nothing here changes a bit. No kernel reads a location it
-(or another thread of its program) writes: a program's threads are not ordered.
+- ``mtp_input``: the MTP head's two input norms side by side, before its ``fc``.
+
+In the first three, indices are int64, every row count is at most a few, and a hidden row is
+copied with its dtype: no arithmetic on values, so nothing there changes a bit. No kernel reads
+a location it (or another thread of its program) writes: a program's threads are not ordered.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _copy(dst, src, n: tl.constexpr, BLOCK: tl.constexpr):
+    """``n`` values from ``src`` to ``dst``, with their dtype."""
+    for s in range(0, n, BLOCK):
+        o = s + tl.arange(0, BLOCK)
+        tl.store(dst + o, tl.load(src + o, mask=o < n), mask=o < n)
 
 
 @triton.jit
@@ -38,9 +48,7 @@ def _accept_kernel(
     tl.store(out + 1 + j, best, mask=rows)
     tl.store(c_idx + N + j, tl.load(v_idx + N + j, mask=rows, other=0), mask=rows)
     tl.store(c_idx + 2 * N + j, best, mask=rows)
-    for s in range(0, ND, BLOCK):
-        o = s + tl.arange(0, BLOCK)
-        tl.store(c_hidden + o, tl.load(v_hidden + o, mask=o < ND), mask=o < ND)
+    _copy(c_hidden, v_hidden, ND, BLOCK)
 
 
 @triton.jit
@@ -59,9 +67,7 @@ def _next_kernel(
     if MORE:  # the head's one-row draft step: position p + a + 1, token d1, hidden row a
         tl.store(h_idx + 1, p + a + 1)
         tl.store(h_idx + 2, d1)
-        for s in range(0, D, BLOCK):
-            o = s + tl.arange(0, BLOCK)
-            tl.store(h_hidden + o, tl.load(c_hidden + a * D + o, mask=o < D), mask=o < D)
+        _copy(h_hidden, c_hidden + a * D, D, BLOCK)
 
 
 @triton.jit
@@ -82,9 +88,7 @@ def _draft_kernel(
     tl.store(v_idx + 2 * N + 1 + j, t)
     if MORE:  # the next draft step runs at the position of the next window's row j
         tl.store(h_idx + 1, tl.load(v_idx + N + j))
-        for s in range(0, D, BLOCK):
-            o = s + tl.arange(0, BLOCK)
-            tl.store(h_hidden_in + o, tl.load(h_hidden_out + o, mask=o < D), mask=o < D)
+        _copy(h_hidden_in, h_hidden_out, D, BLOCK)
 
 
 @triton.jit

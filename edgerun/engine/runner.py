@@ -739,11 +739,9 @@ class Runner:
     ) -> Iterator[Event]:
         prompt_ids, params = list(request.prompt_ids), request.params
         total = len(prompt_ids) + params.max_tokens
-        if (
-            self.speculative is not None
-            and total + SPEC_HEADROOM * self.speculative.draft_tokens <= self.max_context
-        ):
-            total += SPEC_HEADROOM * self.speculative.draft_tokens  # device-decided steps run ahead
+        room = SPEC_HEADROOM * self.speculative.draft_tokens if self.speculative is not None else 0
+        if total + room <= self.max_context:
+            total += room  # device-decided speculative steps run ahead of the request's end
         state = self.new_state(total) if row is None else row.state
         text = _TextStream(self.tokenizer, params.stop)
         drafter = None
