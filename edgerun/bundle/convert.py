@@ -118,6 +118,57 @@ class Resident:
 
 
 @dataclass(frozen=True)
+class StackedEntry:
+    """A tensor the checkpoint stores in pieces, read as their concatenation in order: the MTP
+    head's per-expert experts stacked as the bundle stores them (``gate_up_proj`` [E, 2I, D] from
+    each expert's gate then up, ``down_proj`` [E, D, I]). Has what :class:`Source` and the plan
+    read of a ``TensorEntry``."""
+
+    name: str  # the stacked tensor's canonical name
+    file: Path  # the first piece's (for messages)
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[TensorEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.pieces)
+
+
+def stacked_mtp_experts(
+    prefix: str, parts: dict[tuple[int, str], TensorEntry], E: int, I: int, D: int, problems: list[str]
+) -> dict[str, StackedEntry]:
+    """The MTP head's per-expert tensors under ``prefix`` (``mtp.layers.N.mlp.experts``) as the
+    two stacked tensors {canonical name: entry}; a missing, extra, misshapen or mixed-dtype piece
+    is a problem named (and nothing returned)."""
+    before = len(problems)
+    for (x, part), e in sorted(parts.items()):
+        if x >= E:
+            problems.append(f"{e.file}: unknown tensor {e.name!r} (num_experts is {E})")
+        elif tuple(e.shape) != ((D, I) if part == "down_proj" else (I, D)):
+            want = [D, I] if part == "down_proj" else [I, D]
+            problems.append(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, expected {want}")
+    missing = [f"{prefix}.{x}.{p}.weight" for x in range(E) for p in PARTS if (x, p) not in parts]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        problems.append(f"missing tensor {missing[0]!r}{more}")
+    dtypes = sorted({e.dtype for e in parts.values()})
+    if len(dtypes) > 1:
+        problems.append(f"{prefix}.*: the MTP head's experts mix dtypes {', '.join(dtypes)}; expected one")
+    if len(problems) > before:
+        return {}
+    first = parts[(0, "gate_proj")]
+    gate_up = tuple(parts[(x, p)] for x in range(E) for p in ("gate_proj", "up_proj"))
+    down = tuple(parts[(x, "down_proj")] for x in range(E))
+    return {
+        f"{prefix}.gate_up_proj": StackedEntry(
+            f"{prefix}.gate_up_proj", first.file, dtypes[0], (E, 2 * I, D), gate_up
+        ),
+        f"{prefix}.down_proj": StackedEntry(f"{prefix}.down_proj", first.file, dtypes[0], (E, D, I), down),
+    }
+
+
+@dataclass(frozen=True)
 class ExpertSource:
     """Where one MoE layer's experts are in the checkpoint: fused [E, 2I, D] / [E, D, I] tensors, or
     per-expert gate/up/down tensors keyed by (expert, part)."""
@@ -262,8 +313,9 @@ def plan_conversion(
     problems: list[str] = list(gguf.problems) if gguf else []
     rows: dict[str, Row] = {}
 
-    def row(e: TensorEntry, kind: str, detail: str) -> None:
-        rows[e.name] = Row(e.name, kind, detail, e.dtype, e.shape)
+    def row(e: TensorEntry | StackedEntry, kind: str, detail: str) -> None:
+        if not isinstance(e, StackedEntry):  # its pieces have rows of their own
+            rows[e.name] = Row(e.name, kind, detail, e.dtype, e.shape)
 
     def want_float(e: TensorEntry) -> None:
         if e.dtype not in FLOAT_DTYPES:
@@ -280,7 +332,14 @@ def plan_conversion(
 
     resident: dict[str, Resident] = {}
     fused: dict[str, dict[str, TensorEntry]] = {}
-    for canon, e in cp.direct.items():
+    direct: dict[str, TensorEntry | StackedEntry] = dict(cp.direct)
+    for prefix in [p for p in cp.per_expert if p.startswith("mtp.")]:  # stacked, as the runtime loads them
+        parts = cp.per_expert.pop(prefix)
+        for e in parts.values():
+            row(e, "resident", f"{prefix} stacked")
+            want_float(e)
+        direct.update(stacked_mtp_experts(prefix, parts, E, I, D, problems))
+    for canon, e in direct.items():
         spec = specs.get(canon)
         if spec is None:
             row(e, "unknown", "-")
@@ -304,8 +363,6 @@ def plan_conversion(
             if layer is None or x >= E:
                 row(e, "unknown", "-")
                 why = "that layer has no routed experts" if layer is None else f"num_experts is {E}"
-                if prefix.startswith("mtp."):
-                    why = "convert takes the MTP head's experts stacked (gate_up_proj, down_proj), not per expert"
                 problems.append(f"{e.file}: unknown tensor {e.name!r} ({why})")
             else:
                 row(e, "expert", f"layer {layer} expert {x} {part}")
@@ -492,6 +549,14 @@ class Source:
         """Bytes [offset, offset + nbytes) of tensor ``e`` as a flat tensor of its dtype (a GGUF
         tensor's dequantized, in its canonical layout)."""
         n = e.nbytes - offset if nbytes is None else nbytes
+        if isinstance(e, StackedEntry):  # the pieces' bytes that overlap [offset, offset + n)
+            out, at = [], 0
+            for piece in e.pieces:
+                lo, hi = max(offset, at), min(offset + n, at + piece.nbytes)
+                if lo < hi:
+                    out.append(self.read(piece, lo - at, hi - lo))
+                at += piece.nbytes
+            return torch.cat(out) if out else torch.empty(0, dtype=DTYPES[e.dtype])
         if isinstance(e, G.GGUFEntry):
             return self.gguf.read(e, offset, n)
         fd = self.fds.get(e.file)

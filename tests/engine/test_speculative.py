@@ -163,6 +163,41 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(sources, source, k):
         assert "experts/layer a verify window" in line
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """An int4 bundle of a tiny qwen3_5_moe with an MTP head and 16 experts (top 2): a streamed
+    quota below 16 holds a window of K + 1 rows' experts and still evicts."""
+    from tokenizers import Tokenizer, models
+
+    from hf_fixtures import add_mtp, build_hf
+
+    root = tmp_path_factory.mktemp("mtp-wide")
+    build_hf("qwen3_5_moe", root / "hf", seed=11, hidden_size=64, moe_intermediate_size=32, num_experts=16)
+    fused = add_mtp(root / "hf", root / "fused-mtp", seed=5, fused=True)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0")).save(
+        str(fused / "tokenizer.json")
+    )
+    convert(fused, root / "int4", ConvertOptions("int4", 16))
+    return root / "int4"
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_streamed_windows_that_evict_keep_greedy_output(wide, k):
+    """A quota of exactly a window's experts (top_k x (K + 1) of 16): windows miss and evict
+    inside a request, and the output is still plain greedy's at the same quota."""
+    cache = CacheConfig(2 * (k + 1))
+    plain = Runner.load(wide, device="cpu", cache=cache)
+    spec = Runner.load(wide, device="cpu", cache=cache, speculative=S.SpeculativeConfig("mtp", k))
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = plain.generate_ids(PROMPT, params)
+    events = list(spec.generate(spec.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want
+    totals = spec.cache.totals()
+    assert totals.evictions > 0 and totals.misses > 2 * (k + 1) * len(spec.args.moe_layers), totals
+    stats = events[-1].stats.speculative
+    assert stats.windows and 2 <= stats.window_experts / stats.windows <= 2 * (k + 1)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_every_acceptance_length_keeps_greedy_output(sources, k, monkeypatch):
     """Drafts that are plain greedy's own tokens, some corrupted: every accepted-prefix length
@@ -233,6 +268,66 @@ def test_a_model_without_an_mtp_head_refuses_speculation(sources, hf_checkpoints
     runner = Runner.load(sources["hf"], device="cpu")
     with pytest.raises(EdgerunError, match="MTP head is not loaded"):
         runner.enable_speculative(MTP)
+
+
+def test_a_checkpoint_with_per_expert_mtp_experts_converts_as_the_stacked_one(sources, tmp_path):
+    """Checkpoints store the head's experts either way (stacked gate_up_proj / down_proj, or one
+    gate/up/down tensor an expert, as the per-expert main layers): convert stacks the second into
+    the first's bytes; the bundle's head is the checkpoint's, and keeps plain greedy's output."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    src = tmp_path / "per-expert"
+    shutil.copytree(sources["hf"], src)
+    shutil.copyfile(sources["int4"].parent / "fused-mtp" / "tokenizer.json", src / "tokenizer.json")
+    convert(src, tmp_path / "int4", ConvertOptions("int4", 16))
+    pieces = load_file(str(src / "model.safetensors"))
+    E = json.loads((src / "config.json").read_text())["num_experts"]
+
+    def expert(e: int, p: str) -> torch.Tensor:
+        return pieces[f"mtp.layers.0.mlp.experts.{e}.{p}.weight"]
+
+    with safe_open(str(tmp_path / "int4" / "dense.safetensors"), "pt") as got:
+        stacked = {
+            n[len("mtp.layers.0.mlp.experts.") :]: got.get_tensor(n) for n in got.keys() if ".experts." in n
+        }
+    assert stacked.keys() == {"gate_up_proj", "down_proj"}
+    want = torch.stack([torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(E)])
+    assert torch.equal(stacked["gate_up_proj"], want)
+    assert torch.equal(stacked["down_proj"], torch.stack([expert(e, "down_proj") for e in range(E)]))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want_ids = Runner.load(tmp_path / "int4", device="cpu").generate_ids(PROMPT, params)
+    spec = Runner.load(tmp_path / "int4", device="cpu", speculative=S.SpeculativeConfig("mtp", 2))
+    events = list(spec.generate(spec.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want_ids
+    # the head the bundle loads is the one the checkpoint loads
+    direct = Runner.load(src, device="cpu", speculative=S.SpeculativeConfig("mtp", 2)).model.mtp
+    for name, t in direct.state_dict().items():
+        assert torch.equal(spec.model.mtp.state_dict()[name], t), name
+
+
+def test_a_per_expert_mtp_head_missing_an_expert_is_refused_by_name(sources, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "per-expert"
+    shutil.copytree(sources["hf"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["mtp.layers.0.mlp.experts.3.up_proj.weight"]
+    tensors["mtp.layers.0.mlp.experts.1.down_proj.weight"] = tensors[
+        "mtp.layers.0.mlp.experts.1.down_proj.weight"
+    ][:, :-1].contiguous()
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        convert(src, tmp_path / "out", ConvertOptions("int4", 16))
+    msg = str(err.value)
+    assert "missing tensor 'mtp.layers.0.mlp.experts.3.up_proj.weight'" in msg
+    assert "tensor 'mtp.layers.0.mlp.experts.1.down_proj.weight' has shape" in msg
+    assert not (tmp_path / "out").exists()
 
 
 def test_generate_cli_speculates_and_says_so(sources, capsys):

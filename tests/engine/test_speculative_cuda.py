@@ -13,7 +13,12 @@ import copy
 
 import pytest
 import torch
-from test_speculative import PROMPT, _states_equal, check_device_steps
+from test_speculative import (
+    PROMPT,
+    _states_equal,
+    check_device_steps,
+    wide,  # noqa: F401  (a fixture)
+)
 from test_speculative import sources as mtp_sources  # noqa: F401  (a fixture, by this name)
 
 from edgerun.config import CacheConfig
@@ -108,6 +113,29 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(cuda_sources, setup, graphs,
         assert c.graph_steps + c.mixed_steps > 0 and "graphs" not in spec.fallbacks(), spec.fallbacks()
     else:
         assert c.graph_steps == c.mixed_steps == 0 and c.eager_steps > 0
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_streamed_windows_that_evict_keep_greedy_output(wide, k, graphs):  # noqa: F811
+    """16 experts at a quota of exactly a window's (top_k x (K + 1)): the routed decoder's windows
+    miss and evict inside a request (host-driven steps), and the output is plain greedy's."""
+
+    def load(spec=None):
+        return Runner.load(
+            wide, device="cuda", dtype=torch.bfloat16, cache=CacheConfig(2 * (k + 1)),
+            kernels=KernelPolicy(graphs=graphs, dense="triton"), speculative=spec,
+        )  # fmt: skip
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = load().generate_ids(PROMPT, params)
+    spec = load(SpeculativeConfig("mtp", k))
+    assert set(spec.decoder.modes.values()) == {"routed"}
+    events = list(spec.generate(spec.request(PROMPT, params)))
+    assert [e.token_id for e in events if e.token_id is not None] == want
+    totals = spec.cache.totals()
+    assert totals.evictions > 0, totals
+    assert events[-1].stats.speculative.device_steps == 0  # a miss's read is host work
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
