@@ -10,7 +10,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgerun.budget import inputs
-from edgerun.budget.planner import DTYPE_BYTES, ExpertSource, PlanOptions, plan, resident_bytes, runtime_dtype
+from edgerun.budget.planner import (
+    DTYPE_BYTES,
+    ExpertSource,
+    PlanOptions,
+    held_mtp_delta,
+    plan,
+    resident_bytes,
+    runtime_dtype,
+)
 from edgerun.budget.report import FORMATS, render
 from edgerun.bundle.dense_layout import DenseScheme, add_dense_arguments
 from edgerun.bundle.layout import QUANTS
@@ -231,7 +239,11 @@ def plan_for_bundle(
     if draft_tokens:
         model = inputs.with_mtp(model, draft_tokens)
         if resident is not None and A.MTP not in resident:  # the head loads after the re-plan
-            resident = {**resident, A.MTP: resident_bytes(model.specs, runtime_dtype(device))[A.MTP]}
+            width = dense_dtype or runtime_dtype(device)
+            head = resident_bytes(model.specs, width)[A.MTP]
+            if device.has_cuda:  # its routed experts held as blocks (engine/streaming.HeldExperts)
+                head += held_mtp_delta(model.specs, model.experts, width)
+            resident = {**resident, A.MTP: head}
     return plan(
         model.args,
         model.specs,
@@ -293,6 +305,7 @@ def plan_resident(
         cuda_graphs=device == "cuda",
         draft_tokens=draft_tokens,
         prefill_lanes=prefill_lanes,
+        mtp_held=False,  # a checkpoint loaded whole holds its head's experts stacked, as the model's
     )
     args = (src.args, src.specs, experts, device_profile, context, batch, options, None)
     whole = plan(*args, model_name=src.name, notes=src.notes)

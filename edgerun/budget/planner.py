@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the planner reads a trace's header and tokens; it never rea
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # what the runtime can hold weights and KV in
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (models/layers.py)
 RESIDENT_CATEGORIES = tuple(c for c in A.CATEGORIES if c != A.EXPERT)
+EXPERT_LEAVES = ("gate_up_proj", "down_proj")  # a layer's stacked routed experts
 
 UNIFIED_POOL = "unified"
 VRAM_POOL = "vram"
@@ -113,6 +114,10 @@ class PlanOptions:
     # the routed-expert kernel asked for (--expert-kernel; engine/policy.py): on a CPU device,
     # torch's kernels hold a repacked copy beside each int4 slot, the grouped C kernel none
     expert_kernel: str = "auto"
+    # the MTP head's routed experts (with its specs), on a CUDA device: held as expert blocks of the
+    # bundle's layout (a bundle served through the expert cache: engine/streaming.HeldExperts),
+    # else stacked
+    mtp_held: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +286,18 @@ def _resident(
         what = f"{' + '.join(sorted(schemes[cat]))} {'weights' if cat == A.LM_HEAD else 'linear weights'}"
         details[cat] = what + (f", the rest {dense_dtype}" if cat in plain else "")
     return nbytes, details
+
+
+def held_mtp_delta(specs: Sequence[TensorSpec], experts: ExpertSource, dense_dtype: str) -> int:
+    """What holding the MTP head's routed experts as expert blocks (``HeldExperts``: every expert a
+    block of the bundle's first MoE layer's size, its slot, and int4's two global scales) changes in its
+    resident bytes, against the stacked tensors its specs count; 0 without them."""
+    stacked = [s for s in specs if s.category == A.MTP and s.name.rsplit(".", 1)[-1] in EXPERT_LEAVES]
+    if not stacked or not experts.block_bytes:
+        return 0
+    E = stacked[0].shape[0]
+    held = E * (experts.block_bytes[0] + 8 + (8 if experts.quant == "int4" else 0))  # + its int64 slot
+    return held - sum(math.prod(s.shape) for s in stacked) * _dtype_bytes(dense_dtype, "dense_dtype")
 
 
 def static_capacity(total_len: int, max_context: int) -> int:
@@ -843,6 +860,10 @@ def plan(
     _dtype_bytes(options.dense_dtype, "dense_dtype")
     _dtype_bytes(options.kv_dtype, "kv_dtype")
     computed, details = _resident(specs, options.dense_dtype, options.dense)
+    delta = held_mtp_delta(specs, experts, options.dense_dtype) if options.mtp_held and device.has_cuda else 0
+    if delta:
+        computed[A.MTP] += delta
+        details[A.MTP] += f", its routed experts {experts.quant} blocks"
     res = dict(resident) if resident is not None else computed
     L, E, k = len(args.moe_layers), args.num_experts, args.num_experts_per_tok
     if len(experts.block_bytes) != L:

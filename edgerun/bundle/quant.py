@@ -173,9 +173,9 @@ def quantize_expert(
     layout: BlockLayout, gate_up: torch.Tensor, down: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert -> (block uint8 [block_bytes], global scales fp32 [2] for int4, else None).
-    Bytes between and after components are zero."""
-    block = torch.zeros(layout.block_bytes, dtype=torch.uint8)
-    gscales = torch.zeros(2, dtype=torch.float32) if layout.quant == "int4" else None
+    Bytes between and after components are zero. Computed on the weights' device."""
+    block = torch.zeros(layout.block_bytes, dtype=torch.uint8, device=gate_up.device)
+    gscales = torch.zeros(2, dtype=torch.float32, device=gate_up.device) if layout.quant == "int4" else None
 
     def put(name: str, t: torch.Tensor) -> None:
         c = layout.component(name)

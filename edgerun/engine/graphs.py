@@ -12,12 +12,14 @@ What a MoE layer's expert step needs decides its operations:
 
 - ``table``: every expert of the layer sits in a slot and the expert kernel reads slots through
   an index tensor: the slot lookup runs on the device, nothing leaves the graph. With every layer
-  so, a whole step is one graph.
+  so, a whole step is one graph. The MTP head's experts held as blocks (``HeldExperts``) run so
+  from their own pool.
 - ``routed``: the cache may miss. Host op: read the layer's top-k back, let the cache serve the
   misses (reads, copies), write the slot indices into a static tensor. The expert kernel then
   runs at the start of the next segment, reading slots through that tensor.
 - ``eager``: the reference expert step (host-side dequantization) runs between segments.
-- ``stacked``: resident stacked expert weights, gathered by id on the device (capturable).
+- ``stacked``: resident stacked expert weights, gathered by id on the device (capturable); the
+  held head's blocks through the expert kernel the policy resolved, where it is not Triton.
 
 The model math is the model's own (``DecoderLayer.mix_static``, ``SparseMoe``, ``Experts``) and
 the routed-expert step is ``engine/streaming.run_experts``, the one the streaming layer calls:
@@ -42,7 +44,7 @@ import torch
 from edgerun.budget.planner import PREFILL_GRAPH_TOKENS  # longer first chunks run eagerly
 from edgerun.cache.slots import SlotRef
 from edgerun.engine.sampler import NonFiniteLogits
-from edgerun.engine.streaming import StreamingExperts, lookup, run_experts
+from edgerun.engine.streaming import HeldExperts, StreamingExperts, lookup, run_experts
 from edgerun.errors import EdgerunError
 from edgerun.kernels.moe import add_into
 from edgerun.kernels.scratch import scratch_set
@@ -339,6 +341,10 @@ class DecodeGraphs:
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
+        experts = self.layers[i].mlp.experts
+        if isinstance(experts, HeldExperts):  # the MTP head's, held outside the cache
+            experts.run(self.h, buf.ids, buf.weights, self.policy.moe, into=self._into(i))
+            return
         # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
         # this segment (captured: checked at capture, and at replay nothing runs between the
         # lookup and the kernel)
@@ -564,7 +570,7 @@ class DecodeGraphs:
         """The hits of ``tokens`` tokens' expert steps in table mode, which ran on the device (a
         replayed graph keeps no books)."""
         for i, mode in self.modes.items():
-            if mode == "table":
+            if mode == "table" and isinstance(self.layers[i].mlp.experts, StreamingExperts):
                 self.cache.count_hits(i, tokens * self.args.num_experts_per_tok)
 
     def _run_eager(self) -> None:
@@ -652,6 +658,8 @@ def greedy_pick(token: int, chosen: float) -> int:
 def expert_mode(experts, policy) -> tuple[str, torch.Tensor | None]:
     """How a decode step runs a MoE layer's ``experts`` under the kernel ``policy`` (the module
     docstring's modes), with the device slot table in table mode."""
+    if isinstance(experts, HeldExperts):  # every expert held as a block: table mode on the Triton kernels
+        return ("table", experts.table) if policy.moe.impl == "triton" else ("stacked", None)
     if not isinstance(experts, StreamingExperts):
         return "stacked", None
     if policy.moe.impl != "triton" or experts.split is not None:  # CPU experts: host work

@@ -41,7 +41,7 @@ from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
 from edgerun.engine.spec_steps import SPEC_HEADROOM, SpecSteps, chain_unsupported
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, accept, draft_chooser
-from edgerun.engine.streaming import StreamingExperts
+from edgerun.engine.streaming import HeldExperts, StreamingExperts
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import MAX_GEMV_ROWS, DecodeState, SparseMoe, exact_rows, planes_cases
@@ -430,7 +430,7 @@ class Runner:
             self.model.gemv_cases(),
         )
         for module in self.model.modules():
-            if isinstance(module, StreamingExperts):
+            if isinstance(module, (StreamingExperts, HeldExperts)):
                 module.policy = self.kernels.moe
         if self.cache is not None and self.kernels.moe.impl == "cpu":
             self.cache.pack_held()  # layers that hold every expert: their CPU layout made at load
@@ -563,8 +563,22 @@ class Runner:
         else:
             entries = read_entries(model_dir)[0]
         dtype = self.model.model.embed_tokens.weight.dtype
-        report = load_mtp(self.model, self.args, entries, dtype, self.device, str(model_dir))
+        # on CUDA, a bundle served through the expert cache runs its experts from blocks: the
+        # head's too (``hold_mtp_experts``: a quarter of the bytes at int4), loaded on the host
+        # and quantized an expert at a time on the device, which never holds them stacked (the
+        # CPU keeps them stacked: quantizing Qwen3.6's 256 there would add about a minute to loading)
+        held = self.cache is not None and self.device.type == "cuda"
+        report = load_mtp(
+            self.model, self.args, entries, dtype, "cpu" if held else self.device, str(model_dir)
+        )
         self.load_summary += f"; MTP head {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB)"
+        if held:
+            from edgerun.engine.streaming import hold_mtp_experts
+
+            n = hold_mtp_experts(self.model, self.cache, self.kernels.moe, self.device)
+            self.model.mtp.to(self.device)
+            scheme = self.cache.bundle.manifest.quant.scheme
+            self.load_summary += f", its routed experts held as {scheme} blocks ({n / 2**20:.1f} MiB)"
 
     # ---- the decode path ----------------------------------------------------------------
 

@@ -214,6 +214,66 @@ class StreamingExperts(nn.Module):
             self.prefetcher.issue(self.layer)
 
 
+class HeldExperts(nn.Module):
+    """A MoE layer's routed experts held whole as expert blocks of a bundle's ``layout``, outside
+    the expert cache: the MTP head's on CUDA, which a bundle stores stacked in its dense part. Built from
+    the stacked ``Experts`` by the quantizer convert writes the model's blocks with (int4: a
+    quarter of bf16's bytes), then run by the cache's kernels over a slot table of every expert,
+    as a layer that holds all its experts runs (``table`` mode in a decode step)."""
+
+    def __init__(self, stacked: nn.Module, layout, device: torch.device, policy: MoeKernelPolicy = REFERENCE):
+        from edgerun.bundle.quant import quantize_expert
+
+        super().__init__()
+        E = stacked.gate_up_proj.shape[0]
+        self.layout, self.policy = layout, policy
+        pool = torch.empty(E, layout.block_bytes, dtype=torch.uint8, device=device)
+        self.register_buffer("pool", pool, persistent=False)
+        scales = torch.empty(E, 2, device=device) if layout.quant == "int4" else None
+        self.register_buffer("scales", scales, persistent=False)
+        for e in range(E):  # an expert at a time, on ``device``: never all of them unquantized there
+            w = (stacked.gate_up_proj[e], stacked.down_proj[e])
+            block, gscales = quantize_expert(layout, *(t.detach().to(device, torch.float32) for t in w))
+            pool[e] = block
+            if scales is not None:
+                scales[e] = gscales
+        self.register_buffer("table", torch.arange(E, dtype=torch.int64, device=device), persistent=False)
+        self.packed: dict = {}  # the CPU kernels' repacked slots (kernels/moe.moe_experts)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        policy: MoeKernelPolicy | None = None,
+        into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """x [N, D], ids / weights [N, A] -> [N, D] (or added into ``into``, see ``moe_experts``)."""
+        return moe_experts(
+            x, self.pool, ids, ids, weights, self.layout, self.scales, policy or self.policy,
+            table=self.table, into=into, packed=self.packed,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.run(x, ids, weights)
+
+    gathered = gathered_rows = forward  # a decode step's device op (engine/graphs stacked mode)
+
+
+def hold_mtp_experts(model, cache: ExpertCache, policy: MoeKernelPolicy, device: torch.device) -> int:
+    """The MTP head's routed experts, loaded stacked (on the host: the device never holds them
+    so), held instead as expert blocks of the bundle's layout (:class:`HeldExperts`) on
+    ``device``. Returns the bytes they hold there."""
+    held = 0
+    layout = cache.bundle.layouts[cache.bundle.args.moe_layers[0]]
+    for layer in model.mtp.layers:
+        if isinstance(layer.mlp, SparseMoe) and not isinstance(layer.mlp.experts, HeldExperts):
+            layer.mlp.experts = HeldExperts(layer.mlp.experts, layout, device, policy)
+        e = layer.mlp.experts
+        held += e.pool.nbytes + (e.scales.nbytes if e.scales is not None else 0)
+    return held
+
+
 def load_streaming_model(
     bundle_dir: str | Path,
     config,

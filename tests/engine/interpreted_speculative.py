@@ -25,6 +25,7 @@ from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.spec_steps import SpecSteps
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig
+from edgerun.engine.streaming import HeldExperts, hold_mtp_experts
 from edgerun.kernels.moe import MoeKernelPolicy
 from edgerun.models.layers import KVCache
 
@@ -65,6 +66,8 @@ def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved =
     )
     runner.kernels = policy
     runner.model.use_kernels(True)
+    if runner.cache is not None:  # a CUDA runner holds a bundle's head experts as blocks
+        hold_mtp_experts(runner.model, runner.cache, policy.moe, CPU)
     runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 32, runner.steps)
     return runner
 
@@ -231,6 +234,10 @@ def test_the_draft_step_drafts_what_the_heads_forward_drafts(sources):
     hidden = torch.randn(1, len(PROMPT) + 3, D, generator=g)
     with torch.inference_mode():
         step = runner.decoder.draft_step()
+        # a bundle's head holds its routed experts as blocks (HeldExperts), run by the table-mode kernel
+        assert isinstance(model.mtp.layers[0].mlp.experts, HeldExperts) and set(step.modes.values()) == {
+            "table"
+        }
         # greedy on the device (None), then chosen on the host from the logits, which are kept
         for choose in (None, lambda lg: int(torch.argmax(lg))):
             seq = [*PROMPT, 21]

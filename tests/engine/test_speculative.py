@@ -428,6 +428,55 @@ def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):
     assert not any(it.name == "speculative_state" for it in plain.items)
 
 
+@pytest.mark.parametrize("quant", ["int4", "bf16"])
+def test_a_streamed_bundles_head_holds_its_experts_as_blocks_and_the_plan_counts_them(sources, quant):
+    """On CUDA a bundle served through the expert cache holds the MTP head's routed experts as
+    blocks of its layout (``hold_mtp_experts``, run here on the CPU as the CUDA runner runs it),
+    quantized by convert's own quantizer: int4 a quarter of bf16's bytes. A CUDA profile's plan
+    counts the head's bytes so held, a CPU profile's (the CPU keeps them stacked) the stacked
+    bytes: each byte for byte the loaded head's."""
+    from edgerun.budget.cli import plan_for_bundle
+    from edgerun.bundle.quant import quantize_expert
+    from edgerun.engine.streaming import HeldExperts, hold_mtp_experts
+
+    spec = S.SpeculativeConfig("mtp", 2)
+    runner = Runner.load(
+        sources[quant], device="cpu", dtype=torch.bfloat16, cache=CacheConfig(6), speculative=spec
+    )
+    stacked = runner.model.mtp.layers[0].mlp.experts
+    assert not isinstance(stacked, HeldExperts)  # the CPU's
+
+    def head_bytes() -> int:
+        return sum(t.nbytes for t in [*runner.model.mtp.parameters(), *runner.model.mtp.buffers()])
+
+    def planned(profile: str) -> int:
+        p = plan_for_bundle(sources[quant], profile, 64, draft_tokens=2, dense_dtype="bf16")
+        return next(it for it in p.items if it.name == "mtp")
+
+    assert planned("configs/cpu.yaml").nbytes == head_bytes()
+    n = hold_mtp_experts(runner.model, runner.cache, runner.kernels.moe, torch.device("cpu"))
+    held = runner.model.mtp.layers[0].mlp.experts
+    assert isinstance(held, HeldExperts) and n == held.pool.nbytes + (
+        0 if held.scales is None else held.scales.nbytes
+    )
+    layout = runner.cache.bundle.layouts[runner.args.moe_layers[0]]
+    for e in (0, 5):
+        block, scales = quantize_expert(layout, stacked.gate_up_proj[e].float(), stacked.down_proj[e].float())
+        assert torch.equal(held.pool[e], block)
+        assert (held.scales is None) == (scales is None) and (
+            scales is None or torch.equal(held.scales[e], scales)
+        )
+    item = planned("configs/rtx5070.yaml")
+    assert item.nbytes == head_bytes(), (item, head_bytes())
+    if quant == "int4":
+        assert "routed experts int4 blocks" in item.detail and held.pool.nbytes < stacked.gate_up_proj.nbytes
+    # the drafts it makes still leave greedy output plain greedy's
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    events = list(runner.generate(runner.request(PROMPT, params)))
+    runner.speculative = None
+    assert [e.token_id for e in events if e.token_id is not None] == runner.generate_ids(PROMPT, params)
+
+
 def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
     """generate / serve with --profile and a checkpoint held whole (the demo): the plan holds the
     MTP head and speculative decoding's state only with --speculative, as the bundle's plan does."""

@@ -26,6 +26,7 @@ from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.speculative import SpeculativeConfig
+from edgerun.engine.streaming import HeldExperts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
 # (source, quota, the decoder's expert step): 6 experts, top 2; quota 4 holds a 2-row window's
@@ -98,6 +99,8 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(cuda_sources, setup, graphs,
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = _load(cuda_sources, setup, graphs).generate_ids(PROMPT, params)
     spec = _load(cuda_sources, setup, graphs, k)
+    # a bundle through the expert cache holds its head's experts as blocks (stacked: a checkpoint's)
+    assert isinstance(spec.model.mtp.layers[0].mlp.experts, HeldExperts) == (setup != "stacked")
     for _ in range(2):  # the second request replays what the first captured
         events = list(spec.generate(spec.request(PROMPT, params)))
         got = [e.token_id for e in events if e.token_id is not None]
