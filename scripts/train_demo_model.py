@@ -4,7 +4,8 @@ The exact recipe behind ``edgerun/demo`` (docs/demo-model.md records the run):
 
     python scripts/prepare_demo_data.py --heldout-slice tests/data/kjv_heldout.txt
     python scripts/train_demo_model.py --out OUT --steps 1441 --dropout 0.2   # the shipped weights
-    python scripts/train_demo_model.py --mtp-from OUT --out DEMO --steps 300  # + the MTP head
+    python scripts/train_demo_model.py --mtp-from OUT --out DEMO --steps 2500 --batch-size 16 \
+        --warmup 100 --eval-every 250 --mtp-tokens 262144 --mtp-generated 2048  # + the MTP head
 
 Training uses Hugging Face ``transformers`` (``Qwen3_5MoeForCausalLM``); the edgerun runtime never
 imports it. Recipe: random windows of ``--seq-len`` + 1 tokens from the packed train split
@@ -25,8 +26,12 @@ checkpoints; edgerun's ``models/base.py`` MtpHead) on the frozen model in DIR, o
 (windows of ``--seq-len``) are computed once; the head maps (embedding of t_{p+1}, h_p) to a
 prediction of t_{p+2} and is trained to match the frozen model's own distribution there (soft
 cross-entropy against softmax(lm_head(h_{p+1}))): what a draft must match to be accepted. Its
-decoder layer starts as a copy of DIR's last full-attention layer. DIR's files are copied to
-``--out`` with the head's tensors added (bf16) and ``mtp_num_hidden_layers`` 1 in config.json.
+decoder layer starts as a copy of DIR's last full-attention layer (``--mtp-init``: DIR's own
+head). ``--mtp-generated N`` adds N windows of the frozen model's own greedy continuations (each
+after ``--mtp-prompt`` tokens from a random place in the train split): the text a speculative
+request verifies, where the head is scored too ("on greedy continuations", from validation
+prompts). DIR's files are copied to ``--out`` with the head's tensors added (bf16) and
+``mtp_num_hidden_layers`` 1 in config.json.
 """
 
 from __future__ import annotations
@@ -215,6 +220,26 @@ class MtpHead(torch.nn.Module):
 
 
 @torch.no_grad()
+def greedy_windows(
+    model, tokens: torch.Tensor, n: int, prompt: int, seq_len: int, gen, batch: int = 64
+) -> torch.Tensor:
+    """``n`` windows [n, seq_len] of the frozen model's own greedy continuations: each starts with
+    ``prompt`` tokens from a random place in ``tokens`` (``gen``), the rest is what greedy decoding
+    writes after them: the text a speculative request verifies."""
+    starts = torch.randint(0, len(tokens) - prompt, (n,), generator=gen)
+    prompts = torch.stack([tokens[s : s + prompt] for s in starts.tolist()])
+    out = []
+    for i in range(0, n, batch):
+        p = prompts[i : i + batch]
+        seqs = model.generate(
+            p, attention_mask=torch.ones_like(p), max_new_tokens=seq_len - prompt, min_new_tokens=seq_len - prompt,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        out.append(seqs[:, :seq_len])
+    return torch.cat(out)
+
+
+@torch.no_grad()
 def frozen_hidden(model, tokens: torch.Tensor, seq_len: int, batch: int = 16) -> torch.Tensor:
     """The frozen model's final normed hidden states [W, L, D] (bf16) over non-overlapping windows
     [W, L] of ``tokens``."""
@@ -263,33 +288,66 @@ def train_mtp(args) -> None:
     train, val = (load_tokens(tok, args.data / f"{s}.txt") for s in ("train", "val"))
     full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
     head = MtpHead(config, model.model.layers[full[-1]])
+    if args.mtp_init:  # go on from the head DIR ships
+        import safetensors.torch as st
+
+        shipped = st.load_file(str(args.mtp_from / "model.safetensors"))
+        own = {n[len("mtp.") :]: t.float() for n, t in shipped.items() if n.startswith("mtp.")}
+        if not own:
+            raise SystemExit(f"--mtp-init: {args.mtp_from / 'model.safetensors'} has no mtp.* tensors")
+        head.load_state_dict(own)
+        log(f"head initialised from the {len(own)} mtp.* tensors of {args.mtp_from}")
     n_params = sum(p.numel() for p in head.parameters())
     log(f"MTP head params: {n_params} ({n_params / 1e6:.2f} M), from layer {full[-1]}")
 
     L = args.seq_len
     tr_tokens = train[: args.mtp_tokens]
-    tr_hidden, va_hidden = frozen_hidden(model, tr_tokens, L), frozen_hidden(model, val, L)
-    tr_windows = tr_tokens[: tr_hidden.shape[0] * L].view(-1, L)
-    va_windows = val[: va_hidden.shape[0] * L].view(-1, L)
+    tr_windows = tr_tokens[: len(tr_tokens) // L * L].view(-1, L)
+    va_windows = val[: len(val) // L * L].view(-1, L)
+    gen_va = None
+    if args.mtp_generated:
+        g = torch.Generator().manual_seed(args.seed + 1)
+        gen_tr = greedy_windows(model, train, args.mtp_generated, args.mtp_prompt, L, g)
+        gen_va = greedy_windows(model, val, max(32, args.mtp_generated // 16), args.mtp_prompt, L, g)
+        tr_windows = torch.cat([tr_windows, gen_tr])
+        log(
+            f"greedy continuations: train {tuple(gen_tr.shape)}, val {tuple(gen_va.shape)}, {time.time() - t0:.0f}s"
+        )
+    tr_hidden, va_hidden = (
+        frozen_hidden(model, tr_windows.flatten(), L),
+        frozen_hidden(model, va_windows.flatten(), L),
+    )
+    gen_va_hidden = None if gen_va is None else frozen_hidden(model, gen_va.flatten(), L)
     log(
         f"frozen hidden states: train {tuple(tr_hidden.shape)}, val {tuple(va_hidden.shape)}, {time.time() - t0:.0f}s"
     )
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate() -> tuple[float, float, float | None]:
+        """Validation: loss and top-1 agreement on the text, and the agreement on the frozen
+        model's greedy continuations of validation prompts (None without ``--mtp-generated``)."""
+
+        def over(windows, hidden):
+            parts = [
+                mtp_loss(model, head, windows[i : i + 16], hidden[i : i + 16])
+                for i in range(0, len(windows), 16)
+            ]
+            return sum(float(p[0]) for p in parts) / len(parts), sum(p[1] for p in parts) / len(parts)
+
         head.eval()
         with torch.no_grad():
-            parts = [
-                mtp_loss(model, head, va_windows[i : i + 16], va_hidden[i : i + 16])
-                for i in range(0, len(va_windows), 16)
-            ]
+            v, a = over(va_windows, va_hidden)
+            g = None if gen_va is None else over(gen_va, gen_va_hidden)[1]
         head.train()
-        return sum(float(p[0]) for p in parts) / len(parts), sum(p[1] for p in parts) / len(parts)
+        return v, a, g
+
+    def shown(g) -> str:
+        return "" if g is None else f", on greedy continuations {g:.3f}"
 
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed)
     total = args.steps
-    v, a = evaluate()
-    log(f"step 0: val loss {v:.4f} top-1 agreement {a:.3f}")
+    v, a, g = evaluate()
+    log(f"step 0: val loss {v:.4f} top-1 agreement {a:.3f}{shown(g)}")
     for step in range(1, total + 1):
         idx = torch.randint(0, len(tr_windows), (args.batch_size,), generator=gen)
         for group in opt.param_groups:
@@ -302,11 +360,11 @@ def train_mtp(args) -> None:
         if step % 25 == 0 or step == 1:
             log(f"step {step}/{total} loss {loss.item():.4f} agree {agree:.3f} {time.time() - t0:.0f}s")
         if step % args.eval_every == 0 or step == total:
-            v, a = evaluate()
-            log(f"eval step {step}: val loss {v:.4f} top-1 agreement {a:.3f}")
+            v, a, g = evaluate()
+            log(f"eval step {step}: val loss {v:.4f} top-1 agreement {a:.3f}{shown(g)}")
     head.load_state_dict({n: t.bfloat16().float() for n, t in head.state_dict().items()})
-    v, a = evaluate()
-    log(f"final (bf16 weights, fp32 eval): val loss {v:.4f} top-1 agreement {a:.3f}")
+    v, a, g = evaluate()
+    log(f"final (bf16 weights, fp32 eval): val loss {v:.4f} top-1 agreement {a:.3f}{shown(g)}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     for f in args.mtp_from.iterdir():
@@ -324,6 +382,7 @@ def train_mtp(args) -> None:
         "mtp_params": n_params,
         "mtp_val_loss": v,
         "mtp_val_top1_agreement": a,
+        "mtp_val_greedy_agreement": g,
         "total_seconds": time.time() - t0,
         "torch": torch.__version__,
         "transformers": tf.__version__,
@@ -354,6 +413,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a CPU smoke test")
     ap.add_argument("--mtp-from", type=Path, help="train only an MTP head on the frozen model in this dir")
     ap.add_argument("--mtp-tokens", type=int, default=393216, help="train tokens the MTP head sees")
+    ap.add_argument(
+        "--mtp-generated", type=int, default=0,
+        help="also train on this many windows of the frozen model's own greedy continuations",
+    )  # fmt: skip
+    ap.add_argument("--mtp-prompt", type=int, default=32, help="--mtp-generated: prompt tokens a window")
+    ap.add_argument("--mtp-init", action="store_true", help="start from the MTP head --mtp-from ships")
     args = ap.parse_args()
     if args.mtp_from:
         if not args.steps:
