@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP head against plain decoding, on this machine's CPU or GPU.
 
     edgerun bench speculative [--model DIR] [--draft-tokens 1,2,3] [--max-tokens 96] [--repeats 5]
-                              [--device cpu|cuda] [--graphs auto|on|off]
+                              [--device cpu|cuda] [--graphs auto|on|off] [--quota Q]
 
 One runner decodes plainly, one per K speculatively (``--speculative mtp --draft-tokens K``),
 same model, same threads. Each repeat runs every configuration over the same prompts, in turn
@@ -12,6 +12,10 @@ range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens pe
 and the speed-up: the median rate over plain decoding's median rate in the same run. On CUDA
 (``--device cuda``) both decode through the decode step's kernels, replayed from CUDA graphs
 (``--graphs``), a verify window of K + 1 rows as one step (``engine/graphs.DecodeGraphs.verify``).
+A bundle's experts are dequantized into resident stacked tensors, as ``generate`` holds a bundle
+without ``--quota`` or ``--profile``; with ``--quota Q`` they run from the expert cache's slots,
+Q a layer, as ``serve`` runs a bundle (every expert: the table-mode kernels, and on CUDA the MTP
+head's experts held as blocks too).
 
 Greedy output must equal plain greedy's token for token: a configuration whose tokens differ
 prints no rate (``MISMATCH``). Sampled output is not compared (drafting draws from the
@@ -113,18 +117,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as generate picks)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to decode (default cpu)")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="CUDA graphs (cuda only)")
+    p.add_argument(
+        "--quota", type=int, default=None,
+        help="a bundle's experts through the expert cache, this many slots a layer (default: resident stacked)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args(argv)
 
+    from edgerun.config import CacheConfig
     from edgerun.engine.sampler import SamplingParams
     from edgerun.engine.setup import runtime
     from edgerun.engine.speculative import SpeculativeConfig
 
     rt = runtime(ns.device, threads=ns.threads, graphs=ns.graphs)
-    plain = rt.load(ns.model, progress=False)
+
+    def load(spec=None):
+        cache = CacheConfig(ns.quota) if ns.quota else None
+        return rt.load(ns.model, progress=False, cache=cache, speculative=spec)
+
+    plain = load()
     runners = {"plain": plain}
     for k in ns.draft_tokens:
-        runners[f"MTP K={k}"] = rt.load(ns.model, progress=False, speculative=SpeculativeConfig("mtp", k))
+        runners[f"MTP K={k}"] = load(SpeculativeConfig("mtp", k))
     if plain.tokenizer is None:
         raise SystemExit(f"{ns.model}: no tokenizer.json to encode the prompts with")
     prompts = [plain.tokenizer.encode(t) for t in PROMPTS[: ns.prompts]]
@@ -148,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "max_tokens": ns.max_tokens,
         "repeats": ns.repeats,
+        "quota": ns.quota,
         "row_step_ms": {name: r.row_step_s * 1e3 for name, r in runners.items() if r.speculative},
         "modes": {},
     }

@@ -48,7 +48,15 @@ from edgerun.engine.streaming import HeldExperts, StreamingExperts, lookup, run_
 from edgerun.errors import EdgerunError
 from edgerun.kernels.moe import add_into
 from edgerun.kernels.scratch import scratch_set
-from edgerun.models.layers import DecodeState, DeltaState, SparseMoe, StaticStep, exact_rows, verify_window
+from edgerun.models.layers import (
+    DecodeState,
+    DeltaState,
+    SparseMoe,
+    StaticStep,
+    draft_rows,
+    exact_rows,
+    verify_window,
+)
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # decode steps between two moves of a far tier's device slots toward its most used experts
@@ -220,6 +228,8 @@ class DecodeGraphs:
             buf = self.moe[i]
             buf.predicted, buf.predicted_weights = torch.zeros_like(buf.ids), torch.zeros_like(buf.weights)
         self.ops = self._plan()
+        if head is not None and self.rows > 1:  # the MTP head's windows: every projection a GEMV
+            self.ops = [(kind, _in_draft_rows(fn)) for kind, fn in self.ops]
         self._segments: list | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.counters = counters or DecodeCounters()
@@ -636,6 +646,16 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def _in_draft_rows(fn):
+    """``fn`` run within ``draft_rows`` (models/layers.py)."""
+
+    def run() -> None:
+        with draft_rows():
+            fn()
+
+    return run
 
 
 def window_trail(state: DecodeState, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

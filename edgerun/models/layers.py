@@ -43,6 +43,21 @@ def exact_rows():
         EXACT_ROWS.reset(token)
 
 
+# set over the MTP head's windows of rows: their drafts decide what is verified, never what is
+# emitted, so a projection of a few rows takes the GEMV whatever its scheme (a plain weight's
+# rows too, which GEMV_ROWS keeps to 2 elsewhere), its rows in one pass
+DRAFT_ROWS: ContextVar[bool] = ContextVar("edgerun_draft_rows", default=False)
+
+
+@contextmanager
+def draft_rows():
+    token = DRAFT_ROWS.set(True)
+    try:
+        yield
+    finally:
+        DRAFT_ROWS.reset(token)
+
+
 # set within a speculative verify window only (not a batch's step): a streamed layer counts the
 # union of the window's experts (``edgerun_verify_window_experts_total``)
 VERIFY_WINDOW: ContextVar[bool] = ContextVar("edgerun_verify_window", default=False)
@@ -171,7 +186,7 @@ class QLinear(nn.Module):
         # within exact_rows every row count a GEMV takes runs it, its rows in one pass where
         # ``shared_rows`` was probed equal to the rows alone, else each row by programs of its
         # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call
-        limit = MAX_GEMV_ROWS if exact else GEMV_ROWS[self.scheme]
+        limit = MAX_GEMV_ROWS if exact or DRAFT_ROWS.get() else GEMV_ROWS[self.scheme]
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a

@@ -401,6 +401,13 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
         assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] and r["speedup"] > 0
         assert r["min"] <= r["median"] <= r["max"]
     assert "| greedy | MTP K=3 |" in capsys.readouterr().out
+    # a bundle through the expert cache (every expert held: as serve runs it)
+    argv = ["--model", str(sources["int4"]), "--draft-tokens", "2", "--max-tokens", "8", "--quota", "6"]
+    assert (
+        main([*argv, "--repeats", "1", "--prompts", "1", "--temperature", "0", "--out", str(tmp_path)]) == 0
+    )
+    result = json.loads((tmp_path / "speculative.json").read_text())
+    assert result["quota"] == 6 and all(r["identical"] for r in result["modes"]["greedy"])
 
 
 def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):
