@@ -214,9 +214,9 @@ class MtpHead(torch.nn.Module):
         self.layers = torch.nn.ModuleList([layer])
         self.norm = M.Qwen3_5MoeRMSNorm(D, eps=config.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope, mask=None) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        return self.norm(self.layers[0](x, position_embeddings=rope))
+        return self.norm(self.layers[0](x, attention_mask=mask, position_embeddings=rope))
 
 
 @torch.no_grad()
@@ -253,19 +253,47 @@ def frozen_hidden(model, tokens: torch.Tensor, seq_len: int, batch: int = 16) ->
     )
 
 
-def mtp_loss(model, head, windows: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+def second_draft_mask(first: int, second: int) -> torch.Tensor:
+    """bool [T, T] (T = first + second), query by key: the ``first`` rows (first drafts at
+    positions 0..first-1) causal among themselves; second-draft row r (at position r + 1) sees the
+    first drafts 0..r, what the head's state holds when it drafts there, and itself."""
+    i = torch.arange(first + second)
+    is_first, row = i < first, torch.where(i < first, i, i - first)
+    return (is_first[None, :] & (row[None, :] <= row[:, None])) | (i[None, :] == i[:, None])
+
+
+def mtp_loss(
+    model, head, windows: torch.Tensor, hidden: torch.Tensor, chain: float = 0.0
+) -> tuple[torch.Tensor, float]:
     """Soft cross-entropy of the head's predictions of t_{p+2} (from t_{p+1} and h_p, p = 0..L-2)
     against the frozen model's distribution there, and the top-1 agreement (greedy acceptance of
-    a first draft)."""
+    a first draft). ``chain`` > 0 adds that weight x the same loss of a second draft, as drafting
+    K > 1 runs it: the head fed its own output g_p with t_{p+2} at position p + 1, attending to
+    the first drafts' positions up to p (what the head's state holds then) and itself,
+    predicting t_{p+3}."""
     h = hidden.float()
+    B, L = windows.shape
     emb = model.model.embed_tokens(windows[:, 1:])
-    pos = torch.arange(windows.shape[1] - 1)[None].expand(windows.shape[0], -1)
+    pos = torch.arange(L - 1)[None].expand(B, -1)
     rope = model.model.rotary_emb(emb, pos)
-    logits = model.lm_head(head(emb, h[:, :-1], rope))
+    g = head(emb, h[:, :-1], rope)
+    logits = model.lm_head(g)
     with torch.no_grad():
         target = model.lm_head(h[:, 1:])
     loss = -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
     agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+    if chain > 0:
+        n = L - 2  # second drafts at positions 1..L-2, from g_0..g_{L-3}
+        both_e = torch.cat([emb, model.model.embed_tokens(windows[:, 2:])], 1)
+        both_h = torch.cat([h[:, :-1], g[:, :n]], 1)
+        pos2 = torch.cat([pos, pos[:, :n] + 1], 1)
+        see = second_draft_mask(L - 1, n)
+        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None].expand(B, 1, -1, -1)
+        out = head(both_e, both_h, model.model.rotary_emb(both_e, pos2), mask)[:, L - 1 :]
+        logits2 = model.lm_head(out)
+        with torch.no_grad():
+            target2 = model.lm_head(h[:, 2:])
+        loss = loss + chain * -(torch.softmax(target2, -1) * torch.log_softmax(logits2, -1)).sum(-1).mean()
     return loss, agree
 
 
@@ -352,7 +380,7 @@ def train_mtp(args) -> None:
         idx = torch.randint(0, len(tr_windows), (args.batch_size,), generator=gen)
         for group in opt.param_groups:
             group["lr"] = lr_at(step - 1, total, args)
-        loss, agree = mtp_loss(model, head, tr_windows[idx], tr_hidden[idx])
+        loss, agree = mtp_loss(model, head, tr_windows[idx], tr_hidden[idx], args.mtp_chain)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
         opt.step()
@@ -419,6 +447,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--mtp-prompt", type=int, default=32, help="--mtp-generated: prompt tokens a window")
     ap.add_argument("--mtp-init", action="store_true", help="start from the MTP head --mtp-from ships")
+    ap.add_argument("--mtp-chain", type=float, default=0.0, help="weight of a second draft's loss (K > 1)")
     args = ap.parse_args()
     if args.mtp_from:
         if not args.steps:

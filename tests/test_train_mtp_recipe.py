@@ -1,6 +1,8 @@
 """scripts/train_demo_model.py --mtp-from, the MTP head's recipe, at a toy size (a few seconds on
-the CPU): it trains the head on text and on the frozen model's own greedy continuations, scores
-both, and writes the model's weights back unchanged beside the new head."""
+the CPU): it trains the head on text and on the frozen model's own greedy continuations (and
+with ``--mtp-chain`` on second drafts, the head fed its own output), scores both, and writes the
+model's weights back unchanged beside the new head. (That the second drafts' attention mask is
+the drafting's is checked below against the head run incrementally.)"""
 
 import re
 import subprocess
@@ -37,7 +39,7 @@ def _agreement(log: str, step: str) -> float:
 
 
 def test_the_mtp_recipe_trains_on_greedy_continuations_and_keeps_the_models_weights(tmp_path):
-    log, out = _train(tmp_path, "--mtp-init")
+    log, out = _train(tmp_path, "--mtp-init", "--mtp-chain", "1")  # second drafts' loss too
     assert "greedy continuations: train (8, 32), val (32, 32)" in log
     # --mtp-init starts from the shipped head: it already agrees with the model far above chance
     assert _agreement(log, "step 0:") > 0.5
@@ -52,3 +54,40 @@ def test_the_mtp_recipe_trains_on_greedy_continuations_and_keeps_the_models_weig
 def test_without_init_the_head_starts_untrained(tmp_path):
     log, _ = _train(tmp_path)
     assert _agreement(log, "step 0:") < 0.1  # fc random: about chance over a 4096-token vocabulary
+
+
+def test_the_second_drafts_mask_is_drafting_one_position_at_a_time():
+    """The loss's one masked pass over [first drafts; second drafts] gives each second draft what
+    the head computes drafting it incrementally (its first drafts' positions, then itself): equal
+    within fp32 rounding (the same sums in another order: 1e-5 of values of order 1)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_demo_model as T
+    import transformers as tf
+
+    m = tf.Qwen3_5MoeForCausalLM.from_pretrained(str(DEMO), dtype=torch.float32).eval()
+    m.set_experts_implementation("eager")
+    full = [i for i, t in enumerate(m.config.layer_types) if t == "full_attention"]
+    head = T.MtpHead(m.config, m.model.layers[full[-1]]).eval()
+    win = torch.randint(5, 4000, (2, 10), generator=torch.Generator().manual_seed(0))
+    B, L = win.shape
+    n = L - 2
+    with torch.no_grad():
+        h = m.model(input_ids=win).last_hidden_state
+        emb = m.model.embed_tokens(win[:, 1:])
+        pos = torch.arange(L - 1)[None].expand(B, -1)
+        g = head(emb, h[:, :-1], m.model.rotary_emb(emb, pos))
+        both_e = torch.cat([emb, m.model.embed_tokens(win[:, 2:])], 1)
+        pos2 = torch.cat([pos, pos[:, :n] + 1], 1)
+        see = T.second_draft_mask(L - 1, n)
+        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None].expand(B, 1, -1, -1)
+        out = head(both_e, torch.cat([h[:, :-1], g[:, :n]], 1), m.model.rotary_emb(both_e, pos2), mask)
+        assert torch.allclose(out[:, : L - 1], g, atol=1e-5)
+        for r in range(n):
+            e = torch.cat([emb[:, : r + 1], m.model.embed_tokens(win[:, r + 2 : r + 3])], 1)
+            hh = torch.cat([h[:, : r + 1], g[:, r : r + 1]], 1)
+            o = head(e, hh, m.model.rotary_emb(e, torch.arange(r + 2)[None].expand(B, -1)))[:, -1]
+            assert torch.allclose(o, out[:, L - 1 + r], atol=1e-5), r
+        wrong = torch.ones_like(see).tril()  # plain causal over the concatenation: not the drafting
+        bad = torch.zeros(see.shape).masked_fill(~wrong, float("-inf"))[None, None].expand(B, 1, -1, -1)
+        out_bad = head(both_e, torch.cat([h[:, :-1], g[:, :n]], 1), m.model.rotary_emb(both_e, pos2), bad)
+        assert not torch.allclose(out_bad[:, L - 1 :], out[:, L - 1 :], atol=1e-3)
