@@ -546,9 +546,10 @@ class Runner:
         runner.provider = report.provider
         runner.cache = expert_cache
         runner.load_fallbacks = unchecked
+        if speculative is not None:  # before the kernels are chosen: probed and selected with the model's
+            runner._load_mtp(model_dir, providers)
         runner.set_kernels(kernels or KernelPolicy())
         if speculative is not None:
-            runner._load_mtp(model_dir, providers)
             runner.enable_speculative(speculative)
         return runner
 
@@ -573,9 +574,11 @@ class Runner:
         )
         self.load_summary += f"; MTP head {report.tensors} tensors ({report.bytes / 2**20:.1f} MiB)"
         if held:
-            from edgerun.engine.streaming import hold_mtp_experts
+            from edgerun.engine.streaming import REFERENCE, hold_mtp_experts
 
-            n = hold_mtp_experts(self.model, self.cache, self.kernels.moe, self.device)
+            n = hold_mtp_experts(
+                self.model, self.cache, REFERENCE, self.device
+            )  # set_kernels picks the kernel
             self.model.mtp.to(self.device)
             scheme = self.cache.bundle.manifest.quant.scheme
             self.load_summary += f", its routed experts held as {scheme} blocks ({n / 2**20:.1f} MiB)"

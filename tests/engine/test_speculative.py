@@ -484,6 +484,29 @@ def test_a_streamed_bundles_head_holds_its_experts_as_blocks_and_the_plan_counts
     assert [e.token_id for e in events if e.token_id is not None] == runner.generate_ids(PROMPT, params)
 
 
+def test_the_kernels_are_chosen_with_the_mtp_head_loaded(sources, monkeypatch):
+    """The head loads before the kernel policy is resolved: the dense probe's cases include its
+    projections (fc reads 2 x hidden), and the GEMV the policy selects is the head's too (it ran
+    torch's reference on CUDA while loaded after: about 78 launches a draft step)."""
+    import edgerun.engine.runner as R
+    from edgerun.engine.policy import Resolved
+    from edgerun.kernels.moe import MoeKernelPolicy
+    from edgerun.models.layers import QLinear
+
+    cases = []
+
+    def resolve(request, device, layouts=(), top_k=8, args=None, dtype=None, gemv=()):
+        cases.extend(gemv)
+        return Resolved(MoeKernelPolicy(), graphs=False, dense="triton")  # as a GPU's probes choose
+
+    monkeypatch.setattr(R, "resolve", resolve)
+    monkeypatch.setattr(Runner, "enable_speculative", lambda self, config: None)  # its probes run kernels
+    runner = Runner.load(sources["int4"], device="cpu", cache=CacheConfig(6), speculative=MTP)
+    head = [m for m in runner.model.mtp.modules() if isinstance(m, QLinear)]
+    assert head and all(m.gemv for m in head)
+    assert (runner.model.mtp.fc.scheme, runner.model.mtp.fc.in_features) in {(c[0], c[2]) for c in cases}
+
+
 def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
     """generate / serve with --profile and a checkpoint held whole (the demo): the plan holds the
     MTP head and speculative decoding's state only with --speculative, as the bundle's plan does."""
