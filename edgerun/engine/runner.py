@@ -576,9 +576,8 @@ class Runner:
         if held:
             from edgerun.engine.streaming import REFERENCE, hold_mtp_experts
 
-            n = hold_mtp_experts(
-                self.model, self.cache, REFERENCE, self.device
-            )  # set_kernels picks the kernel
+            # the reference kernel until set_kernels hands every expert step the resolved one
+            n = hold_mtp_experts(self.model, self.cache, REFERENCE, self.device)
             self.model.mtp.to(self.device)
             scheme = self.cache.bundle.manifest.quant.scheme
             self.load_summary += f", its routed experts held as {scheme} blocks ({n / 2**20:.1f} MiB)"

@@ -216,10 +216,10 @@ class StreamingExperts(nn.Module):
 
 class HeldExperts(nn.Module):
     """A MoE layer's routed experts held whole as expert blocks of a bundle's ``layout``, outside
-    the expert cache: the MTP head's on CUDA, which a bundle stores stacked in its dense part. Built from
-    the stacked ``Experts`` by the quantizer convert writes the model's blocks with (int4: a
-    quarter of bf16's bytes), then run by the cache's kernels over a slot table of every expert,
-    as a layer that holds all its experts runs (``table`` mode in a decode step)."""
+    the expert cache: the MTP head's on CUDA, which a bundle stores stacked in its dense part.
+    Built from the stacked ``Experts`` by the quantizer convert writes the model's blocks with
+    (int4: a quarter of bf16's bytes), then run by the cache's kernels over a slot table of every
+    expert, as a layer that holds all its experts runs (``table`` mode in a decode step)."""
 
     def __init__(self, stacked: nn.Module, layout, device: torch.device, policy: MoeKernelPolicy = REFERENCE):
         from edgerun.bundle.quant import quantize_expert

@@ -51,6 +51,7 @@ DRAFT_ROWS: ContextVar[bool] = ContextVar("edgerun_draft_rows", default=False)
 
 @contextmanager
 def draft_rows():
+    """Within the block, a projection of at most MAX_GEMV_ROWS rows runs the GEMV (``DRAFT_ROWS``)."""
     token = DRAFT_ROWS.set(True)
     try:
         yield
