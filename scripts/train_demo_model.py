@@ -4,8 +4,11 @@ The exact recipe behind ``edgerun/demo`` (docs/demo-model.md records the run):
 
     python scripts/prepare_demo_data.py --heldout-slice tests/data/kjv_heldout.txt
     python scripts/train_demo_model.py --out OUT --steps 1441 --dropout 0.2   # the shipped weights
-    python scripts/train_demo_model.py --mtp-from OUT --out DEMO --steps 2500 --batch-size 16 \
+    python scripts/train_demo_model.py --mtp-from OUT --out HEAD --steps 2500 --batch-size 16 \
         --warmup 100 --eval-every 250 --mtp-tokens 262144 --mtp-generated 2048  # + the MTP head
+    python scripts/train_demo_model.py --mtp-from HEAD --out DEMO --mtp-init --steps 1000 \
+        --batch-size 16 --lr 1e-3 --warmup 50 --eval-every 250 --mtp-tokens 262144 \
+        --mtp-generated 2048 --mtp-chain 1  # its second drafts
 
 Training uses Hugging Face ``transformers`` (``Qwen3_5MoeForCausalLM``); the edgerun runtime never
 imports it. Recipe: random windows of ``--seq-len`` + 1 tokens from the packed train split
