@@ -135,6 +135,16 @@ class StackedEntry:
         return sum(e.nbytes for e in self.pieces)
 
 
+def missing_experts(prefix: str, parts: dict[tuple[int, str], TensorEntry], E: int) -> str | None:
+    """The problem of per-expert tensors under ``prefix`` that lack some of E experts' gate / up /
+    down (the first missing named, and how many more), or None."""
+    missing = [f"{prefix}.{x}.{p}.weight" for x in range(E) for p in PARTS if (x, p) not in parts]
+    if not missing:
+        return None
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return f"missing tensor {missing[0]!r}{more}"
+
+
 def stacked_mtp_experts(
     prefix: str, parts: dict[tuple[int, str], TensorEntry], E: int, I: int, D: int, problems: list[str]
 ) -> dict[str, StackedEntry]:
@@ -148,10 +158,9 @@ def stacked_mtp_experts(
         elif tuple(e.shape) != ((D, I) if part == "down_proj" else (I, D)):
             want = [D, I] if part == "down_proj" else [I, D]
             problems.append(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, expected {want}")
-    missing = [f"{prefix}.{x}.{p}.weight" for x in range(E) for p in PARTS if (x, p) not in parts]
+    missing = missing_experts(prefix, parts, E)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        problems.append(f"missing tensor {missing[0]!r}{more}")
+        problems.append(missing)
     dtypes = sorted({e.dtype for e in parts.values()})
     if len(dtypes) > 1:
         problems.append(f"{prefix}.*: the MTP head's experts mix dtypes {', '.join(dtypes)}; expected one")
@@ -386,10 +395,9 @@ def plan_conversion(
             experts.append(ExpertSource(layer, (f["gate_up_proj"], f["down_proj"]), None))
         elif prefix in cp.per_expert:
             parts = cp.per_expert[prefix]
-            missing = [f"{prefix}.{x}.{p}.weight" for x in range(E) for p in PARTS if (x, p) not in parts]
+            missing = missing_experts(prefix, parts, E)
             if missing:
-                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-                problems.append(f"missing tensor {missing[0]!r}{more}")
+                problems.append(missing)
                 continue
             experts.append(ExpertSource(layer, None, parts))
         else:
