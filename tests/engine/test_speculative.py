@@ -507,6 +507,33 @@ def test_the_kernels_are_chosen_with_the_mtp_head_loaded(sources, monkeypatch):
     assert (runner.model.mtp.fc.scheme, runner.model.mtp.fc.in_features) in {(c[0], c[2]) for c in cases}
 
 
+def test_the_heads_windows_take_the_gemv_for_a_plain_weights_rows(monkeypatch):
+    """Outside ``exact_rows`` a plain weight takes the GEMV for at most 2 rows (GEMV_ROWS); within
+    ``draft_rows`` (the MTP head's windows, engine/graphs) for up to MAX_GEMV_ROWS, in one pass
+    (not each row alone): a head window of K + 1 >= 3 rows is one launch a projection, not torch's."""
+    from edgerun.kernels import qlinear_triton
+    from edgerun.kernels.qweight import QWeight
+    from edgerun.models.layers import MAX_GEMV_ROWS, QLinear, draft_rows
+
+    calls = []
+
+    def qgemv(x, w, bias, epilogue, out, gate, norm=None, norm_out=None, alone=False):
+        calls.append((x.shape[0], alone))
+        return x.new_zeros(x.shape[0], w.rows)
+
+    monkeypatch.setattr(qlinear_triton, "qgemv", qgemv)
+    lin = QLinear(QWeight("plain", torch.randn(8, 16)))
+    lin.gemv = True
+    x = torch.randn(3, 16)
+    ref = lin(x)  # 3 rows of a plain weight: torch's reference
+    assert calls == [] and torch.equal(ref, x @ lin.weight.T)
+    with draft_rows():
+        lin(x)
+        lin(torch.randn(MAX_GEMV_ROWS, 16))
+        lin(torch.randn(MAX_GEMV_ROWS + 1, 16))  # more than the GEMV takes: the reference
+    assert calls == [(3, False), (MAX_GEMV_ROWS, False)]
+
+
 def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
     """generate / serve with --profile and a checkpoint held whole (the demo): the plan holds the
     MTP head and speculative decoding's state only with --speculative, as the bundle's plan does."""
