@@ -265,6 +265,29 @@ def second_draft_mask(first: int, second: int) -> torch.Tensor:
     return (is_first[None, :] & (row[None, :] <= row[:, None])) | (i[None, :] == i[:, None])
 
 
+def second_drafts(model, head, windows: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The head's second drafts [B, L-2, D] over ``windows`` [B, L]: at position p + 1 (p =
+    0..L-3), fed its own first-draft output g_p [B, L-1, D] with t_{p+2}, attending to the first
+    drafts' positions up to p and itself (``second_draft_mask``), in one masked pass that
+    recomputes the first drafts beside them; each predicts t_{p+3}. ``h``: the model's final
+    hidden states [B, L, D]."""
+    B, L = windows.shape
+    n = L - 2
+    emb = model.model.embed_tokens(windows[:, 1:])
+    both_e = torch.cat([emb, model.model.embed_tokens(windows[:, 2:])], 1)
+    both_h = torch.cat([h[:, :-1], g[:, :n]], 1)
+    pos = torch.arange(L - 1)[None].expand(B, -1)
+    pos2 = torch.cat([pos, pos[:, :n] + 1], 1)
+    see = second_draft_mask(L - 1, n)
+    mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None].expand(B, 1, -1, -1)
+    return head(both_e, both_h, model.model.rotary_emb(both_e, pos2), mask)[:, L - 1 :]
+
+
+def soft_cross_entropy(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` against the distribution softmax(``target``)."""
+    return -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+
+
 def mtp_loss(
     model, head, windows: torch.Tensor, hidden: torch.Tensor, chain: float = 0.0
 ) -> tuple[torch.Tensor, float]:
@@ -283,20 +306,13 @@ def mtp_loss(
     logits = model.lm_head(g)
     with torch.no_grad():
         target = model.lm_head(h[:, 1:])
-    loss = -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+    loss = soft_cross_entropy(target, logits)
     agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
     if chain > 0:
-        n = L - 2  # second drafts at positions 1..L-2, from g_0..g_{L-3}
-        both_e = torch.cat([emb, model.model.embed_tokens(windows[:, 2:])], 1)
-        both_h = torch.cat([h[:, :-1], g[:, :n]], 1)
-        pos2 = torch.cat([pos, pos[:, :n] + 1], 1)
-        see = second_draft_mask(L - 1, n)
-        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None].expand(B, 1, -1, -1)
-        out = head(both_e, both_h, model.model.rotary_emb(both_e, pos2), mask)[:, L - 1 :]
-        logits2 = model.lm_head(out)
+        logits2 = model.lm_head(second_drafts(model, head, windows, h, g))
         with torch.no_grad():
             target2 = model.lm_head(h[:, 2:])
-        loss = loss + chain * -(torch.softmax(target2, -1) * torch.log_softmax(logits2, -1)).sum(-1).mean()
+        loss = loss + chain * soft_cross_entropy(target2, logits2)
     return loss, agree
 
 

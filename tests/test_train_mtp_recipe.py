@@ -56,10 +56,11 @@ def test_without_init_the_head_starts_untrained(tmp_path):
     assert _agreement(log, "step 0:") < 0.1  # fc random: about chance over a 4096-token vocabulary
 
 
-def test_the_second_drafts_mask_is_drafting_one_position_at_a_time():
-    """The loss's one masked pass over [first drafts; second drafts] gives each second draft what
-    the head computes drafting it incrementally (its first drafts' positions, then itself): equal
-    within fp32 rounding (the same sums in another order: 1e-5 of values of order 1)."""
+def test_the_second_drafts_mask_is_drafting_one_position_at_a_time(monkeypatch):
+    """The loss's one masked pass (``second_drafts``) gives each second draft what the head
+    computes drafting it incrementally (its first drafts' positions, then itself): equal within
+    fp32 rounding (the same sums in another order: 1e-5 of values of order 1). A plain causal mask
+    over the same rows is not."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import train_demo_model as T
     import transformers as tf
@@ -70,24 +71,19 @@ def test_the_second_drafts_mask_is_drafting_one_position_at_a_time():
     head = T.MtpHead(m.config, m.model.layers[full[-1]]).eval()
     win = torch.randint(5, 4000, (2, 10), generator=torch.Generator().manual_seed(0))
     B, L = win.shape
-    n = L - 2
     with torch.no_grad():
         h = m.model(input_ids=win).last_hidden_state
         emb = m.model.embed_tokens(win[:, 1:])
-        pos = torch.arange(L - 1)[None].expand(B, -1)
-        g = head(emb, h[:, :-1], m.model.rotary_emb(emb, pos))
-        both_e = torch.cat([emb, m.model.embed_tokens(win[:, 2:])], 1)
-        pos2 = torch.cat([pos, pos[:, :n] + 1], 1)
-        see = T.second_draft_mask(L - 1, n)
-        mask = torch.zeros(see.shape).masked_fill(~see, float("-inf"))[None, None].expand(B, 1, -1, -1)
-        out = head(both_e, torch.cat([h[:, :-1], g[:, :n]], 1), m.model.rotary_emb(both_e, pos2), mask)
-        assert torch.allclose(out[:, : L - 1], g, atol=1e-5)
-        for r in range(n):
+        g = head(emb, h[:, :-1], m.model.rotary_emb(emb, torch.arange(L - 1)[None].expand(B, -1)))
+        out = T.second_drafts(m, head, win, h, g)
+        assert out.shape == (B, L - 2, h.shape[-1])
+        for r in range(L - 2):
             e = torch.cat([emb[:, : r + 1], m.model.embed_tokens(win[:, r + 2 : r + 3])], 1)
             hh = torch.cat([h[:, : r + 1], g[:, r : r + 1]], 1)
             o = head(e, hh, m.model.rotary_emb(e, torch.arange(r + 2)[None].expand(B, -1)))[:, -1]
-            assert torch.allclose(o, out[:, L - 1 + r], atol=1e-5), r
-        wrong = torch.ones_like(see).tril()  # plain causal over the concatenation: not the drafting
-        bad = torch.zeros(see.shape).masked_fill(~wrong, float("-inf"))[None, None].expand(B, 1, -1, -1)
-        out_bad = head(both_e, torch.cat([h[:, :-1], g[:, :n]], 1), m.model.rotary_emb(both_e, pos2), bad)
-        assert not torch.allclose(out_bad[:, L - 1 :], out[:, L - 1 :], atol=1e-3)
+            assert torch.allclose(o, out[:, r], atol=1e-5), r
+        causal = torch.ones(2 * L - 3, 2 * L - 3, dtype=torch.bool).tril()
+        # every earlier row, the other second drafts too: not what drafting sees
+        monkeypatch.setattr(T, "second_draft_mask", lambda first, second: causal)
+        wrong = T.second_drafts(m, head, win, h, g)
+        assert not torch.allclose(wrong, out, atol=1e-3)
