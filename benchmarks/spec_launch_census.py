@@ -1,13 +1,15 @@
 """What a decode step and a device-decided speculative step launch, counted on the CPU (issue 17).
 
-    TRITON_INTERPRET=1 python benchmarks/spec_launch_census.py [--ks 1,2,3]
+    TRITON_INTERPRET=1 python benchmarks/spec_launch_census.py [--ks 1,2,3] [--model BUNDLE --quota Q]
 
 A tiny qwen3_5_moe with an MTP head (one DeltaNet and one attention layer, 16 experts top 2;
-int4 experts, int8 dense weights) is converted to a bundle and loaded through the expert cache
+int4 experts, int8 dense weights) is converted to a bundle, or ``--model`` names one (the demo
+converted with ``--quant int4``: about 10 minutes here), and loaded through the expert cache
 with every expert held (the table-mode kernels, as ``serve`` runs a bundle); its decoder runs the
 CUDA path's operations on the CPU under Triton's interpreter (graphs off). Each part of a step is
-run once while every Triton launch and every torch operation that is not a view is counted: what
-the step would launch on a GPU, one kernel each (a count, not a time). The parts: a plain one-row
+run once while every Triton launch and every torch operation that is not a view, an allocation
+or a no-op (``.to`` a tensor's own dtype) is counted: what the step would launch on a GPU, one
+kernel each (a count, not a time; a first plain step runs uncounted, as the graphs' warm-up). The parts: a plain one-row
 step; for each K, the verify window of K + 1 rows, the MTP head's catch-up window of K + 1 rows,
 one of its K - 1 one-row draft steps, and the whole device-decided step
 (``engine/spec_steps.SpecSteps``). Deterministic.
@@ -57,6 +59,11 @@ def bundle(root: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument(
+        "--model", type=Path, default=None,
+        help="a bundle with an MTP head to count instead (e.g. the demo converted with --quant int4)",
+    )  # fmt: skip
+    ap.add_argument("--quota", type=int, default=16, help="expert slots a layer (every expert: table mode)")
     ns = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the Triton kernels on the CPU)")
@@ -79,9 +86,13 @@ def main() -> None:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
-            if not inside[0] and name not in VIEWS:
+            out = func(*args, **(kwargs or {}))
+            # an op that hands back its own input unchanged (``.to`` of the dtype it has) runs no
+            # kernel; an in-place op (``copy_``) returns its input too, and does
+            noop = out is (args[0] if args else None) and not name.endswith("_")
+            if not inside[0] and name not in VIEWS and not noop:
                 counts[f"torch {name}"] += 1
-            return func(*args, **(kwargs or {}))
+            return out
 
     real = interp.InterpretedFunction.run
 
@@ -106,14 +117,14 @@ def main() -> None:
 
     ks = [int(k) for k in ns.ks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        path = bundle(Path(tmp))
+        path = ns.model or bundle(Path(tmp))
         policy = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
         cpu = torch.device("cpu")
         runner = Runner.load(
             path,
             device="cpu",
             dtype=torch.float32,
-            cache=CacheConfig(16),
+            cache=CacheConfig(ns.quota),
             speculative=SpeculativeConfig("mtp", 1),
         )
         runner.kernels = policy
@@ -124,6 +135,7 @@ def main() -> None:
         )
         with torch.inference_mode():
             runner.prefill(d.reset(), PROMPT)
+            _run(d)  # a first step allocates what the graphs' replays then reuse: not counted
         census("plain one-row step", lambda: _run(d))
         for k in ks:
             with torch.inference_mode():
@@ -131,7 +143,7 @@ def main() -> None:
                 t0 = int(runner.prefill(state, PROMPT).argmax())
                 d.draft_step().reset()
                 chain = SpecSteps(d, d.draft_step(), k)
-                chain.start(state.pos, t0, [(t0 + 1 + j) % V for j in range(k)])
+                chain.start(state.pos, t0, [(t0 + 1 + j) % runner.args.vocab_size for j in range(k)])
 
             def verify(chain=chain):
                 with verify_window():

@@ -301,7 +301,7 @@ class DecodeGraphs:
 
             norms = (h.pre_fc_norm_embedding, h.pre_fc_norm_hidden)
             spec_triton.mtp_input(self.indices[2], embed, self.hidden_in, *norms, self.both)
-            self.x.copy_(h.fc(self.both))
+            h.fc(self.both, out=self.x)
         else:
             torch.index_select(embed, 0, self.indices[2], out=self.x)
             if h is not None:  # the MTP head's input: fc(its norms of the embedding and hidden_in)
