@@ -11,9 +11,11 @@ few microseconds, each launch saved is time saved.
 - ``draft_on``: after a head draft step, its token is draft j (and the next window's row j + 1);
   the next draft step's position and hidden row.
 
+- ``rollback``: a DeltaNet layer's conv and recurrent states become those after the kept row,
+  gathered from the verify window's trail of per-row states.
 - ``mtp_input``: the MTP head's two input norms side by side, before its ``fc``.
 
-In the first three, indices are int64, every row count is at most a few, and a hidden row is
+In the first four, indices are int64, every row count is at most a few, and a hidden row is
 copied with its dtype: no arithmetic on values, so nothing there changes a bit. No kernel reads
 a location it (or another thread of its program) writes: a program's threads are not ordered.
 """
@@ -92,6 +94,14 @@ def _draft_kernel(
 
 
 @triton.jit
+def _rollback_kernel(conv_trail, conv, rec_trail, rec, kept, NC, NR, BLOCK: tl.constexpr):
+    a = tl.load(kept).to(tl.int64)
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(conv + o, tl.load(conv_trail + a * NC + o, mask=o < NC), mask=o < NC)
+    tl.store(rec + o, tl.load(rec_trail + a * NR + o, mask=o < NR), mask=o < NR)
+
+
+@triton.jit
 def _mtp_input_kernel(
     tokens, embed, hidden, w_e, w_h, out, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, UNIT: tl.constexpr
 ):
@@ -157,7 +167,20 @@ def draft_on(h_idx, h_hidden_out, h_hidden_in, drafts, v_idx, j: int, more: bool
     _draft_kernel[(1,)](h_idx, h_hidden_out, h_hidden_in, drafts, v_idx, j, n, D=d, MORE=more, BLOCK=1024)
 
 
-def rollback(trail: torch.Tensor, kept: torch.Tensor, state: torch.Tensor) -> None:
-    """``state`` (a DeltaNet layer's conv or recurrent state, [1, ...]) becomes row ``kept`` of
-    ``trail`` ([rows, ...]): one gather into it."""
-    torch.index_select(trail, 0, kept, out=state)
+ROLLBACK_BLOCK = 1024
+
+
+def rollback(
+    trails: tuple[torch.Tensor, torch.Tensor], kept: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """A DeltaNet layer's two states (conv, recurrent: [1, ...] each) become row ``kept`` of
+    their window trails ([rows, ...]): one launch for both, values copied with their dtype."""
+    for t, st in zip(trails, states):
+        if not (
+            t.is_contiguous() and st.is_contiguous() and t[0].numel() == st.numel() and t.dtype == st.dtype
+        ):
+            raise ValueError(f"rollback: trail {list(t.shape)} {t.dtype} and state {list(st.shape)} {st.dtype} must be contiguous rows of one shape and dtype")  # fmt: skip
+    (ct, rt), (cs, rs) = trails, states
+    nc, nr = cs.numel(), rs.numel()
+    grid = (triton.cdiv(max(nc, nr), ROLLBACK_BLOCK),)
+    _rollback_kernel[grid](ct, cs, rt, rs, kept, nc, nr, BLOCK=ROLLBACK_BLOCK)

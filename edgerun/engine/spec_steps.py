@@ -139,10 +139,9 @@ class SpecSteps:
         with verify_window():
             _run(v)
         spec_triton.accept(v.indices, self.drafts, self.kept, self.out, c.indices, v.hidden, c.hidden_in)
-        for i, (conv, recurrent) in v.trail.items():
+        for i, trail in v.trail.items():
             entry = v.state.layers[i]
-            spec_triton.rollback(conv, self.kept, entry.conv)
-            spec_triton.rollback(recurrent, self.kept, entry.recurrent)
+            spec_triton.rollback(trail, self.kept, (entry.conv, entry.recurrent))
         _run(c)
         spec_triton.next_inputs(
             self.kept,
