@@ -10,9 +10,9 @@ CUDA path's operations on the CPU under Triton's interpreter (graphs off). Each 
 run once while every Triton launch and every torch operation that is not a view, an allocation
 or a no-op (``.to`` a tensor's own dtype) is counted: what the step would launch on a GPU, one
 kernel each (a count, not a time; a first plain step runs uncounted, as the graphs' warm-up).
-The parts: a plain one-row step; for each K, the verify window of K + 1 rows, the MTP head's catch-up window of K + 1 rows,
-one of its K - 1 one-row draft steps, and the whole device-decided step
-(``engine/spec_steps.SpecSteps``). Deterministic.
+The parts: a plain one-row step; for each K, the verify window of K + 1 rows, the MTP head's
+catch-up window of K + 1 rows, one of its K - 1 one-row draft steps, and the whole
+device-decided step (``engine/spec_steps.SpecSteps``). Deterministic.
 """
 
 from __future__ import annotations
