@@ -19,6 +19,8 @@
 #   specb4  the same on /tmp/demob4, greedy
 #   speck   the same on the demo checkpoint (its experts resident, stacked), greedy
 #   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16)
+#   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw, the demo's
+#           decode rate greedy and sampled
 #   gtests  pytest of GT (tests/engine/test_speculative_cuda.py)
 set -u
 export PYTHONUNBUFFERED=1
@@ -33,7 +35,7 @@ mkdir -p /tmp/lf/edgerun
 for f in edgerun/*; do ln -sfn "$R/$f" /tmp/lf/edgerun/; done
 ln -sfn "$R/kernels" /tmp/lf/edgerun/kernels
 export PYTHONPATH=/tmp/site:/tmp/lf
-ER="python3 -m edgerun"
+ER="python3 -P -m edgerun"  # -P: not the checkout's edgerun/ (it lacks edgerun.kernels)
 date -u +%FT%TZ
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -60,6 +62,9 @@ for ph in ${PHASES:-}; do
     timeout "$(lim "${SPROF_TIMEOUT:-200}")" python3 benchmarks/spec_step_profile.py \
       --model "${SPROF_MODEL:-/tmp/demob}" --quota "${SPROF_QUOTA:-16}" --out "$OUT/sprof.json" 2>&1 \
       | grep -v Warning | tee "$OUT/sprof.txt" ;;
+  sbench)
+    timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
+      --out "$OUT/sampling.json" 2>&1 | grep -v Warning | tee "$OUT/sampling.txt" ;;
   gtests)
     timeout "$(lim "${GT_TIMEOUT:-300}")" python3 -m pytest -q -p no:cacheprovider --durations=8 \
       ${GT:-tests/engine/test_speculative_cuda.py} 2>&1 | tail -25 ;;

@@ -164,6 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": ns.repeats,
         "quota": ns.quota,
         "row_step_ms": {name: r.row_step_s * 1e3 for name, r in runners.items() if r.speculative},
+        # how each configuration ran: its steps by kind, where its sampled tokens were drawn, and
+        # every fallback in force (a rate is only comparable between paths that say the same)
+        "runners": {
+            name: {
+                "decode_steps": r.decode_counts(),
+                "sampled_tokens": dict(r.sampled),
+                "fallbacks": r.fallbacks(),
+                "kernels": r.kernel_summary(),
+            }
+            for name, r in runners.items()
+        },
         "modes": {},
     }
     for m in modes:
@@ -182,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{ns.repeats} repeats, {result['threads']} thread(s)\n{table}",
         end="",
     )
+    for name, how in result["runners"].items():
+        fallbacks = "; ".join(f"{k}: {v}" for k, v in how["fallbacks"].items()) or "none"
+        print(
+            f"  {name}: steps {how['decode_steps']}, sampled tokens drawn {how['sampled_tokens']}, "
+            f"fallbacks: {fallbacks}"
+        )
+    print(f"  kernels (plain): {result['runners']['plain']['kernels']}")
     if ns.out is not None:
         ns.out.mkdir(parents=True, exist_ok=True)
         (ns.out / "speculative.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,9 @@ from edgerun.models.layers import (
     exact_rows,
     verify_window,
 )
+
+if TYPE_CHECKING:
+    from edgerun.kernels.sample_triton import SampleBuffers
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # decode steps between two moves of a far tier's device slots toward its most used experts
@@ -240,6 +244,10 @@ class DecodeGraphs:
         self.head_step: DecodeGraphs | None = None  # the MTP head's draft step (``draft_step``)
         self.chains: dict = {}  # device-decided speculative steps by draft count (engine/spec_steps.py)
         self.fallbacks: dict[str, str] = {}
+        # sampled steps (``sample_with``): the draw's buffers, whether it sorts, its graphs by that
+        self._draw: SampleBuffers | None = None
+        self._draw_sort: bool | None = None
+        self._draw_graphs: dict[bool, torch.cuda.CUDAGraph | None] = {}
         self._warm = False
         self._far_steps = 0  # decode steps since load: a far tier's device set follows its use
 
@@ -427,17 +435,74 @@ class DecodeGraphs:
         return self.logits[0]
 
     def launch(self, token: int | None = None) -> int:
-        """Queue a step without waiting for it: consume ``token``, or (None) the greedy token the
-        previous step chose on the device, so the host can queue step i + 1 before it reads step
-        i's token. Returns a handle for :meth:`result`; two steps may be in flight."""
+        """Queue a step without waiting for it: consume ``token``, or (None) the token the
+        previous step chose on the device (greedy, or drawn: :meth:`sample_with`), so the host
+        can queue step i + 1 before it reads step i's token. Returns a handle for
+        :meth:`result`; two steps may be in flight."""
         self._run(token)
+        if self._draw_sort is not None:
+            self._draw_step()
         k, self._slot = self._slot, self._slot ^ 1
         self._read_back(k)
         return k
 
+    def sample_with(self, sampler) -> None:
+        """Each :meth:`launch` from now draws its token on the device (kernels/sample_triton.py)
+        by ``sampler``'s parameters and seed, keyed by the position it predicts, instead of
+        taking the argmax (``sampler`` None, or greedy: the argmax again). The draw is the one
+        ``Sampler`` makes of the same logits at the same position, bit for bit (the same kernel
+        and inputs): replayed from a graph of its own, captured on its first use (one a sort
+        setting), when the step's are."""
+        if sampler is None or sampler.params.greedy:
+            self._draw_sort = None
+            return
+        if self.rows != 1 or self.is_window or self.head is not None:
+            raise ValueError("sample_with draws the token of a one-sequence decode step")
+        from edgerun.kernels.sample_triton import SampleBuffers
+
+        if self._draw is None:
+            self._draw = SampleBuffers(1, self.args.vocab_size, self.device, self.dtype)
+        self._draw.set([sampler.row()])
+        self._draw_sort = sampler.sort
+
+    def _draw_op(self) -> None:
+        from edgerun.kernels.sample_triton import sample
+
+        # the step consumed the token at pos: its logits are for position pos + 1
+        sample(self.logits, self._draw, self.pos, 1, self.indices[2], self.chosen[:, 0], self._draw_sort)
+
+    def _draw_step(self) -> None:
+        """The draw after a step: replayed where the step's graphs replay, else eager."""
+        if not self.policy.graphs or self.graphs is None:
+            self._draw_op()
+            return
+        sort = self._draw_sort
+        if sort not in self._draw_graphs:
+            stream = side_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._draw_op()  # compiles, and is this step's draw
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=side_stream(self.device)):
+                    self._draw_op()
+                self._draw_graphs[sort] = g
+            except Exception as exc:  # noqa: BLE001 - any capture failure: draw eagerly, say why
+                self._draw_graphs[sort] = None
+                self.fallbacks["draw_graphs"] = (
+                    f"capture failed, sampled draws eager: {type(exc).__name__}: {exc}"
+                )
+            return
+        g = self._draw_graphs[sort]
+        if g is None:
+            self._draw_op()
+        else:
+            g.replay()
+
     def result(self, handle: int) -> int:
-        """The greedy token the step behind ``handle`` chose (waits for that step only); refused
-        when its logits were not all finite."""
+        """The token the step behind ``handle`` chose (greedy or drawn; waits for that step
+        only); refused when its logits were not all finite."""
         tokens, chosen = self._picks(handle)
         return greedy_pick(tokens[0], chosen[0])
 
@@ -668,10 +733,11 @@ def window_trail(state: DecodeState, rows: int) -> dict[int, tuple[torch.Tensor,
 
 
 def greedy_pick(token: int, chosen: float) -> int:
-    """A step's greedy token, given its logit (argmax takes a NaN as the largest value, so a
-    finite chosen logit means no NaN and no +inf among the step's logits); refused otherwise."""
+    """A step's token, given its logit (argmax takes a NaN as the largest value, so a finite
+    chosen logit means no NaN and no +inf among the step's logits; a device draw's chosen logit
+    is NaN where any logit is NaN or infinite); refused otherwise."""
     if not math.isfinite(chosen):
-        raise NonFiniteLogits(f"the greedy step's logits hold NaN or +inf (its largest is {chosen})")
+        raise NonFiniteLogits(f"the step's logits hold NaN or infinite values (its chosen logit is {chosen})")
     return token
 
 

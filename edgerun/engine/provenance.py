@@ -91,6 +91,13 @@ def provenance(runner, model_dir: Path | None, profile: str | None = None, plan:
         f"kernels: {runner.kernel_summary()}",
         f"fallbacks: {fallbacks}",
         runner.load_summary,
+        "sampling: "
+        + (
+            "draws on the device, from the logits where they are (in the decode step's graph where it "
+            "replays; a speculative request's sampled acceptance on the host)"
+            if runner.device.type == "cuda"
+            else "on the host"
+        ),
         (runner.speculative.describe() + (f"; {runner.window_note}" if runner.window_note else ""))
         if runner.speculative
         else "",

@@ -109,6 +109,7 @@ class Runner:
         self.load_fallbacks: dict[str, tuple[str, int]] = {}  # kind -> (reason, blocks) loading took
         self.threads_note: str | None = None  # why the CPU thread count is what it is, if chosen
         self.nonfinite_logits = 0  # requests stopped because a step's logits were NaN or infinite
+        self.sampled = {"device": 0, "host": 0}  # sampled (not greedy) tokens by where they were drawn
         self.batch: DecodeBatch | None = None  # set by enable_batch: requests decode together
         self.row_steps: RowSteps | None = None  # the batch's steps on CUDA
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
@@ -737,7 +738,7 @@ class Runner:
     def generate(self, request: Request) -> Iterator[Event]:
         """Text deltas of a checked request (:meth:`request`), then a final event with stats."""
         prompt_ids, params = list(request.prompt_ids), request.params
-        sampler = Sampler(params)
+        sampler = Sampler(params, position=len(prompt_ids))
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_request = time.perf_counter()
         if self.device.type == "cuda":
@@ -746,6 +747,8 @@ class Runner:
         try:
             yield from self._generate(request, sampler, stats, t_request, row)
         finally:
+            for where, n in sampler.drawn.items():
+                self.sampled[where] += n
             if row is not None:
                 self._settle(row)
                 self.batch.leave(row)  # ended or closed (client gone): the slot is free at once
@@ -823,25 +826,34 @@ class Runner:
             raise
 
     def _tokens(self, state: DecodeState, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
-        """The next ``n`` tokens after the prompt (the caller may stop early). Sampled on the
-        host from each step's logits; or, for a greedy request on the CUDA decoder, chosen on
-        the device by the step itself, each step queued before the previous step's token is
+        """The next ``n`` tokens after the prompt (the caller may stop early). Chosen by the
+        sampler from each step's logits (the argmax, or a draw: on the logits' device); or, on
+        the CUDA decoder, by the step itself (the argmax, or the same draw from its graph,
+        ``DecodeGraphs.sample_with``), each step queued before the previous step's token is
         read, so the GPU does not wait for the host between steps. Both give the same tokens:
-        the device takes the same argmax of the same logits. A route recorder needs each step's
-        routes before the next step runs: it gets the host loop."""
+        the device takes the same argmax, or makes the same draw, of the same logits. A route
+        recorder needs each step's routes before the next step runs: it gets the host loop."""
         token = sampler(logits)  # syncs with the device
         yield token
-        pipelined = sampler.params.greedy and self.routes is None
+        pipelined = (sampler.params.greedy or logits.is_cuda) and self.routes is None
         if self.decoder is None or state is not self.decoder.state or not pipelined:
             for _ in range(n - 1):
                 token = sampler(self.decode_step(state, token))
                 yield token
             return
-        pending = self._launch(token) if n > 1 else None
-        for i in range(1, n):
-            queued = self._launch(None) if i + 1 < n else None  # consumes the token still on the device
-            yield self.decoder.result(pending)
-            pending = queued
+        self.decoder.sample_with(sampler)
+        try:
+            pending = self._launch(token) if n > 1 else None
+            for i in range(1, n):
+                queued = self._launch(None) if i + 1 < n else None  # consumes the token still on the device
+                token = self.decoder.result(pending)
+                sampler.position += 1
+                if not sampler.params.greedy:
+                    sampler.drawn["device"] += 1
+                yield token
+                pending = queued
+        finally:
+            self.decoder.sample_with(None)
 
     def _batch_tokens(self, row: Row, logits: torch.Tensor, sampler: Sampler, n: int) -> Iterator[int]:
         """:meth:`_tokens` for a sequence of the batch: its logits come from the batch's step."""

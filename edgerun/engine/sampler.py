@@ -1,12 +1,18 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a seeded generator.
 
-Sampling runs on the CPU in fp32 from the last position's logits, so a seed gives the same
-tokens whatever device computed the logits. A temperature below ``GREEDY_BELOW`` is greedy (its
-limit): dividing logits by 1e-38 overflows to inf, and sampling from NaN fails.
+Where the logits are: on the CPU, ``probs`` (fp32) and a draw from the request's generator; on
+a CUDA device, the draw is made there (kernels/sample_triton.py: the same distribution, the
+draw keyed by the request's seed and the token's index in its sequence), so a step's logits
+never travel to the host, and the decode step's graph can make the draw itself
+(``DecodeGraphs.sample_with``): a sampled request is pipelined as a greedy one is. A seed repeats
+a request's tokens on the same device (in a graph or not, alone or in a batch), not across
+devices (their logits differ in the last bits anyway). A temperature below ``GREEDY_BELOW`` is
+greedy (its limit): dividing logits by 1e-38 overflows to inf, and sampling from NaN fails.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -16,21 +22,80 @@ from edgerun.engine.params import GREEDY_BELOW, NonFiniteLogits, SamplingError, 
 __all__ = ["GREEDY_BELOW", "NonFiniteLogits", "Sampler", "SamplingError", "SamplingParams"]
 
 
+SEED_MASK = 2**63 - 1  # a device draw's seed: the request's, as a non-negative int64
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    """``position``: the index in its sequence of the next token this sampler draws (the
+    prompt's length, for a request's first token), which keys a device draw with the seed."""
+
+    def __init__(self, params: SamplingParams, position: int = 0) -> None:
         self.params = params
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.position = position
+        self.seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(2**62, (), generator=self.generator))
+        ) & SEED_MASK
+        self.drawn = {"device": 0, "host": 0}  # sampled tokens by where they were drawn
+        self._device = None  # a device draw's buffers, made on the first
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [V] for one position -> token id; refused (:class:`NonFiniteLogits`) when any
         is NaN or infinite."""
         if self.params.greedy:  # on the logits' device: a read of two ints, not of [V]
-            return next(self.greedy_rows(logits[None]))
-        return self.draw(self.probs(logits))
+            token = next(self.greedy_rows(logits[None]))
+        elif logits.is_cuda:
+            token = self._draw_on_device(logits)
+        else:
+            token = self.draw(self.probs(logits))
+        self.position += 1
+        return token
+
+    @property
+    def sort(self) -> bool:
+        """Whether a device draw sorts the logits first (the request filters: top-k or top-p)."""
+        from edgerun.kernels.sample_triton import filtered
+
+        return filtered(self.params.top_k, self.params.top_p)
+
+    def row(self) -> tuple[float, float, int, int]:
+        """This request's (temperature, top_p, top_k, seed), as a device draw takes them."""
+        p = self.params
+        return (p.temperature, p.top_p, p.top_k, self.seed)
+
+    def _draw_on_device(self, logits: torch.Tensor) -> int:
+        """The token at :attr:`position` drawn on the logits' device (one read of two numbers)."""
+        from edgerun.kernels import sample_triton as S
+
+        V = logits.shape[-1]
+        if self._device is None or self._device[0].vals.shape[1] != V:
+            buffers = S.SampleBuffers(1, V, logits.device, logits.dtype)
+            buffers.set([self.row()])
+            out = torch.zeros(3, dtype=torch.int64, device=logits.device)  # counter, token, chosen
+            self._device = (buffers, out, torch.zeros(1, dtype=logits.dtype, device=logits.device))
+        buffers, out, chosen = self._device
+        out[0].fill_(self.position)
+        rows = logits.detach().reshape(1, V)
+        S.sample(
+            rows if rows.stride(1) == 1 else rows.contiguous(),
+            buffers,
+            out[:1],
+            0,
+            out[1:2],
+            chosen,
+            self.sort,
+        )
+        token, value = torch.cat([out[1:2].double(), chosen.double()]).tolist()
+        self.drawn["device"] += 1
+        if not math.isfinite(value):
+            raise NonFiniteLogits(f"a sampled step's logits hold NaN or infinite values ({V} logits)")
+        return int(token)
 
     def greedy_rows(self, logits: torch.Tensor) -> Iterator[int]:
         """Each row's greedy token of logits [N, V], in order: :meth:`__call__` of each row, with
@@ -68,6 +133,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token from ``probs`` [V] with the request's generator."""
+        self.drawn["host"] += 1
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def uniform(self) -> float:

@@ -212,6 +212,7 @@ class RunnerEngine:
             "read_faults": cache.read_faults() if cache else {},
             "reads": cache.reads_by_backend() if cache else {},
             "nonfinite_logits": self.runner.nonfinite_logits,
+            "sampled_tokens": dict(self.runner.sampled),
             "resident_memory_bytes": resident,
             "peak_memory_bytes": peak_memory(self.runner.device),
             **({"speculative": self._speculative()} if self.runner.speculative else {}),

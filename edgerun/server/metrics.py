@@ -234,6 +234,14 @@ def render(
         stats.get("nonfinite_logits", 0),
     )
     t.family(
+        "edgerun_sampled_tokens_total",
+        "counter",
+        "Sampled (not greedy) tokens by where they were drawn: device (from the logits where they are, on "
+        "a GPU, no copy to the host; in the decode step's graph where it replays) or host (the CPU "
+        "sampler: a CPU engine, and a speculative request's sampled acceptance).",
+        [({"where": k}, n) for k, n in sorted(stats.get("sampled_tokens", {}).items())],
+    )
+    t.family(
         "edgerun_decode_steps_total",
         "counter",
         "Decode steps by how they ran: graph (replayed, no host op), mixed (graph segments with eager "

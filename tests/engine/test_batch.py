@@ -29,16 +29,18 @@ PROMPTS = [
 MAX_TOKENS = [10, 4, 12, 7, 12, 2, 9]  # neighbours leave at different steps
 
 
-def together(runner: Runner, prompts, max_tokens, joins) -> list[list[int]]:
-    """Greedy ids of each prompt, its generator advanced once per round as the daemon's worker
-    does; request i starts at round ``joins[i]``."""
+def together(runner: Runner, prompts, max_tokens, joins, sampling=None) -> list[list[int]]:
+    """Greedy ids of each prompt (``sampling``: request i's extra SamplingParams fields, a
+    list), its generator advanced once per round as the daemon's worker does; request i starts
+    at round ``joins[i]``."""
     gens: dict[int, object] = {}
     out = [[] for _ in prompts]
     rnd = 0
     while rnd == 0 or gens:
         for i, r in enumerate(joins):
             if r == rnd:
-                params = SamplingParams(max_tokens=max_tokens[i], ignore_eos=True)
+                extra = sampling[i] if sampling is not None else {}
+                params = SamplingParams(max_tokens=max_tokens[i], ignore_eos=True, **extra)
                 gens[i] = runner.generate(runner.request(prompts[i], params))
         for i in list(gens):
             event = next(gens[i], None)

@@ -72,3 +72,26 @@ def test_a_top_p_below_fp32_keeps_the_most_likely_token(top_p):
 def test_invalid_params_name_the_field(kw, field):
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**kw)
+
+
+def test_a_cpu_engine_draws_on_the_host_counts_it_and_says_so():
+    from edgerun.engine.provenance import provenance
+    from edgerun.engine.runner import Runner
+
+    runner = Runner.load(None, device="cpu")  # the demo
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    ids = runner.generate_ids([1, 2, 3], params)
+    assert runner.generate_ids([1, 2, 3], params) == ids
+    assert runner.sampled == {"device": 0, "host": 10}
+    runner.generate_ids([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))  # greedy: not counted
+    assert runner.sampled == {"device": 0, "host": 10}
+    assert "sampling: on the host" in provenance(runner, None)
+
+
+def test_a_sampler_keys_device_draws_by_position_and_a_non_negative_seed():
+    s = Sampler(SamplingParams(temperature=1.0, seed=-5), position=12)
+    assert s.position == 12 and 0 <= s.seed < 2**63 and s.row() == (1.0, 1.0, 0, s.seed)
+    assert Sampler(SamplingParams(temperature=1.0, seed=-5)).seed == s.seed
+    assert not s.sort and Sampler(SamplingParams(temperature=1.0, top_p=0.9)).sort
+    s(torch.tensor([0.0, 1.0, 2.0]))
+    assert s.position == 13

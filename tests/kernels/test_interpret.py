@@ -1,6 +1,7 @@
 """Runs interpreted_moe.py (the expert kernels), interpreted_dense.py (the dense decode
 kernels), interpreted_qlinear.py (the projection GEMV), interpreted_qlinear_mma.py and
 interpreted_qlinear_planes.py (its tensor-core variants), interpreted_decode.py (router top-k, attention),
+interpreted_sample.py (the device sampler),
 engine/interpreted_fused_decode.py (a whole fused decode step, a batch's steps) and
 engine/interpreted_speculative.py (the CUDA path's verify windows) on CPU, through
 Triton's interpreter, each in a child process with TRITON_INTERPRET=1
@@ -54,6 +55,7 @@ SCRIPTS = [
     ("interpreted_moe.py", None),
     ("interpreted_decode.py", None),
     ("interpreted_dense.py", None),
+    ("interpreted_sample.py", None),
 ]
 
 

@@ -548,6 +548,7 @@ def test_metrics_families(daemon, runner):
         "edgerun_expert_bytes_read_total",
         "edgerun_fallbacks_total",
         "edgerun_decode_steps_total",
+        "edgerun_sampled_tokens_total",
         "edgerun_resident_memory_bytes",
         "edgerun_peak_memory_bytes",
     ):

@@ -1,0 +1,161 @@
+"""The device sampler (kernels/sample_triton.py) under Triton's CPU interpreter.
+
+Not collected on its own: test_interpret.py runs this file in a child process with
+TRITON_INTERPRET=1 set before Triton is imported.
+
+The distribution is the CPU sampler's (``Sampler.probs``: temperature, top-k with its ties,
+top-p), so the reference here is that, drawn by inverse CDF in the kernel's order (sorted
+descending when the request filters, else id order) in float64. The kernel sums in fp32 tiles,
+so a u within 5e-6 of the total mass of a boundary between two tokens may fall either side:
+those u are skipped (and counted, to show they are few); every other u must give the
+reference's token exactly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from edgerun.engine.sampler import Sampler, SamplingParams
+from edgerun.kernels import sample_triton as S
+
+CPU = torch.device("cpu")
+
+
+def draw(logits, rows, u=None, counter=None, add=0):
+    """rows: (temperature, top_p, top_k, seed) per row of logits -> (tokens, chosen logits)."""
+    N, V = logits.shape
+    buf = S.SampleBuffers(N, V, CPU, logits.dtype)
+    buf.set(rows)
+    sort = any(S.filtered(k, p) for _, p, k, _ in rows)
+    token = torch.full((N,), -1, dtype=torch.int64)
+    chosen = torch.zeros(N, dtype=logits.dtype)
+    counter = counter if counter is not None else torch.zeros(N, dtype=torch.int64)
+    S.sample(logits, buf, counter, add, token, chosen, sort, uniform=u)
+    return token, chosen
+
+
+def reference(row, t, top_p, top_k, u, sort):
+    """(the token, the distance of u's target from the nearest boundary over the total mass)."""
+    probs = Sampler(SamplingParams(temperature=t, top_p=top_p, top_k=top_k)).probs(row).double()
+    order = (
+        torch.sort(row.float(), descending=True, stable=True).indices if sort else torch.arange(row.numel())
+    )
+    c = probs[order].cumsum(0)
+    target = u * float(c[-1])
+    i = int(torch.searchsorted(c, torch.tensor([target], dtype=torch.float64), right=True)[0])
+    i = min(i, row.numel() - 1)
+    while float(probs[order[i]]) == 0.0:  # the draw never lands on a dropped logit
+        i -= 1
+    margin = min(abs(float(c[i]) - target), abs(target - (float(c[i - 1]) if i else 0.0))) / float(c[-1])
+    return int(order[i]), margin
+
+
+CASES = [  # (temperature, top_p, top_k)
+    (1.0, 1.0, 0),
+    (0.7, 1.0, 0),
+    (0.8, 0.95, 0),
+    (0.7, 0.8, 20),
+    (1.3, 1.0, 50),
+    (0.5, 0.3, 0),
+]
+
+
+@pytest.mark.parametrize("vocab", [50, 1500])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-p{c[1]}-k{c[2]}")
+def test_each_draw_is_the_reference_inverse_cdf(case, dtype, vocab):
+    t, top_p, top_k = case
+    g = torch.Generator().manual_seed(vocab + int(100 * t))
+    logits = (torch.randn(1, vocab, generator=g) * 3).to(dtype)
+    us = torch.linspace(0.0005, 0.9995, 40)
+    sort = 0 < top_k < vocab or top_p < 1.0  # the row draws over its sorted logits
+    logits_n = logits.expand(len(us), vocab).contiguous()
+    tokens, chosen = draw(logits_n, [(t, top_p, top_k, 1)] * len(us), u=us)
+    skipped = 0
+    for j, u in enumerate(us.tolist()):
+        want, margin = reference(logits[0], t, top_p, top_k, u, sort)
+        if margin < 5e-6:
+            skipped += 1
+            continue
+        assert int(tokens[j]) == want, f"u={u}: token {int(tokens[j])}, reference {want}"
+        assert torch.equal(chosen[j], logits[0, want])
+    assert skipped <= 3
+
+
+def test_top_k_keeps_ties_at_the_kth_logit_and_top_p_keeps_the_first():
+    # logits 5, 4, 4, 4, 1: top_k 2 keeps the three 4s (ties at the 2nd largest)
+    logits = torch.tensor([[1.0, 4.0, 5.0, 4.0, 4.0]])
+    us = torch.linspace(0.001, 0.999, 200)
+    toks, _ = draw(logits.expand(200, 5).contiguous(), [(1.0, 1.0, 2, 0)] * 200, u=us)
+    assert set(toks.tolist()) == {1, 2, 3, 4}
+    # a top_p below the largest probability keeps the largest alone
+    toks, _ = draw(logits.expand(200, 5).contiguous(), [(1.0, 1e-6, 0, 0)] * 200, u=us)
+    assert set(toks.tolist()) == {2}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("sort", [False, True])
+def test_a_row_with_a_non_finite_logit_is_refused_and_only_that_row(bad, sort):
+    logits = torch.randn(2, 300)
+    logits[1, 123] = bad
+    rows = [(1.0, 0.9 if sort else 1.0, 0, 3)] * 2
+    _, chosen = draw(logits, rows)
+    assert math.isfinite(float(chosen[0]))
+    assert math.isnan(float(chosen[1]))
+
+
+def test_a_row_is_the_same_token_alone_or_with_other_rows_and_with_the_same_seed_and_index():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 700, generator=g)
+    rows = [(0.9, 0.95, 0, 11), (1.0, 1.0, 0, 12), (0.6, 0.9, 40, 13), (1.2, 1.0, 0, 14)]
+    counter = torch.tensor([7, 8, 9, 10])
+    together, _ = draw(logits, rows, counter=counter, add=1)
+    for r in range(4):
+        alone, _ = draw(logits[r : r + 1].contiguous(), [rows[r]], counter=counter[r : r + 1] + 1)
+        assert int(alone[0]) == int(together[r])
+    again, _ = draw(logits, rows, counter=counter, add=1)
+    assert torch.equal(again, together)
+
+
+def test_draws_follow_the_samplers_distribution():
+    """Chi-square of 500 draws (seeds 0..499, one index) against ``Sampler.probs`` on a
+    12-token vocabulary (every kept probability above 0.03: 15 draws expected or more), filtered
+    and not. Seeded, so the statistic is a fixed number: at
+    p = 0.001 a correct sampler fails one seed set in a thousand, and this one is fixed."""
+    logits = torch.tensor([[1.0, 0.8, 0.6, 0.5, 0.3, 0.2, 0.0, -0.2, -0.4, -0.6, -0.8, -1.0]])
+    n = 500
+    for t, top_p, top_k in [(1.0, 1.0, 0), (0.8, 0.9, 0), (1.5, 1.0, 6)]:
+        rows = [(t, top_p, top_k, seed) for seed in range(n)]
+        toks, _ = draw(
+            logits.expand(n, 12).contiguous(), rows, counter=torch.full((n,), 42, dtype=torch.int64)
+        )
+        probs = Sampler(SamplingParams(temperature=t, top_p=top_p, top_k=top_k)).probs(logits[0]).double()
+        counts = torch.bincount(toks, minlength=12).double()
+        assert float(counts[probs == 0].sum()) == 0.0, "a dropped token was drawn"
+        live = probs > 0
+        expected = probs[live] * n
+        chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+        dof = int(live.sum()) - 1
+        # the chi-square 0.999 quantile for dof <= 11 is at most 31.3
+        assert chi2 < 31.3, f"T={t} top_p={top_p} top_k={top_k}: chi2 {chi2:.1f} with {dof} dof"
+
+
+def test_the_draw_depends_on_the_seed_and_the_index():
+    logits = torch.zeros(64, 1000)  # uniform: the token is the draw's u, scaled
+    same = draw(logits, [(1.0, 1.0, 0, 9)] * 64)[0]
+    assert len(set(same.tolist())) == 1
+    by_index = draw(logits, [(1.0, 1.0, 0, 9)] * 64, counter=torch.arange(64))[0]
+    by_seed = draw(logits, [(1.0, 1.0, 0, s) for s in range(64)])[0]
+    assert len(set(by_index.tolist())) > 50 and len(set(by_seed.tolist())) > 50
+
+
+def test_bad_buffers_are_refused_by_name():
+    logits = torch.randn(2, 10)
+    buf = S.SampleBuffers(1, 10, CPU, logits.dtype)
+    tok, ch = torch.zeros(2, dtype=torch.int64), torch.zeros(2)
+    with pytest.raises(ValueError, match="do not fit sample buffers"):
+        S.sample(logits, buf, torch.zeros(2, dtype=torch.int64), 0, tok, ch, False)
+    buf = S.SampleBuffers(2, 10, CPU, logits.dtype)
+    with pytest.raises(ValueError, match="counter must be torch.int64"):
+        S.sample(logits, buf, torch.zeros(2, dtype=torch.int32), 0, tok, ch, False)
