@@ -16,6 +16,7 @@
 #   conv    the demo as bundles: /tmp/demob (int4 experts) and /tmp/demob4 (int4 experts and dense)
 #   specb   edgerun bench speculative on /tmp/demob through the expert cache (SPEC_QUOTA, 16),
 #           K = SPEC_K (1,2,3), sampled rows at SPEC_T (0.8; 0: greedy only), SPEC_REPEATS (3)
+#   specba  specb greedy, each verify row's projections by programs of their own (--window-rows alone)
 #   specb4  the same on /tmp/demob4, greedy
 #   speck   the same on the demo checkpoint (its experts resident, stacked), greedy
 #   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16)
@@ -51,13 +52,17 @@ for ph in ${PHASES:-}; do
   specb)
     timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob --quota "${SPEC_QUOTA:-16}" \
       --device cuda --repeats "${SPEC_REPEATS:-3}" --max-tokens 96 --draft-tokens "${SPEC_K:-1,2,3}" \
-      --temperature "${SPEC_T:-0.8}" --out "$OUT/specb" 2>&1 | tail -20 ;;
+      --temperature "${SPEC_T:-0.8}" --out "$OUT/specb" 2>&1 | tail -24 ;;
+  specba)
+    timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob --quota "${SPEC_QUOTA:-16}" \
+      --device cuda --repeats "${SPEC_REPEATS:-3}" --max-tokens 96 --draft-tokens "${SPEC_K:-1,2,3}" \
+      --temperature 0 --window-rows alone --out "$OUT/specba" 2>&1 | tail -12 ;;
   specb4)
     timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob4 --quota 16 --device cuda \
-      --repeats 3 --max-tokens 96 --temperature 0 --out "$OUT/specb4" 2>&1 | tail -8 ;;
+      --repeats 3 --max-tokens 96 --temperature 0 --out "$OUT/specb4" 2>&1 | tail -12 ;;
   speck)
     timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --device cuda --repeats 3 --max-tokens 96 \
-      --temperature 0 --out "$OUT/speck" 2>&1 | tail -8 ;;
+      --temperature 0 --out "$OUT/speck" 2>&1 | tail -12 ;;
   sprof)
     timeout "$(lim "${SPROF_TIMEOUT:-200}")" python3 benchmarks/spec_step_profile.py \
       --model "${SPROF_MODEL:-/tmp/demob}" --quota "${SPROF_QUOTA:-16}" --out "$OUT/sprof.json" 2>&1 \

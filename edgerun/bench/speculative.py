@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         "--quota", type=int, default=None,
         help="a bundle's experts through the expert cache, this many slots a layer (default: resident stacked)",
     )  # fmt: skip
+    p.add_argument(
+        "--window-rows", choices=["auto", "shared", "alone"], default="auto",
+        help="a verify window's projections: one GEMV for all rows where probed equal (auto), or each row "
+        "by programs of its own (alone); the same bits, a measurement switch (CUDA)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args(argv)
 
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from edgerun.engine.setup import runtime
     from edgerun.engine.speculative import SpeculativeConfig
 
-    rt = runtime(ns.device, threads=ns.threads, graphs=ns.graphs)
+    rt = runtime(ns.device, threads=ns.threads, graphs=ns.graphs, window_rows=ns.window_rows)
 
     def load(spec=None):
         cache = CacheConfig(ns.quota) if ns.quota else None

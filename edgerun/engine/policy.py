@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # importing the policy does not import torch: the daemon bind
 EXPERT_KERNELS = ("auto", "reference", "triton", "cpu", "cpu_grouped")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
+WINDOW_ROWS = ("auto", "shared", "alone")
 # auto on the CPU tries the grouped C kernel first: with an expert's tokens run together it
 # measured at or above torch's kernels at 1 and 2 threads, decode and prefill (docs/benchmarks.md,
 # "Grouped CPU expert kernel, an expert's tokens together"); a refused probe runs torch's, named
@@ -72,6 +73,11 @@ class KernelPolicy:
     # triton: at or below, fused GEMV; above, the grouped GEMM (None: by the experts' format,
     # kernels/moe.GEMV_MAX_TOKENS)
     gemv_max_tokens: int | None = None
+    # a speculative verify window's projections: auto / shared, the rows in one GEMV (the weight
+    # read once) where the start-up probe finds them bit for bit the one-row steps, else each row
+    # by programs of its own; alone: each row by programs of its own (the weight read per row, in
+    # parallel). Both give every row the one-row step's bits: a measurement switch
+    window_rows: str = "auto"
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
@@ -80,6 +86,8 @@ class KernelPolicy:
             raise ConfigError(f"dense kernel {self.dense!r} is not one of {', '.join(DENSE_KERNELS)}")
         if self.graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs {self.graphs!r} is not one of {', '.join(GRAPH_MODES)}")
+        if self.window_rows not in WINDOW_ROWS:
+            raise ConfigError(f"window rows {self.window_rows!r} is not one of {', '.join(WINDOW_ROWS)}")
 
 
 @dataclass
@@ -87,6 +95,7 @@ class Resolved:
     moe: MoeKernelPolicy
     graphs: bool
     dense: str = "torch"
+    window_rows: str = "auto"  # KernelPolicy.window_rows, as asked
     delta_chunk: bool = False  # prompts' DeltaNet delta rule through fla-core (kernels/delta_chunk.py)
     cpu_dense: bool = (
         False  # int4 / int8 projections through the CPU weight-only kernels (kernels/qlinear_cpu.py)
@@ -113,7 +122,7 @@ def resolve(
 
     device = torch.device(device)
     moe = MoeKernelPolicy(gemv_max_tokens=policy.gemv_max_tokens)
-    out = Resolved(moe, graphs=False)
+    out = Resolved(moe, graphs=False, window_rows=policy.window_rows)
     if not layouts:
         out.choices["experts"] = "torch (stacked resident weights)"
     elif policy.experts == "reference":

@@ -348,11 +348,14 @@ class Runner:
         programs of its own (the weight read per row: a fallback, named and counted) and the
         probe runs again. Raises :class:`EdgerunError` naming what differs; returns the line
         the start-up shows."""
-        self.model.share_rows(True)
+        alone = self.kernels.window_rows == "alone"
+        self.model.share_rows(not alone)
         try:
             self._probe_window_rows(draft_tokens + 1)
-            how = "one GEMV for all rows"
+            how = "each row by its own programs (by request)" if alone else "one GEMV for all rows"
         except EdgerunError as exc:
+            if alone:
+                raise
             self.model.share_rows(False)
             self.window_fallbacks["verify_gemv"] = (
                 f"each row's projections by programs of its own (weights read per row): {exc}"

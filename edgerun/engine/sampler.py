@@ -51,7 +51,7 @@ class Sampler:
         if self.params.greedy:  # on the logits' device: a read of two ints, not of [V]
             token = next(self.greedy_rows(logits[None]))
         elif logits.is_cuda:
-            token = self._draw_on_device(logits)
+            token = self.device_draw(logits)
         else:
             token = self.draw(self.probs(logits))
         self.position += 1
@@ -69,7 +69,7 @@ class Sampler:
         p = self.params
         return (p.temperature, p.top_p, p.top_k, self.seed)
 
-    def _draw_on_device(self, logits: torch.Tensor) -> int:
+    def device_draw(self, logits: torch.Tensor) -> int:
         """The token at :attr:`position` drawn on the logits' device (one read of two numbers)."""
         from edgerun.kernels import sample_triton as S
 

@@ -84,6 +84,7 @@ def runtime(
     dense: str | None = "auto",
     graphs: str | None = "auto",
     profile: Path | None = None,
+    window_rows: str = "auto",
 ) -> Runtime:
     """Resolve the device (cuda when available), the compute dtype (``auto``: on the cpu by this
     CPU's bf16 hardware, :func:`default_dtype`; on cuda the checkpoint's), torch's CPU threads (set
@@ -130,7 +131,9 @@ def runtime(
         if threads < 1:
             raise ConfigError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    kernels = KernelPolicy(experts=experts or "auto", dense=dense or "auto", graphs=graphs or "auto")
+    kernels = KernelPolicy(
+        experts=experts or "auto", dense=dense or "auto", graphs=graphs or "auto", window_rows=window_rows
+    )
     return Runtime(device, None if dtype == "auto" else getattr(torch, dtype), kernels, threads)
 
 

@@ -167,3 +167,44 @@ def test_batch_greedy_rows_run_a_step_ahead(sources, tmp_path):
     assert got == want
     assert steps.ahead_steps > 0 and steps.ahead_rows > 0
     assert not runner.batch.rows and not steps.unread()  # the ended rows' last steps ahead dropped
+
+
+def test_a_sampled_steps_draw_is_the_samplers_draw_of_its_logits(sources, tmp_path):
+    """The decode step's own draw (``DecodeGraphs.sample_with``: the token drawn after the step
+    and consumed by the next one on the device, never read by the host in between) gives the
+    tokens the sampler draws from each step's logits (``Sampler.device_draw``, keyed by the same
+    seed and positions), for a filtering request (the sorted draw) and a plain one; after
+    ``sample_with(None)`` the step takes the argmax again."""
+    from edgerun.engine.sampler import Sampler, SamplingParams
+
+    bundle = tmp_path / "b"
+    convert(sources["qwen3_moe"], bundle, ConvertOptions("int4", 16))
+    runner = Runner.load(bundle, device="cpu", dtype=torch.float32, cache=CacheConfig(64))
+    fused = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
+    runner.model.use_kernels(True)
+    decoder = DecodeGraphs(runner.model, runner.args, runner.cache, fused, CPU, 16)
+    for kw in (dict(temperature=1.5, top_p=0.9, seed=4), dict(temperature=2.0, seed=5)):
+        params = SamplingParams(max_tokens=4, **kw)
+        with torch.no_grad():
+            stepwise = Sampler(params, position=len(PROMPT))
+            state = decoder.reset()
+            want = [stepwise.device_draw(runner.prefill(state, PROMPT))]
+            stepwise.position += 1
+            for _ in range(3):
+                want.append(stepwise.device_draw(decoder.step(want[-1])))
+                stepwise.position += 1
+            sampler = Sampler(params, position=len(PROMPT))
+            state = decoder.reset()
+            got = [sampler.device_draw(runner.prefill(state, PROMPT))]
+            decoder.sample_with(sampler)
+            handle = decoder.launch(got[0])
+            for _ in range(3):
+                queued = decoder.launch(None)  # consumes the drawn token still in the step's buffer
+                got.append(decoder.result(handle))
+                handle = queued
+            decoder.sample_with(None)
+        assert got == want, kw
+        assert len(set(want)) > 1  # a draw, not a constant
+    with torch.no_grad():
+        handle = decoder.launch(want[-1])
+    assert decoder.result(handle) == int(decoder.logits[0].argmax())

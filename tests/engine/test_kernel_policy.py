@@ -60,6 +60,7 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
         ),
         ("graphs", "sometimes", "graphs 'sometimes' is not one of auto, on, off"),
         ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
+        ("window_rows", "some", "window rows 'some' is not one of auto, shared, alone"),
     ],
 )
 def test_policy_refuses_unknown_values(field, value, message):
