@@ -202,7 +202,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
     "host_quota", "read_depth", "reader", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
-    "allow_provider", "provider", "allow_override", "speculative", "draft_tokens",
+    "allow_provider", "provider", "allow_override", "speculative", "draft_tokens", "speculative_sampled",
 )  # fmt: skip
 
 

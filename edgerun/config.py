@@ -340,6 +340,7 @@ class CacheConfig:
 
 
 SPECULATIVE_METHODS = ("mtp",)
+SPECULATIVE_SAMPLED = ("plain", "verify")
 MAX_DRAFT_TOKENS = 4
 
 
@@ -350,6 +351,10 @@ class SpeculativeConfig:
 
     method: str = "mtp"
     draft_tokens: int = 1
+    # a sampled (not greedy) request: plain decoding (its draws on the logits' device), or drafted
+    # and verified with the rejection test on the host (2K + 1 distributions on the CPU a step:
+    # slower than a plain step until that test runs on the device, docs/benchmarks.md)
+    sampled: str = "plain"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -359,6 +364,15 @@ class SpeculativeConfig:
         k = self.draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"draft tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+        if self.sampled not in SPECULATIVE_SAMPLED:
+            raise ConfigError(
+                f"speculative sampled {self.sampled!r} is not one of {', '.join(SPECULATIVE_SAMPLED)}"
+            )
 
     def describe(self) -> str:
-        return f"speculative {self.method}, {self.draft_tokens} draft token(s) a step"
+        sampled = (
+            "sampled requests decode plainly"
+            if self.sampled == "plain"
+            else "sampled requests verified (the rejection test on the host)"
+        )
+        return f"speculative {self.method}, {self.draft_tokens} draft token(s) a step, greedy requests; {sampled}"

@@ -169,6 +169,13 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="--speculative: tokens drafted a step, 1..4 (default 1)",
     )
+    p.add_argument(
+        "--speculative-sampled",
+        choices=["plain", "verify"],
+        default=None,
+        help="--speculative: sampled requests decode plainly (default; their draws on the GPU), or are "
+        "drafted and verified with the rejection test on the host",
+    )
 
 
 def speculative_config(ns: argparse.Namespace):
@@ -176,8 +183,13 @@ def speculative_config(ns: argparse.Namespace):
     ask for, or None (off); a bad value or --draft-tokens alone is a ConfigError naming it."""
     from edgerun.config import SpeculativeConfig
 
+    sampled = getattr(ns, "speculative_sampled", None)
     if ns.speculative is None:
         if ns.draft_tokens is not None:
             raise ConfigError("--draft-tokens needs --speculative mtp")
+        if sampled is not None:
+            raise ConfigError("--speculative-sampled needs --speculative mtp")
         return None
-    return SpeculativeConfig(ns.speculative, 1 if ns.draft_tokens is None else ns.draft_tokens)
+    return SpeculativeConfig(
+        ns.speculative, 1 if ns.draft_tokens is None else ns.draft_tokens, sampled or "plain"
+    )

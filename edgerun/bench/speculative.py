@@ -19,7 +19,9 @@ head's experts held as blocks too).
 
 Greedy output must equal plain greedy's token for token: a configuration whose tokens differ
 prints no rate (``MISMATCH``). Sampled output is not compared (drafting draws from the
-generator too); its rate and acceptance are. Greedy continuations of a small model loop, which
+generator too); its rate and acceptance are. The MTP configurations verify sampled requests
+(``speculative_sampled: verify``, the rejection test on the host) to measure that path; a
+server's default decodes them plainly. Greedy continuations of a small model loop, which
 a draft predicts easily: the sampled rows are the more realistic acceptance.
 
 Writes ``speculative.json`` and ``speculative.md`` to ``--out`` when given; prints the table.
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = load()
     runners = {"plain": plain}
     for k in ns.draft_tokens:
-        runners[f"MTP K={k}"] = load(SpeculativeConfig("mtp", k))
+        runners[f"MTP K={k}"] = load(SpeculativeConfig("mtp", k, sampled="verify"))
     if plain.tokenizer is None:
         raise SystemExit(f"{ns.model}: no tokenizer.json to encode the prompts with")
     prompts = [plain.tokenizer.encode(t) for t in PROMPTS[: ns.prompts]]

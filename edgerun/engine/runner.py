@@ -114,6 +114,7 @@ class Runner:
         self.row_steps: RowSteps | None = None  # the batch's steps on CUDA
         self.speculative: SpeculativeConfig | None = None  # set by enable_speculative
         self.spec_totals = SpeculativeStats()  # across requests
+        self.spec_plain_requests = 0  # sampled requests that decoded plainly (SpeculativeConfig.sampled)
         self.row_step_s = 0.0  # a plain one-row decode step's time, probed by enable_speculative
         self.last_speedup = 0.0  # the last speculative request's decode rate over 1 / row_step_s
         self.window_note = ""  # CUDA: how a verify window's projections run, as its probe found
@@ -761,13 +762,17 @@ class Runner:
     ) -> Iterator[Event]:
         prompt_ids, params = list(request.prompt_ids), request.params
         total = len(prompt_ids) + params.max_tokens
-        room = SPEC_HEADROOM * self.speculative.draft_tokens if self.speculative is not None else 0
+        speculative = self.speculative
+        if speculative is not None and not params.greedy and speculative.sampled == "plain":
+            speculative = None  # a sampled request decodes plainly (SpeculativeConfig.sampled)
+            self.spec_plain_requests += 1
+        room = SPEC_HEADROOM * speculative.draft_tokens if speculative is not None else 0
         if total + room <= self.max_context:
             total += room  # device-decided speculative steps run ahead of the request's end
         state = self.new_state(total) if row is None else row.state
         text = _TextStream(self.tokenizer, params.stop)
         drafter = None
-        if self.speculative is not None:
+        if speculative is not None:
             ref = self.model.model.embed_tokens.weight
             on_decoder = self.decoder is not None and state is self.decoder.state
             step = self.decoder.draft_step() if on_decoder else None  # CUDA: its graph

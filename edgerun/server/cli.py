@@ -69,6 +69,7 @@ _FLAGS = (
     "max_body_bytes",
     "speculative",
     "draft_tokens",
+    "speculative_sampled",
     "engine_process",
 )
 

@@ -224,6 +224,7 @@ class RunnerEngine:
         return {
             "draft_tokens": r.speculative.draft_tokens,
             **{k: getattr(t, k) for k in ("steps", "device_steps", "drafted", "accepted", "emitted")},
+            "plain_requests": r.spec_plain_requests,
             "acceptance": t.acceptance,
             "tokens_per_step": t.tokens_per_step,
             "speedup": r.last_speedup,

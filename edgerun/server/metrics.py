@@ -286,6 +286,12 @@ def render(
         for name, kind, help_, key in (
             ("edgerun_speculative_steps_total", "counter", "Speculative verify steps.", "steps"),
             (
+                "edgerun_speculative_plain_requests_total",
+                "counter",
+                "Sampled requests that decoded plainly (speculative_sampled: plain, the default).",
+                "plain_requests",
+            ),
+            (
                 "edgerun_speculative_device_steps_total",
                 "counter",
                 "Of the speculative verify steps, those decided on the device (verify, accept, roll "

@@ -95,6 +95,7 @@ class ServeOptions:
     engine_process: bool = True
     speculative: str | None = None  # "mtp": draft with the model's MTP head, verify in one step; None: off
     draft_tokens: int | None = None  # with speculative: tokens drafted a step, 1..4 (default 1)
+    speculative_sampled: str | None = None  # with speculative: plain (default) or verify (config.py)
 
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
@@ -163,8 +164,14 @@ class ServeOptions:
         if self.speculative is None:
             if self.draft_tokens is not None:
                 raise ConfigError("serve option 'draft_tokens' needs 'speculative: mtp'")
+            if self.speculative_sampled is not None:
+                raise ConfigError("serve option 'speculative_sampled' needs 'speculative: mtp'")
             return None
-        return SpeculativeConfig(self.speculative, 1 if self.draft_tokens is None else self.draft_tokens)
+        return SpeculativeConfig(
+            self.speculative,
+            1 if self.draft_tokens is None else self.draft_tokens,
+            self.speculative_sampled or "plain",
+        )
 
     def merged(self, overrides: dict[str, Any]) -> ServeOptions:
         """These options with the non-None values of ``overrides`` on top."""

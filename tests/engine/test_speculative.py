@@ -243,10 +243,28 @@ def test_sampling_acceptance_keeps_the_target_distribution():
 
 
 def test_sampled_speculative_decoding_runs_and_is_seeded(sources):
-    spec = Runner.load(sources["hf"], device="cpu", speculative=S.SpeculativeConfig("mtp", 2))
+    spec = Runner.load(
+        sources["hf"], device="cpu", speculative=S.SpeculativeConfig("mtp", 2, sampled="verify")
+    )
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
     first, second = spec.generate_ids(PROMPT, params), spec.generate_ids(PROMPT, params)
     assert first == second and len(first) == 20
+    assert spec.spec_totals.steps > 0 and spec.spec_plain_requests == 0
+
+
+def test_a_sampled_request_decodes_plainly_by_default_and_is_counted(sources):
+    """``SpeculativeConfig.sampled`` plain (the default): a sampled request's tokens are a plain
+    runner's with the same seed, no verify step runs, and the request is counted; a greedy one
+    still verifies."""
+    spec = Runner.load(sources["hf"], device="cpu", speculative=S.SpeculativeConfig("mtp", 2))
+    plain = Runner.load(sources["hf"], device="cpu")
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    assert spec.generate_ids(PROMPT, params) == plain.generate_ids(PROMPT, params)
+    assert spec.spec_totals.steps == 0 and spec.spec_plain_requests == 1
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert spec.generate_ids(PROMPT, greedy) == plain.generate_ids(PROMPT, greedy)
+    assert spec.spec_totals.steps > 0 and spec.spec_plain_requests == 1
+    assert "sampled requests decode plainly" in spec.speculative.describe()
 
 
 @pytest.mark.parametrize(
@@ -255,6 +273,7 @@ def test_sampled_speculative_decoding_runs_and_is_seeded(sources):
         (dict(method="eagle"), "speculative method 'eagle' is not supported"),
         (dict(draft_tokens=0), "draft tokens must be an integer in 1..4, got 0"),
         (dict(draft_tokens=5), "draft tokens must be an integer in 1..4, got 5"),
+        (dict(sampled="host"), "speculative sampled 'host' is not one of plain, verify"),
     ],
 )
 def test_bad_speculative_settings_are_named(kw, message):
@@ -340,6 +359,8 @@ def test_generate_cli_speculates_and_says_so(sources, capsys):
     assert "MTP acceptance" in err and "tok/step" in err
     assert main([*argv, "--draft-tokens", "2"]) == 2
     assert "--draft-tokens needs --speculative mtp" in capsys.readouterr().err
+    assert main([*argv, "--speculative-sampled", "verify"]) == 2
+    assert "--speculative-sampled needs --speculative mtp" in capsys.readouterr().err
     assert main([*argv, "--speculative", "medusa"]) == 2
     assert "speculative method 'medusa' is not supported" in capsys.readouterr().err
 

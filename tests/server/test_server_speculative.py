@@ -69,12 +69,20 @@ def test_serve_config_speculative_keys(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("speculative: mtp\ndraft_tokens: 4\n")
     assert ServeOptions().merged(load_serve_config(cfg)).speculative_config() == SpeculativeConfig("mtp", 4)
+    cfg.write_text("speculative: mtp\nspeculative_sampled: verify\n")
+    got = ServeOptions().merged(load_serve_config(cfg)).speculative_config()
+    assert got == SpeculativeConfig("mtp", 1, sampled="verify")
     assert ServeOptions(speculative="mtp").speculative_config() == SpeculativeConfig("mtp", 1)
     assert ServeOptions().speculative_config() is None
     for text, message in (
         ("draft_tokens: 2\n", "'draft_tokens' needs 'speculative: mtp'"),
         ("speculative: mtp\ndraft_tokens: 5\n", "draft tokens must be an integer in 1..4, got 5"),
         ("speculative: eagle\n", "speculative method 'eagle' is not supported"),
+        ("speculative_sampled: verify\n", "'speculative_sampled' needs 'speculative: mtp'"),
+        (
+            "speculative: mtp\nspeculative_sampled: maybe\n",
+            "speculative sampled 'maybe' is not one of plain, verify",
+        ),
     ):
         cfg.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(message)):
