@@ -7,7 +7,7 @@ sampled, with each.
 Part 1, one row of random bf16 logits on the GPU, per token, median (range) over repeats of 50:
 - host: ``Sampler.probs`` + ``draw`` (the CPU sampler: the logits copied to the host, sorted
   there when the request filters), the path every sampled token took before the device draw;
-- device: ``Sampler.__call__`` on the GPU's logits (the draw on the device, one read back of the
+- device: ``Sampler.device_draw`` on the GPU's logits (the draw on the device, one read back of the
   token), as a batch's row or a host-driven step draws;
 - device, in a graph: the draw replayed from a CUDA graph, GPU time only (the decode step's
   draw, which the host never waits for).
@@ -42,25 +42,28 @@ def _med(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def per_token(vocab: int, kw: dict, repeats: int, n: int = 50) -> dict:
+def per_token(vocab: int, kw: dict, repeats: int, n: int = 50, device: str = "cuda") -> dict:
     from edgerun.engine.sampler import Sampler, SamplingParams
     from edgerun.kernels import sample_triton as S
 
-    g = torch.Generator(device="cuda").manual_seed(vocab)
-    logits = (torch.randn(vocab, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(vocab)
+    logits = (torch.randn(vocab, device=device, generator=g) * 4).to(torch.bfloat16)
     params = SamplingParams(max_tokens=1, seed=1, **kw)
     out = {}
     s = Sampler(params)
-    for name, fn in (("host", lambda: s.draw(s.probs(logits))), ("device", lambda: s(logits))):
+    for name, fn in (("host", lambda: s.draw(s.probs(logits))), ("device", lambda: s.device_draw(logits))):
         fn()
         times = []
         for _ in range(repeats):
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(n):
                 fn()
             times.append((time.perf_counter() - t) / n * 1e6)
         out[name] = _med(times)
+    if device != "cuda":  # a smoke run of the parts above
+        return out
     buffers = S.SampleBuffers(1, vocab, logits.device, logits.dtype)
     buffers.set([s.row()])
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -139,17 +142,21 @@ def main() -> None:
     ap.add_argument("--vocab", default="4096,151936,248320")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of part 1 (under TRITON_INTERPRET=1)")
     ns = ap.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "per_token_us": {}, "demo_decode_tok_s": None}
+    name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
+    result = {"device": name, "per_token_us": {}, "demo_decode_tok_s": None}
     print(f"{result['device']}; microseconds a token, median (range) of {ns.repeats} x 50")
     print("| vocab | setting | host sampler | device draw (one read back) | device draw in a graph (GPU) |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for v in (int(x) for x in ns.vocab.split(",")):
         for name, kw in SETTINGS.items():
-            r = per_token(v, kw, ns.repeats)
+            r = per_token(v, kw, ns.repeats, device=ns.device)
             result["per_token_us"][f"{v} {name}"] = r
             cells = " | ".join(f"{r[k]['median']:.1f} ({r[k]['min']:.1f}-{r[k]['max']:.1f})" for k in r)
             print(f"| {v:,} | {name} | {cells} |", flush=True)
+    if ns.device != "cuda":
+        return
     rates = decode_rates(ns.repeats)
     result["demo_decode_tok_s"] = rates
     print(f"\ndemo decode tok/s, median (range) of {ns.repeats}:")
