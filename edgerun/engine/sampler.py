@@ -22,6 +22,7 @@ from edgerun.engine.params import GREEDY_BELOW, NonFiniteLogits, SamplingError, 
 __all__ = ["GREEDY_BELOW", "NonFiniteLogits", "Sampler", "SamplingError", "SamplingParams"]
 
 
+TOP_P_FIRST = 1024  # logits sorted first for a top-p request (8x more each time the nucleus is larger)
 SEED_MASK = 2**63 - 1  # a device draw's seed: the request's, as a non-negative int64
 
 
@@ -119,17 +120,39 @@ class Sampler:
                 f"{int((~torch.isfinite(logits)).sum())} of {logits.numel()} logits are NaN or infinite"
             )
         logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        V = logits.numel()
+        cand = None  # the top-k set: every logit >= the k-th largest (ties at it stay)
+        if p.top_k and p.top_k < V:
+            cand = (logits >= torch.topk(logits, p.top_k).values[-1]).nonzero().squeeze(1)
         if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # drop a token when the mass before it already reaches top_p (the first always stays)
-            drop = (probs.cumsum(-1) - probs) >= p.top_p
-            drop[0] = False  # a top_p that underflows fp32 (1e-320) would drop it too
-            logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
+            cand = self._nucleus(logits, cand)
+        if cand is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[cand] = logits[cand]
+            logits = keep
         return torch.softmax(logits, dim=-1)
+
+    def _nucleus(self, logits: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
+        """The ids top-p keeps of ``cand`` (the top-k set; None: every id): the head of them
+        sorted descending (stable: ties in id order), dropping each whose mass before it (over
+        ``cand``) already reaches top_p, the first always kept. Without a top-k set only the
+        largest m are sorted (every logit >= the m-th, so no tie group is split), m growing
+        until the cut falls among them: the mass before each is over every logit either way."""
+        top_p = self.params.top_p
+        pool = logits if cand is None else logits[cand]
+        total = torch.logsumexp(pool, dim=-1)
+        m = min(pool.numel(), TOP_P_FIRST)
+        while True:
+            head = (pool >= torch.topk(pool, m).values[-1]).nonzero().squeeze(1) if m < pool.numel() else None
+            vals, order = torch.sort(pool if head is None else pool[head], descending=True, stable=True)
+            probs = torch.exp(vals - total)
+            drop = (probs.cumsum(-1) - probs) >= top_p
+            drop[0] = False  # a top_p that underflows fp32 (1e-320) would drop it too
+            if head is None or bool(drop.any()):
+                break
+            m = min(pool.numel(), m * 8)
+        kept = order[~drop] if head is None else head[order[~drop]]
+        return kept if cand is None else cand[kept]
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token from ``probs`` [V] with the request's generator."""

@@ -95,3 +95,40 @@ def test_a_sampler_keys_device_draws_by_position_and_a_non_negative_seed():
     assert not s.sort and Sampler(SamplingParams(temperature=1.0, top_p=0.9)).sort
     s(torch.tensor([0.0, 1.0, 2.0]))
     assert s.position == 13
+
+
+def _full_sort_probs(logits, p):
+    """The distribution by its definition: top-k by a mask, top-p over the whole sorted vector."""
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
+    return torch.softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.8, top_p=0.95),
+        dict(temperature=0.7, top_p=0.8, top_k=20),
+        dict(temperature=1.5, top_p=0.99),  # a nucleus past the first 1,024 sorted
+        dict(temperature=1.0, top_p=0.5, top_k=3000),
+        dict(temperature=1.0, top_k=7),
+    ],
+)
+def test_probs_sorts_only_the_head_and_keeps_the_definitions_distribution(kw):
+    """``probs`` sorts the top-k set, or a growing head of the logits, not all of them: the kept
+    set equals the full sort's (bf16 logits: many ties, at the k-th and at the cut) and each
+    probability agrees within 1e-6 (fp32 sums in another order)."""
+    g = torch.Generator().manual_seed(11)
+    for scale in (0.5, 3.0):
+        logits = (torch.randn(5000, generator=g) * scale).to(torch.bfloat16)
+        params = SamplingParams(**kw)
+        want, got = _full_sort_probs(logits, params), Sampler(params).probs(logits)
+        assert torch.equal(want > 0, got > 0), (scale, int((want > 0).sum()), int((got > 0).sum()))
+        assert float((want - got).abs().max()) < 1e-6
