@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # logits a tile: a tile is loaded, scaled and summed at once
+BLOCK = 4096  # logits a tile: a tile is loaded, scaled and summed at once (61 tiles at 248,320)
 FLOATS, INTS = 2, 2  # per-row parameters: (temperature, top_p) fp32; (top_k, seed) int64
 
 
@@ -217,5 +217,5 @@ def sample(
         vals, order, buffers.floats, buffers.ints, counter, counter_add,
         uniform if uniform is not None else buffers.floats, token, token.stride(0), chosen, chosen.stride(0),
         logits, V, vals.stride(0), logits.stride(0),
-        SORTED=sort, HAS_U=uniform is not None, BLOCK=BLOCK, num_warps=4,
+        SORTED=sort, HAS_U=uniform is not None, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip

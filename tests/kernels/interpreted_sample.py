@@ -61,7 +61,7 @@ CASES = [  # (temperature, top_p, top_k)
 ]
 
 
-@pytest.mark.parametrize("vocab", [50, 1500])
+@pytest.mark.parametrize("vocab", [50, 5000])  # one tile; two (BLOCK 4096)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-p{c[1]}-k{c[2]}")
 def test_each_draw_is_the_reference_inverse_cdf(case, dtype, vocab):
@@ -80,7 +80,7 @@ def test_each_draw_is_the_reference_inverse_cdf(case, dtype, vocab):
             continue
         assert int(tokens[j]) == want, f"u={u}: token {int(tokens[j])}, reference {want}"
         assert torch.equal(chosen[j], logits[0, want])
-    assert skipped <= 3
+    assert skipped <= 6  # of 40: a boundary every ~1/5,000 of the mass at the larger vocabulary
 
 
 def test_top_k_keeps_ties_at_the_kth_logit_and_top_p_keeps_the_first():
