@@ -236,9 +236,9 @@ def render(
     t.family(
         "edgerun_sampled_tokens_total",
         "counter",
-        "Sampled (not greedy) tokens by where they were drawn: device (from the logits where they are, on "
+        "Sampled (not greedy) draws by where they were made: device (from the logits where they are, on "
         "a GPU, no copy to the host; in the decode step's graph where it replays) or host (the CPU "
-        "sampler: a CPU engine, and a speculative request's sampled acceptance).",
+        "sampler: a CPU engine; a verified speculative request's drafts and acceptance draws).",
         [({"where": k}, n) for k, n in sorted(stats.get("sampled_tokens", {}).items())],
     )
     t.family(
