@@ -81,6 +81,25 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def run_on_side_stream(fn, device: torch.device) -> None:
+    """``fn`` run eagerly on the side stream, after the current stream's work and before its
+    next: a first run before a capture (library handles, Triton compiles), which is that call's
+    run."""
+    stream = side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def capture_graph(fn, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
+    """``fn``'s launches recorded (not run) into a CUDA graph on the side stream."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=side_stream(device)):
+        fn()
+    return g
+
+
 @dataclass
 class DecodeCounters:
     graph_steps: int = 0  # every device op replayed from graphs, no host op
@@ -478,16 +497,9 @@ class DecodeGraphs:
             return
         sort = self._draw_sort
         if sort not in self._draw_graphs:
-            stream = side_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._draw_op()  # compiles, and is this step's draw
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            run_on_side_stream(self._draw_op, self.device)  # compiles, and is this step's draw
             try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=side_stream(self.device)):
-                    self._draw_op()
-                self._draw_graphs[sort] = g
+                self._draw_graphs[sort] = capture_graph(self._draw_op, self.device)
             except Exception as exc:  # noqa: BLE001 - any capture failure: draw eagerly, say why
                 self._draw_graphs[sort] = None
                 self.fallbacks["draw_graphs"] = (
@@ -656,11 +668,7 @@ class DecodeGraphs:
     def _warm_up(self) -> None:
         """The first step runs eagerly on a side stream (library handles, Triton compiles), then
         every segment is captured; a failed capture leaves the engine eager, recorded."""
-        stream = side_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._run_eager()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        run_on_side_stream(self._run_eager, self.device)
         self._warm = True
         try:
             self.graphs = self._capture()
@@ -671,15 +679,11 @@ class DecodeGraphs:
 
     def _capture(self) -> list[torch.cuda.CUDAGraph]:
         pool = torch.cuda.graph_pool_handle()
-        graphs = []
-        for seg in self.segments():
-            if not isinstance(seg, list):
-                continue
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=side_stream(self.device)):
-                for fn in seg:
-                    fn()
-            graphs.append(g)
+        graphs = [
+            capture_graph(partial(_run_ops, seg), self.device, pool)
+            for seg in self.segments()
+            if isinstance(seg, list)
+        ]
         torch.cuda.synchronize(self.device)
         return graphs
 
@@ -711,6 +715,11 @@ class DecodeGraphs:
                 else f"; prefill eager ({p.why_eager or 'no bucket fits'})"
             )
         return text
+
+
+def _run_ops(ops: list) -> None:
+    for fn in ops:
+        fn()
 
 
 def _in_draft_rows(fn):

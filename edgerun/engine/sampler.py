@@ -78,7 +78,7 @@ class Sampler:
         if self._device is None or self._device[0].vals.shape[1] != V:
             buffers = S.SampleBuffers(1, V, logits.device, logits.dtype)
             buffers.set([self.row()])
-            out = torch.zeros(3, dtype=torch.int64, device=logits.device)  # counter, token, chosen
+            out = torch.zeros(2, dtype=torch.int64, device=logits.device)  # counter, token
             self._device = (buffers, out, torch.zeros(1, dtype=logits.dtype, device=logits.device))
         buffers, out, chosen = self._device
         out[0].fill_(self.position)

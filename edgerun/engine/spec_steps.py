@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from edgerun.engine.graphs import DecodeGraphs, greedy_pick, side_stream
+from edgerun.engine.graphs import DecodeGraphs, capture_graph, greedy_pick, run_on_side_stream
 from edgerun.engine.speculative import STEP_ROWS
 from edgerun.models.layers import verify_window
 
@@ -164,16 +164,10 @@ class SpecSteps:
         """The first step eagerly on a side stream (Triton compiles), then the capture (which
         records the operations without running them)."""
         dev = self.decoder.device
-        stream = side_stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            self._ops()
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        run_on_side_stream(self._ops, dev)
         self._warm = True
         try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=side_stream(dev)):
-                self._ops()
+            g = capture_graph(self._ops, dev)
             torch.cuda.synchronize(dev)
             self.graph = g
             self.decoder.counters.captures += 1
