@@ -164,7 +164,7 @@ def main() -> None:
     else:
         print("| vocab | setting | host sampler | host sampler, whole vector sorted |")
         print("| ---: | --- | ---: | ---: |")
-    for v in (int(x) for x in ns.vocab.split(",")):
+    for v in (int(x) for x in ns.vocab.split(",") if x):  # --vocab "": part 2 only
         for name, kw in SETTINGS.items():
             r = per_token(v, kw, ns.repeats, device=ns.device)
             result["per_token_us"][f"{v} {name}"] = r

@@ -15,14 +15,17 @@
 # Phases:
 #   conv    the demo as bundles: /tmp/demob (int4 experts) and /tmp/demob4 (int4 experts and dense)
 #   specb   edgerun bench speculative on /tmp/demob through the expert cache (SPEC_QUOTA, 16),
-#           K = SPEC_K (1,2,3), sampled rows at SPEC_T (0.8; 0: greedy only), SPEC_REPEATS (3)
+#           K = SPEC_K (1,2,3), sampled rows at SPEC_T (0: greedy only), SPEC_REPEATS (5) after
+#           one untimed round, SPEC_TOKENS (128) a prompt
 #   specba  specb greedy, each verify row's projections by programs of their own (--window-rows alone)
 #   specb4  the same on /tmp/demob4, greedy
-#   speck   the same on the demo checkpoint (its experts resident, stacked), greedy
+#   speck   the same on the demo checkpoint (its experts resident: held as bf16 blocks), greedy
 #   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16)
-#   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw, the demo's
-#           decode rate greedy and sampled
-#   gtests  pytest of GT (tests/engine/test_speculative_cuda.py)
+#   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
+#           "" for none), the demo's decode rate greedy and sampled
+#   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
+#           GT_TIMEOUT (300) s (then interrupted: the summary says where), -k GT_K when set; -v output
+#           to $OUT/gtests-NAME.txt, its failures and durations printed
 set -u
 export PYTHONUNBUFFERED=1
 R=$PWD
@@ -41,6 +44,11 @@ date -u +%FT%TZ
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 END=$((SECONDS + ${BUDGET:-560}))
+spec() {  # spec MODEL NAME "FLAGS": bench speculative on MODEL, results to $OUT/NAME
+  timeout -s INT -k 10 "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model "$1" --device cuda \
+    --repeats "${SPEC_REPEATS:-5}" --max-tokens "${SPEC_TOKENS:-128}" --draft-tokens "${SPEC_K:-1,2,3}" \
+    $3 --out "$OUT/$2" 2>&1 | tee "$OUT/$2.log" | grep -v Warning | tail -16
+}
 lim() { local l=$((END - SECONDS)); [ "$1" -lt $l ] && l=$1; [ $l -lt 5 ] && l=5; echo $l; }
 for ph in ${PHASES:-}; do
   echo "=== phase $ph $(date -u +%T), $((END - SECONDS)) s left"
@@ -49,30 +57,28 @@ for ph in ${PHASES:-}; do
   conv)
     $ER convert edgerun/demo /tmp/demob --quant int4 2>&1 | tail -1
     $ER convert edgerun/demo /tmp/demob4 --quant int4 --dense int4 2>&1 | tail -1 ;;
-  specb)
-    timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob --quota "${SPEC_QUOTA:-16}" \
-      --device cuda --repeats "${SPEC_REPEATS:-3}" --max-tokens 96 --draft-tokens "${SPEC_K:-1,2,3}" \
-      --temperature "${SPEC_T:-0.8}" --out "$OUT/specb" 2>&1 | tail -24 ;;
-  specba)
-    timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob --quota "${SPEC_QUOTA:-16}" \
-      --device cuda --repeats "${SPEC_REPEATS:-3}" --max-tokens 96 --draft-tokens "${SPEC_K:-1,2,3}" \
-      --temperature 0 --window-rows alone --out "$OUT/specba" 2>&1 | tail -12 ;;
-  specb4)
-    timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model /tmp/demob4 --quota 16 --device cuda \
-      --repeats 3 --max-tokens 96 --temperature 0 --out "$OUT/specb4" 2>&1 | tail -12 ;;
-  speck)
-    timeout "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --device cuda --repeats 3 --max-tokens 96 \
-      --temperature 0 --out "$OUT/speck" 2>&1 | tail -12 ;;
+  specb) spec /tmp/demob specb "--quota ${SPEC_QUOTA:-16} --temperature ${SPEC_T:-0}" ;;
+  specba) spec /tmp/demob specba "--quota ${SPEC_QUOTA:-16} --temperature 0 --window-rows alone" ;;
+  specb4) spec /tmp/demob4 specb4 "--quota 16 --temperature 0" ;;
+  speck) spec edgerun/demo speck "--temperature 0" ;;
   sprof)
     timeout "$(lim "${SPROF_TIMEOUT:-200}")" python3 benchmarks/spec_step_profile.py \
       --model "${SPROF_MODEL:-/tmp/demob}" --quota "${SPROF_QUOTA:-16}" --out "$OUT/sprof.json" 2>&1 \
       | grep -v Warning | tee "$OUT/sprof.txt" ;;
   sbench)
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
-      --out "$OUT/sampling.json" 2>&1 | grep -v Warning | tee "$OUT/sampling.txt" ;;
+      --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/sampling.txt" ;;
   gtests)
-    timeout "$(lim "${GT_TIMEOUT:-300}")" python3 -m pytest -q -p no:cacheprovider --durations=8 \
-      ${GT:-tests/engine/test_speculative_cuda.py} 2>&1 | tail -25 ;;
+    for f in ${GT:-tests/engine/test_speculative_cuda.py}; do
+      n=$(basename "$f" .py)
+      echo "--- $f $(date -u +%T)"
+      timeout -s INT -k 10 "$(lim "${GT_TIMEOUT:-300}")" python3 -m pytest -v -p no:cacheprovider --durations=12 \
+        ${GT_K:+-k "$GT_K"} "$f" > "$OUT/gtests-$n.txt" 2>&1
+      echo "rc $?"; grep -E "FAILED|ERROR|Error|assert" "$OUT/gtests-$n.txt" | head -20
+      grep -E "passed|failed" "$OUT/gtests-$n.txt" | tail -2; grep -E "^[0-9.]+s (call|setup)" "$OUT/gtests-$n.txt" | head -6
+      [ $((END - SECONDS)) -lt 20 ] && break
+    done ;;
   *) echo "unknown phase $ph" ;;
   esac
 done

@@ -1,10 +1,12 @@
 """Speculative decoding with the MTP head against plain decoding, on this machine's CPU or GPU.
 
     edgerun bench speculative [--model DIR] [--draft-tokens 1,2,3] [--max-tokens 96] [--repeats 5]
-                              [--device cpu|cuda] [--graphs auto|on|off] [--quota Q]
+                              [--warmup 1] [--device cpu|cuda] [--graphs auto|on|off] [--quota Q]
 
 One runner decodes plainly, one per K speculatively (``--speculative mtp --draft-tokens K``),
-same model, same threads. Each repeat runs every configuration over the same prompts, in turn
+same model, same threads. ``--warmup`` untimed rounds first run every configuration over the
+prompts (kernel builds, graph captures, first reads: not a decode rate). Each repeat then runs
+every configuration over the same prompts, in turn
 (interleaved, so load on a shared machine hits them alike): greedy, and sampled at
 ``--temperature`` (seeded). A configuration's decode rate in a repeat is its generated tokens
 after the first over its decode time, summed over the prompts; the table gives the median and
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=_ks, default=[1, 2, 3], help="the K to run, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every configuration first")
     p.add_argument(
         "--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts"
     )
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args(argv)
+    if ns.repeats < 1 or ns.warmup < 0:
+        p.error(f"--repeats must be >= 1 and --warmup >= 0 (got {ns.repeats} and {ns.warmup})")
 
     from edgerun.config import CacheConfig
     from edgerun.engine.sampler import SamplingParams
@@ -158,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     runs = {(m, name): [] for m in modes for name in runners}
-    for _ in range(ns.repeats):
+    for i in range(ns.warmup + ns.repeats):
         for m, params in modes.items():
             for name, runner in runners.items():
-                runs[(m, name)].append(run_prompts(runner, prompts, params))
+                run = run_prompts(runner, prompts, params)
+                if i >= ns.warmup:
+                    runs[(m, name)].append(run)
     result = {
         "model": str(ns.model or "demo"),
         "device": ns.device,
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "max_tokens": ns.max_tokens,
         "repeats": ns.repeats,
+        "warmup": ns.warmup,
         "quota": ns.quota,
         "row_step_ms": {name: r.row_step_s * 1e3 for name, r in runners.items() if r.speculative},
         # how each configuration ran: its steps by kind, where its sampled tokens were drawn, and
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     print(
         f"{result['model']} on {ns.device}, {result['prompts']} prompts x {ns.max_tokens} tokens, "
-        f"{ns.repeats} repeats, {result['threads']} thread(s)\n{table}",
+        f"{ns.repeats} repeats after {ns.warmup} untimed, {result['threads']} thread(s)\n{table}",
         end="",
     )
     for name, how in result["runners"].items():

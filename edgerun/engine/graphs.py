@@ -1034,8 +1034,13 @@ class PrefillGraphs:
         n_valid = torch.full((1,), b, dtype=torch.long, **kw)
         logits = torch.zeros(1, d.args.vocab_size, dtype=d.dtype, **kw)
         hidden = torch.zeros(1, b, d.args.hidden_size, dtype=d.dtype, **kw)
-        table = [i for i, mode in d.modes.items() if mode == "table"]
-        hits = {i: d.cache.slots[i].counters.hits for i in table}  # the two runs below serve no request
+        # the two runs below serve no request: the cache's books (held experts keep none) are put back
+        table = [
+            i
+            for i, m in d.modes.items()
+            if m == "table" and isinstance(d.layers[i].mlp.experts, StreamingExperts)
+        ]
+        hits = {i: d.cache.slots[i].counters.hits for i in table}
         stream = self.stream or side_stream(d.device)
         stream.wait_stream(torch.cuda.current_stream(d.device))
         try:

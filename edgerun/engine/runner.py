@@ -41,7 +41,7 @@ from edgerun.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from edgerun.engine.setup import default_device
 from edgerun.engine.spec_steps import SPEC_HEADROOM, SpecSteps, chain_unsupported
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig, accept, draft_chooser
-from edgerun.engine.streaming import HeldExperts, StreamingExperts
+from edgerun.engine.streaming import HeldExperts, StreamingExperts, hold_resident_experts, resident_layout
 from edgerun.errors import ConfigError, EdgerunError
 from edgerun.models.args import ModelArgs
 from edgerun.models.layers import MAX_GEMV_ROWS, DecodeState, SparseMoe, exact_rows, planes_cases
@@ -423,17 +423,32 @@ class Runner:
     def set_kernels(self, request: KernelPolicy) -> None:
         """Resolve the kernel policy against the device (probing each kernel) and hand the
         result to every part that runs one."""
-        layouts = list(dict.fromkeys(self.cache.bundle.layouts.values())) if self.cache else []
+        layouts = list(self.cache.bundle.layouts.values()) if self.cache else []
+        layouts += [m.layout for m in self.model.modules() if isinstance(m, HeldExperts)]
+        # resident stacked experts on CUDA: held as bf16 blocks where the Triton expert kernel is
+        # selected (probed on that layout), so they run its table mode as a bundle's held experts do
+        hold = (
+            resident_layout(self.model, self.args, self.device)
+            if request.experts in ("auto", "triton")
+            else None
+        )
         dtype = self.model.model.embed_tokens.weight.dtype
         self.kernels = resolve(
             request,
             self.device,
-            layouts,
+            list(dict.fromkeys(layouts + ([hold] if hold is not None else []))),
             self.args.num_experts_per_tok,
             self.args,
             dtype,
             self.model.gemv_cases(),
         )
+        if hold is not None and self.kernels.moe.impl == "triton":
+            n = hold_resident_experts(self.model, hold, self.kernels.moe, self.device)
+            self.load_summary += (
+                f"; routed experts held as bf16 blocks for the expert kernels ({n / 2**20:.1f} MiB)"
+            )
+        elif hold is not None and not layouts:  # refused: the stacked experts run torch's products
+            self.kernels.choices["experts"] = "torch (stacked resident weights)"
         for module in self.model.modules():
             if isinstance(module, (StreamingExperts, HeldExperts)):
                 module.policy = self.kernels.moe

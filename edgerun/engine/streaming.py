@@ -26,7 +26,7 @@ from edgerun.cache.policy import fetches
 from edgerun.cache.slots import SlotRef
 from edgerun.config import CacheConfig
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
-from edgerun.models.layers import MAX_GEMV_ROWS, VERIFY_WINDOW, SparseMoe
+from edgerun.models.layers import MAX_GEMV_ROWS, VERIFY_WINDOW, Experts, SparseMoe
 
 REFERENCE = MoeKernelPolicy()
 
@@ -227,18 +227,23 @@ class HeldExperts(nn.Module):
         super().__init__()
         E = stacked.gate_up_proj.shape[0]
         self.layout, self.policy = layout, policy
-        pool = torch.empty(E, layout.block_bytes, dtype=torch.uint8, device=device)
+        pool = torch.zeros(E, layout.block_bytes, dtype=torch.uint8, device=device)
         self.register_buffer("pool", pool, persistent=False)
         scales = torch.empty(E, 2, device=device) if layout.quant == "int4" else None
         self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("table", torch.arange(E, dtype=torch.int64, device=device), persistent=False)
+        self.packed: dict = {}  # the CPU kernels' repacked slots (kernels/moe.moe_experts)
+        if _copies_bits(stacked, layout):  # bf16 into bf16 blocks: the same bits, every expert at once
+            for proj in ("gate_up", "down"):
+                c, w = layout.component(f"{proj}.weight"), getattr(stacked, f"{proj}_proj").detach()
+                pool[:, c.offset : c.offset + c.nbytes] = w.reshape(E, -1).to(device).view(torch.uint8)
+            return
         for e in range(E):  # an expert at a time, on ``device``: never all of them unquantized there
             w = (stacked.gate_up_proj[e], stacked.down_proj[e])
             block, gscales = quantize_expert(layout, *(t.detach().to(device, torch.float32) for t in w))
             pool[e] = block
             if scales is not None:
                 scales[e] = gscales
-        self.register_buffer("table", torch.arange(E, dtype=torch.int64, device=device), persistent=False)
-        self.packed: dict = {}  # the CPU kernels' repacked slots (kernels/moe.moe_experts)
 
     def run(
         self,
@@ -260,17 +265,64 @@ class HeldExperts(nn.Module):
     gathered = gathered_rows = forward  # a decode step's device op (engine/graphs stacked mode)
 
 
+def _copies_bits(stacked: nn.Module, layout) -> bool:
+    return (
+        layout.quant == "bf16"
+        and layout.rotation == "none"
+        and stacked.gate_up_proj.dtype == stacked.down_proj.dtype == torch.bfloat16
+    )
+
+
+def hold_experts(layers, layout, policy: MoeKernelPolicy, device: torch.device) -> int:
+    """Every stacked routed-expert module of the MoE ``layers`` held instead as expert blocks of
+    ``layout`` (:class:`HeldExperts`) on ``device``, a layer at a time (its stacked tensors are
+    dropped as its blocks are made). Returns the bytes the held experts of ``layers`` hold."""
+    held = 0
+    for layer in layers:
+        if not isinstance(layer.mlp, SparseMoe):
+            continue
+        if isinstance(layer.mlp.experts, Experts):
+            layer.mlp.experts = HeldExperts(layer.mlp.experts, layout, device, policy)
+        e = layer.mlp.experts
+        if isinstance(e, HeldExperts):
+            held += e.pool.nbytes + (e.scales.nbytes if e.scales is not None else 0)
+    return held
+
+
 def hold_mtp_experts(model, cache: ExpertCache, policy: MoeKernelPolicy, device: torch.device) -> int:
     """The MTP head's routed experts, loaded stacked (on the host: the device never holds them
     so), held instead as expert blocks of the bundle's layout (:class:`HeldExperts`) on
     ``device``. Returns the bytes they hold there."""
-    held = 0
     layout = cache.bundle.layouts[cache.bundle.args.moe_layers[0]]
-    for layer in model.mtp.layers:
-        if isinstance(layer.mlp, SparseMoe) and not isinstance(layer.mlp.experts, HeldExperts):
-            layer.mlp.experts = HeldExperts(layer.mlp.experts, layout, device, policy)
-        e = layer.mlp.experts
-        held += e.pool.nbytes + (e.scales.nbytes if e.scales is not None else 0)
+    return hold_experts(model.mtp.layers, layout, policy, device)
+
+
+def resident_layout(model, args, device: torch.device):
+    """The bf16 expert block layout a CUDA runner holds a model's resident stacked experts in
+    (a checkpoint, or a bundle loaded without an expert cache), so they run on the expert
+    cache's Triton kernels, table mode, not a gather and torch's batched products: the same
+    bits, every expert at once (:class:`HeldExperts`). None where there is nothing to hold so:
+    not CUDA, no stacked experts, or experts in a dtype other than bf16 (held as bf16 blocks,
+    their values would change)."""
+    from edgerun.bundle.layout import expert_block_layout
+
+    if torch.device(device).type != "cuda":
+        return None
+    layers = [*model.model.layers, *(model.mtp.layers if getattr(model, "mtp", None) is not None else ())]
+    stacked = [
+        x.mlp.experts for x in layers if isinstance(x.mlp, SparseMoe) and isinstance(x.mlp.experts, Experts)
+    ]
+    if not stacked or any(e.gate_up_proj.dtype != torch.bfloat16 for e in stacked):
+        return None
+    return expert_block_layout(args, "bf16")
+
+
+def hold_resident_experts(model, layout, policy: MoeKernelPolicy, device: torch.device) -> int:
+    """The model's (and its MTP head's) resident stacked experts held as ``layout`` blocks on
+    ``device`` (:func:`resident_layout`). Returns the bytes the held blocks take."""
+    held = hold_experts(model.model.layers, layout, policy, device)
+    if getattr(model, "mtp", None) is not None:
+        held += hold_experts(model.mtp.layers, layout, policy, device)
     return held
 
 

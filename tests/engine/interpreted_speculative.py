@@ -18,6 +18,7 @@ import torch
 from test_speculative import _states_equal, check_device_steps
 
 from edgerun.bundle.convert import ConvertOptions, convert
+from edgerun.bundle.layout import expert_block_layout
 from edgerun.config import CacheConfig
 from edgerun.engine.graphs import DecodeGraphs
 from edgerun.engine.policy import Resolved
@@ -25,7 +26,7 @@ from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.spec_steps import SpecSteps
 from edgerun.engine.speculative import MtpDrafter, SpeculativeConfig
-from edgerun.engine.streaming import HeldExperts, hold_mtp_experts
+from edgerun.engine.streaming import HeldExperts, hold_mtp_experts, hold_resident_experts
 from edgerun.kernels.moe import MoeKernelPolicy
 from edgerun.models.layers import KVCache
 
@@ -58,9 +59,12 @@ def sources(tmp_path_factory):
     return {"bundle": root / "bundle", "hf": fused}
 
 
-def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved = FUSED) -> Runner:
+def fused_runner(
+    path, cache: CacheConfig | None, k: int = 1, policy: Resolved = FUSED, held: bool = False
+) -> Runner:
     """A runner whose decode steps and verify windows run the CUDA path's kernels on the CPU (a
-    DecodeGraphs over its one-sequence state, graphs off)."""
+    DecodeGraphs over its one-sequence state, graphs off); ``held``: a checkpoint's experts held
+    as blocks, as on CUDA."""
     runner = Runner.load(
         path, device="cpu", dtype=torch.float32, cache=cache, speculative=SpeculativeConfig("mtp", k)
     )
@@ -68,12 +72,16 @@ def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved =
     runner.model.use_kernels(True)
     if runner.cache is not None:  # a CUDA runner holds a bundle's head experts as blocks
         hold_mtp_experts(runner.model, runner.cache, policy.moe, CPU)
+    elif held:  # and a checkpoint's resident experts, the head's too, as bf16 blocks (Runner.set_kernels)
+        layout = expert_block_layout(runner.args, "bf16")
+        assert hold_resident_experts(runner.model, layout, policy.moe, CPU) > 0
     runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 32, runner.steps)
     return runner
 
 
 # every expert held (table mode: slots looked up on the device), streamed (routed: the window's
-# union looked up on the host between segments; quota 4 = top_k x 2 rows), resident stacked, and
+# union looked up on the host between segments; quota 4 = top_k x 2 rows), resident stacked, a
+# checkpoint's experts held as blocks (table mode, no expert cache: as a CUDA runner runs one), and
 # the reference expert step (eager, the rows one at a time)
 @pytest.mark.parametrize(
     ("source", "quota", "rows", "mode"),
@@ -81,6 +89,7 @@ def fused_runner(path, cache: CacheConfig | None, k: int = 1, policy: Resolved =
         ("bundle", 64, [7, 40, 33], "table"),
         ("bundle", 4, [7, 40], "routed"),
         ("hf", None, [7, 40], "stacked"),
+        ("hf", None, [7, 40, 33], "table"),
         ("bundle", 4, [7, 40], "eager"),
     ],
 )
@@ -88,7 +97,8 @@ def test_verify_rows_are_one_row_steps_and_rollback_is_plain_decodings_state(
     sources, source, quota, rows, mode
 ):
     policy = Resolved(MoeKernelPolicy(), graphs=False, dense="triton") if mode == "eager" else FUSED
-    runner = fused_runner(sources[source], CacheConfig(quota) if quota else None, policy=policy)
+    held = source == "hf" and mode == "table"
+    runner = fused_runner(sources[source], CacheConfig(quota) if quota else None, policy=policy, held=held)
     d = runner.decoder
     assert set(d.modes.values()) == {mode}
     with torch.inference_mode():

@@ -22,13 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 B = 4
 
 
-def _load(bundle, quota, graphs="on"):
+def _load(bundle, quota, graphs="on", experts="auto"):
     return Runner.load(
         bundle,
         device="cuda",
         dtype=torch.bfloat16,
-        cache=CacheConfig(quota),
-        kernels=KernelPolicy(graphs=graphs),
+        cache=CacheConfig(quota) if quota else None,
+        kernels=KernelPolicy(graphs=graphs, experts=experts),
     )
 
 
@@ -60,13 +60,18 @@ def _invariance(runner: Runner, batch: int = B) -> None:
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
-@pytest.mark.parametrize("quota, batch", [(16, B), (4, 2)])  # every expert held; streamed (6 experts, top 2)
+# every expert held in the cache; streamed (6 experts, top 2); resident (no cache: the experts
+# dequantized at load, held as bf16 blocks for the expert kernels, Runner.set_kernels)
+@pytest.mark.parametrize("quota, batch", [(16, B), (4, 2), (None, B)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_among_neighbours_equals_alone(bundles, arch, quota, batch, graphs):
     runner = _load(bundles[(arch, "int4")], quota, graphs)
     _invariance(runner, batch)
     modes = {m for g in runner.row_steps.by_rows.values() for m in g.modes.values()}
-    assert modes == ({"table"} if quota == 16 else {"routed"}), modes
+    assert modes == ({"routed"} if quota == 4 else {"table"}), modes
+    if quota is None:
+        assert runner.cache is None and runner.kernels.moe.impl == "triton", runner.kernels.fallbacks
+        quota = 16  # every expert held
     counts = runner.decode_counts()
     if graphs == "on":
         assert counts["graph" if quota == 16 else "mixed"] > 0 and "graphs" not in runner.fallbacks(), counts
@@ -119,7 +124,8 @@ def test_refusals(bundles):
         runner.enable_batch(2)
     with pytest.raises(EdgerunError, match="at most 8 rows"):
         _load(bundles[("qwen3_moe", "int4")], 16).enable_batch(9)
-    stacked = Runner.load(bundles[("qwen3_moe", "int4")], device="cuda", dtype=torch.bfloat16)
+    stacked = _load(bundles[("qwen3_moe", "int4")], None, experts="reference")  # torch's products
+    assert stacked.kernels.choices["experts"] == "torch (stacked resident weights)"
     with pytest.raises(EdgerunError, match="resident stacked experts"):
         stacked.enable_batch(2)
 

@@ -122,3 +122,42 @@ def test_cpu_experts_on_without_a_far_tier_is_refused_at_load(bundles):
 def test_a_mapped_pool_is_refused_on_the_cpu(bundles):
     with pytest.raises(QuotaError, match="slot pool 'mapped' does not serve device cpu"):
         ExpertCache(Bundle.open(bundles[("qwen3_moe", "bf16")]), CacheConfig(2, pool="mapped"))
+
+
+def test_resident_experts_held_as_bf16_blocks_keep_their_bits_and_logits(hf_checkpoints):
+    """A CUDA runner holds a checkpoint's resident bf16 experts (and its MTP head's) as bf16
+    expert blocks so they run the expert cache's Triton kernels (``Runner.set_kernels``): each
+    block holds the stacked weights' own bits, and the reference kernel over the blocks gives the
+    stacked forward's logits, torch.equal (here on the CPU, where a runner keeps them stacked:
+    ``resident_layout`` is None on a CPU and for experts in another dtype)."""
+    from edgerun.bundle.layout import expert_block_layout
+    from edgerun.engine.streaming import REFERENCE, HeldExperts, hold_resident_experts, resident_layout
+    from edgerun.models.checkpoint import load_model
+    from edgerun.models.layers import SparseMoe
+
+    for arch, (_, ckpt) in hf_checkpoints.items():
+        model, args, _ = load_model(ckpt, dtype=torch.bfloat16)
+        assert resident_layout(model, args, torch.device("cpu")) is None
+        tokens = torch.arange(3, 20)[None]
+        moe = [x.mlp for x in model.model.layers if isinstance(x.mlp, SparseMoe)]
+        stacked = [
+            (m.experts.gate_up_proj.detach().clone(), m.experts.down_proj.detach().clone()) for m in moe
+        ]
+        with torch.inference_mode():
+            want = model(tokens)
+        layout = expert_block_layout(args, "bf16")
+        n = hold_resident_experts(model, layout, REFERENCE, torch.device("cpu"))
+        assert all(isinstance(m.experts, HeldExperts) for m in moe)
+        assert (
+            n == sum(m.experts.pool.nbytes for m in moe) == len(moe) * args.num_experts * layout.block_bytes
+        )
+        for m, (gate_up, down) in zip(moe, stacked):
+            for name, w in (("gate_up.weight", gate_up), ("down.weight", down)):
+                c = layout.component(name)
+                got = m.experts.pool[:, c.offset : c.offset + c.nbytes].view(torch.bfloat16)
+                assert torch.equal(got.reshape(w.shape), w), (arch, name)
+        with torch.inference_mode():
+            assert torch.equal(model(tokens), want), arch
+        assert hold_resident_experts(model, layout, REFERENCE, torch.device("cpu")) == n  # once
+        fp32, args32, _ = load_model(ckpt, dtype=torch.float32)
+        assert resident_layout(fp32, args32, torch.device("cuda")) is None  # would round to bf16

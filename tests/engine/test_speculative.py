@@ -415,6 +415,7 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
     argv = ["--model", str(sources["bf16"]), "--draft-tokens", "1,3", "--max-tokens", "10"]
     assert main([*argv, "--repeats", "2", "--prompts", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "speculative.json").read_text())
+    assert result["warmup"] == 1 and result["repeats"] == 2  # an untimed round first, by default
     greedy, sampled = result["modes"]["greedy"], result["modes"]["T=0.8"]
     assert [r["config"] for r in greedy] == ["plain", "MTP K=1", "MTP K=3"]
     assert all(r["identical"] for r in greedy) and all(r["identical"] is None for r in sampled)
@@ -425,10 +426,28 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
     # a bundle through the expert cache (every expert held: as serve runs it)
     argv = ["--model", str(sources["int4"]), "--draft-tokens", "2", "--max-tokens", "8", "--quota", "6"]
     assert (
-        main([*argv, "--repeats", "1", "--prompts", "1", "--temperature", "0", "--out", str(tmp_path)]) == 0
+        main(
+            [
+                *argv,
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--prompts",
+                "1",
+                "--temperature",
+                "0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
     )
     result = json.loads((tmp_path / "speculative.json").read_text())
     assert result["quota"] == 6 and all(r["identical"] for r in result["modes"]["greedy"])
+    with pytest.raises(SystemExit):
+        main([*argv, "--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_the_plan_holds_the_mtp_heads_kv_and_a_windows_rollback_states(sources):

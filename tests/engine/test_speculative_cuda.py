@@ -4,8 +4,9 @@ probe found, attention and the DeltaNet step in their window modes, the rows ste
 the one sequence's state, the expert kernels over the rows), eagerly or replayed
 from its CUDA graphs, so its rows equal the one-row steps' logits (torch.equal), its rolled-back
 state equals plain decoding's, and greedy output with K = 1, 2, 3 equals plain greedy, token for
-token: a tiny random qwen3_5_moe with an MTP head (every expert held, streamed, resident stacked;
-bf16 and int8 dense) and the demo model, graphs on and off.
+token: a tiny random qwen3_5_moe with an MTP head (every expert held, streamed, a checkpoint's
+experts held as bf16 blocks or resident stacked; bf16 and int8 dense) and the demo model, graphs on
+and off.
 Skipped without CUDA (CI has none; the CPU twin is test_speculative.py, and the verify step runs
 under Triton's interpreter in interpreted_speculative.py); run on the GPU machine before resolving."""
 
@@ -29,12 +30,15 @@ from edgerun.engine.speculative import SpeculativeConfig
 from edgerun.engine.streaming import HeldExperts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
-# (source, quota, the decoder's expert step): 6 experts, top 2; quota 4 holds a 2-row window's
+# (source, quota, the decoder's expert step, the expert kernel asked for): 6 experts, top 2; quota
+# 4 holds a 2-row window's; a checkpoint's resident experts held as bf16 blocks (auto: the expert
+# kernels, table mode) or stacked (the reference asked for: torch's products, a row at a time)
 SETUPS = {
-    "table": ("int4", 6, "table"),
-    "routed": ("int4", 4, "routed"),
-    "stacked": ("hf", None, "stacked"),
-    "int8-dense": ("int8-dense", 6, "table"),
+    "table": ("int4", 6, "table", "auto"),
+    "routed": ("int4", 4, "routed", "auto"),
+    "held": ("hf", None, "table", "auto"),
+    "stacked": ("hf", None, "stacked", "reference"),
+    "int8-dense": ("int8-dense", 6, "table", "auto"),
 }
 
 
@@ -50,13 +54,13 @@ def cuda_sources(mtp_sources, tmp_path_factory):  # noqa: F811
 
 
 def _load(paths, setup: str, graphs: str, k: int | None = None) -> Runner:
-    source, quota, _ = SETUPS[setup]
+    source, quota, _, experts = SETUPS[setup]
     return Runner.load(
         paths[source],
         device="cuda",
         dtype=torch.bfloat16,
         cache=CacheConfig(quota) if quota else None,
-        kernels=KernelPolicy(graphs=graphs, dense="triton"),
+        kernels=KernelPolicy(graphs=graphs, dense="triton", experts=experts),
         speculative=SpeculativeConfig("mtp", k) if k else None,
     )
 
@@ -99,7 +103,8 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(cuda_sources, setup, graphs,
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = _load(cuda_sources, setup, graphs).generate_ids(PROMPT, params)
     spec = _load(cuda_sources, setup, graphs, k)
-    # a bundle through the expert cache holds its head's experts as blocks (stacked: a checkpoint's)
+    # a bundle through the expert cache, and a checkpoint on the expert kernels, hold the head's
+    # experts as blocks (stacked: a checkpoint's with the reference asked for)
     assert isinstance(spec.model.mtp.layers[0].mlp.experts, HeldExperts) == (setup != "stacked")
     for _ in range(2):  # the second request replays what the first captured
         events = list(spec.generate(spec.request(PROMPT, params)))
@@ -151,10 +156,13 @@ def test_the_demo_models_drafts_are_kept_and_its_output_is_plain_greedys(k):
     assert [e.token_id for e in events if e.token_id is not None] == plain.generate_ids(prompt, params)
     stats = events[-1].stats.speculative
     assert stats.accepted / stats.drafted > 0.3, stats
+    # the demo checkpoint's experts, the head's too, run the expert kernels as bf16 blocks
+    assert spec.kernels.moe.impl == "triton" and set(spec.decoder.modes.values()) == {"table"}
+    assert isinstance(spec.model.mtp.layers[0].mlp.experts, HeldExperts)
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
-@pytest.mark.parametrize("setup", ["table", "stacked"])
+@pytest.mark.parametrize("setup", ["table", "held", "stacked"])
 def test_a_device_step_keeps_its_accepted_rows_and_rolls_back_to_plain_decodings_state(
     cuda_sources, setup, graphs
 ):
