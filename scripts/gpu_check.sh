@@ -44,6 +44,12 @@ date -u +%FT%TZ
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 END=$((SECONDS + ${BUDGET:-560}))
+# the GPU's clocks and power every 200 ms while the phases run ($OUT/clocks.csv): a rate that
+# varies between repeats of the same configuration is then checked against the clocks
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate --format=csv \
+  -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
+CLOCKS=$!
+trap 'kill $CLOCKS 2>/dev/null' EXIT
 spec() {  # spec MODEL NAME "FLAGS": bench speculative on MODEL, results to $OUT/NAME
   timeout -s INT -k 10 "$(lim "${SPEC_TIMEOUT:-260}")" $ER bench speculative --model "$1" --device cuda \
     --repeats "${SPEC_REPEATS:-5}" --max-tokens "${SPEC_TOKENS:-128}" --draft-tokens "${SPEC_K:-1,2,3}" \

@@ -14,8 +14,9 @@ range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens pe
 and the speed-up: the median rate over plain decoding's median rate in the same run. On CUDA
 (``--device cuda``) both decode through the decode step's kernels, replayed from CUDA graphs
 (``--graphs``), a verify window of K + 1 rows as one step (``engine/graphs.DecodeGraphs.verify``).
-A bundle's experts are dequantized into resident stacked tensors, as ``generate`` holds a bundle
-without ``--quota`` or ``--profile``; with ``--quota Q`` they run from the expert cache's slots,
+A bundle's experts are dequantized into resident tensors, as ``generate`` holds a bundle without
+``--quota`` or ``--profile`` (on CUDA held as bf16 blocks for the expert kernels, as a checkpoint's
+are); with ``--quota Q`` they run from the expert cache's slots,
 Q a layer, as ``serve`` runs a bundle (every expert: the table-mode kernels, and on CUDA the MTP
 head's experts held as blocks too).
 
@@ -35,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 PROMPTS = (
@@ -59,6 +61,7 @@ def run_prompts(runner, prompts: list[list[int]], params) -> dict:
     from edgerun.engine.speculative import SpeculativeStats
 
     tokens, steps, seconds, spec = [], 0, 0.0, SpeculativeStats()
+    start = time.time()
     for ids in prompts:
         events = list(runner.generate(runner.request(ids, params)))
         tokens.append([e.token_id for e in events if e.token_id is not None])
@@ -67,7 +70,8 @@ def run_prompts(runner, prompts: list[list[int]], params) -> dict:
         seconds += stats.decode_s
         if stats.speculative is not None:
             spec.add(stats.speculative)
-    return {"tokens": tokens, "rate": steps / seconds if seconds else 0.0, "spec": spec}
+    rate = steps / seconds if seconds else 0.0
+    return {"tokens": tokens, "rate": rate, "spec": spec, "when": [start, time.time()]}
 
 
 def summarize(name: str, runs: list[dict], plain: float | None, identical: bool | None) -> dict:
@@ -191,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in runners.items()
         },
         "modes": {},
+        # every timed run in the order it ran: its wall-clock span (Unix seconds) beside its rate,
+        # to set against a log of the machine's clocks
+        "runs": sorted(
+            (
+                {"mode": m, "config": name, "start": r["when"][0], "end": r["when"][1], "rate": r["rate"]}
+                for (m, name), rs in runs.items()
+                for r in rs
+            ),
+            key=lambda r: r["start"],
+        ),
     }
     for m in modes:
         base = statistics.median(r["rate"] for r in runs[(m, "plain")])

@@ -774,7 +774,11 @@ def rows_unsupported(fused: bool, modes: dict[int, str], layers, one_sequence: b
             return "a verify window's rows need the Triton dense kernels (attention and DeltaNet), not in use"
         return "the rows of a pool need the Triton dense kernels (attention and DeltaNet by slot), not in use"
     if "stacked" in modes.values() and not one_sequence:
-        return "resident stacked experts (a checkpoint, not a bundle) step one row at a time; serve a bundle"
+        return (
+            "resident stacked experts (not held as blocks for the Triton expert kernel: experts not in "
+            "bf16, or another expert kernel asked for) step one row at a time; serve a bundle with a "
+            "quota, or bf16 weights on the Triton expert kernel"
+        )
     split = [i for i, m in modes.items() if m == "eager" and layers[i].mlp.experts.split is not None]
     if split:
         return f"layers {split} split their experts with the CPU (--cpu-experts), one row at a time"
