@@ -527,6 +527,13 @@ class Runner:
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
         expert_cache, unchecked = None, {}
+        if cache is None:  # held whole: refused here, by name, if its weights alone cannot fit
+            from edgerun.engine.setup import check_resident_fits
+
+            width = {torch.float32: "fp32", torch.float16: "fp16"}.get(
+                dtype, "bf16"
+            )  # None: the checkpoint's
+            check_resident_fits(model_dir, str(device), width, mtp=speculative is not None)
         if (model_dir / MANIFEST).is_file():
             if cache is not None:
                 from edgerun.engine.streaming import load_streaming_model

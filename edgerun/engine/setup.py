@@ -6,6 +6,7 @@ the engine actually holds (:func:`replan`). Importing this module does not impor
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -479,3 +480,73 @@ def plan_kernel(asked: str, layouts, top_k: int) -> str:
         if not all(probe_cpu_grouped(layout, top_k).selected for layout in layouts):
             return "cpu"
     return kernel
+
+
+def resident_weight_bytes(model_dir: Path, dtype: str, mtp: bool = False) -> tuple[int, int]:
+    """(resident bytes but the routed experts, the routed experts' bytes) of ``model_dir`` (an HF
+    checkpoint or a bundle) loaded whole in ``dtype`` (a ``DTYPE_BYTES`` name): a bundle's
+    dense weights as it stores them, every routed expert stacked in ``dtype`` (a bundle's
+    dequantized); with ``mtp``, the MTP head's tensors too. From the config or manifest only.
+    Pure: no torch."""
+    from edgerun.budget import inputs
+    from edgerun.budget.planner import DTYPE_BYTES, resident_bytes
+    from edgerun.bundle.format import MANIFEST
+    from edgerun.models.args import EXPERT
+
+    model_dir = Path(model_dir)
+    src = (
+        inputs.from_bundle(model_dir)
+        if (model_dir / MANIFEST).is_file()
+        else inputs.from_checkpoint(model_dir)
+    )
+    if mtp:
+        src = inputs.with_mtp(src, 1)
+    dense = sum(resident_bytes(src.specs, dtype, src.dense).values())
+    experts = sum(math.prod(s.shape) for s in src.specs if s.category == EXPERT) * DTYPE_BYTES[dtype]
+    return dense, experts
+
+
+def check_resident_fits(
+    model_dir: Path, device: str, dtype: str, mtp: bool = False, free: int | None = None
+) -> None:
+    """Refuse, before anything is allocated, a model held whole (no expert cache) whose weights
+    alone exceed the memory free on ``device`` (``free``: that, default measured: the CUDA
+    device's free memory, or the host's available memory), naming both and what would fit: its
+    experts streamed from a bundle. A model whose config cannot be read is left to the loader,
+    which names what is wrong."""
+    try:
+        dense, experts = resident_weight_bytes(model_dir, dtype, mtp)
+    except EdgerunError:
+        return
+    if free is None:
+        free = _free_memory(device)
+    if dense + experts <= free:
+        return
+    from edgerun.config import format_bytes as b
+
+    where = "the GPU" if device.startswith("cuda") else "this host"
+    text = (
+        f"{model_dir}: held whole in {dtype} its weights take {b(dense + experts)} ({b(dense)} resident + "
+        f"{b(experts)} routed experts), more than the {b(free)} free on {where}: stream its routed "
+        "experts from a bundle with a quota that fits ("
+    )
+    from edgerun.bundle.format import MANIFEST
+
+    if (Path(model_dir) / MANIFEST).is_file():
+        text += f"--model {model_dir} --profile configs/<your device>.yaml, or --quota N)"
+    else:
+        text += (
+            f"`edgerun convert {model_dir} BUNDLE_DIR --quant int4`, then --model BUNDLE_DIR "
+            "--profile configs/<your device>.yaml, or --quota N)"
+        )
+    raise ConfigError(text)
+
+
+def _free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    import psutil
+
+    return psutil.virtual_memory().available
