@@ -6,8 +6,8 @@
 One runner decodes plainly, one per K speculatively (``--speculative mtp --draft-tokens K``),
 same model, same threads. ``--warmup`` untimed rounds first run every configuration over the
 prompts (kernel builds, graph captures, first reads: not a decode rate). Each repeat then runs
-every configuration over the same prompts, in turn
-(interleaved, so load on a shared machine hits them alike): greedy, and sampled at
+each prompt through every configuration in turn (interleaved a prompt at a time, so load on a
+shared machine, or a GPU's changing clocks, hit them alike): greedy, and sampled at
 ``--temperature`` (seeded). A configuration's decode rate in a repeat is its generated tokens
 after the first over its decode time, summed over the prompts; the table gives the median and
 range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens per verify step,
@@ -56,22 +56,31 @@ def _ks(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--draft-tokens wants integers like 1,2,3: {exc}") from exc
 
 
-def run_prompts(runner, prompts: list[list[int]], params) -> dict:
-    """Every prompt through ``runner``: the tokens, and summed decode steps/time and MTP counts."""
+def run_prompt(runner, ids: list[int], params) -> dict:
+    """One prompt through ``runner``: its tokens, decode steps and time, MTP counts, wall span."""
+    start = time.time()
+    events = list(runner.generate(runner.request(ids, params)))
+    stats = events[-1].stats
+    return {
+        "tokens": [e.token_id for e in events if e.token_id is not None],
+        "steps": max(stats.generated_tokens - 1, 0),
+        "seconds": stats.decode_s,
+        "spec": stats.speculative,
+        "when": [start, time.time()],
+    }
+
+
+def total(prompts: list[dict]) -> dict:
+    """A configuration's repeat: its prompts' tokens, and their summed steps over summed time."""
     from edgerun.engine.speculative import SpeculativeStats
 
-    tokens, steps, seconds, spec = [], 0, 0.0, SpeculativeStats()
-    start = time.time()
-    for ids in prompts:
-        events = list(runner.generate(runner.request(ids, params)))
-        tokens.append([e.token_id for e in events if e.token_id is not None])
-        stats = events[-1].stats
-        steps += max(stats.generated_tokens - 1, 0)
-        seconds += stats.decode_s
-        if stats.speculative is not None:
-            spec.add(stats.speculative)
-    rate = steps / seconds if seconds else 0.0
-    return {"tokens": tokens, "rate": rate, "spec": spec, "when": [start, time.time()]}
+    spec = SpeculativeStats()
+    for r in prompts:
+        if r["spec"] is not None:
+            spec.add(r["spec"])
+    seconds = sum(r["seconds"] for r in prompts)
+    rate = sum(r["steps"] for r in prompts) / seconds if seconds else 0.0
+    return {"tokens": [r["tokens"] for r in prompts], "rate": rate, "spec": spec}
 
 
 def summarize(name: str, runs: list[dict], plain: float | None, identical: bool | None) -> dict:
@@ -166,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    # a prompt at a time through every configuration in turn: a change of the machine's pace (its
+    # clocks, other load) within a repeat falls on every configuration alike
     runs = {(m, name): [] for m in modes for name in runners}
+    timed = []  # every timed prompt run
     for i in range(ns.warmup + ns.repeats):
         for m, params in modes.items():
-            for name, runner in runners.items():
-                run = run_prompts(runner, prompts, params)
-                if i >= ns.warmup:
-                    runs[(m, name)].append(run)
+            done = {name: [] for name in runners}
+            for ids in prompts:
+                for name, runner in runners.items():
+                    done[name].append(run_prompt(runner, ids, params))
+            if i >= ns.warmup:
+                for name, prompt_runs in done.items():
+                    runs[(m, name)].append(total(prompt_runs))
+                    timed += [(m, name, r) for r in prompt_runs]
     result = {
         "model": str(ns.model or "demo"),
         "device": ns.device,
@@ -195,16 +211,18 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in runners.items()
         },
         "modes": {},
-        # every timed run in the order it ran: its wall-clock span (Unix seconds) beside its rate,
-        # to set against a log of the machine's clocks
-        "runs": sorted(
-            (
-                {"mode": m, "config": name, "start": r["when"][0], "end": r["when"][1], "rate": r["rate"]}
-                for (m, name), rs in runs.items()
-                for r in rs
-            ),
-            key=lambda r: r["start"],
-        ),
+        # every timed prompt run in the order it ran: its wall-clock span (Unix seconds) beside its
+        # decode rate, to set against a log of the machine's clocks
+        "runs": [
+            {
+                "mode": m,
+                "config": name,
+                "start": r["when"][0],
+                "end": r["when"][1],
+                "rate": r["steps"] / r["seconds"] if r["seconds"] else 0.0,
+            }
+            for m, name, r in sorted(timed, key=lambda t: t[2]["when"][0])
+        ],
     }
     for m in modes:
         base = statistics.median(r["rate"] for r in runs[(m, "plain")])

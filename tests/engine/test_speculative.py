@@ -416,9 +416,11 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
     assert main([*argv, "--repeats", "2", "--prompts", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "speculative.json").read_text())
     assert result["warmup"] == 1 and result["repeats"] == 2  # an untimed round first, by default
-    runs = result["runs"]  # every timed run, in the order it ran, with its wall-clock span
-    assert len(runs) == 2 * 2 * 3 and all(r["start"] <= r["end"] for r in runs)
+    runs = result["runs"]  # every timed prompt run, in the order it ran, with its wall-clock span
+    assert len(runs) == 2 * 2 * 3 * 2 and all(r["start"] <= r["end"] for r in runs)
     assert all(a["end"] <= b["start"] for a, b in zip(runs, runs[1:]))
+    # a prompt at a time through every configuration in turn
+    assert [r["config"] for r in runs[:6]] == ["plain", "MTP K=1", "MTP K=3"] * 2
     greedy, sampled = result["modes"]["greedy"], result["modes"]["T=0.8"]
     assert [r["config"] for r in greedy] == ["plain", "MTP K=1", "MTP K=3"]
     assert all(r["identical"] for r in greedy) and all(r["identical"] is None for r in sampled)
