@@ -305,7 +305,10 @@ def plan_resident(
         cuda_graphs=device == "cuda",
         draft_tokens=draft_tokens,
         prefill_lanes=prefill_lanes,
-        mtp_held=False,  # a checkpoint loaded whole holds its head's experts stacked, as the model's
+        # a checkpoint loaded whole holds its head's experts as the model's: stacked, or on CUDA as
+        # bf16 blocks (engine/streaming.hold_resident_experts): the same bytes where an expert's
+        # weights fill whole 4 KiB pages (Qwen3.6, Qwen3-30B, the demo), and an 8-byte slot an expert
+        mtp_held=False,
     )
     args = (src.args, src.specs, experts, device_profile, context, batch, options, None)
     whole = plan(*args, model_name=src.name, notes=src.notes)

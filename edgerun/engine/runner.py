@@ -594,7 +594,8 @@ class Runner:
         # on CUDA, a bundle served through the expert cache runs its experts from blocks: the
         # head's too (``hold_mtp_experts``: a quarter of the bytes at int4), loaded on the host
         # and quantized an expert at a time on the device, which never holds them stacked (the
-        # CPU keeps them stacked: quantizing Qwen3.6's 256 there would add about a minute to loading)
+        # CPU keeps them stacked: quantizing Qwen3.6's 256 there would add about a minute to loading);
+        # a model held whole holds the head's with its own, as bf16 blocks (``set_kernels``)
         held = self.cache is not None and self.device.type == "cuda"
         report = load_mtp(
             self.model, self.args, entries, dtype, "cpu" if held else self.device, str(model_dir)
