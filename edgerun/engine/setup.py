@@ -516,7 +516,7 @@ def check_resident_fits(
     which names what is wrong."""
     try:
         dense, experts = resident_weight_bytes(model_dir, dtype, mtp)
-    except EdgerunError:
+    except (EdgerunError, ValueError, TypeError, KeyError, OSError):  # the loader names what is wrong
         return
     if free is None:
         free = _free_memory(device)
