@@ -530,9 +530,8 @@ class Runner:
         if cache is None:  # held whole: refused here, by name, if its weights alone cannot fit
             from edgerun.engine.setup import check_resident_fits
 
-            width = {torch.float32: "fp32", torch.float16: "fp16"}.get(
-                dtype, "bf16"
-            )  # None: the checkpoint's
+            # None: the checkpoint's own (bf16 counted: a lower bound where it is fp32)
+            width = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
             check_resident_fits(model_dir, str(device), width, mtp=speculative is not None)
         if (model_dir / MANIFEST).is_file():
             if cache is not None:
