@@ -543,10 +543,19 @@ def check_resident_fits(
 
 
 def _free_memory(device: str) -> int:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+    """What a load may allocate on ``device``: a discrete GPU's free memory; on a GPU that shares
+    the host's memory (Jetson) the larger of that and what the host could free (available memory
+    and free swap: the CUDA driver there does not count page cache or swap as free, so its figure
+    alone would refuse models that load); the host's available memory for the CPU."""
     import psutil
 
-    return psutil.virtual_memory().available
+    host = psutil.virtual_memory().available
+    if not device.startswith("cuda"):
+        return host
+    import torch
+
+    dev = torch.device(device)
+    free = torch.cuda.mem_get_info(dev)[0]
+    if torch.cuda.get_device_properties(dev).is_integrated:
+        return max(free, host + psutil.swap_memory().free)
+    return free

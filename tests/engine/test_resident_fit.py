@@ -56,3 +56,25 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch
     monkeypatch.undo()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight())
     assert Runner.load(bundle, device="cpu", dtype=torch.float32).cache is None
+
+
+@pytest.mark.parametrize("integrated", [False, True])
+def test_free_memory_on_a_gpu_that_shares_the_hosts(monkeypatch, integrated):
+    """A discrete GPU's free memory is what a load may take; on one that shares the host's memory
+    (Jetson) the CUDA driver does not count page cache or swap as free, so the host's available
+    memory and free swap count too, whichever is larger (the driver's figure alone would refuse
+    models that load)."""
+    import types
+
+    import psutil
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (2 * gib, 64 * gib))
+    props = types.SimpleNamespace(is_integrated=integrated)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=5 * gib))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: types.SimpleNamespace(free=3 * gib))
+    assert setup._free_memory("cuda") == (8 * gib if integrated else 2 * gib)
+    assert setup._free_memory("cpu") == 5 * gib
+    with pytest.raises(ConfigError, match="free on the GPU"):
+        setup.check_resident_fits(DEMO_MODEL, "cuda", "bf16", free=1 << 20)
