@@ -11,7 +11,8 @@ shared machine, or a GPU's changing clocks, hit them alike): greedy, and sampled
 ``--temperature`` (seeded). A configuration's decode rate in a repeat is its generated tokens
 after the first over its decode time, summed over the prompts; the table gives the median and
 range over repeats, the MTP acceptance (accepted / drafted drafts) and tokens per verify step,
-and the speed-up: the median rate over plain decoding's median rate in the same run. On CUDA
+and the speed-up: the median rate over plain decoding's median rate in the same run, and paired
+(each prompt's rate over plain's for the same prompt in the same repeat: median and range). On CUDA
 (``--device cuda``) both decode through the decode step's kernels, replayed from CUDA graphs
 (``--graphs``), a verify window of K + 1 rows as one step (``engine/graphs.DecodeGraphs.verify``).
 A bundle's experts are dequantized into resident tensors, as ``generate`` holds a bundle without
@@ -80,10 +81,15 @@ def total(prompts: list[dict]) -> dict:
             spec.add(r["spec"])
     seconds = sum(r["seconds"] for r in prompts)
     rate = sum(r["steps"] for r in prompts) / seconds if seconds else 0.0
-    return {"tokens": [r["tokens"] for r in prompts], "rate": rate, "spec": spec}
+    each = [r["steps"] / r["seconds"] if r["seconds"] else 0.0 for r in prompts]
+    return {"tokens": [r["tokens"] for r in prompts], "rate": rate, "spec": spec, "each": each}
 
 
-def summarize(name: str, runs: list[dict], plain: float | None, identical: bool | None) -> dict:
+def summarize(name: str, runs: list[dict], plain: list[dict] | None, identical: bool | None) -> dict:
+    """A configuration's row: its rate over repeats, MTP counts, and against ``plain``'s runs (None
+    for plain itself) the speed-up: median over median, and paired: each prompt's rate over
+    plain's for the same prompt in the same repeat, run just before it (a drift of the machine's
+    pace between repeats cancels out), their median and range."""
     rates = [r["rate"] for r in runs]
     spec = runs[0]["spec"].__class__()
     for r in runs:
@@ -97,7 +103,11 @@ def summarize(name: str, runs: list[dict], plain: float | None, identical: bool 
         "acceptance": spec.acceptance if spec.drafted else None,
         "tokens_per_step": spec.tokens_per_step if spec.steps else None,
     }
-    row["speedup"] = row["median"] / plain if plain else None
+    row["speedup"] = row["median"] / statistics.median(r["rate"] for r in plain) if plain else None
+    row["paired"] = None
+    if plain:
+        ratios = [a / b for r, q in zip(runs, plain) for a, b in zip(r["each"], q["each"]) if b > 0]
+        row["paired"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     return row
 
 
@@ -113,6 +123,9 @@ def markdown(result: dict) -> str:
             acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
             tps = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
             up = "-" if r["speedup"] is None or r["identical"] is False else f"{r['speedup']:.2f}x"
+            if up != "-" and r["paired"] is not None:
+                pr = r["paired"]
+                up += f" (paired {pr['median']:.2f}x, {pr['min']:.2f} to {pr['max']:.2f})"
             lines.append(f"| {mode} | {r['config']} | {rate} | {acc} | {tps} | {up} | {ok} |")
     return "\n".join(lines) + "\n"
 
@@ -225,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     for m in modes:
-        base = statistics.median(r["rate"] for r in runs[(m, "plain")])
-        want = runs[(m, "plain")][0]["tokens"]
+        base = runs[(m, "plain")]
+        want = base[0]["tokens"]
         rows = []
         for name in runners:
             same = None

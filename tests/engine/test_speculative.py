@@ -427,6 +427,14 @@ def test_bench_speculative_compares_with_plain_decoding(sources, tmp_path, capsy
     for r in greedy[1:] + sampled[1:]:
         assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] and r["speedup"] > 0
         assert r["min"] <= r["median"] <= r["max"]
+        pr = r["paired"]  # each prompt's rate over plain's for it, in the same repeat
+        assert 0 < pr["min"] <= pr["median"] <= pr["max"]
+    assert greedy[0]["paired"] is None and greedy[0]["speedup"] is None
+    # the paired ratios are each prompt's rate over plain's in the same repeat, from the runs
+    plain = [r["rate"] for r in runs if r["mode"] == "greedy" and r["config"] == "plain"]
+    k1 = [r["rate"] for r in runs if r["mode"] == "greedy" and r["config"] == "MTP K=1"]
+    ratios = sorted(a / b for a, b in zip(k1, plain))
+    assert (greedy[1]["paired"]["min"], greedy[1]["paired"]["max"]) == (ratios[0], ratios[-1])
     assert "| greedy | MTP K=3 |" in capsys.readouterr().out
     # a bundle through the expert cache (every expert held: as serve runs it)
     argv = ["--model", str(sources["int4"]), "--draft-tokens", "2", "--max-tokens", "8", "--quota", "6"]
