@@ -161,3 +161,45 @@ def test_resident_experts_held_as_bf16_blocks_keep_their_bits_and_logits(hf_chec
         assert hold_resident_experts(model, layout, REFERENCE, torch.device("cpu")) == n  # once
         fp32, args32, _ = load_model(ckpt, dtype=torch.float32)
         assert resident_layout(fp32, args32, torch.device("cuda")) is None  # would round to bf16
+
+
+@pytest.mark.parametrize("selected", [True, False])
+def test_set_kernels_holds_resident_experts_only_where_the_expert_kernel_is_selected(monkeypatch, selected):
+    """``Runner.set_kernels`` on a device whose resident experts can be held (``resident_layout``:
+    CUDA, bf16; stood in for here on the CPU) probes the expert kernel on the bf16 layout and holds
+    every expert as blocks, the MTP head's too, where it is selected (the load line says the bytes);
+    where its probe refuses, the experts stay stacked, run by torch's products, the fallback named."""
+    from edgerun.bundle.layout import expert_block_layout
+    from edgerun.engine import runner as R
+    from edgerun.engine.policy import Resolved
+    from edgerun.engine.speculative import SpeculativeConfig
+    from edgerun.engine.streaming import HeldExperts
+    from edgerun.kernels.moe import MoeKernelPolicy
+    from edgerun.models.layers import Experts
+
+    runner = R.Runner.load(None, device="cpu", dtype=torch.bfloat16, speculative=SpeculativeConfig("mtp", 1))
+    layout = expert_block_layout(runner.args, "bf16")
+    probed = []
+
+    def resolve(request, device, layouts, *a, **kw):
+        probed.append(layouts)
+        if selected:
+            return Resolved(MoeKernelPolicy("triton"), graphs=False, choices={"experts": "moe_triton[bf16]"})
+        why = {"expert_kernel": "moe_triton[bf16] not selected: refused"}
+        return Resolved(MoeKernelPolicy(), graphs=False, choices={"experts": "reference"}, fallbacks=why)
+
+    monkeypatch.setattr(R, "resident_layout", lambda model, args, device: layout)
+    monkeypatch.setattr(R, "resolve", resolve)
+    monkeypatch.setattr(type(runner.model), "use_kernels", lambda *a: None)
+    runner.set_kernels(KernelPolicy())
+    assert probed == [[layout]]
+    experts = [m.experts for m in runner.model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    assert len(experts) == len(runner.args.moe_layers) + 1  # the MTP head's too
+    kind = HeldExperts if selected else Experts
+    assert all(type(e) is kind for e in experts)
+    if selected:
+        assert "routed experts held as bf16 blocks for the expert kernels" in runner.load_summary
+        assert all(e.policy.impl == "triton" for e in experts)
+    else:
+        assert runner.kernels.choices["experts"] == "torch (stacked resident weights)"
+        assert "expert_kernel" in runner.fallbacks()
