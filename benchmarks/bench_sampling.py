@@ -29,13 +29,13 @@ import time
 
 import torch
 
+from edgerun.bench.speculative import PROMPTS  # the demo's prompts, as bench speculative runs them
+
 SETTINGS = {
     "T0.8": dict(temperature=0.8),
     "T0.8 p0.95": dict(temperature=0.8, top_p=0.95),
     "T0.7 p0.8 k20": dict(temperature=0.7, top_p=0.8, top_k=20),
 }
-PROMPTS = ("And God said", "In the beginning", "The LORD is my", "And it came to pass", "Blessed are the",
-           "Then Jesus answered")  # fmt: skip
 
 
 def _med(xs: list[float]) -> dict:

@@ -81,21 +81,23 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def run_on_side_stream(fn, device: torch.device) -> None:
-    """``fn`` run eagerly on the side stream, after the current stream's work and before its
-    next: a first run before a capture (library handles, Triton compiles), which is that call's
-    run."""
-    stream = side_stream(device)
+def run_on_side_stream(fn, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+    """``fn`` run eagerly on the side stream (or ``stream``: a prefill lane's), after the current
+    stream's work and before its next: a first run before a capture (library handles, Triton
+    compiles), which is that call's run."""
+    stream = stream or side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
-def capture_graph(fn, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
-    """``fn``'s launches recorded (not run) into a CUDA graph on the side stream."""
+def capture_graph(
+    fn, device: torch.device, pool=None, stream: torch.cuda.Stream | None = None
+) -> torch.cuda.CUDAGraph:
+    """``fn``'s launches recorded (not run) into a CUDA graph on the side stream (or ``stream``)."""
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=side_stream(device)):
+    with torch.cuda.graph(g, pool=pool, stream=stream or side_stream(device)):
         fn()
     return g
 
@@ -1045,18 +1047,13 @@ class PrefillGraphs:
             if m == "table" and isinstance(d.layers[i].mlp.experts, StreamingExperts)
         ]
         hits = {i: d.cache.slots[i].counters.hits for i in table}
-        stream = self.stream or side_stream(d.device)
-        stream.wait_stream(torch.cuda.current_stream(d.device))
+        forward = partial(self._forward, tokens, n_valid, logits, hidden)
         try:
-            with torch.cuda.stream(stream):
-                self._forward(tokens, n_valid, logits, hidden)
-            torch.cuda.current_stream(d.device).wait_stream(stream)
+            run_on_side_stream(forward, d.device, self.stream)
             self.reset()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._forward(tokens, n_valid, logits, hidden)
+            graph = capture_graph(forward, d.device, self.pool, self.stream)
             torch.cuda.synchronize(d.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this length runs eagerly, say why
             d.fallbacks["prefill_graphs"] = (

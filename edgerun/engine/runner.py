@@ -528,10 +528,11 @@ class Runner:
             dtype = torch.float32  # CPU matmuls are fastest and exact-matching in fp32
         expert_cache, unchecked = None, {}
         if cache is None:  # held whole: refused here, by name, if its weights alone cannot fit
+            from edgerun.budget.planner import PLANNED_DTYPES
             from edgerun.engine.setup import check_resident_fits
 
             # None: the checkpoint's own (bf16 counted: a lower bound where it is fp32)
-            width = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
+            width = PLANNED_DTYPES.get(str(dtype or torch.bfloat16).removeprefix("torch."), "bf16")
             check_resident_fits(model_dir, str(device), width, mtp=speculative is not None)
         if (model_dir / MANIFEST).is_file():
             if cache is not None:

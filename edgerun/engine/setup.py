@@ -514,6 +514,9 @@ def check_resident_fits(
     device's free memory, or the host's available memory), naming both and what would fit: its
     experts streamed from a bundle. A model whose config cannot be read is left to the loader,
     which names what is wrong."""
+    from edgerun.bundle.format import MANIFEST
+    from edgerun.config import format_bytes as b
+
     try:
         dense, experts = resident_weight_bytes(model_dir, dtype, mtp)
     except (EdgerunError, ValueError, TypeError, KeyError, OSError):  # the loader names what is wrong
@@ -522,16 +525,12 @@ def check_resident_fits(
         free = _free_memory(device)
     if dense + experts <= free:
         return
-    from edgerun.config import format_bytes as b
-
     where = "the GPU" if device.startswith("cuda") else "this host"
     text = (
         f"{model_dir}: held whole in {dtype} its weights take {b(dense + experts)} ({b(dense)} resident + "
         f"{b(experts)} routed experts), more than the {b(free)} free on {where}: stream its routed "
         "experts from a bundle with a quota that fits ("
     )
-    from edgerun.bundle.format import MANIFEST
-
     if (Path(model_dir) / MANIFEST).is_file():
         text += f"--model {model_dir} --profile configs/<your device>.yaml, or --quota N)"
     else:

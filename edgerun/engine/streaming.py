@@ -222,7 +222,7 @@ class HeldExperts(nn.Module):
     expert, as a layer that holds all its experts runs (``table`` mode in a decode step)."""
 
     def __init__(self, stacked: nn.Module, layout, device: torch.device, policy: MoeKernelPolicy = REFERENCE):
-        from edgerun.bundle.quant import quantize_expert
+        from edgerun.bundle.quant import PROJECTIONS, quantize_expert
 
         super().__init__()
         E = stacked.gate_up_proj.shape[0]
@@ -234,7 +234,7 @@ class HeldExperts(nn.Module):
         self.register_buffer("table", torch.arange(E, dtype=torch.int64, device=device), persistent=False)
         self.packed: dict = {}  # the CPU kernels' repacked slots (kernels/moe.moe_experts)
         if _copies_bits(stacked, layout):  # bf16 into bf16 blocks: the same bits, every expert at once
-            for proj in ("gate_up", "down"):
+            for proj in PROJECTIONS:
                 c, w = layout.component(f"{proj}.weight"), getattr(stacked, f"{proj}_proj").detach()
                 pool[:, c.offset : c.offset + c.nbytes] = w.reshape(E, -1).to(device).view(torch.uint8)
             return
