@@ -9,8 +9,8 @@ one prompt greedily twice to warm up (graph capture, Triton compiles), then prof
 and a 96-token request. A step's figures are the difference of the two over the difference of
 their steps, so the prefill and the request's fixed costs cancel: kernels a step, GPU time a step
 (the sum of the kernels' durations) and a token, tokens a step, and the wall time a token of
-three unprofiled 96-token requests (median). The fourteen kernel families that take the most GPU
-time a step are listed. ``--device cpu`` runs the same on the CPU's torch ops (no graphs), to
+three unprofiled 96-token requests (median). Every kernel family is listed, the most GPU time
+a step first. ``--device cpu`` runs the same on the CPU's torch ops (no graphs), to
 check the script without a GPU. A profile of one prompt, not a benchmark: the rates to quote are
 ``edgerun bench speculative``'s.
 """
@@ -34,6 +34,11 @@ def main() -> None:
     ap.add_argument("--ks", default="0,1,2,3", help="draft tokens to profile (0: plain decoding)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    ap.add_argument(
+        "--timeline", action="store_true",
+        help="also list one step's kernels in launch order with their durations (CUDA: a step of the "
+        "96-token request's middle, its ends found by the step's two copies to the host)",
+    )  # fmt: skip
     ns = ap.parse_args()
 
     import torch
@@ -83,6 +88,8 @@ def main() -> None:
                 time_us[e.name[:60]] += e.time_range.elapsed_us()
             steps = stats.speculative.steps if stats.speculative is not None else stats.generated_tokens
             runs[n] = dict(steps=steps, tokens=stats.generated_tokens, family=family, time_us=time_us)
+        if ns.timeline and cuda:
+            print_timeline(kernels)
         walls = []
         for _ in range(3):
             events, _ = request(runner, ids, 96)
@@ -105,7 +112,7 @@ def main() -> None:
             f"{row['gpu_us_per_token']:.1f} us a token; wall {row['wall_ms_per_token']:.3f} ms a token",
             flush=True,
         )
-        for name, us in sorted(per_step.items(), key=lambda x: -x[1])[:14]:
+        for name, us in sorted(per_step.items(), key=lambda x: -x[1]):
             count = (b["family"][name] - a["family"][name]) / steps
             print(f"    {us:8.1f} us {count:6.1f} x  {name}")
         del runner
@@ -114,6 +121,25 @@ def main() -> None:
             torch.cuda.empty_cache()
     if ns.out is not None:
         ns.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def print_timeline(kernels) -> None:
+    """One step of a profiled request, in launch order: each kernel's duration and the idle time
+    before it. A step ends with its two copies to the host (tokens, chosen logits)."""
+    events = sorted(kernels, key=lambda e: e.time_range.start)
+    ends = [i for i, e in enumerate(events) if e.name.startswith("Memcpy DtoH")][1::2]
+    if len(ends) < 4:
+        print("    (no step boundaries found)")
+        return
+    mid = len(ends) // 2
+    step = events[ends[mid - 1] + 1 : ends[mid] + 1]
+    total = step[-1].time_range.end - step[0].time_range.start
+    print(f"    one step: {len(step)} kernels, {total:.1f} us first start to last end")
+    last = step[0].time_range.start
+    for e in step:
+        gap = e.time_range.start - last
+        print(f"    {e.time_range.elapsed_us():7.1f} us  (+{gap:5.1f} idle)  {e.name[:70]}")
+        last = max(last, e.time_range.end)
 
 
 if __name__ == "__main__":

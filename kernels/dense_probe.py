@@ -5,7 +5,8 @@ A kernel is selected only after it ran on the device and matched its torch refer
 because a symbol imports. ``probe_dense`` runs the model's own geometry on random inputs in the
 model dtype, twice each: for a model with DeltaNet layers, ``delta_decode`` from a random
 history and recurrent state; then the model's projection GEMVs (every scheme and shape, each
-epilogue, the RMSNorm prologue) and the router top-k and attention kernels.
+epilogue, the RMSNorm prologue), the router top-k and attention kernels, and the greedy pick
+(argmax and its logit: exact, so equal to torch's).
 
 - accuracy: max |got - ref| <= TOLERANCE[dtype] * max |ref| for every output and for the
   recurrent state, ref = kernels/dense_reference.py on the same inputs; the conv state, a pure
@@ -57,6 +58,7 @@ def probe_dense(
     kernels = ["delta_decode"] if _has_delta(args) else []
     if gemv:
         kernels += ["qgemv", "router_topk"] + (["attention_decode"] if _has_attention(args) else [])
+        kernels += ["greedy"] if getattr(args, "vocab_size", 0) > 0 else []
     name = f"dense_triton[{', '.join(kernels)}]"
     try:
         selected, reason = True, _probe(args, torch.device(device), dtype, gemv)
@@ -145,4 +147,33 @@ def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
             raise Refused("delta_decode: the conv state differs from the reference's")
     if gemv:
         worst = max(worst, gemv_cases(list(gemv), device, dtype), decode_cases(args, device, dtype))
+        if getattr(args, "vocab_size", 0) > 0:
+            greedy_cases(args.vocab_size, device, dtype, gen)
     return worst
+
+
+def greedy_cases(vocab: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """``sample_triton.greedy`` against ``torch.argmax`` and ``torch.gather`` on rows of ``vocab``
+    logits: random, a tie for the largest (the first index wins), a NaN (it wins), all -inf;
+    equal, twice (a split row's scratch is left as found), or Refused naming the row."""
+    from edgerun.kernels.sample_triton import greedy, greedy_scratch
+
+    logits = (torch.randn(4, vocab, generator=gen, device=device) * 4).to(dtype)
+    top = logits[1].max()
+    logits[1, vocab // 3], logits[1, -1] = top, top
+    logits[2, (2 * vocab) // 3] = float("nan")
+    logits[3] = float("-inf")
+    want = torch.argmax(logits, dim=-1)
+    chosen_want = torch.gather(logits, -1, want[:, None])[:, 0]
+    scratch = greedy_scratch(4, device)
+    for run in range(2):
+        token, chosen = torch.full_like(want, -1), torch.zeros_like(chosen_want)
+        greedy(logits, token, chosen, scratch)
+        for r in range(4):
+            same = bool(chosen[r].isnan()) == bool(chosen_want[r].isnan())
+            same = same and (bool(chosen[r].isnan()) or bool(chosen[r] == chosen_want[r]))
+            if int(token[r]) != int(want[r]) or not same:
+                raise Refused(
+                    f"greedy (run {run + 1}): row {r} of {vocab} logits picks {int(token[r])} "
+                    f"({float(chosen[r])}) where torch.argmax picks {int(want[r])} ({float(chosen_want[r])})"
+                )

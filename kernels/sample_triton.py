@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
+
 BLOCK = 4096  # logits a tile: a tile is loaded, scaled and summed at once (61 tiles at 248,320)
 FLOATS, INTS = 2, 2  # per-row parameters: (temperature, top_p) fp32; (top_k, seed) int64
 
@@ -151,6 +153,107 @@ def _sample_kernel(
     value = tl.where(bad > 0, float("nan"), value)
     tl.store(token + n * token_stride, tok)
     tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+
+
+# greedy: a program's span of a row (tiles of BLOCK); a row longer than one span is split among
+# programs that meet in one int64 key a row (``greedy``)
+GREEDY_SPAN = 4 * BLOCK
+KEY_LOW = 2**32  # a key: (the logit's order - 2^31) * KEY_LOW + (KEY_LOW - 1 - its index)
+KEY_EMPTY = -(2**63)  # below every key
+
+
+@triton.jit
+def _greedy_kernel(
+    logits, stride, V, keys, tickets, token, token_stride, chosen, chosen_stride,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    _grid_sync(PDL)  # (reads nothing before: the logits are the previous kernel's)
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    lane = tl.arange(0, BLOCK)
+    src = logits + n * stride
+    best = tl.full([], float("-inf"), tl.float32)
+    idx = tl.full([], V, tl.int32)  # V: none yet
+    nan_at = tl.full([], V, tl.int32)
+    for t in range(0, SPAN, BLOCK):
+        o = c * SPAN + t + lane
+        inb = o < V
+        x = tl.load(src + o, mask=inb, other=float("-inf")).to(tl.float32)
+        isnan = (x != x) & inb
+        nan_at = tl.minimum(nan_at, tl.min(tl.where(isnan, o, V), axis=0))
+        x = tl.where(isnan, float("-inf"), x)
+        top = tl.max(x, axis=0)
+        at = tl.min(tl.where(inb & ~isnan & (x == top), o, V), axis=0)
+        take = (at < V) & ((top > best) | (idx == V))  # an earlier tile keeps its ties
+        best = tl.where(take, top, best)
+        idx = tl.where(take, at, idx)
+    # NaN is the largest (as torch.argmax takes it), its first index first
+    idx = tl.where(nan_at < V, nan_at, idx)
+    if CHUNKS > 1:
+        # the span's best as a key whose int64 order is (logit, then the lower index): +0.0 for
+        # -0.0 (they compare equal), NaN above +inf; the last program of the row to arrive reads
+        # the row's largest key and resets both for the next call
+        bits = (best + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        order = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # -1 - b: ~b of a 32-bit b, as int64
+        order = tl.where(nan_at < V, 4294967295, order)
+        low = 4294967295 - idx.to(tl.int64)
+        key = tl.where(idx < V, (order - 2147483648) * 4294967296 + low, -9223372036854775807 - 1)
+        tl.atomic_max(keys + n, key)
+        if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
+            key = tl.atomic_xchg(keys + n, -9223372036854775807 - 1)
+            tl.atomic_xchg(tickets + n, 0)
+            idx = (4294967295 - (key & 4294967295)).to(tl.int32)
+            value = tl.load(src + idx).to(tl.float32)
+            tl.store(token + n * token_stride, idx.to(tl.int64))
+            tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+    else:
+        value = tl.load(src + idx).to(tl.float32)
+        tl.store(token + n * token_stride, idx.to(tl.int64))
+        tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+
+
+def greedy_scratch(rows: int, device: torch.device) -> torch.Tensor:
+    """``greedy``'s per-row key and arrival count [2, rows] (int64), as a call leaves them."""
+    scratch = torch.zeros(2, rows, dtype=torch.int64, device=device)
+    scratch[0].fill_(KEY_EMPTY)
+    return scratch
+
+
+def greedy(
+    logits: torch.Tensor,
+    token: torch.Tensor,
+    chosen: torch.Tensor,
+    scratch: torch.Tensor,
+    span: int | None = None,
+) -> None:
+    """Each row's greedy token and its logit, as ``torch.argmax`` then ``torch.gather`` give
+    them, in one launch: the first index of the largest logit (NaN counts as the largest, so a
+    row with a NaN picks its first NaN and its chosen logit is NaN). ``logits`` [N, V]
+    (contiguous rows), ``token`` [N] int64 and ``chosen`` [N] (may be strided), ``scratch``
+    from ``greedy_scratch`` (rows >= N; left as it was found: a row of more than GREEDY_SPAN
+    logits is split among programs that meet there). No host sync: a call can be captured in a
+    CUDA graph. Exact: a maximum and a first index, whatever the split. ``span``: a program's
+    logits (a power of two; default GREEDY_SPAN), smaller in tests to split small rows."""
+    N, V = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must have contiguous rows, got strides {logits.stride()}")
+    if V >= 2**31 - 1:
+        raise ValueError(f"{V} logits a row: greedy indexes them in int32")
+    if token.dtype != torch.int64 or token.numel() < N or scratch.shape[1] < N:
+        raise ValueError(
+            f"greedy of {N} rows: token {token.dtype} {list(token.shape)}, scratch {list(scratch.shape)}"
+        )
+    if N == 0:
+        return
+    span = span or GREEDY_SPAN
+    block = min(BLOCK, span, triton.next_power_of_2(V))
+    chunks = triton.cdiv(V, span)
+    if chunks == 1:
+        span = triton.cdiv(V, block) * block
+    _greedy_kernel[(N, chunks)](
+        logits, logits.stride(0), V, scratch[0], scratch[1], token, token.stride(0), chosen, chosen.stride(0),
+        CHUNKS=chunks, SPAN=span, BLOCK=block, num_warps=8 if block >= BLOCK else 4, **pdl_kwargs(logits.device),
+    )  # fmt: skip
 
 
 def filtered(top_k: int, top_p: float) -> bool:

@@ -20,7 +20,8 @@
 #   specba  specb greedy, each verify row's projections by programs of their own (--window-rows alone)
 #   specb4  the same on /tmp/demob4, greedy
 #   speck   the same on the demo checkpoint (its experts resident: held as bf16 blocks), greedy
-#   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16)
+#   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16; "": none),
+#           files sprof$SPROF_TAG.*, more flags in SPROF_ARGS (--timeline, --ks 0,3)
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
@@ -67,10 +68,11 @@ for ph in ${PHASES:-}; do
   specba) spec /tmp/demob specba "--quota ${SPEC_QUOTA:-16} --temperature 0 --window-rows alone" ;;
   specb4) spec /tmp/demob4 specb4 "--quota 16 --temperature 0" ;;
   speck) spec edgerun/demo speck "--temperature 0" ;;
-  sprof)
+  sprof)  # SPROF_QUOTA "" for a model held whole (a checkpoint); SPROF_TAG names the files
+    q=${SPROF_QUOTA-16}
     timeout "$(lim "${SPROF_TIMEOUT:-200}")" python3 benchmarks/spec_step_profile.py \
-      --model "${SPROF_MODEL:-/tmp/demob}" --quota "${SPROF_QUOTA:-16}" --out "$OUT/sprof.json" 2>&1 \
-      | grep -v Warning | tee "$OUT/sprof.txt" ;;
+      --model "${SPROF_MODEL:-/tmp/demob}" ${q:+--quota "$q"} --out "$OUT/sprof${SPROF_TAG:-}.json" ${SPROF_ARGS:-} 2>&1 \
+      | grep -v Warning | tee "$OUT/sprof${SPROF_TAG:-}.txt" ;;
   sbench)
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
       --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \

@@ -196,6 +196,13 @@ class DecodeGraphs:
         # ``launch``): argmax takes a NaN as the largest value, so a finite chosen logit means
         # there is no NaN and no +inf among the step's logits, at the cost of one tiny gather
         cuda = self.device.type == "cuda"
+        # with the fused kernels (their probe checks this one too), the argmax and its logit in
+        # one launch (``sample_triton.greedy``), where torch takes two
+        self._greedy = None
+        if policy.dense == "triton":
+            from edgerun.kernels.sample_triton import greedy_scratch
+
+            self._greedy = greedy_scratch(N, self.device)
         self.token_host = torch.zeros(2, N, dtype=torch.long, pin_memory=cuda)
         self.chosen_host = torch.zeros(2, N, dtype=self.dtype, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
@@ -435,6 +442,11 @@ class DecodeGraphs:
         self.model.lm_head(self.x, out=self.logits, norm=norm, norm_out=self.hidden)
         # the greedy next token, where the next step's embedding reads it (``launch``); a host
         # that samples otherwise writes its own token there first
+        if self._greedy is not None:
+            from edgerun.kernels.sample_triton import greedy
+
+            greedy(self.logits, self.indices[2], self.chosen[:, 0], self._greedy)
+            return
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
         torch.gather(self.logits, -1, self.token, out=self.chosen)
 

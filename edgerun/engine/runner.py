@@ -348,12 +348,24 @@ class Runner:
         (``Model.share_rows``, the weight read once); if a row then differs, each row by
         programs of its own (the weight read per row: a fallback, named and counted) and the
         probe runs again. Raises :class:`EdgerunError` naming what differs; returns the line
-        the start-up shows."""
+        the start-up shows. ``auto`` shares only the projections whose weight is larger than the
+        GPU's L2 cache (``--window-rows shared``: all of them): a smaller one's rows, each by
+        programs of its own, read it again from L2 in parallel, which a window of a few rows on a
+        small model finishes sooner than one pass taking its rows one after another."""
         alone = self.kernels.window_rows == "alone"
-        self.model.share_rows(not alone)
+        above = l2_bytes(self.device) if self.kernels.window_rows == "auto" else 0
+        shared = self.model.share_rows(not alone, above)
         try:
             self._probe_window_rows(draft_tokens + 1)
-            how = "each row by its own programs (by request)" if alone else "one GEMV for all rows"
+            if alone:
+                how = "each row by its own programs (by request)"
+            elif above:
+                how = (
+                    f"one GEMV for all rows for the {shared} weight(s) larger than L2 "
+                    f"({above / 2**20:.0f} MiB), each row by its own programs below"
+                )
+            else:
+                how = "one GEMV for all rows"
         except EdgerunError as exc:
             if alone:
                 raise
@@ -1024,6 +1036,13 @@ class Runner:
         """The generated token ids (EOS excluded)."""
         events = self.generate(self.request(prompt_ids, params))
         return [e.token_id for e in events if e.token_id is not None]
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache of a CUDA ``device`` in bytes; 0 elsewhere (or where torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
 
 
 def check_rows(probe: str, alone: list[torch.Tensor], rows: torch.Tensor, differs: str) -> None:

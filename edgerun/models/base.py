@@ -204,15 +204,21 @@ class CausalLM(nn.Module):
                     taken.append(m)
         return taken
 
-    def share_rows(self, on: bool) -> None:
+    def share_rows(self, on: bool, above: int = 0) -> int:
         """Within ``exact_rows`` (a batch's step, a speculative verify window), run each projection's rows in one GEMV
         (``on``: the weight read once for all rows, each row in accumulators of its own) or each
         row by programs of its own (the weight read per row). Either way a row's bits are meant
         to be the one-row call's; the start-up probes check it on the device
-        (``Runner.probe_batch``, ``Runner._probe_windows``) and turn ``on`` off if not."""
+        (``Runner.probe_batch``, ``Runner._probe_windows``) and turn ``on`` off if not.
+        ``above``: only projections whose stored weight takes more bytes share (a smaller one's
+        rows, each by programs of its own, read it again mostly from L2, and run in parallel
+        where one pass would run them one after another). Returns how many projections share."""
+        shared = 0
         for m in self.modules():
             if isinstance(m, QLinear):
-                m.shared_rows = on
+                m.shared_rows = on and m.nbytes() > above
+                shared += m.shared_rows
+        return shared
 
     def gemv_cases(self) -> list[tuple]:
         """What the dense probe runs the GEMV on for this model: every projection's (scheme,

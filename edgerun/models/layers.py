@@ -148,6 +148,10 @@ class QLinear(nn.Module):
         """The weight as stored; with ``planes``, its bytes are in nibble-plane order."""
         return QWeight(self.scheme, self.weight, self.scales, self.row_scale, self.group)
 
+    def nbytes(self) -> int:
+        """The bytes a one-row call reads of its weight: the stored weight and its scales."""
+        return sum(t.nbytes for t in (self.weight, self.scales, self.row_scale) if t is not None)
+
     def use_planes(self, on: bool) -> None:
         """Run decode-sized inputs on the tensor-core GEMV (``qgemv_planes``, whose cost hardly
         grows with the rows: a batch's steps) or not: the weight's bytes are repacked in place

@@ -306,6 +306,27 @@ def test_the_window_probe_shares_the_gemv_where_its_rows_stay_exact(sources, mon
     assert "row 1 of a 2-row window differs" in runner.fallbacks()["verify_gemv"]
 
 
+def test_a_window_shares_the_gemv_only_for_weights_larger_than_l2(sources, monkeypatch):
+    """``auto`` window rows on a GPU: projections whose weight exceeds the L2 cache run a
+    window's rows in one GEMV, the rest each row by programs of its own; the probe checks the
+    mix bit for bit and the start-up line says which. (The interpreter has no L2: its size is
+    stood in for, between the tiny model's smallest and largest weights.)"""
+    from edgerun.engine import runner as runner_mod
+    from edgerun.models.layers import QLinear
+
+    runner = fused_runner(sources["bundle"], CacheConfig(64), k=2)
+    sizes = sorted({m.nbytes() for m in runner.model.modules() if isinstance(m, QLinear)})
+    above = sizes[len(sizes) // 2]
+    monkeypatch.setattr(runner_mod, "l2_bytes", lambda device: above)
+    line = runner._probe_windows(2)
+    mods = [m for m in runner.model.modules() if isinstance(m, QLinear)]
+    big = [m for m in mods if m.nbytes() > above]
+    assert big and len(big) < len(mods)
+    assert all(m.shared_rows == (m.nbytes() > above) for m in mods)
+    assert f"one GEMV for all rows for the {len(big)} weight(s) larger than L2" in line
+    assert "verify_gemv" not in runner.fallbacks()
+
+
 @pytest.mark.parametrize("unit", [True, False])
 def test_the_mtp_heads_input_kernel_is_its_two_norms_side_by_side(unit):
     """``spec_triton.mtp_input``: the embedding rows of the tokens and the hidden rows, each RMS

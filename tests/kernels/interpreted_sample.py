@@ -159,3 +159,57 @@ def test_bad_buffers_are_refused_by_name():
     buf = S.SampleBuffers(2, 10, CPU, logits.dtype)
     with pytest.raises(ValueError, match="counter must be torch.int64"):
         S.sample(logits, buf, torch.zeros(2, dtype=torch.int32), 0, tok, ch, False)
+
+
+def greedy_rows(vocab: int) -> torch.Tensor:
+    """Rows whose argmax has every case torch's definition settles: random; a tie for the
+    largest (the first index wins); NaNs (the first NaN wins); +inf; all -inf; zeros of both
+    signs (equal: the first wins)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = (torch.randn(6, vocab, generator=g) * 4).to(torch.bfloat16)
+    top = rows[1].max()
+    rows[1, vocab // 3], rows[1, -1] = top, top
+    rows[2, vocab // 2], rows[2, -2] = float("nan"), float("nan")
+    rows[3, -1] = float("inf")
+    rows[4] = float("-inf")
+    rows[5] = -1.0
+    rows[5, vocab // 4 :] = 0.0
+    rows[5, : vocab // 2] = -0.0
+    return rows
+
+
+@pytest.mark.parametrize("vocab, span", [(37, None), (4096, None), (300, 64), (5000, 1024), (20000, None)])
+def test_greedy_is_torchs_argmax_and_its_logit_whatever_the_split(vocab, span):
+    """``greedy``: one launch for ``torch.argmax`` + ``torch.gather`` of the decode step's head,
+    exactly theirs (the first index of the largest, NaN the largest), a row in one program or
+    split among programs (``span``; 20,000 logits: the default split) that meet in one key a
+    row, which the last of them leaves reset: a second call gives the same."""
+    logits = greedy_rows(vocab)
+    want = torch.argmax(logits, dim=-1)
+    chosen_want = torch.gather(logits, -1, want[:, None])[:, 0]
+    scratch = S.greedy_scratch(8, CPU)
+    for _ in range(2):
+        token = torch.full((3, 6), -1, dtype=torch.int64)[1]  # a row of a larger buffer, as the step's
+        chosen = torch.zeros(6, 2, dtype=torch.bfloat16)[:, 0]  # strided
+        S.greedy(logits, token, chosen, scratch, span=span)
+        assert torch.equal(token, want)
+        assert torch.equal(chosen.isnan(), chosen_want.isnan())
+        assert torch.equal(chosen.nan_to_num(), chosen_want.nan_to_num())
+        assert torch.equal(scratch, S.greedy_scratch(8, CPU))
+
+
+def test_the_greedy_probe_refuses_a_wrong_pick_by_row(monkeypatch):
+    """The dense probe's greedy cases pass on the kernel and name the row a wrong pick is in."""
+    from edgerun.kernels import dense_probe
+
+    gen = torch.Generator().manual_seed(0)
+    dense_probe.greedy_cases(300, CPU, torch.bfloat16, gen)
+    real = S.greedy
+
+    def off_in_row_2(logits, token, chosen, scratch):
+        real(logits, token, chosen, scratch)
+        token[2] += 1
+
+    monkeypatch.setattr(S, "greedy", off_in_row_2)
+    with pytest.raises(dense_probe.Refused, match=r"row 2 of 300 logits picks"):
+        dense_probe.greedy_cases(300, CPU, torch.bfloat16, gen)

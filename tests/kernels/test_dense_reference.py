@@ -109,7 +109,7 @@ def test_probe_refuses_without_cuda_and_says_why():
     gemv = [("int4", 64, 64, 32, "none")]
     assert (
         probe_dense(tiny_moe_args(), "cpu", gemv=gemv).name
-        == "dense_triton[qgemv, router_topk, attention_decode]"
+        == "dense_triton[qgemv, router_topk, attention_decode, greedy]"
     )
 
 
