@@ -11,8 +11,8 @@ few microseconds, each launch saved is time saved.
 - ``draft_on``: after a head draft step, its token is draft j (and the next window's row j + 1);
   the next draft step's position and hidden row.
 
-- ``rollback``: a DeltaNet layer's conv and recurrent states become those after the kept row,
-  gathered from the verify window's trail of per-row states.
+- ``Rollback``: every DeltaNet layer's conv and recurrent states become those after the kept
+  row, gathered from the verify window's trails of per-row states, in one launch.
 - ``mtp_input``: the MTP head's two input norms side by side, before its ``fc``.
 
 In the first four, indices are int64, every row count is at most a few, and a hidden row is
@@ -94,11 +94,33 @@ def _draft_kernel(
 
 
 @triton.jit
-def _rollback_kernel(conv_trail, conv, rec_trail, rec, kept, NC, NR, BLOCK: tl.constexpr):
+def _as_ptr(address, BITS: tl.constexpr):
+    """An address (int64) as a pointer to BITS-bit integers (a copy moves the bits as they are)."""
+    if BITS == 8:
+        return address.to(tl.pointer_type(tl.int8))
+    elif BITS == 16:
+        return address.to(tl.pointer_type(tl.int16))
+    elif BITS == 32:
+        return address.to(tl.pointer_type(tl.int32))
+    else:
+        return address.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _rollback_kernel(table, kept, CONV_BITS: tl.constexpr, REC_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b, l): block b of layer l's two states, from row a of their trails. Table row l:
+    the conv trail's and state's addresses and the state's values, then the recurrent ones'."""
     a = tl.load(kept).to(tl.int64)
+    row = table + tl.program_id(1) * 6
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(conv + o, tl.load(conv_trail + a * NC + o, mask=o < NC), mask=o < NC)
-    tl.store(rec + o, tl.load(rec_trail + a * NR + o, mask=o < NR), mask=o < NR)
+    trail, state, n = _as_ptr(tl.load(row), CONV_BITS), _as_ptr(tl.load(row + 1), CONV_BITS), tl.load(row + 2)
+    tl.store(state + o, tl.load(trail + a * n + o, mask=o < n), mask=o < n)
+    trail, state, n = (
+        _as_ptr(tl.load(row + 3), REC_BITS),
+        _as_ptr(tl.load(row + 4), REC_BITS),
+        tl.load(row + 5),
+    )
+    tl.store(state + o, tl.load(trail + a * n + o, mask=o < n), mask=o < n)
 
 
 @triton.jit
@@ -170,17 +192,63 @@ def draft_on(h_idx, h_hidden_out, h_hidden_in, drafts, v_idx, j: int, more: bool
 ROLLBACK_BLOCK = 1024
 
 
-def rollback(
-    trails: tuple[torch.Tensor, torch.Tensor], kept: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor]
-) -> None:
-    """A DeltaNet layer's two states (conv, recurrent: [1, ...] each) become row ``kept`` of
-    their window trails ([rows, ...]): one launch for both, values copied with their dtype."""
-    for t, st in zip(trails, states):
-        if not (
-            t.is_contiguous() and st.is_contiguous() and t[0].numel() == st.numel() and t.dtype == st.dtype
-        ):
-            raise ValueError(f"rollback: trail {list(t.shape)} {t.dtype} and state {list(st.shape)} {st.dtype} must be contiguous rows of one shape and dtype")  # fmt: skip
-    (ct, rt), (cs, rs) = trails, states
-    nc, nr = cs.numel(), rs.numel()
-    grid = (triton.cdiv(max(nc, nr), ROLLBACK_BLOCK),)
-    _rollback_kernel[grid](ct, cs, rt, rs, kept, nc, nr, BLOCK=ROLLBACK_BLOCK)
+class Rollback:
+    """Every DeltaNet layer's two states (conv, recurrent: [1, ...] each) become row ``kept`` of
+    their window trails ([rows, ...]) in one launch, whatever the layer count (30 at Qwen3.6's
+    geometry, where a launch a layer cost 1.3 µs each): the kernel reads the tensors' addresses
+    from a table made on the first call and remade only when an address changes (never during
+    a graph's capture: the capture follows a first eager run over the same buffers). The table
+    keeps its tensors alive. Values are copied with their bits (their dtype's width), no
+    arithmetic."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._table: torch.Tensor | None = None
+        self._keep: list[torch.Tensor] = []
+        self._bits = (16, 32)
+
+    def __call__(
+        self,
+        layers: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]],
+        kept: torch.Tensor,
+    ) -> None:
+        """``layers``: each DeltaNet layer's ((conv trail, recurrent trail), (conv, recurrent))."""
+        if not layers:
+            return
+        key = tuple(t.data_ptr() for trails, states in layers for t in (*trails, *states))
+        if key != self._key:
+            self._make(layers, kept.device)
+            self._key = key
+        most = max(max(cs.numel(), rs.numel()) for _, (cs, rs) in layers)
+        grid = (triton.cdiv(most, ROLLBACK_BLOCK), len(layers))
+        _rollback_kernel[grid](
+            self._table, kept, CONV_BITS=self._bits[0], REC_BITS=self._bits[1], BLOCK=ROLLBACK_BLOCK
+        )
+
+    def _make(self, layers, device) -> None:
+        rows, keep, bits = [], [], set()
+        for trails, states in layers:
+            row = []
+            for t, st in zip(trails, states):
+                if not (
+                    t.is_contiguous()
+                    and st.is_contiguous()
+                    and t[0].numel() == st.numel()
+                    and t.dtype == st.dtype
+                ):
+                    raise ValueError(f"rollback: trail {list(t.shape)} {t.dtype} and state {list(st.shape)} {st.dtype} must be contiguous rows of one shape and dtype")  # fmt: skip
+                if t.device != device or st.device != device:
+                    raise ValueError(
+                        f"rollback: trail and state on {t.device} / {st.device}, kept on {device}"
+                    )
+                row += [t.data_ptr(), st.data_ptr(), st.numel()]
+                keep += [t, st]
+            rows.append(row)
+            bits.add((trails[0].element_size() * 8, trails[1].element_size() * 8))
+        if len(bits) != 1:
+            raise ValueError(
+                f"rollback: every layer's states must share their dtypes, got widths {sorted(bits)}"
+            )
+        self._bits = bits.pop()
+        self._table = torch.tensor(rows, dtype=torch.int64).to(device)
+        self._keep = keep

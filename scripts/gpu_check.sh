@@ -22,6 +22,8 @@
 #   speck   the same on the demo checkpoint (its experts resident: held as bf16 blocks), greedy
 #   sprof   benchmarks/spec_step_profile.py on SPROF_MODEL (/tmp/demob) at SPROF_QUOTA (16; "": none),
 #           files sprof$SPROF_TAG.*, more flags in SPROF_ARGS (--timeline, --ks 0,3)
+#   vwin    benchmarks/bench_verify_window.py at VW_LAYERS (40) layers of Qwen3.6's geometry, quotas
+#           VW_QUOTA (256: every expert held), VW_CALLS (10) timed calls
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
@@ -73,6 +75,10 @@ for ph in ${PHASES:-}; do
     timeout "$(lim "${SPROF_TIMEOUT:-200}")" python3 benchmarks/spec_step_profile.py \
       --model "${SPROF_MODEL:-/tmp/demob}" ${q:+--quota "$q"} --out "$OUT/sprof${SPROF_TAG:-}.json" ${SPROF_ARGS:-} 2>&1 \
       | grep -v Warning | tee "$OUT/sprof${SPROF_TAG:-}.txt" ;;
+  vwin)  # benchmarks/bench_verify_window.py: windows against one-row steps, real geometry (VW_LAYERS, 40)
+    timeout -s INT "$(lim "${VW_TIMEOUT:-200}")" python3 benchmarks/bench_verify_window.py --dir /tmp/vw \
+      --layers "${VW_LAYERS:-40}" --quota "${VW_QUOTA:-256}" --calls "${VW_CALLS:-10}" --out "$OUT/vwin.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/vwin.txt" ;;
   sbench)
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
       --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \

@@ -35,6 +35,7 @@ position order inside their programs), the projections in one GEMV where probed 
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -95,10 +96,19 @@ def run_on_side_stream(fn, device: torch.device, stream: torch.cuda.Stream | Non
 def capture_graph(
     fn, device: torch.device, pool=None, stream: torch.cuda.Stream | None = None
 ) -> torch.cuda.CUDAGraph:
-    """``fn``'s launches recorded (not run) into a CUDA graph on the side stream (or ``stream``)."""
+    """``fn``'s launches recorded (not run) into a CUDA graph on the side stream (or ``stream``).
+    Python's garbage collector is held off meanwhile: a collection during the capture may free a
+    CUDA object of an earlier run (a pinned buffer, an event) whose release is not allowed while
+    a stream captures, which aborts the process (seen on an H200: test_graphs_cuda.py)."""
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream or side_stream(device)):
-        fn()
+    was = gc.isenabled()
+    gc.disable()  # (torch.cuda.graph collects once as it starts)
+    try:
+        with torch.cuda.graph(g, pool=pool, stream=stream or side_stream(device)):
+            fn()
+    finally:
+        if was:
+            gc.enable()
     return g
 
 

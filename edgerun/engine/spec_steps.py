@@ -85,6 +85,7 @@ class SpecSteps:
         self._slot = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._warm = False
+        self._rollback = None  # spec_triton.Rollback, made by the first step that has DeltaNet layers
 
     def start(self, pos: int, token: int, drafts: list[int]) -> None:
         """The first step's inputs: ``token`` (the last one chosen) at ``pos``, then ``drafts``
@@ -139,9 +140,12 @@ class SpecSteps:
         with verify_window():
             _run(v)
         spec_triton.accept(v.indices, self.drafts, self.kept, self.out, c.indices, v.hidden, c.hidden_in)
-        for i, trail in v.trail.items():
-            entry = v.state.layers[i]
-            spec_triton.rollback(trail, self.kept, (entry.conv, entry.recurrent))
+        layers = [
+            (trail, (v.state.layers[i].conv, v.state.layers[i].recurrent)) for i, trail in v.trail.items()
+        ]
+        if layers:
+            self._rollback = self._rollback or spec_triton.Rollback()
+            self._rollback(layers, self.kept)
         _run(c)
         spec_triton.next_inputs(
             self.kept,

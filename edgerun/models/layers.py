@@ -187,11 +187,12 @@ class QLinear(nn.Module):
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
-        exact = EXACT_ROWS.get()
+        exact, draft = EXACT_ROWS.get(), DRAFT_ROWS.get()
         # within exact_rows every row count a GEMV takes runs it, its rows in one pass where
         # ``shared_rows`` was probed equal to the rows alone, else each row by programs of its
-        # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call
-        limit = MAX_GEMV_ROWS if exact or DRAFT_ROWS.get() else GEMV_ROWS[self.scheme]
+        # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call.
+        # The MTP head's rows (draft_rows) take the same choice, for speed alone.
+        limit = MAX_GEMV_ROWS if exact or draft else GEMV_ROWS[self.scheme]
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
@@ -225,7 +226,7 @@ class QLinear(nn.Module):
                 gate,
                 norm=nrm,
                 norm_out=norm_out,
-                alone=exact and not self.shared_rows,
+                alone=(exact or draft) and not self.shared_rows,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:

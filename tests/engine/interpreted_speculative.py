@@ -356,22 +356,31 @@ def test_the_mtp_heads_input_kernel_is_its_two_norms_side_by_side(unit):
     assert torch.allclose(out, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
 
 
-def test_rollback_copies_the_kept_rows_two_states_bit_for_bit_in_one_launch():
-    """``spec_triton.rollback``: a DeltaNet layer's conv (model dtype) and recurrent (fp32)
+def test_rollback_copies_every_layers_kept_row_bit_for_bit_in_one_launch():
+    """``spec_triton.Rollback``: each DeltaNet layer's conv (model dtype) and recurrent (fp32)
     states become the kept row of their trails, bit for bit (a copy, no arithmetic: NaN payloads
-    and -0.0 survive), states of different sizes, neither a multiple of the kernel's block; a
-    trail whose rows do not match the state is refused before any launch."""
+    and -0.0 survive), states of different sizes, neither a multiple of the kernel's block, three
+    layers in one launch; new buffers get a new table; a trail whose rows do not match the state
+    is refused before any launch."""
     from edgerun.kernels import spec_triton
 
     g = torch.Generator().manual_seed(11)
     rows, conv_shape, rec_shape = 4, (1, 24, 3), (1, 2, 40, 17)  # 72 and 1,360 values
-    conv_trail = torch.randn(rows, *conv_shape[1:], generator=g).to(torch.bfloat16)
-    rec_trail = torch.randn(rows, *rec_shape[1:], generator=g)
-    rec_trail.view(torch.int32)[1, 0, 0, :3] = torch.tensor([0x7FC01234, 0x7F800001, -(2**31)])
-    for kept in range(rows):
-        conv, rec = torch.zeros(conv_shape, dtype=torch.bfloat16), torch.zeros(rec_shape)
-        spec_triton.rollback((conv_trail, rec_trail), torch.tensor([kept]), (conv, rec))
-        assert torch.equal(conv.view(torch.int16), conv_trail[kept : kept + 1].view(torch.int16))
-        assert torch.equal(rec.view(torch.int32), rec_trail[kept : kept + 1].view(torch.int32))
+
+    def layer():
+        conv_trail = torch.randn(rows, *conv_shape[1:], generator=g).to(torch.bfloat16)
+        rec_trail = torch.randn(rows, *rec_shape[1:], generator=g)
+        rec_trail.view(torch.int32)[1, 0, 0, :3] = torch.tensor([0x7FC01234, 0x7F800001, -(2**31)])
+        states = (torch.zeros(conv_shape, dtype=torch.bfloat16), torch.zeros(rec_shape))
+        return (conv_trail, rec_trail), states
+
+    rollback = spec_triton.Rollback()
+    for layers in ([layer() for _ in range(3)], [layer()]):
+        for kept in range(rows):
+            rollback(layers, torch.tensor([kept]))
+            for (conv_trail, rec_trail), (conv, rec) in layers:
+                assert torch.equal(conv.view(torch.int16), conv_trail[kept : kept + 1].view(torch.int16))
+                assert torch.equal(rec.view(torch.int32), rec_trail[kept : kept + 1].view(torch.int32))
+    (conv_trail, rec_trail), states = layer()
     with pytest.raises(ValueError, match="rollback: trail"):
-        spec_triton.rollback((conv_trail, rec_trail[:, :, :20]), torch.tensor([0]), (conv, rec))
+        spec_triton.Rollback()([((conv_trail, rec_trail[:, :, :20]), states)], torch.tensor([0]))

@@ -76,3 +76,40 @@ def test_a_step_past_the_capacity_is_refused(bundles):
     dec.state.pos = dec.capacity
     with pytest.raises(ValueError, match="holds 64 positions"):
         dec.step(1)
+
+
+def test_a_capture_holds_the_garbage_collector_off(monkeypatch):
+    """``capture_graph``: no collection runs while a stream captures (one that frees a pinned
+    buffer or an event of an earlier run aborts the process), and the collector is back on
+    after, also when the capture fails; left off if it was off. (CUDA's capture stood in for:
+    the ordering is the claim, which needs no GPU.)"""
+    import contextlib
+    import gc
+
+    from edgerun.engine import graphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def capturing(g, pool=None, stream=None):
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(graphs, "side_stream", lambda device: None)
+    assert gc.isenabled()
+    graphs.capture_graph(lambda: seen.append(gc.isenabled()), torch.device("cpu"))
+    assert seen == [False] and gc.isenabled()
+
+    def fails():
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.capture_graph(fails, torch.device("cpu"))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        graphs.capture_graph(lambda: None, torch.device("cpu"))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
