@@ -156,10 +156,10 @@ def _sample_kernel(
 
 
 # greedy: a program's span of a row (tiles of BLOCK); a row longer than one span is split among
-# programs that meet in one int64 key a row (``greedy``)
+# programs that meet in one int64 key a row (``greedy``): (the logit's order - 2^31) * 2^32 +
+# (2^32 - 1 - its index), so the largest key is the largest logit's first index
 GREEDY_SPAN = 4 * BLOCK
-KEY_LOW = 2**32  # a key: (the logit's order - 2^31) * KEY_LOW + (KEY_LOW - 1 - its index)
-KEY_EMPTY = -(2**63)  # below every key
+KEY_EMPTY = tl.constexpr(-(2**63))  # below every key
 
 
 @triton.jit
@@ -197,10 +197,10 @@ def _greedy_kernel(
         order = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # -1 - b: ~b of a 32-bit b, as int64
         order = tl.where(nan_at < V, 4294967295, order)
         low = 4294967295 - idx.to(tl.int64)
-        key = tl.where(idx < V, (order - 2147483648) * 4294967296 + low, -9223372036854775807 - 1)
+        key = tl.where(idx < V, (order - 2147483648) * 4294967296 + low, KEY_EMPTY)
         tl.atomic_max(keys + n, key)
         if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
-            key = tl.atomic_xchg(keys + n, -9223372036854775807 - 1)
+            key = tl.atomic_xchg(keys + n, KEY_EMPTY)
             tl.atomic_xchg(tickets + n, 0)
             idx = (4294967295 - (key & 4294967295)).to(tl.int32)
             value = tl.load(src + idx).to(tl.float32)
@@ -215,7 +215,7 @@ def _greedy_kernel(
 def greedy_scratch(rows: int, device: torch.device) -> torch.Tensor:
     """``greedy``'s per-row key and arrival count [2, rows] (int64), as a call leaves them."""
     scratch = torch.zeros(2, rows, dtype=torch.int64, device=device)
-    scratch[0].fill_(KEY_EMPTY)
+    scratch[0].fill_(KEY_EMPTY.value)
     return scratch
 
 
