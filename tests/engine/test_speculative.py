@@ -562,8 +562,10 @@ def test_the_kernels_are_chosen_with_the_mtp_head_loaded(sources, monkeypatch):
 
 def test_the_heads_windows_take_the_gemv_for_a_plain_weights_rows(monkeypatch):
     """Outside ``exact_rows`` a plain weight takes the GEMV for at most 2 rows (GEMV_ROWS); within
-    ``draft_rows`` (the MTP head's windows, engine/graphs) for up to MAX_GEMV_ROWS, in one pass
-    (not each row alone): a head window of K + 1 >= 3 rows is one launch a projection, not torch's."""
+    ``draft_rows`` (the MTP head's windows, engine/graphs) for up to MAX_GEMV_ROWS: a head window
+    of K + 1 >= 3 rows is one launch a projection, not torch's. Its rows run as a verify window's
+    do: each by programs of its own, unless the projection shares its rows' GEMV
+    (``shared_rows``: the window probe's choice, a weight larger than L2)."""
     from edgerun.kernels import qlinear_triton
     from edgerun.kernels.qweight import QWeight
     from edgerun.models.layers import MAX_GEMV_ROWS, QLinear, draft_rows
@@ -584,7 +586,9 @@ def test_the_heads_windows_take_the_gemv_for_a_plain_weights_rows(monkeypatch):
         lin(x)
         lin(torch.randn(MAX_GEMV_ROWS, 16))
         lin(torch.randn(MAX_GEMV_ROWS + 1, 16))  # more than the GEMV takes: the reference
-    assert calls == [(3, False), (MAX_GEMV_ROWS, False)]
+        lin.shared_rows = True
+        lin(x)
+    assert calls == [(3, True), (MAX_GEMV_ROWS, True), (3, False)]
 
 
 def test_a_resident_checkpoints_plan_counts_the_mtp_head_when_asked():
