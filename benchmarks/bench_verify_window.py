@@ -31,6 +31,7 @@ import torch
 PROMPT = list(range(1, 17))
 
 
+@torch.inference_mode()
 def sample(runner, n: int, most: int) -> float:
     """One timed call after a fresh prompt and 8 steps: a one-row step (n = 1) or a window of n."""
     from edgerun.models.layers import verify_window
@@ -94,6 +95,7 @@ def main() -> int:
             kernels=KernelPolicy(graphs="on"),
             max_context=256,
         )
+        runner.new_state(256)  # the decoder (static state, graphs) the samples run on
         line = runner._probe_windows(most - 1)
         run = {"quota": quota, "probe": line, "kernels": runner.kernel_summary(), "ms": {}}
         print(f"quota {quota}: {line}", flush=True)
