@@ -308,9 +308,10 @@ def resident_layout(model, args, device: torch.device):
 
     if torch.device(device).type != "cuda":
         return None
-    layers = [*model.model.layers, *(model.mtp.layers if getattr(model, "mtp", None) is not None else ())]
     stacked = [
-        x.mlp.experts for x in layers if isinstance(x.mlp, SparseMoe) and isinstance(x.mlp.experts, Experts)
+        x.mlp.experts
+        for x in _with_mtp_layers(model)
+        if isinstance(x.mlp, SparseMoe) and isinstance(x.mlp.experts, Experts)
     ]
     if not stacked or any(e.gate_up_proj.dtype != torch.bfloat16 for e in stacked):
         return None
@@ -320,10 +321,13 @@ def resident_layout(model, args, device: torch.device):
 def hold_resident_experts(model, layout, policy: MoeKernelPolicy, device: torch.device) -> int:
     """The model's (and its MTP head's) resident stacked experts held as ``layout`` blocks on
     ``device`` (:func:`resident_layout`). Returns the bytes the held blocks take."""
-    held = hold_experts(model.model.layers, layout, policy, device)
-    if getattr(model, "mtp", None) is not None:
-        held += hold_experts(model.mtp.layers, layout, policy, device)
-    return held
+    return hold_experts(_with_mtp_layers(model), layout, policy, device)
+
+
+def _with_mtp_layers(model) -> list:
+    """The model's decoder layers, then its MTP head's (where one is loaded)."""
+    mtp = getattr(model, "mtp", None)
+    return [*model.model.layers, *(mtp.layers if mtp is not None else ())]
 
 
 def load_streaming_model(
