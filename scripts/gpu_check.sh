@@ -24,6 +24,8 @@
 #           files sprof$SPROF_TAG.*, more flags in SPROF_ARGS (--timeline, --ks 0,3)
 #   vwin    benchmarks/bench_verify_window.py at VW_LAYERS (40) layers of Qwen3.6's geometry, quotas
 #           VW_QUOTA (256: every expert held), VW_CALLS (10) timed calls
+#   dec     edgerun bench decode at DEC_LAYERS (40) layers of Qwen3.6's geometry, resident, int4 dense,
+#           DEC_ENV set for it, files dec$DEC_TAG.*
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
@@ -79,6 +81,12 @@ for ph in ${PHASES:-}; do
     timeout -s INT "$(lim "${VW_TIMEOUT:-200}")" python3 benchmarks/bench_verify_window.py --dir /tmp/vw \
       --layers "${VW_LAYERS:-40}" --quota "${VW_QUOTA:-256}" --calls "${VW_CALLS:-10}" --out "$OUT/vwin.json" 2>&1 \
       | grep -v Warning | tee "$OUT/vwin.txt" ;;
+  dec)  # edgerun bench decode at DEC_LAYERS (40) layers, every expert held, int4 dense; env DEC_ENV
+    # (e.g. "EDGERUN_PDL=0"), files dec$DEC_TAG.*; the bundle in /tmp/bd is made once and reused
+    env ${DEC_ENV:-} timeout -s INT "$(lim "${DEC_TIMEOUT:-300}")" $ER bench decode --dir /tmp/bd \
+      --out "$OUT/dec${DEC_TAG:-}" --prompt "${DEC_PROMPT:-64}" --decode "${DEC_DECODE:-128}" \
+      --repeats "${DEC_REPEATS:-3}" --budgets resident --dense int4 --layers "${DEC_LAYERS:-40}" \
+      --calibrate-seconds 0.2 2>&1 | grep -v Warning | tee "$OUT/dec${DEC_TAG:-}.txt" | tail -25 ;;
   sbench)
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
       --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \
