@@ -45,16 +45,9 @@ import triton.language as tl
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
-from edgerun.kernels.launch import _grid_sync, pdl_kwargs, prefetch_kwargs
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
-from edgerun.kernels.qlinear_triton import (
-    _accumulate,
-    _pow2_divisor,
-    _prefetch_rows,
-    _scales,
-    _words,
-    step_sum,
-)
+from edgerun.kernels.qlinear_triton import _accumulate, _pow2_divisor, _scales, _words, step_sum
 from edgerun.kernels.scratch import SCRATCH_SET
 
 INTERPRETED = (
@@ -126,29 +119,6 @@ def _at(slot, split, block, far):
     return tl.where(slot < split, slot * block, far + (slot - split) * block)
 
 
-@triton.jit
-def _prefetch_expert(wpool, spool, slots, table, ids, p, n_ids, w_block, s_block, w_off, s_off, split, c0,
-                     n: tl.constexpr, I: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-                     GROUPED: tl.constexpr, TABLE: tl.constexpr):  # fmt: skip
-    """Before the wait: pair p's gate rows [c0, c0 + n) and up rows [I + c0, I + c0 + n) into L2,
-    its slot from ids / slots that may not be final yet, so clamped (the table's ``n_ids``
-    entries, the ``split`` device slots; a far-tier slot is read over PCIe: not fetched)."""
-    if TABLE:
-        e = tl.minimum(tl.maximum(tl.load(ids + p), 0), n_ids - 1)
-        slot = tl.load(table + e).to(tl.int64)
-    else:
-        slot = tl.load(slots + p).to(tl.int64)
-    WROW: tl.constexpr = D // 2 if QUANT == 2 else D  # elements of the weight view a row (int4: bytes)
-    if (slot >= 0) & (slot < split):
-        w = wpool + slot * w_block + w_off
-        _prefetch_rows(w, c0, n, WROW)
-        _prefetch_rows(w, I + c0, n, WROW)
-        if GROUPED:
-            s = spool + slot * s_block + s_off
-            _prefetch_rows(s, c0, n, D // G)
-            _prefetch_rows(s, I + c0, n, D // G)
-
-
 # --------------------------------------------------------------------------------------------
 # Kernels
 
@@ -181,15 +151,12 @@ def _gate_up_kernel(
     s_block,
     w_off,
     s_off,
-    w_down,
-    s_down,
     split,
     w_far,
     s_far,
     zero,
     lo,
     hi,
-    n_ids,
     D: tl.constexpr,
     I: tl.constexpr,
     A: tl.constexpr,
@@ -203,20 +170,12 @@ def _gate_up_kernel(
     FAR: tl.constexpr,
     RANGE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
     [j BLOCK_R / 2, (j + 1) BLOCK_R / 2). RANGE: pairs whose expert is outside lo..hi do
-    nothing (their slot is not read). PREFETCH (kernels/launch.py): before the wait, the
-    program's gate and up rows into L2, its slot read from ids that may still be being written
-    (clamped to ``n_ids`` experts and the device slots: a stale one fetches the wrong rows, and
-    nothing reads what a prefetch fetched any differently); after it, a 1 / (programs a pair)
-    share of the pair's down rows (offsets ``w_down`` / ``s_down``), for the down kernel next."""
-    p = tl.program_id(0)  # pair t*A + a
-    if PREFETCH:
-        _prefetch_expert(wpool, spool, slots, table, ids, p, n_ids, w_block, s_block, w_off, s_off, split,
-                         tl.program_id(1) * (BLOCK_R // 2), BLOCK_R // 2, I, D, QUANT, G, GROUPED, TABLE)  # fmt: skip
+    nothing (their slot is not read)."""
     _grid_sync(PDL)
+    p = tl.program_id(0)  # pair t*A + a
     if RANGE:
         e = tl.load(ids + p)
         if (e < lo) | (e > hi):
@@ -226,15 +185,6 @@ def _gate_up_kernel(
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
             tl.atomic_add(far_reads, (slot >= split).to(tl.int64))
             tl.atomic_add(uses + tl.load(ids + p), 1)  # and every pair by its expert
-    if PREFETCH:  # this pair's share of its expert's down rows [D, I], for the next kernel
-        nj = tl.num_programs(1)
-        share = (D + nj - 1) // nj
-        r0 = tl.minimum(tl.program_id(1) * share, D)
-        DROW: tl.constexpr = I // 2 if QUANT == 2 else I
-        if slot < split:
-            _prefetch_rows(wpool + slot * w_block + w_down, r0, tl.minimum(share, D - r0), DROW)
-            if GROUPED:
-                _prefetch_rows(spool + slot * s_block + s_down, r0, tl.minimum(share, D - r0), I // G)
     w = wpool + _at(slot, split, w_block, w_far) + w_off
     s = spool + _at(slot, split, s_block, s_far) + s_off
     # row i of the tile: the gate row (i even) or the up row (odd) of h column i // 2, so one
@@ -804,13 +754,12 @@ def moe_gemv(
     grouped = layout.quant == "int4" or (layout.quant == "int8" and G > 0)
     br = 2 * _pow2_divisor(I, config.block_r)  # a gate and an up row for each of block_r columns of h
     bk = _block_k(D, layout, config.row_bytes)
-    down = _component_args(layout, "down", wv, sv)
     _gate_up_kernel[(T * A, 2 * I // br)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
-        *down[2:], split, w_far, s_far, 0, lo, hi, tab.numel(),
+        split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
         TABLE=table is not None, FAR=count, RANGE=expert_range is not None, num_warps=config.num_warps,
-        **pdl_kwargs(x.device), **prefetch_kwargs(x.device),
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
@@ -819,7 +768,7 @@ def moe_gemv(
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     _down_kernel[(T * A, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
-        _counters(x.device, T * (D // br)), *down, split, w_far, s_far, 0,
+        _counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
         lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
         BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
         INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,

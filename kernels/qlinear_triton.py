@@ -45,7 +45,7 @@ import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
-from edgerun.kernels.launch import _grid_sync, _prefetch_l2, pdl_kwargs, prefetch_kwargs
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
@@ -361,34 +361,6 @@ def _tile_rows(ROWS, EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(base, r0, n, ROW: tl.constexpr):
-    """Rows [r0, r0 + n) of a row-major tensor of ROW elements a row at ``base`` into L2."""
-    _prefetch_l2(base + r0.to(tl.int64) * ROW, n * (ROW * (base.dtype.element_ty.primitive_bitwidth // 8)))
-
-
-@triton.jit
-def _prefetch_tile(w, s, ROWS, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.constexpr,
-                   EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """The weight rows (and group scales) program p reads (``_tile_rows``), into L2: one range,
-    or (silu_mul) its gate rows and its up rows."""
-    WROW: tl.constexpr = C // 2 if QUANT == 2 else C  # elements of w a row (int4: bytes)
-    if EPILOGUE == 1:
-        r0 = tl.program_id(0) * (BLOCK_R // 2)
-        n = tl.minimum(BLOCK_R // 2, ROWS - r0)
-        _prefetch_rows(w, r0, n, WROW)
-        _prefetch_rows(w, ROWS + r0, n, WROW)
-        if GROUPED:
-            _prefetch_rows(s, r0, n, C // G)
-            _prefetch_rows(s, ROWS + r0, n, C // G)
-    else:
-        r0 = tl.program_id(0) * BLOCK_R
-        n = tl.minimum(BLOCK_R, ROWS - r0)
-        _prefetch_rows(w, r0, n, WROW)
-        if GROUPED:
-            _prefetch_rows(s, r0, n, C // G)
-
-
-@triton.jit
 def _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N: tl.constexpr,
             ROW_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
     """A tile's fp32 sums y [BLOCK_R, N] (tokens last) to its outputs: the row scale and bias,
@@ -453,7 +425,6 @@ def _qgemv_kernel(
     NO_BLOCK: tl.constexpr,
     ROLLED: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
     unmasked, so wide) and not stored. ``zero`` is 0 (see ``_field``). NORM: x is RMS-normalised
@@ -462,12 +433,8 @@ def _qgemv_kernel(
     rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py.
     NT: the rows of x this program computes (its tokens), N: NT rounded up to a power of two
     (the compiled token slots). Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
-    program p of the one-row call on row j, its pointers offset to that row. PREFETCH: every
-    weight byte of the program's rows asked of the L2 before the wait (see kernels/launch.py)."""
+    program p of the one-row call on row j, its pointers offset to that row."""
     j = tl.program_id(1)
-    if PREFETCH:
-        if j == 0:  # the programs of the other rows read the same weights
-            _prefetch_tile(w, s, ROWS, C, QUANT, G, GROUPED, EPILOGUE, BLOCK_R)
     x += j * x_row
     out += j * out_row
     gate += j * gate_row
@@ -640,7 +607,7 @@ def qgemv(
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
-        num_warps=cfg.num_warps, **pdl_kwargs(x.device), **prefetch_kwargs(x.device),
+        num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 
