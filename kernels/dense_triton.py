@@ -8,8 +8,11 @@ Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv ch
   key head's q/k channels are shared by its R value heads, and their conv state must be read
   before it is shifted, so the conv runs first, a program per block of channels (each owns its
   channels' state), into an fp32 scratch; then a program per (batch, value head) runs the delta
-  rule on its [Dk, Dv] fp32 state tile (Hv programs: twice the key heads for Qwen3.6, where one
-  launch with a program per key head left most SMs idle). With ``trail``, a verify window: N
+  rule on a [Dk, Dv / S] slice of its fp32 state tile (Hv x S programs, S = ``delta_slices``:
+  a value column's update reads only its own column, so a head's columns split among programs;
+  its gated RMSNorm over all Dv is run by the head's program that arrives last at an atomic
+  counter, from the outputs the S programs stored: 128 programs for Qwen3.6, where a program per
+  value head left most SMs idle, and one per key head more so). With ``trail``, a verify window: N
   consecutive tokens of one sequence in the same two launches, each program stepping the rows in
   order (the per-row arithmetic the one-row kernels' own helpers), so each row, and the states
   it leaves in the trail, are the one-row call's bits.
@@ -18,7 +21,9 @@ Math is fp32, rounded to the model dtype at every point the modules round (conv 
 sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
 its reference (kernels/dense_reference.py) only by fp32 summation order and transcendental ulps,
 and through those by an occasional one-ulp flip of a rounded value. Tile shapes and warps are a
-fixed function of the geometry (never autotuned) and nothing is atomic, so the bits repeat.
+fixed function of the geometry (never autotuned, never of the row count), and the one atomic
+(the norm's arrival count) decides only which program runs the norm, not its arithmetic: the
+bits repeat.
 No host syncs and no data-dependent allocation: both calls can be captured in a CUDA graph.
 """
 
@@ -30,10 +35,13 @@ import triton.language as tl
 
 from edgerun.kernels.dense_reference import DeltaDims
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
+from edgerun.kernels.scratch import counters
 
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
+DELTA_PROGRAMS = 128  # programs a row's delta rule aims at (``delta_slices``): about an H100's SMs
+MIN_SLICE = 16  # value columns of a head a program takes at the least
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
 L2NORM_EPS = tl.constexpr(1e-6)  # edgerun.models.layers.l2norm's default, which GatedDeltaNet uses
 
@@ -83,11 +91,26 @@ def _conv_silu(x, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, A
 
 
 @triton.jit
-def _head_tile(DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Offsets and mask of a value head's [Dk, Dv] state tile, padded to [BLOCK_DK, BLOCK_DV]."""
+def _head_tile(sv, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, SLICE: tl.constexpr):
+    """Offsets and mask of slice ``sv`` (value columns [sv SLICE, (sv + 1) SLICE)) of a value
+    head's [Dk, Dv] state tile, padded to [BLOCK_DK, SLICE]."""
     ik = tl.arange(0, BLOCK_DK)
-    iv = tl.arange(0, BLOCK_DV)
+    iv = sv * SLICE + tl.arange(0, SLICE)
     return ik[:, None] * DV + iv[None, :], (ik < DK)[:, None] & (iv < DV)[None, :]
+
+
+@triton.jit
+def _gated_norm(o, iv, z, norm_w, out, h, eps, DV: tl.constexpr, ACT: tl.constexpr, ROUND_NORM: tl.constexpr):
+    """The gated RMSNorm of value head h's output o (fp32, rounded as the module rounds) over
+    its columns iv (all Dv of them, padded), stored into its columns of ``out``."""
+    mv = iv < DV
+    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
+    y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
+    if ROUND_NORM:
+        y = _round(y, ACT)
+    zz = tl.load(z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+    y = _round(y * _silu(zz), ACT)
+    tl.store(out + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -101,7 +124,9 @@ def _delta_rule(
     dt_bias,
     norm_w,
     out,
+    count,
     h,
+    sv,
     eps,
     q_scale,
     NK: tl.constexpr,
@@ -110,17 +135,23 @@ def _delta_rule(
     DV: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    SLICE: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
 ):
-    """One row's delta rule and gated RMSNorm for value head h, from the head's fp32 state tile
-    S: x is the row's conv + SiLU output (fp32 [C]), z, a, b and out its rows of those; stores
-    the head's output (rounded as the module rounds) and returns the state after the row. The R
-    value heads of a key head each normalise its q and k."""
+    """One row's delta rule for slice sv of value head h (its value columns [sv SLICE, (sv +
+    1) SLICE)), from that slice S of the head's fp32 state tile: x is the row's conv + SiLU
+    output (fp32 [C]), z, a, b and out its rows of those; returns the slice's state after the
+    row. The head's gated RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this
+    program runs it; else each program stores its columns' output (rounded as the module
+    rounds: exact in out's dtype) and the last of the head's programs to arrive at ``count``
+    (an int32, 0 before and after) reads them all back and runs it, so its arithmetic is the
+    same whichever program arrives last. The R value heads of a key head each normalise its q
+    and k."""
     j = h // R  # the key head
     ik = tl.arange(0, BLOCK_DK)
     mk = ik < DK
-    iv = tl.arange(0, BLOCK_DV)
+    iv = sv * SLICE + tl.arange(0, SLICE)
     mv = iv < DV
     q = tl.load(x + j * DK + ik, mask=mk, other=0.0)
     k = tl.load(x + NK * DK + j * DK + ik, mask=mk, other=0.0)
@@ -140,15 +171,16 @@ def _delta_rule(
     delta = (v - predicted) * beta
     S = S + k[:, None] * delta[None, :]
     o = _round(tl.sum(S * q[:, None], axis=0), ACT)
-
-    # gated RMSNorm over Dv
-    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
-    y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
-    if ROUND_NORM:
-        y = _round(y, ACT)
-    zz = tl.load(z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
-    y = _round(y * _silu(zz), ACT)
-    tl.store(out + h * DV + iv, y.to(out.dtype.element_ty), mask=mv)
+    if SLICE == BLOCK_DV:
+        _gated_norm(o, iv, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
+    else:
+        tl.store(out + h * DV + iv, o.to(out.dtype.element_ty), mask=mv)
+        tl.debug_barrier()  # every thread's columns stored before the arrival is released
+        if tl.atomic_add(count + h, 1, sem="acq_rel") == BLOCK_DV // SLICE - 1:
+            every = tl.arange(0, BLOCK_DV)
+            o = tl.load(out + h * DV + every, mask=every < DV, other=0.0, cache_modifier=".cg").to(tl.float32)
+            _gated_norm(o, every, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
+            tl.store(count + h, 0)  # ready for the next row and call
     return S
 
 
@@ -246,6 +278,7 @@ def _delta_decode_kernel(
     slots,
     norm_w,
     out,
+    count,
     eps,
     q_scale,
     SLOTS: tl.constexpr,
@@ -255,24 +288,27 @@ def _delta_decode_kernel(
     DV: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    SLICE: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Launch 2: one value head's delta rule and gated RMSNorm, a program per (batch, value
-    head)."""
+    """Launch 2: a value head's delta rule and gated RMSNorm, a program per (batch, value head,
+    slice of its value columns)."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
     h = tl.program_id(1)  # value head
-    tile, tmask = _head_tile(DK, DV, BLOCK_DK, BLOCK_DV)
+    sv = tl.program_id(2)  # slice of its value columns
+    tile, tmask = _head_tile(sv, DK, DV, BLOCK_DK, SLICE)
     # the state was last written by this layer's previous step, kernels ago: read before the sync
     s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
     _grid_sync(PDL)
     S = _delta_rule(
         S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, A_log, dt_bias, norm_w,
-        out + bi * (HV * DV), h, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, ACT, ROUND_NORM,
+        out + bi * (HV * DV), count + bi * HV, h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
+        ACT, ROUND_NORM,
     )  # fmt: skip
     tl.store(s_ptr, S, mask=tmask)
 
@@ -292,6 +328,7 @@ def _delta_decode_window_kernel(
     trail,
     norm_w,
     out,
+    count,
     eps,
     q_scale,
     N,
@@ -301,25 +338,28 @@ def _delta_decode_window_kernel(
     DV: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    SLICE: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Launch 2 of a verify window: a program per value head steps the N rows in order from
-    state entry 0, the fp32 state carried in registers (the one-row launches store and reload
-    it in fp32: the same values), stored after row r in trail entry r and after the last row in
-    the state."""
+    """Launch 2 of a verify window: a program per (value head, slice of its value columns)
+    steps the N rows in order from state entry 0, the fp32 state slice carried in registers (the
+    one-row launches store and reload it in fp32: the same values), stored after row r in trail
+    entry r and after the last row in the state; row r's norm by its own arrival count."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     h = tl.program_id(0)  # value head
-    tile, tmask = _head_tile(DK, DV, BLOCK_DK, BLOCK_DV)
+    sv = tl.program_id(1)  # slice of its value columns
+    tile, tmask = _head_tile(sv, DK, DV, BLOCK_DK, SLICE)
     S = tl.load(state + h * (DK * DV) + tile, mask=tmask, other=0.0)  # last written kernels ago
     _grid_sync(PDL)
     r = 0
     while r < N:  # (Triton's interpreter cannot range over a runtime int)
         S = _delta_rule(
             S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, A_log, dt_bias, norm_w,
-            out + r * (HV * DV), h, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, ACT, ROUND_NORM,
+            out + r * (HV * DV), count + r * HV, h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
+            ACT, ROUND_NORM,
         )  # fmt: skip
         tl.store(trail + (r * HV + h) * (DK * DV) + tile, S, mask=tmask)
         r += 1
@@ -333,6 +373,15 @@ def _delta_decode_window_kernel(
 def _warps(elements: int, per_thread: int) -> int:
     """Warps for a program holding ``elements`` values, about ``per_thread`` a thread: 1 to 8."""
     return max(1, min(8, elements // (32 * per_thread)))
+
+
+def delta_slices(n_v: int, dv: int) -> int:
+    """Programs a value head's delta rule splits among (a power of two): about DELTA_PROGRAMS
+    programs a row, each at least MIN_SLICE value columns. A function of the geometry alone, so a
+    row's bits depend neither on the call's rows nor on the device."""
+    most = max(1, triton.next_power_of_2(dv) // MIN_SLICE)
+    want = max(1, DELTA_PROGRAMS // n_v)
+    return min(most, 1 << (want.bit_length() - 1))
 
 
 def unsupported_delta(dims: DeltaDims) -> str | None:
@@ -456,21 +505,24 @@ def delta_decode(
     scratch = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
     blocks, kp2 = triton.cdiv(C, CONV_BLOCK), triton.next_power_of_2(K)
     bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    slices = delta_slices(Hv, dv)
+    count = counters(mixed_qkv.device, batch * Hv)  # the norms' arrivals (unused with one slice)
     # no FMA contraction (Triton's and ptxas's): contracted or not is the compiler's choice per
     # kernel, and a window's rows must be its one-row launches' bits (test_dense_cuda.py)
     pdl = pdl_kwargs(mixed_qkv.device) | {"enable_fp_fusion": False}
     delta = dict(
-        NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv, ACT=DTYPE_CODE[dtype],
-        ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdk * bdv, 64), **pdl,
+        NK=n_k, R=n_v // n_k, DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=bdv, SLICE=bdv // slices,
+        ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype,
+        num_warps=_warps(bdk * bdv // slices, 32), **pdl,
     )  # fmt: skip
     if trail is not None:
         _delta_conv_window_kernel[(blocks,)](
             mixed_qkv, row[0], conv_state, trail[0], conv_weight, scratch, batch, C=C, K=K, KP2=kp2,
             ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, num_warps=4, **pdl,
         )  # fmt: skip
-        _delta_decode_window_kernel[(Hv,)](
+        _delta_decode_window_kernel[(Hv, slices)](
             scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, trail[1], norm_weight, out,
-            eps, dk**-0.5, batch, **delta,
+            count, eps, dk**-0.5, batch, **delta,
         )  # fmt: skip
         return out
     idx = slots if slots is not None else state  # placeholder when unused (never read)
@@ -478,8 +530,8 @@ def delta_decode(
         mixed_qkv, row[0], conv_state, idx, conv_weight, scratch, C=C, K=K, KP2=kp2,
         ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4, **pdl,
     )  # fmt: skip
-    _delta_decode_kernel[(batch, Hv)](
+    _delta_decode_kernel[(batch, Hv, slices)](
         scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
-        eps, dk**-0.5, SLOTS=slots is not None, **delta,
+        count, eps, dk**-0.5, SLOTS=slots is not None, **delta,
     )  # fmt: skip
     return out

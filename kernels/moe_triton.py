@@ -48,7 +48,7 @@ from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import _accumulate, _pow2_divisor, _scales, _words, step_sum
-from edgerun.kernels.scratch import SCRATCH_SET
+from edgerun.kernels.scratch import counters
 
 INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
@@ -768,43 +768,13 @@ def moe_gemv(
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     _down_kernel[(T * A, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
-        _counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
+        counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
         lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
         BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
         INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
         ACC=expert_range is not None, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-# smaller sets a larger one replaced: graphs captured on them still read them
-_RETIRED: list[torch.Tensor] = []
-COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model at 16 rows a tile
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The down kernel's arrival counters on ``device``: int32, at least ``n``, all 0 between
-    calls (each call's last arrivals reset theirs). Kept for the process, one set a device and
-    scratch set (``kernels/scratch.py``: calls that may overlap on different streams, prompts
-    prefilled in lanes, use sets of their own). Allocated (zeroed) at a set's first
-    call, or when a call needs more, which must not be during graph capture: a captured fill
-    would not have run before the next eager call (the engine's warm-up steps run first). A set
-    that a larger one replaces is kept, never freed: a CUDA graph captured on it (a decode step)
-    reads it at every replay."""
-    key = (device, SCRATCH_SET.get())
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            have = 0 if c is None else c.numel()
-            raise RuntimeError(
-                f"moe_gemv needs {n} arrival counters on {device} and has {have}: call it once "
-                "outside graph capture first (a warm-up of as many tokens)"
-            )
-        if c is not None:
-            _RETIRED.append(c)
-        c = _COUNTERS[key] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
-    return c
 
 
 def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[int, int], x) -> None:

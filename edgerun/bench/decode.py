@@ -236,6 +236,7 @@ def disk_counters(cache) -> tuple[float, int]:
 def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
     """Where a replayed decode step spends its GPU time: kernels per step and the heaviest
     kernels by device time (torch.profiler, CUPTI)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     state = runner.new_state(capacity)
@@ -251,10 +252,17 @@ def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
         if t > 0:
             rows.append((e.key, t / steps, e.count / steps))
     rows.sort(key=lambda r: -r[1])
+    # the last step's kernels in launch order (which projection a GEMV is shows only there)
+    kernels = sorted(
+        (e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    last = kernels[len(kernels) - len(kernels) // steps :]
     return {
         "kernels_per_step": sum(r[2] for r in rows),
         "gpu_us_per_step": sum(r[1] for r in rows),
         "top": [{"kernel": k[:80], "us_per_step": round(t, 1), "per_step": c} for k, t, c in rows[:15]],
+        "last_step": [[e.name[:40], round(e.time_range.elapsed_us(), 2)] for e in last],
     }
 
 

@@ -10,7 +10,14 @@ from hf_fixtures import QWEN3_5_MOE
 
 # the fixture's (GQA, dk 8, dv 12: not powers of two, masked tiles), GQA at power-of-two dims,
 # no GQA with a 3-tap conv (padded taps)
-GEOMETRIES = [DeltaDims(2, 4, 8, 12, 4), DeltaDims(2, 4, 16, 16, 4), DeltaDims(2, 2, 32, 16, 3)]
+# the last: a head's value columns split among 4 programs (dense_triton.delta_slices), its norm
+# by the last to arrive
+GEOMETRIES = [
+    DeltaDims(2, 4, 8, 12, 4),
+    DeltaDims(2, 4, 16, 16, 4),
+    DeltaDims(2, 2, 32, 16, 3),
+    DeltaDims(1, 2, 16, 64, 4),
+]
 REAL = DeltaDims(16, 32, 128, 128, 4)  # Qwen3.6-35B-A3B
 
 

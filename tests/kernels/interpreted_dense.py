@@ -125,7 +125,9 @@ def test_delta_decode_rows_by_slot_are_one_row_calls():
 
 
 # GEOMETRIES[2]: 160 conv channels (two programs of the conv launch), a 3-tap conv, no GQA
-@pytest.mark.parametrize("dims, n", [*((GEOMETRIES[0], n) for n in (1, 2, 3, 5)), (GEOMETRIES[2], 3)])
+@pytest.mark.parametrize(
+    "dims, n", [*((GEOMETRIES[0], n) for n in (1, 2, 3, 5)), (GEOMETRIES[2], 3), (GEOMETRIES[3], 3)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delta_decode_window_is_one_row_calls(dims, dtype, n):
     """A verify window (two launches, each program looping over the rows) is bit for bit n
@@ -183,3 +185,19 @@ def test_unsupported_geometries():
     assert K.unsupported_delta(REAL) is None
     assert "state tile" in K.unsupported_delta(DeltaDims(2, 2, 256, 256, 4))
     assert "taps" in K.unsupported_delta(DeltaDims(2, 2, 16, 16, 1))
+
+
+def test_a_heads_columns_split_among_programs():
+    """Qwen3.6's 32 value heads of 128 columns take 4 programs each (128 a row); a geometry with
+    many heads or narrow ones keeps one a head. After a call of split heads the norms' arrival
+    counters are back at 0 (each last arrival resets its own), ready for the next call."""
+    from edgerun.kernels.scratch import counters
+
+    assert K.delta_slices(REAL.n_v, REAL.dv) == 4
+    assert K.delta_slices(64, 128) == 2 and K.delta_slices(4, 16) == 1 and K.delta_slices(2, 64) == 4
+    dims = GEOMETRIES[3]
+    assert K.delta_slices(dims.n_v, dims.dv) == 4
+    inputs = random_delta_inputs(dims, 2, torch.Generator().manual_seed(3), dtype=torch.bfloat16)
+    ref_in = clone_inputs(inputs)
+    assert_matches(K.delta_decode(**inputs), delta_decode_ref(**ref_in))
+    assert not counters(torch.device("cpu"), 2 * dims.n_v)[: 2 * dims.n_v].any()

@@ -18,7 +18,6 @@ from edgerun.bundle.quant import dequantize_block, rotate_groups
 from edgerun.kernels import moe_triton as K
 from edgerun.kernels.moe_reference import random_pool
 from edgerun.kernels.probe import TOLERANCE
-from edgerun.kernels.scratch import scratch_set
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 
@@ -201,26 +200,3 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     assert int(reads) == far_pairs
     ref = moe_experts_ref(x, near, slots, ids, w, layout, gs, far=FarTier(rows))
     assert torch.equal(ref, moe_experts_ref(x, pool, slots, ids, w, layout, gs))
-
-
-def test_counters_are_kept_and_never_allocated_during_capture(monkeypatch):
-    cpu = torch.device("cpu")
-    c = K._counters(cpu, 10)
-    assert c.dtype == torch.int32 and c.numel() >= 10 and not c.any()
-    assert K._counters(cpu, 5) is c  # one set a device, kept
-    with scratch_set(1):  # a lane's calls (another stream) use a set of their own
-        lane = K._counters(cpu, 5)
-        assert lane is not c and K._counters(cpu, 5) is lane
-    assert K._counters(cpu, 5) is c
-    # a larger need replaces the set, and the old one stays alive (a captured graph reads it)
-    monkeypatch.setitem(K._COUNTERS, (cpu, 0), c)
-    monkeypatch.setattr(K, "_RETIRED", [])
-    bigger = K._counters(cpu, c.numel() + 1)
-    assert bigger is not c and bigger.numel() > c.numel() and not bigger.any()
-    assert K._RETIRED == [c] and K._counters(cpu, 5) is bigger
-    # a fill captured into a graph would not have run before the next eager call: refused
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    gpu = torch.device("cuda", 7)
-    monkeypatch.delitem(K._COUNTERS, (gpu, 0), raising=False)
-    with pytest.raises(RuntimeError, match="outside graph capture"):
-        K._counters(gpu, 10)
