@@ -9,7 +9,10 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   sigmoid; a program per row (3.6 µs on an H200 at E 256, against 21 µs for the torch ops).
   Experts are picked by their logit as stored: softmax is monotone, so this is the reference's
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
-  logits go lowest id first.
+  logits go lowest id first. The softmax denominator and the renormalisation are summed in
+  64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits),
+  which lets the router GEMV route its own logits in its last program with these bits
+  (``qlinear_triton.qgemv``'s ``topk``, ``TopK``: the decode step's router, one launch fewer).
 - ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
   launches, each with a grid axis over rows (a row's programs are the one-row call's, offset to
   its qkv row, position and cache entry). ``_attend_kernel``, a program per (kv head, split): q/k

@@ -23,7 +23,8 @@ bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and on
 subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic: the bits repeat. Each token has accumulators of its own, updated and summed by
+nothing is atomic but ``topk``'s arrival count: the bits repeat. Each token has accumulators of
+its own, updated and summed by
 the operations a one-token call runs, so a token's row is the one-token call's bit for bit
 whatever the call's token count (a batch's step; checked on an H200 at Qwen3.6's shapes for
 N = 1..8, and by the batch's start-up probe on the device it runs on). An earlier tile that held
