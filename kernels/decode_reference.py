@@ -405,6 +405,19 @@ def run_router(inputs: dict, kernel) -> tuple[list[dict], dict]:
     return runs, ref
 
 
+def random_router(
+    E: int, extra: int, D: int, gen: torch.Generator, device, dtype: torch.dtype, unit_offset: bool
+):
+    """A random plain router weight [E + X, D] (logits of normalised rows a few units wide) and a
+    trained-like RMSNorm (weight, eps, unit_offset) of the decoder's kind, as the decode step's
+    router GEMV takes them."""
+    from edgerun.kernels.qlinear_reference import random_norm
+    from edgerun.kernels.qweight import QWeight
+
+    w = QWeight("plain", (torch.randn(E + extra, D, generator=gen, device=device) * 2 * D**-0.5).to(dtype))
+    return w, random_norm("unit" if unit_offset else "plain", D, gen, device, dtype)
+
+
 def run_fused_router(
     args, n: int, gen: torch.Generator, device, dtype: torch.dtype
 ) -> tuple[list[dict], dict]:
@@ -415,16 +428,14 @@ def run_fused_router(
     by construction: each run's weights and ids are ``router_topk``'s bits on its logits, and the
     arrival counter is back at 0. The logits, a GEMV like the others, within ``TOLERANCE``."""
     from edgerun.kernels.decode_triton import TopK, router_topk
-    from edgerun.kernels.qlinear_reference import qlinear_ref, random_norm
+    from edgerun.kernels.qlinear_reference import qlinear_ref
     from edgerun.kernels.qlinear_triton import qgemv
-    from edgerun.kernels.qweight import QWeight
 
     E, A, D = args.num_experts, args.num_experts_per_tok, args.hidden_size
     extra = 1 if getattr(args, "shared_expert_intermediate_size", 0) > 0 else 0
     what = f"qgemv's router top-k (E {E}, X {extra}, D {D}, k {A}, {n} rows)"
-    w = QWeight("plain", (torch.randn(E + extra, D, generator=gen, device=device) * 2 * D**-0.5).to(dtype))
+    w, norm = random_router(E, extra, D, gen, device, dtype, args.norm_unit_offset)
     x = (torch.randn(n, D, generator=gen, device=device) * 3).to(dtype)
-    norm = random_norm("unit" if args.norm_unit_offset else "plain", D, gen, device, dtype)
     count = torch.zeros(1, dtype=torch.int32, device=device)
     runs = []
     for _ in range(2):

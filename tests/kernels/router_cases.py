@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from edgerun.kernels.decode_reference import random_router
 from edgerun.kernels.decode_triton import TopK, router_topk
-from edgerun.kernels.qlinear_reference import random_norm
 from edgerun.kernels.qlinear_triton import qgemv
-from edgerun.kernels.qweight import QWeight
 
 
-def router(E: int, extra: int, D: int, dtype, seed: int, device="cpu") -> tuple[QWeight, tuple]:
-    """A random plain router weight [E + extra, D] (logits a few units wide) and a unit-offset
-    RMSNorm, as the decode step's router GEMV takes them."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    w = QWeight("plain", (torch.randn(E + extra, D, generator=g, device=device) * 2 * D**-0.5).to(dtype))
-    return w, random_norm("unit", D, g, device, dtype)
+def router(E: int, extra: int, D: int, dtype, seed: int, device="cpu") -> tuple:
+    """``random_router`` with a unit-offset norm (Qwen3.5's), from ``seed``."""
+    return random_router(E, extra, D, torch.Generator(device=device).manual_seed(seed), device, dtype, True)
 
 
 def both_ways(w, norm, x, E: int, A: int, normalize: bool, count: torch.Tensor, **kw) -> tuple[tuple, tuple]:
