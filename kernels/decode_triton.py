@@ -9,7 +9,10 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   sigmoid; a program per row (3.6 µs on an H200 at E 256, against 21 µs for the torch ops).
   Experts are picked by their logit as stored: softmax is monotone, so this is the reference's
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
-  logits go lowest id first.
+  logits go lowest id first. The softmax denominator and the renormalisation are summed in
+  64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits),
+  which lets the router GEMV route its own logits in its last program with these bits
+  (``qlinear_triton.qgemv``'s ``topk``, ``TopK``: the decode step's router, one launch fewer).
 - ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
   launches, each with a grid axis over rows (a row's programs are the one-row call's, offset to
   its qkv row, position and cache entry). ``_attend_kernel``, a program per (kv head, split): q/k
@@ -69,6 +72,55 @@ LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 
 
 @triton.jit
+def _fixed_sum(v):
+    """The sum of fp32 v [BLOCK] (values in [0, 1], at most MAX_EXPERTS of them) in 64-bit fixed
+    point, units of 2^-52: integer adds are exact, so the result is the same whatever order the
+    compiled reduction takes (it follows the layout, so the warp count: ``_route_row`` runs in
+    kernels of other warp counts). Each term is truncated by under 2^-52, the total (< 2^62)
+    rounded to fp32 once."""
+    q = (v * 4503599627370496.0).to(tl.int64)  # 2^52: exact, then truncated
+    return tl.sum(q, axis=0).to(tl.float32) * 2.220446049250313e-16  # 2^-52: exact
+
+
+@triton.jit
+def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
+               HAS_GATE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+    """Row n of logits [N, E + X] to weights / ids [N, A] (and the gate [N, 1]): ``router_topk``'s
+    program, and ``qgemv``'s last program for each row of its call (``route``), so both give the
+    same bits: max and min are exact and the sums ``_fixed_sum``'s, so no value depends on the
+    kernel's warps. Loads bypass L1 (.cg): in the GEMV, other programs stored the row."""
+    n = n.to(tl.int64)
+    row = logits + n * row_stride
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    x = tl.load(row + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    m = tl.max(x, axis=0)
+    total = _fixed_sum(tl.where(valid, tl.exp(x - m), 0.0))
+
+    j = tl.arange(0, BLOCK_K)
+    top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
+    free = valid
+    for i in tl.static_range(K):  # k passes of argmax: largest logit, lowest id among equals
+        key = tl.where(free, x, float("-inf"))
+        best = tl.max(key, axis=0)
+        pick = tl.min(tl.where(free & (key == best), e, BLOCK_E), axis=0)
+        free = free & (e != pick)
+        top_x = tl.where(j == i, best, top_x)
+        top_id = tl.where(j == i, pick, top_id)
+    top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
+    if NORMALIZE:
+        top = top / _fixed_sum(tl.where(j < K, top, 0.0))
+    out = n * K + j
+    tl.store(weights + out, _round(top, CODE).to(weights.dtype.element_ty), mask=j < K)
+    tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
+    if HAS_GATE:
+        g = tl.load(row + E, cache_modifier=".cg").to(tl.float32)
+        tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
+
+
+@triton.jit
 def _router_kernel(
     logits,
     weights,
@@ -85,34 +137,8 @@ def _router_kernel(
     PDL: tl.constexpr,
 ):
     _grid_sync(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    row = logits + n * row_stride
-    e = tl.arange(0, BLOCK_E)
-    valid = e < E
-    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    total = tl.sum(tl.where(valid, tl.exp(x - m), 0.0), axis=0)
-
-    j = tl.arange(0, BLOCK_K)
-    top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
-    free = valid
-    for i in tl.static_range(K):  # k passes of argmax: largest logit, lowest id among equals
-        key = tl.where(free, x, float("-inf"))
-        best = tl.max(key, axis=0)
-        pick = tl.min(tl.where(free & (key == best), e, BLOCK_E), axis=0)
-        free = free & (e != pick)
-        top_x = tl.where(j == i, best, top_x)
-        top_id = tl.where(j == i, pick, top_id)
-    top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
-    if NORMALIZE:
-        top = top / tl.sum(tl.where(j < K, top, 0.0), axis=0)
-    out = n * K + j
-    tl.store(weights + out, _round(top, CODE).to(weights.dtype.element_ty), mask=j < K)
-    tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
-    if HAS_GATE:
-        g = tl.load(row + E).to(tl.float32)
-        tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
+    _route_row(logits, row_stride, tl.program_id(0), weights, ids, gate, E, K, BLOCK_E, BLOCK_K, NORMALIZE,
+               HAS_GATE, CODE)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,6 +384,60 @@ def unsupported_attention(n_heads: int, n_kv: int, head_dim: int, rotary_dim: in
     return None
 
 
+@dataclass(frozen=True)
+class TopK:
+    """What ``qlinear_triton.qgemv`` (``topk``) routes from the logits it computes, in the same
+    launch: the program that stores the call's last logits computes ``router_topk``'s weights
+    [N, A] and ids [N, A] int64 of every row (no gate: the shared expert reads its logit).
+    ``count``: an int32 arrival counter of the caller's, 0 between calls (each call's last
+    program resets it); calls that may overlap (other streams) need counters of their own."""
+
+    num_experts: int
+    top_k: int
+    normalize: bool
+    weights: torch.Tensor
+    ids: torch.Tensor
+    count: torch.Tensor
+
+    def check(self, n: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Errors name the tensor, for logits [n, width] of ``dtype`` on ``device``."""
+        _check_route(
+            "qgemv's topk", n, width, dtype, device, self.num_experts, self.top_k, self.weights, self.ids
+        )
+        c = self.count
+        if c.dtype != torch.int32 or c.numel() < 1 or c.device != device:
+            raise ValueError(f"topk count must be an int32 counter on {device}, got {c.dtype} {list(c.shape)} on {c.device}")  # fmt: skip
+
+    def kwargs(self) -> dict:
+        """The GEMV kernel's top-k constexprs."""
+        return dict(
+            TOPK=True, TOPK_E=self.num_experts, TOPK_K=self.top_k,
+            TOPK_BLOCK_E=triton.next_power_of_2(self.num_experts),
+            TOPK_BLOCK_K=triton.next_power_of_2(self.top_k), TOPK_NORMALIZE=self.normalize,
+        )  # fmt: skip
+
+
+def _check_route(
+    what, n, width, dtype, device, num_experts, top_k, weights_out, ids_out, gate_out=None
+) -> None:
+    """The router's checks, for logits [n, width] of ``dtype`` on ``device``: errors name the tensor."""
+    why = unsupported_router(num_experts, top_k)
+    if why:
+        raise ValueError(f"{what} cannot run: {why}")
+    if dtype not in DTYPE_CODE:
+        raise ValueError(f"logits must be one of {list(DTYPE_CODE)}, got {dtype}")
+    need = num_experts + (gate_out is not None)
+    if width < need:
+        raise ValueError(f"logits has {width} columns, needs {need} ({num_experts} experts, gate: {gate_out is not None})")  # fmt: skip
+    expected = {
+        "weights_out": (weights_out, (n, top_k), (dtype,)),
+        "ids_out": (ids_out, (n, top_k), (torch.int64,)),
+    }
+    if gate_out is not None:
+        expected["gate_out"] = (gate_out, (n, 1), (dtype,))
+    _check(expected, device)
+
+
 def router_topk(
     logits: torch.Tensor,
     num_experts: int,
@@ -370,25 +450,13 @@ def router_topk(
     """``router_topk_ref`` in one launch. logits [N, E + X] (rows may be strided, columns
     contiguous) in the model dtype; writes weights_out [N, A] (model dtype), ids_out [N, A]
     int64 and, if given, gate_out [N, 1] = sigmoid(logits[:, E]) (needs X >= 1)."""
-    why = unsupported_router(num_experts, top_k)
-    if why:
-        raise ValueError(f"router_topk cannot run: {why}")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, E + X] with contiguous rows, got {list(logits.shape)}")
     N, width = logits.shape
     dtype = logits.dtype
-    if dtype not in DTYPE_CODE:
-        raise ValueError(f"logits must be one of {list(DTYPE_CODE)}, got {dtype}")
-    need = num_experts + (gate_out is not None)
-    if width < need:
-        raise ValueError(f"logits has {width} columns, needs {need} ({num_experts} experts, gate: {gate_out is not None})")  # fmt: skip
-    expected = {
-        "weights_out": (weights_out, (N, top_k), (dtype,)),
-        "ids_out": (ids_out, (N, top_k), (torch.int64,)),
-    }
-    if gate_out is not None:
-        expected["gate_out"] = (gate_out, (N, 1), (dtype,))
-    _check(expected, logits.device)
+    _check_route(
+        "router_topk", N, width, dtype, logits.device, num_experts, top_k, weights_out, ids_out, gate_out
+    )
     if N:
         block = triton.next_power_of_2(num_experts)
         _router_kernel[(N,)](

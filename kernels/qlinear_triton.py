@@ -23,7 +23,8 @@ bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and on
 subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic: the bits repeat. Each token has accumulators of its own, updated and summed by
+nothing is atomic but ``topk``'s arrival count: the bits repeat. Each token has accumulators of
+its own, updated and summed by
 the operations a one-token call runs, so a token's row is the one-token call's bit for bit
 whatever the call's token count (a batch's step; checked on an H200 at Qwen3.6's shapes for
 N = 1..8, and by the batch's start-up probe on the device it runs on). An earlier tile that held
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3, _field
+from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qweight import SCHEMES, QWeight
@@ -53,6 +55,8 @@ EPILOGUE_CODE = {"none": 0, "silu_mul": 1, "residual": 2, "gated": 3}
 PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the weight
 MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better tool
 SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
+# the kernel's top-k constexprs when it routes nothing (``TopK.kwargs`` when it does)
+NO_TOPK = dict(TOPK=False, TOPK_E=1, TOPK_K=1, TOPK_BLOCK_E=1, TOPK_BLOCK_K=1, TOPK_NORMALIZE=False)
 
 
 @dataclass(frozen=True)
@@ -424,6 +428,15 @@ def _qgemv_kernel(
     BLOCK_C: tl.constexpr,
     NO_BLOCK: tl.constexpr,
     ROLLED: tl.constexpr,
+    topk_w,
+    topk_ids,
+    topk_count,
+    TOPK: tl.constexpr,
+    TOPK_E: tl.constexpr,
+    TOPK_K: tl.constexpr,
+    TOPK_BLOCK_E: tl.constexpr,
+    TOPK_BLOCK_K: tl.constexpr,
+    TOPK_NORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -433,7 +446,9 @@ def _qgemv_kernel(
     rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py.
     NT: the rows of x this program computes (its tokens), N: NT rounded up to a power of two
     (the compiled token slots). Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
-    program p of the one-row call on row j, its pointers offset to that row."""
+    program p of the one-row call on row j, its pointers offset to that row. TOPK: the program
+    that arrives last at ``topk_count`` (every program's logits stored) routes each row of the
+    call from them, as ``router_topk`` does (``decode_triton._route_row``), and resets it."""
     j = tl.program_id(1)
     x += j * x_row
     out += j * out_row
@@ -453,6 +468,16 @@ def _qgemv_kernel(
     )  # fmt: skip
     _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED, HAS_BIAS,
             EPILOGUE, CODE)  # fmt: skip
+    if TOPK:
+        tl.debug_barrier()  # every thread's logits stored before the arrival is released
+        last = tl.num_programs(0) * tl.num_programs(1) - 1
+        if tl.atomic_add(topk_count, 1, sem="acq_rel") == last:
+            n = 0
+            while n < NT * tl.num_programs(1):  # the call's rows (alone: NT is 1); a while: interpretable
+                _route_row(out - j * out_row, out_row, n, topk_w, topk_ids, topk_w, TOPK_E, TOPK_K, TOPK_BLOCK_E,
+                           TOPK_BLOCK_K, TOPK_NORMALIZE, False, CODE)  # fmt: skip
+                n += 1
+            tl.store(topk_count, 0)  # ready for the next call
 
 
 # --------------------------------------------------------------------------------------------
@@ -567,6 +592,7 @@ def qgemv(
     norm_out: torch.Tensor | None = None,
     alone: bool = False,
     rolled: bool | None = None,
+    topk: TopK | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
@@ -580,10 +606,20 @@ def qgemv(
 
     ``norm`` (weight [C] in x's dtype, eps, unit_offset): x is RMS-normalised on the way in, as
     ``rms_norm_ref`` would (one launch fewer than a separate norm); ``norm_out`` [N, C] then also
-    receives the normalised x."""
+    receives the normalised x.
+
+    ``topk`` (the output being a router's logits, epilogue none): its weights and ids are also
+    written, by the launch's last program, the bits ``router_topk`` gives on the output (one
+    launch fewer a MoE layer)."""
     width = _check(x, w, bias, epilogue, out, gate)
     N, C = x.shape
     _check_norm(x, norm, norm_out)
+    if topk is not None:
+        if epilogue != "none":
+            raise ValueError(
+                f"qgemv's topk routes a router's logits: epilogue must be 'none', got {epilogue!r}"
+            )
+        topk.check(N, width, x.dtype, x.device)
     if out is None:
         out = torch.empty(N, width, dtype=x.dtype, device=x.device)
     if N == 0:
@@ -607,9 +643,15 @@ def qgemv(
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
-        num_warps=cfg.num_warps, **pdl_kwargs(x.device),
+        **_topk_args(topk, x), num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+def _topk_args(topk: TopK | None, x: torch.Tensor) -> dict:
+    if topk is None:  # placeholder pointers, never read
+        return dict(topk_w=x, topk_ids=x, topk_count=x, **NO_TOPK)
+    return dict(topk_w=topk.weights, topk_ids=topk.ids, topk_count=topk.count, **topk.kwargs())
 
 
 def _check_norm(x: torch.Tensor, norm, norm_out: torch.Tensor | None) -> None:

@@ -368,13 +368,14 @@ class DecodeGraphs:
             mlp(self.x, "residual", self.x, norm=norm)
             return
         buf = self.moe[i]
-        logits = mlp.gate.logits(self.x, norm=norm, norm_out=self.h)  # the MLP's input lands in h
-        mlp.gate.select(logits, out=(buf.weights, buf.ids), fused=self.static.fused)
+        fused = self.static.fused  # the top-k in the router GEMV's launch, where it runs on qgemv
+        # the MLP's input lands in h
+        logits = mlp.gate.route(self.x, (buf.weights, buf.ids), fused, norm, norm_out=self.h)
         mlp.shared_output(self.h, logits, out=self.shared)
         if i in self.predict:  # the next layer's router on this residual stream (see __init__)
             nxt = self.layers[self.predict[i]]
-            guess = nxt.mlp.gate.logits(self.x, norm=nxt.post_attention_layernorm)
-            nxt.mlp.gate.select(guess, out=(buf.predicted_weights, buf.predicted), fused=self.static.fused)
+            guess = (buf.predicted_weights, buf.predicted)
+            nxt.mlp.gate.route(self.x, guess, fused, nxt.post_attention_layernorm)
 
     def _into(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The expert step's result goes into the residual stream, with the shared expert's."""

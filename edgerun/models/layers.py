@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
 from edgerun.kernels.scratch import SCRATCH_SET
 from edgerun.models.args import ModelArgs
+
+if TYPE_CHECKING:
+    from edgerun.kernels.decode_triton import TopK
 
 # set within a speculative verify window or a batch's step (``exact_rows``): every row computed
 # as a one-row step
@@ -183,16 +187,19 @@ class QLinear(nn.Module):
         gate: torch.Tensor | None = None,
         norm: RMSNorm | None = None,
         norm_out: torch.Tensor | None = None,
+        topk: TopK | None = None,
     ) -> torch.Tensor:
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
-        written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``."""
+        written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``.
+        ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
+        the output, in the GEMV's launch."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         exact, draft = EXACT_ROWS.get(), DRAFT_ROWS.get()
-        # within exact_rows every row count a GEMV takes runs it, its rows in one pass where
-        # ``shared_rows`` was probed equal to the rows alone, else each row by programs of its
-        # own (``qgemv``'s alone): a row's bits are then the one-row call's, whatever the call.
-        # The MTP head's rows (draft_rows) take the same choice, for speed alone.
-        limit = MAX_GEMV_ROWS if exact or draft else GEMV_ROWS[self.scheme]
+        limit = self._gemv_limit()
+        if topk is not None and not self.takes_qgemv(x):
+            raise ValueError(
+                f"{self.extra_repr()}: topk runs in qgemv, which this input {list(x.shape)} does not take"
+            )
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
@@ -227,6 +234,7 @@ class QLinear(nn.Module):
                 norm=nrm,
                 norm_out=norm_out,
                 alone=(exact or draft) and not self.shared_rows,
+                topk=topk,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
@@ -251,6 +259,18 @@ class QLinear(nn.Module):
         lead = x.shape[:-1]
         flat = self._reference(x.reshape(-1, x.shape[-1]), w, epilogue, None, gate, None, None, matmul)
         return flat.reshape(*lead, flat.shape[-1])
+
+    def _gemv_limit(self) -> int:
+        """The most rows a GEMV takes here. Within exact_rows every row count a GEMV takes runs it,
+        its rows in one pass where ``shared_rows`` was probed equal to the rows alone, else each
+        row by programs of its own (``qgemv``'s alone): a row's bits are then the one-row call's,
+        whatever the call. The MTP head's rows (draft_rows) take the same choice, for speed alone."""
+        return MAX_GEMV_ROWS if EXACT_ROWS.get() or DRAFT_ROWS.get() else GEMV_ROWS[self.scheme]
+
+    def takes_qgemv(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs x (without leading dims) on ``qgemv``: the Triton GEMV,
+        not the tensor-core one nor torch."""
+        return self.gemv and self.planes is None and x.dim() == 2 and x.shape[0] <= self._gemv_limit()
 
     def _planes_count(self) -> torch.Tensor:
         """The tensor-core GEMV's arrival counters of this context's scratch set: calls on a
@@ -842,6 +862,9 @@ class Router(nn.Module):
         self.num_experts = args.num_experts
         self.top_k = args.num_experts_per_tok
         self.normalize = args.norm_topk_prob
+        # :meth:`route`'s arrival counters, by (device, scratch set): calls on a prefill lane's
+        # stream may overlap the main stream's (kernels/scratch.py)
+        self.counts: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def fuse(self, extra: nn.Module | None = None) -> None:
         self.proj = QLinear.concat(
@@ -882,12 +905,49 @@ class Router(nn.Module):
             return out
         return weights, ids
 
+    def route(
+        self,
+        x: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
+        fused: bool,
+        norm: RMSNorm | None = None,
+        norm_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits.
+        ``fused`` where the projection runs on ``qgemv``: one launch, the GEMV's last program
+        routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls."""
+        if not (fused and self.proj.takes_qgemv(x)):
+            logits = self.logits(x, norm, norm_out)
+            self.select(logits, out, fused)
+            return logits
+        from edgerun.kernels.decode_triton import TopK
+
+        topk = TopK(self.num_experts, self.top_k, self.normalize, *out, self._count(x.device))
+        return self.proj(x, norm=norm, norm_out=norm_out, topk=topk)
+
+    def _count(self, device: torch.device) -> torch.Tensor:
+        """This context's arrival counter of :meth:`route` (its scratch set's), allocated (zeroed)
+        at its first call, which must not be during graph capture (a captured fill would not
+        have run before the next eager call; the engine's warm-up steps run first)."""
+        key = (device, SCRATCH_SET.get())
+        if key not in self.counts:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"the router's top-k counter of scratch set {key[1]} on {device} is first needed "
+                    "during graph capture; run the step once outside capture first"
+                )
+            self.counts[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self.counts[key]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
         (their extra columns feed the shared expert's gate). Where the engine selected the
-        Triton kernels (the projection's ``gemv``), the top-k is the decode step's one launch."""
-        logits = self.logits(x)
-        return (*self.select(logits, fused=self.proj.gemv and logits.is_cuda), logits)
+        Triton kernels (the projection's ``gemv``), the top-k is in the GEMV's launch, or the
+        step's one launch after it."""
+        N = x.shape[0]
+        out = (x.new_empty(N, self.top_k), torch.empty(N, self.top_k, dtype=torch.long, device=x.device))
+        logits = self.route(x, out, fused=self.proj.gemv and x.is_cuda)
+        return (*out, logits)
 
 
 class Experts(nn.Module):

@@ -21,11 +21,15 @@ are):
   tie test checks the lower-id rule directly.
 """
 
+import dataclasses
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
-from test_decode_reference import qwen3_30b_args, qwen36_args
+from router_cases import both_ways, router
+from test_decode_reference import qwen3_30b_args, qwen36_args, tiny_args
+from torch import nn
 
 from edgerun.kernels import decode_triton as K
 from edgerun.kernels.decode_reference import (
@@ -42,11 +46,14 @@ from edgerun.kernels.decode_reference import (
     run_router,
     window_mismatch,
 )
+from edgerun.kernels.decode_triton import TopK
+from edgerun.kernels.qlinear_triton import GemvConfig, qgemv
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 TOL = {**TOLERANCE, torch.float32: 1e-5}
 WEIGHT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 DTYPES = [torch.float32, torch.bfloat16]
+FEW_ROWS = GemvConfig(block_r=2, row_bytes=64, num_warps=4)  # a program per 2 of the router's rows
 
 
 def mostly_equal(got: torch.Tensor, ref: torch.Tensor, share: float) -> None:
@@ -278,3 +285,108 @@ def test_unsupported_geometries():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_probe_cases_pass_at_the_real_geometries(args, dtype):
     assert probe_cases(args(), torch.device("cpu"), dtype) < TOL[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# The router GEMV's own top-k (qgemv's topk)
+
+
+@pytest.mark.parametrize("alone", [False, True])
+@pytest.mark.parametrize("N", [1, 3, 5])
+@pytest.mark.parametrize("E, extra, A, normalize", [(24, 1, 3, True), (16, 0, 2, False)])
+@pytest.mark.parametrize("config", [None, FEW_ROWS], ids=["default", "2-rows"])
+def test_gemv_topk_is_gemv_then_router_topk(config, E, extra, A, normalize, N, alone):
+    """Bit for bit the two launches, whatever the rows and programs. The outputs start as NaN and
+    the programs run in order here: routing in any program but the last (13 of them with
+    FEW_ROWS) would read logits not yet stored; a counter not reset would route nothing on the
+    next call."""
+    w, norm = router(E, extra, 64, torch.bfloat16, seed=E + N)
+    x = (torch.randn(N, 64, generator=torch.Generator().manual_seed(N)) * 3).bfloat16()
+    count = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):  # the second call finds the counter as the first left it
+        one, two = both_ways(w, norm, x, E, A, normalize, count, config=config, alone=alone)
+        for a, b in zip(one, two, strict=True):
+            assert torch.equal(a, b)
+        assert int(count) == 0
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_gemv_topk_routes_in_the_last_program_alone(alone, monkeypatch):
+    """Once a row, by the program that arrives last (the interpreter runs them in order, so the
+    last of the grid): a program that routed and reset the counter before the others arrived
+    would leave right bits here, every program routing in turn, and race on a GPU."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    from edgerun.kernels import qlinear_triton as Q
+
+    calls = []
+
+    def recording(*args):
+        calls.append(tuple(interpreter_builder.grid_idx[:2]))
+        return K._route_row(*args)
+
+    monkeypatch.setattr(Q, "_route_row", recording)
+    w, norm = router(24, 1, 64, torch.bfloat16, seed=1)
+    x = (torch.randn(3, 64) * 3).bfloat16()
+    one, two = both_ways(
+        w, norm, x, 24, 3, True, torch.zeros(1, dtype=torch.int32), config=FEW_ROWS, alone=alone
+    )
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert calls == [(12, 2 if alone else 0)] * 3  # 13 programs of 2 rows for 25 logits (x 3 rows alone)
+
+
+def test_gemv_topk_refusals_name_the_tensor():
+    w, norm = router(16, 1, 64, torch.bfloat16, seed=0)
+    x = torch.randn(2, 64).bfloat16()
+    weights, ids = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4, dtype=torch.long)
+    good = TopK(16, 4, True, weights, ids, torch.zeros(1, dtype=torch.int32))
+    bad = {
+        "count": dataclasses.replace(good, count=torch.zeros(1, dtype=torch.int64)),
+        "weights_out": dataclasses.replace(good, weights=weights[:1]),
+        "ids_out": dataclasses.replace(good, ids=ids.int()),
+        "needs 20": dataclasses.replace(good, num_experts=20),
+    }
+    for name, topk in bad.items():
+        with pytest.raises(ValueError, match=name):
+            qgemv(x, w, norm=norm, topk=topk)
+    with pytest.raises(ValueError, match="epilogue must be 'none'"):
+        qgemv(x, w, epilogue="residual", out=torch.zeros(2, 17, dtype=torch.bfloat16), topk=good)
+
+
+def test_router_route_is_logits_then_select():
+    """``Router.route`` on qgemv (one launch) is :meth:`logits` then :meth:`select` (fused), its
+    counter one per scratch set; without ``fused``, or on more rows than a plain GEMV takes
+    (outside exact_rows), it is the two calls, as before."""
+    from edgerun.kernels.scratch import scratch_set
+    from edgerun.models.layers import RMSNorm, Router, exact_rows
+
+    args = tiny_args("qwen3_5_moe")
+    torch.manual_seed(0)
+    r = Router(args)
+    with torch.no_grad():
+        r.weight.normal_(0, 1)
+    r.fuse(nn.Linear(args.hidden_size, 1, bias=False))
+    r.proj.gemv = True
+    norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
+    A = args.num_experts_per_tok
+
+    def outs(n):
+        return torch.full((n, A), float("nan")), torch.full((n, A), -1, dtype=torch.long)
+
+    for n, rows, fused in [(2, nullcontext, True), (3, exact_rows, True), (3, nullcontext, True), (2, nullcontext, False)]:  # fmt: skip
+        x = torch.randn(n, args.hidden_size)
+        with rows():
+            one, two, normed, normed_apart = outs(n), outs(n), torch.empty_like(x), torch.empty_like(x)
+            logits = r.route(x, one, fused, norm, normed)
+            want = r.logits(x, norm, normed_apart)
+            r.select(want, two, fused)
+        assert torch.equal(logits, want) and torch.equal(normed, normed_apart)
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert list(r.counts) == [(torch.device("cpu"), 0)]  # the folded calls' counter
+    with scratch_set(1):
+        r.route(torch.randn(1, args.hidden_size), outs(1), True, norm)
+    assert len(r.counts) == 2 and all(int(c) == 0 for c in r.counts.values())
+    r.proj.gemv = False  # torch's GEMM: topk cannot ride along
+    with pytest.raises(ValueError, match="topk runs in qgemv"):
+        x = torch.randn(1, args.hidden_size)
+        r.proj(x, topk=TopK(args.num_experts, A, True, *outs(1), r.counts[torch.device("cpu"), 0]))
