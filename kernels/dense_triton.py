@@ -178,8 +178,8 @@ def _delta_rule(
         tl.debug_barrier()  # every thread's columns stored before the arrival is released
         if tl.atomic_add(count + h, 1, sem="acq_rel") == BLOCK_DV // SLICE - 1:
             every = tl.arange(0, BLOCK_DV)
-            o = tl.load(out + h * DV + every, mask=every < DV, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _gated_norm(o, every, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
+            head = tl.load(out + h * DV + every, mask=every < DV, other=0.0, cache_modifier=".cg")
+            _gated_norm(head.to(tl.float32), every, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
             tl.store(count + h, 0)  # ready for the next row and call
     return S
 

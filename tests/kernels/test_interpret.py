@@ -35,6 +35,7 @@ FLAGS = {
     "G",
     "FAR",
     "SLOTS",
+    "SLICE",  # the DeltaNet step's: a head's columns in one program, or split (its norm by the last)
 }  # constexprs that pick code paths, not sizes
 
 
