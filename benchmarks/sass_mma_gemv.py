@@ -121,7 +121,14 @@ def main() -> None:
     block_k = cfg.row_bytes * 2  # qgemv's step for int4: row_bytes of each row, two values a byte
     for n in (1, 2, 4, 8):
         const = COMMON | dict(
-            N=n, BLOCK_R=cfg.block_r, BLOCK_K=block_k, SUM=32, BLOCK_C=C, ROLLED=False, **K.NO_TOPK
+            N=n,
+            BLOCK_R=cfg.block_r,
+            BLOCK_K=block_k,
+            SUM=32,
+            BLOCK_C=C,
+            ROLLED=False,
+            **K.NO_TOPK,
+            **K.NO_ALSO,
         )  # unrolled: static count = dynamic
         name = f"qgemv N={n} r{cfg.block_r} w{cfg.num_warps}"
         report(name, sass_ops(K._qgemv_kernel, const, cfg.num_warps), cfg.block_r, cfg.num_warps)

@@ -206,7 +206,7 @@ def _qgemv_mma_kernel(
 ):
     """``_qgemv_kernel``'s arguments (kernels/qlinear_triton.py), less the token constexprs: NT
     (the call's rows, <= 16) is a runtime value, so every row count runs this one kernel."""
-    ocol, wrow = _tile_rows(ROWS, EPILOGUE, BLOCK_R)
+    ocol, wrow = _tile_rows(tl.program_id(0), ROWS, EPILOGUE, BLOCK_R)
     wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
     scale0 = wd0
     if GROUPED:

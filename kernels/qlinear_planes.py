@@ -228,7 +228,7 @@ def _planes_kernel(
     W: tl.constexpr = G  # columns of a plane: one scale group
     STEP: tl.constexpr = 4 * G
     SPAN: tl.constexpr = C // SPLIT
-    ocol, wrow = _tile_rows(ROWS, EPILOGUE, BLOCK_R)
+    ocol, wrow = _tile_rows(tl.program_id(0), ROWS, EPILOGUE, BLOCK_R)
     k_lo = tl.program_id(1) * SPAN
     n = tl.arange(0, 16)
     live = n < NT
@@ -242,7 +242,9 @@ def _planes_kernel(
     _grid_sync(PDL)
     if NORM_OUT:
         if tl.program_id(1) == 0:  # the first column part of each tile
-            _store_normed(x, x_row, norm_w, norm_out, eps, NT, 16, C, NO_BLOCK, BLOCK_C, NORM, CODE)
+            _store_normed(
+                tl.program_id(0), x, x_row, norm_w, norm_out, eps, NT, 16, C, NO_BLOCK, BLOCK_C, NORM, CODE
+            )
     inv = tl.zeros([16], dtype=tl.float32)
     if NORM:
         for m in tl.static_range(16):

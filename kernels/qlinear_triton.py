@@ -57,6 +57,10 @@ MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better t
 SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
 # the kernel's top-k constexprs when it routes nothing (``TopK.kwargs`` when it does)
 NO_TOPK = dict(TOPK=False, TOPK_E=1, TOPK_K=1, TOPK_BLOCK_E=1, TOPK_BLOCK_K=1, TOPK_NORMALIZE=False)
+# its constexprs for a second GEMV when it runs none (``also``)
+NO_ALSO = dict(
+    TWO=False, QUANT2=0, G2=1, GROUPED2=False, ROW_SCALED2=False, EPILOGUE2=0, BLOCK_R2=2, BLOCK_K2=1, SUM2=1
+)
 
 
 @dataclass(frozen=True)
@@ -175,12 +179,12 @@ def _inv_rms(x, x_row, n, NT, eps, C: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _store_normed(x, x_row, norm_w, norm_out, eps, NT, N: tl.constexpr, C: tl.constexpr, NO_BLOCK: tl.constexpr,
+def _store_normed(p, x, x_row, norm_w, norm_out, eps, NT, N: tl.constexpr, C: tl.constexpr, NO_BLOCK: tl.constexpr,
                   BLOCK_C: tl.constexpr, NORM: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
-    """Columns [p NO_BLOCK, (p + 1) NO_BLOCK) of the RMS-normalised rows of x (program p, grid
-    axis 0) into ``norm_out`` [NT, C], for the layer's other consumers: each of the NT rows (of
+    """Columns [p NO_BLOCK, (p + 1) NO_BLOCK) of the RMS-normalised rows of x (program p of the
+    call's, along grid axis 0) into ``norm_out`` [NT, C], for the layer's other consumers: each of the NT rows (of
     at most N) by ``_inv_rms`` and ``_normed``, so its bits do not depend on the other rows."""
-    c = tl.program_id(0) * NO_BLOCK + tl.arange(0, NO_BLOCK)
+    c = p * NO_BLOCK + tl.arange(0, NO_BLOCK)
     cm = c < C
     wn = tl.load(norm_w + c, mask=cm, other=0.0).to(tl.float32)
     for n in tl.static_range(N):
@@ -349,17 +353,18 @@ def _accumulate(
 
 
 @triton.jit
-def _tile_rows(ROWS, EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(output columns [OUT_R], weight rows [BLOCK_R] int64) of the tile of program p (grid axis 0): BLOCK_R rows
-    (silu_mul: row i is the gate row (i even) or the up row (odd) of output column i // 2, so
-    OUT_R = BLOCK_R / 2). Rows past ROWS are clamped to the last (loads stay unmasked)."""
+def _tile_rows(p, ROWS, EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(output columns [OUT_R], weight rows [BLOCK_R] int64) of the tile of program p (of the
+    call's programs along grid axis 0): BLOCK_R rows (silu_mul: row i is the gate row (i even)
+    or the up row (odd) of output column i // 2, so OUT_R = BLOCK_R / 2). Rows past ROWS are
+    clamped to the last (loads stay unmasked)."""
     i = tl.arange(0, BLOCK_R)
     if EPILOGUE == 1:
         OUT_R: tl.constexpr = BLOCK_R // 2
-        ocol = tl.program_id(0) * OUT_R + tl.arange(0, OUT_R)
-        wrow = tl.minimum(tl.program_id(0) * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
+        ocol = p * OUT_R + tl.arange(0, OUT_R)
+        wrow = tl.minimum(p * OUT_R + i // 2, ROWS - 1) + (i % 2) * ROWS
     else:
-        ocol = tl.program_id(0) * BLOCK_R + i
+        ocol = p * BLOCK_R + i
         wrow = tl.minimum(ocol, ROWS - 1)
     return ocol, wrow.to(tl.int64)  # 64-bit: row offsets pass 2^31 bytes in large weights
 
@@ -391,6 +396,31 @@ def _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, 
 
 # --------------------------------------------------------------------------------------------
 # Kernel
+
+
+@triton.jit
+def _gemv_program(p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps, ROWS, x_row, out_row, gate_row,
+                  zero, NT, N: tl.constexpr, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+                  GROUPED: tl.constexpr, ROW_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                  CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
+                  NORM: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_C: tl.constexpr, NO_BLOCK: tl.constexpr,
+                  ROLLED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Program p of one GEMV's tiles (``_qgemv_kernel``'s docstring), its pointers already at its
+    row of the call."""
+    ocol, wrow = _tile_rows(p, ROWS, EPILOGUE, BLOCK_R)
+    wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
+    scale0 = wd0
+    if GROUPED:
+        scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
+    _grid_sync(PDL)
+    if NORM_OUT:
+        _store_normed(p, x, x_row, norm_w, norm_out, eps, NT, N, C, NO_BLOCK, BLOCK_C, NORM, CODE)
+    y = _accumulate(
+        x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
+        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
+    )  # fmt: skip
+    _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED, HAS_BIAS,
+            EPILOGUE, CODE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see _field), whatever Triton specializes
@@ -437,6 +467,22 @@ def _qgemv_kernel(
     TOPK_BLOCK_E: tl.constexpr,
     TOPK_BLOCK_K: tl.constexpr,
     TOPK_NORMALIZE: tl.constexpr,
+    w2,
+    s2,
+    row_scale2,
+    out2,
+    ROWS2,
+    out2_row,
+    progs,
+    TWO: tl.constexpr,
+    QUANT2: tl.constexpr,
+    G2: tl.constexpr,
+    GROUPED2: tl.constexpr,
+    ROW_SCALED2: tl.constexpr,
+    EPILOGUE2: tl.constexpr,
+    BLOCK_R2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    SUM2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -448,36 +494,40 @@ def _qgemv_kernel(
     (the compiled token slots). Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
     program p of the one-row call on row j, its pointers offset to that row. TOPK: the program
     that arrives last at ``topk_count`` (every program's logits stored) routes each row of the
-    call from them, as ``router_topk`` does (``decode_triton._route_row``), and resets it."""
+    call from them, as ``router_topk`` does (``decode_triton._route_row``), and resets it.
+
+    TWO: programs ``progs`` and on are a second GEMV's on the same x and norm (``qgemv``'s
+    ``also``: weight w2, its constexprs the ...2 ones, no bias, gate, norm_out nor top-k, into
+    out2): each of its programs is the one that GEMV's own launch would run, so its bits are
+    that launch's; one launch instead of two."""
     j = tl.program_id(1)
     x += j * x_row
     out += j * out_row
     gate += j * gate_row
     norm_out += j * C
-    ocol, wrow = _tile_rows(ROWS, EPILOGUE, BLOCK_R)
-    wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
-    scale0 = wd0
-    if GROUPED:
-        scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
-    _grid_sync(PDL)
-    if NORM_OUT:
-        _store_normed(x, x_row, norm_w, norm_out, eps, NT, N, C, NO_BLOCK, BLOCK_C, NORM, CODE)
-    y = _accumulate(
-        x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
-        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
-    )  # fmt: skip
-    _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED, HAS_BIAS,
-            EPILOGUE, CODE)  # fmt: skip
-    if TOPK:
-        tl.debug_barrier()  # every thread's logits stored before the arrival is released
-        last = tl.num_programs(0) * tl.num_programs(1) - 1
-        if tl.atomic_add(topk_count, 1, sem="acq_rel") == last:
-            n = 0
-            while n < NT * tl.num_programs(1):  # the call's rows (alone: NT is 1); a while: interpretable
-                _route_row(out - j * out_row, out_row, n, topk_w, topk_ids, topk_w, TOPK_E, TOPK_K, TOPK_BLOCK_E,
-                           TOPK_BLOCK_K, TOPK_NORMALIZE, False, CODE)  # fmt: skip
-                n += 1
-            tl.store(topk_count, 0)  # ready for the next call
+    p = tl.program_id(0)
+    if TWO and p >= progs:
+        _gemv_program(
+            p - progs, x, w2, s2, row_scale2, x, x, out2 + j * out2_row, norm_w, norm_out, eps, ROWS2, x_row,
+            out2_row, 0, zero, NT, N, C, QUANT2, G2, GROUPED2, ROW_SCALED2, False, EPILOGUE2, CODE, BLOCK_R2, BLOCK_K2, SUM2,
+            NORM, False, BLOCK_C, NO_BLOCK, ROLLED, PDL,
+        )  # fmt: skip
+    else:
+        _gemv_program(
+            p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps, ROWS, x_row, out_row, gate_row, zero, NT,
+            N, C, QUANT, G, GROUPED, ROW_SCALED, HAS_BIAS, EPILOGUE, CODE, BLOCK_R, BLOCK_K, SUM, NORM, NORM_OUT,
+            BLOCK_C, NO_BLOCK, ROLLED, PDL,
+        )  # fmt: skip
+        if TOPK:
+            tl.debug_barrier()  # every thread's logits stored before the arrival is released
+            last = (progs if TWO else tl.num_programs(0)) * tl.num_programs(1) - 1
+            if tl.atomic_add(topk_count, 1, sem="acq_rel") == last:
+                n = 0
+                while n < NT * tl.num_programs(1):  # the call's rows (alone: NT is 1); a while: interpretable
+                    _route_row(out - j * out_row, out_row, n, topk_w, topk_ids, topk_w, TOPK_E, TOPK_K,
+                               TOPK_BLOCK_E, TOPK_BLOCK_K, TOPK_NORMALIZE, False, CODE)  # fmt: skip
+                    n += 1
+                tl.store(topk_count, 0)  # ready for the next call
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,6 +643,7 @@ def qgemv(
     alone: bool = False,
     rolled: bool | None = None,
     topk: TopK | None = None,
+    also: tuple[QWeight, str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
@@ -610,10 +661,15 @@ def qgemv(
 
     ``topk`` (the output being a router's logits, epilogue none): its weights and ids are also
     written, by the launch's last program, the bits ``router_topk`` gives on the output (one
-    launch fewer a MoE layer)."""
+    launch fewer a MoE layer).
+
+    ``also`` (w2, epilogue2 'none' or 'silu_mul', out2): a second GEMV of the same x (and norm)
+    in the same launch, into out2, where ``pairs(w, w2, C)``: its programs are those its own
+    call would run (the same tile, so the same bits), after this one's."""
     width = _check(x, w, bias, epilogue, out, gate)
     N, C = x.shape
     _check_norm(x, norm, norm_out)
+    pair = _check_also(x, w, also, alone, config, rolled) if also is not None else None
     if topk is not None:
         if epilogue != "none":
             raise ValueError(
@@ -627,7 +683,8 @@ def qgemv(
     cfg = config or gemv_config(w.scheme, w.rows, C)
     block_k, sub, grouped = _tile(w, cfg)
     block_r = cfg.block_r
-    grid = (triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r), N if alone else 1)
+    progs = triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r)
+    grid = (progs + (pair["progs2"] if pair else 0), N if alone else 1)
     n = 1 if alone else N
     _qgemv_kernel[grid](
         x, w.weight, w.scales if w.scales is not None else x,
@@ -641,11 +698,54 @@ def qgemv(
         HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
         BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
-        BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, grid[0])),
+        BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, progs)),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
-        **_topk_args(topk, x), num_warps=cfg.num_warps, **pdl_kwargs(x.device),
+        **_topk_args(topk, x), **(pair["args"] if pair else _no_also(x)), progs=progs,
+        num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+def pairs(w: QWeight, w2: QWeight, cols: int) -> bool:
+    """Whether ``qgemv`` can run w2 in w's launch (``also``): both weights take it and their
+    tiles run the same warps (a launch has one warp count, and a tile's bits follow it)."""
+    if unsupported(w) or unsupported(w2) or w.cols != cols or w2.cols != cols:
+        return False
+    return gemv_config(w.scheme, w.rows, cols).num_warps == gemv_config(w2.scheme, w2.rows, cols).num_warps
+
+
+def _check_also(x, w, also, alone, config, rolled) -> dict:
+    """The second GEMV's kernel arguments; errors name what does not fit."""
+    w2, epilogue2, out2 = also
+    N, C = x.shape
+    if N != 1 or alone or config is not None or rolled is not None:
+        raise ValueError("qgemv's also takes one row of x, on the default tiles")
+    if epilogue2 not in ("none", "silu_mul"):
+        raise ValueError(f"qgemv's also: epilogue must be 'none' or 'silu_mul', got {epilogue2!r}")
+    width2 = _check(x, w2, None, epilogue2, out2, None)
+    if out2 is None:
+        raise ValueError(f"qgemv's also needs out2 [{N}, {width2}]")
+    if not pairs(w, w2, C):
+        raise ValueError(f"qgemv's also: {w2.scheme} [{w2.rows}, {w2.cols}] does not pair with {w.scheme} [{w.rows}, {w.cols}] (pairs())")  # fmt: skip
+    cfg2 = gemv_config(w2.scheme, w2.rows, C)
+    block_k2, sub2, grouped2 = _tile(w2, cfg2)
+    args = dict(
+        w2=w2.weight, s2=w2.scales if w2.scales is not None else x,
+        row_scale2=w2.row_scale if w2.row_scale is not None else (w2.scales if w2.scheme == "int8" else x),
+        out2=out2, ROWS2=width2, out2_row=out2.stride(0), QUANT2=QUANT_CODE[w2.scheme], G2=w2.group,
+        GROUPED2=grouped2, ROW_SCALED2=w2.scheme == "int4" or (w2.scheme == "int8" and not grouped2),
+        EPILOGUE2=EPILOGUE_CODE[epilogue2], BLOCK_R2=cfg2.block_r, BLOCK_K2=block_k2, SUM2=sub2,
+        TWO=True,
+    )  # fmt: skip
+    return {
+        "progs2": triton.cdiv(width2, cfg2.block_r // 2 if epilogue2 == "silu_mul" else cfg2.block_r),
+        "args": args,
+    }
+
+
+def _no_also(x: torch.Tensor) -> dict:
+    """The second GEMV's arguments when there is none: placeholders, never read."""
+    return dict(w2=x, s2=x, row_scale2=x, out2=x, ROWS2=0, out2_row=0, **NO_ALSO)
 
 
 def _topk_args(topk: TopK | None, x: torch.Tensor) -> dict:

@@ -368,10 +368,8 @@ class DecodeGraphs:
             mlp(self.x, "residual", self.x, norm=norm)
             return
         buf = self.moe[i]
-        fused = self.static.fused  # the top-k in the router GEMV's launch, where it runs on qgemv
-        # the MLP's input lands in h
-        logits = mlp.gate.route(self.x, (buf.weights, buf.ids), fused, norm, norm_out=self.h)
-        mlp.shared_output(self.h, logits, out=self.shared)
+        fused = self.static.fused  # the top-k (and shared gate_up) in the router GEMV's launch
+        mlp.route_shared(self.x, (buf.weights, buf.ids), fused, norm, self.h, self.shared)  # MLP input in h
         if i in self.predict:  # the next layer's router on this residual stream (see __init__)
             nxt = self.layers[self.predict[i]]
             guess = (buf.predicted_weights, buf.predicted)

@@ -188,11 +188,14 @@ class QLinear(nn.Module):
         norm: RMSNorm | None = None,
         norm_out: torch.Tensor | None = None,
         topk: TopK | None = None,
+        also: tuple[QLinear, str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``.
         ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
-        the output, in the GEMV's launch."""
+        the output, in the GEMV's launch. ``also`` (other, its epilogue, its out; where
+        :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
+        its bits those of its own."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         exact, draft = EXACT_ROWS.get(), DRAFT_ROWS.get()
         limit = self._gemv_limit()
@@ -200,6 +203,8 @@ class QLinear(nn.Module):
             raise ValueError(
                 f"{self.extra_repr()}: topk runs in qgemv, which this input {list(x.shape)} does not take"
             )
+        if also is not None and not self.pairs_with(also[0], x):
+            raise ValueError(f"{self.extra_repr()} and {also[0].extra_repr()} do not run in one launch here")
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
@@ -233,8 +238,9 @@ class QLinear(nn.Module):
                 gate,
                 norm=nrm,
                 norm_out=norm_out,
-                alone=(exact or draft) and not self.shared_rows,
+                alone=(exact or draft) and not self.shared_rows and also is None,  # also: one row
                 topk=topk,
+                also=None if also is None else (also[0].qweight(), also[1], also[2]),
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
@@ -266,6 +272,15 @@ class QLinear(nn.Module):
         row by programs of its own (``qgemv``'s alone): a row's bits are then the one-row call's,
         whatever the call. The MTP head's rows (draft_rows) take the same choice, for speed alone."""
         return MAX_GEMV_ROWS if EXACT_ROWS.get() or DRAFT_ROWS.get() else GEMV_ROWS[self.scheme]
+
+    def pairs_with(self, other: QLinear, x: torch.Tensor) -> bool:
+        """Whether ``other`` can run in this projection's launch on x (``forward``'s ``also``):
+        one row, both on ``qgemv``, tiles of one warp count (``qlinear_triton.pairs``)."""
+        if x.dim() != 2 or x.shape[0] != 1 or not (self.takes_qgemv(x) and other.takes_qgemv(x)):
+            return False
+        from edgerun.kernels.qlinear_triton import pairs
+
+        return pairs(self.qweight(), other.qweight(), x.shape[1])
 
     def takes_qgemv(self, x: torch.Tensor) -> bool:
         """Whether :meth:`forward` runs x (without leading dims) on ``qgemv``: the Triton GEMV,
@@ -912,18 +927,23 @@ class Router(nn.Module):
         fused: bool,
         norm: RMSNorm | None = None,
         norm_out: torch.Tensor | None = None,
+        also: tuple[QLinear, str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits.
         ``fused`` where the projection runs on ``qgemv``: one launch, the GEMV's last program
-        routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls."""
+        routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls.
+        ``also``: another projection of the normalised x in the same launch (QLinear's), where
+        fused and it pairs; else the caller runs it."""
         if not (fused and self.proj.takes_qgemv(x)):
+            if also is not None:
+                raise ValueError("Router.route runs another projection in its launch only where fused")
             logits = self.logits(x, norm, norm_out)
             self.select(logits, out, fused)
             return logits
         from edgerun.kernels.decode_triton import TopK
 
         topk = TopK(self.num_experts, self.top_k, self.normalize, *out, self._count(x.device))
-        return self.proj(x, norm=norm, norm_out=norm_out, topk=topk)
+        return self.proj(x, norm=norm, norm_out=norm_out, topk=topk, also=also)
 
     def _count(self, device: torch.device) -> torch.Tensor:
         """This context's arrival counter of :meth:`route` (its scratch set's), allocated (zeroed)
@@ -1027,6 +1047,32 @@ class SparseMoe(nn.Module):
         if not self.has_shared:
             return None
         return self.shared_expert(x, "gated", out, logits[:, self.gate.num_experts :])
+
+    def route_shared(
+        self,
+        x: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
+        fused: bool,
+        norm: RMSNorm,
+        h: torch.Tensor,
+        shared: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decode step's router and shared expert on norm(x), x [N, D]: the router into
+        ``out`` (weights, ids) as :meth:`Router.route` (the normalised x into ``h``), the gated
+        shared expert into ``shared`` (when the layer has one) as :meth:`shared_output`; returns
+        the logits. With the fused kernels and one row, the shared expert's gate_up runs in the
+        router's launch (``QLinear.pairs_with``: its programs normalise x themselves, its bits
+        those of its own launch on h): two launches for the router, its top-k and the shared
+        expert, not three."""
+        gate_up = self.shared_expert.gate_up if self.has_shared else None
+        if gate_up is None or not (fused and self.gate.proj.pairs_with(gate_up, x)):
+            logits = self.gate.route(x, out, fused, norm, norm_out=h)
+            self.shared_output(h, logits, out=shared)
+            return logits
+        mid = x.new_empty(x.shape[0], gate_up.out_features // 2)
+        logits = self.gate.route(x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid))
+        self.shared_expert.down_proj(mid, "gated", shared, logits[:, self.gate.num_experts :])
+        return logits
 
     @staticmethod
     def combine(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

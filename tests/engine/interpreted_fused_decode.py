@@ -56,20 +56,24 @@ def sources(tmp_path_factory):
     return out
 
 
-def decode(runner: Runner, policy: Resolved, monkeypatch) -> tuple[list[int], list[torch.Tensor], int]:
-    """Greedy tokens, each step's logits, and how many projections the decode steps ran through
-    the torch reference (an exact dequantization then F.linear) instead of the GEMV."""
-    from edgerun.kernels import qlinear_reference
+def decode(runner: Runner, policy: Resolved, monkeypatch) -> tuple[list[int], list[torch.Tensor], int, int]:
+    """Greedy tokens, each step's logits, how many projections the decode steps ran through the
+    torch reference (an exact dequantization then F.linear) instead of the GEMV, and how many
+    GEMV launches ran a second projection in theirs (``qgemv``'s also)."""
+    from edgerun.kernels import qlinear_reference, qlinear_triton
 
     runner.model.use_kernels(policy.dense == "triton")
     runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 16)
     state = runner.decoder.reset()
-    tokens, logits, ref_calls = [], [], []
-    ref = qlinear_reference.qlinear_ref
+    tokens, logits, ref_calls, paired = [], [], [], []
+    ref, gemv = qlinear_reference.qlinear_ref, qlinear_triton.qgemv
     with torch.no_grad():
         token = int(runner.prefill(state, PROMPT).argmax())
         monkeypatch.setattr(
             qlinear_reference, "qlinear_ref", lambda *a, **k: ref_calls.append(1) or ref(*a, **k)
+        )
+        monkeypatch.setattr(
+            qlinear_triton, "qgemv", lambda *a, **k: paired.append(k.get("also") is not None) or gemv(*a, **k)
         )
         for _ in range(STEPS):
             tokens.append(token)
@@ -77,7 +81,8 @@ def decode(runner: Runner, policy: Resolved, monkeypatch) -> tuple[list[int], li
             logits.append(step)
             token = int(step.argmax())
         monkeypatch.setattr(qlinear_reference, "qlinear_ref", ref)
-    return tokens, logits, len(ref_calls)
+        monkeypatch.setattr(qlinear_triton, "qgemv", gemv)
+    return tokens, logits, len(ref_calls), sum(paired)
 
 
 # each scheme once (the interpreter is slow): plain, int8 per group and int4, both architectures
@@ -92,13 +97,15 @@ def test_fused_decode_step_matches_torch(sources, tmp_path, arch, dense, monkeyp
         bundle, device="cpu", dtype=torch.float32, cache=CacheConfig(64)
     )  # every expert held
     assert all(runner.cache.slot_table(layer) is not None for layer in runner.args.moe_layers)
-    want_tokens, want, torch_calls = decode(
+    want_tokens, want, torch_calls, _ = decode(
         runner, Resolved(MoeKernelPolicy(), graphs=False, dense="torch"), monkeypatch
     )
     assert torch_calls > 0  # the count sees the reference when it runs
     fused = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
-    got_tokens, got, fused_ref_calls = decode(runner, fused, monkeypatch)
+    got_tokens, got, fused_ref_calls, paired = decode(runner, fused, monkeypatch)
     assert fused_ref_calls == 0  # every projection of a fused decode step ran the GEMV
+    # Qwen3.5's shared expert: its gate_up in each MoE layer's router launch, every step
+    assert paired == (STEPS * len(runner.args.moe_layers) if arch == "qwen3_5_moe" else 0)
     assert runner.decoder.modes and set(runner.decoder.modes.values()) == {"table"}
     assert got_tokens == want_tokens
     for g, w in zip(got, want):

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from router_cases import both_ways, router
+from router_cases import both_ways, router, with_shared
 from test_decode_reference import qwen3_30b_args, qwen36_args, tiny_args
 from torch import nn
 
@@ -47,7 +47,8 @@ from edgerun.kernels.decode_reference import (
     window_mismatch,
 )
 from edgerun.kernels.decode_triton import TopK
-from edgerun.kernels.qlinear_triton import GemvConfig, qgemv
+from edgerun.kernels.qlinear_reference import random_qweight
+from edgerun.kernels.qlinear_triton import GemvConfig, pairs, qgemv
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 TOL = {**TOLERANCE, torch.float32: 1e-5}
@@ -390,3 +391,39 @@ def test_router_route_is_logits_then_select():
     with pytest.raises(ValueError, match="topk runs in qgemv"):
         x = torch.randn(1, args.hidden_size)
         r.proj(x, topk=TopK(args.num_experts, A, True, *outs(1), r.counts[torch.device("cpu"), 0]))
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
+def test_gemv_with_a_second_weight_is_each_ones_launch(scheme):
+    """The router GEMV with the shared expert's gate_up in its launch (``also``, the decode
+    step's): logits, top-k, the normalised x it stores and the gate_up's SiLU(gate) * up (its
+    programs normalising x themselves) each bit for bit the launch it replaces, over two calls
+    (the top-k counter counts the router's programs alone, and is back at 0)."""
+    E, extra, A, D, inter = 24, 1, 3, 64, 40
+    w, norm = router(E, extra, D, torch.bfloat16, seed=5)
+    shared = random_qweight(scheme, 2 * inter, D, 16, torch.Generator().manual_seed(6), dtype=torch.bfloat16)
+    assert pairs(w, shared, D)
+    count = torch.zeros(1, dtype=torch.int32)
+    for seed in (1, 2):
+        x = (torch.randn(1, D, generator=torch.Generator().manual_seed(seed)) * 3).bfloat16()
+        one, two = with_shared(w, norm, shared, x, E, A, count)
+        for a, b in zip(one, two, strict=True):
+            assert torch.equal(a, b)
+        assert int(count) == 0
+
+
+def test_gemv_second_weight_refusals():
+    """What the paired launch does not take is refused, named: more than one row, an epilogue
+    other than none / silu_mul, a weight whose tile runs other warps (a launch has one count)."""
+    E, D = 16, 64
+    w, norm = router(E, 0, D, torch.bfloat16, seed=1)
+    shared = random_qweight("int4", 32, D, 16, torch.Generator().manual_seed(2), dtype=torch.bfloat16)
+    x = torch.randn(2, D).bfloat16()
+    with pytest.raises(ValueError, match="one row"):
+        qgemv(x, w, also=(shared, "silu_mul", torch.empty(2, 16, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="epilogue"):
+        qgemv(x[:1], w, also=(shared, "residual", torch.empty(1, 32, dtype=torch.bfloat16)))
+    many = random_qweight("int4", 8448, D, 16, torch.Generator().manual_seed(3), dtype=torch.bfloat16)
+    assert not pairs(w, many, D)  # MANY's int4 tile runs 2 warps, the router's plain tile 4
+    with pytest.raises(ValueError, match="does not pair"):
+        qgemv(x[:1], w, also=(many, "none", torch.empty(1, 8448, dtype=torch.bfloat16)))
