@@ -11,7 +11,7 @@ rows past pos never read: they hold NaN).
 
 import pytest
 import torch
-from router_cases import both_ways, router
+from router_cases import both_ways, router, with_shared
 from test_decode_reference import qwen3_30b_args, qwen36_args
 
 from edgerun.kernels.decode_reference import (
@@ -151,6 +151,26 @@ def test_router_gemv_topk_is_gemv_then_router_topk(E, extra, N, alone):
         x = (torch.randn(N, 2048, generator=gen(i), device="cuda") * 3).bfloat16()
         one, two = both_ways(w, norm, x, E, 8, True, count, alone=alone)
         for name, a, b in zip(("logits", "weights", "ids"), one, two, strict=True):
+            assert torch.equal(a, b), (i, name)
+        assert int(count) == 0
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
+def test_router_gemv_with_the_shared_gate_up_is_each_ones_launch(scheme):
+    """Qwen3.6's router (257 x 2048, plain, its top-k) with the shared expert's gate_up (1024 x
+    2048) in its launch: logits, weights, ids, the normalised x and SiLU(gate) * up each bit for
+    bit the launch it replaces, the gate_up's programs normalising x themselves."""
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_triton import pairs
+
+    w, norm = router(256, 1, 2048, torch.bfloat16, seed=3, device="cuda")
+    shared = random_qweight(scheme, 1024, 2048, 32, gen(4), "cuda", torch.bfloat16)
+    assert pairs(w, shared, 2048)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for i in range(3):
+        x = (torch.randn(1, 2048, generator=gen(30 + i), device="cuda") * 3).bfloat16()
+        one, two = with_shared(w, norm, shared, x, 256, 8, count)
+        for name, a, b in zip(("logits", "weights", "ids", "h", "mid"), one, two, strict=True):
             assert torch.equal(a, b), (i, name)
         assert int(count) == 0
 
