@@ -187,14 +187,10 @@ def test_router_gemv_topk_graph_replay_equals_eager():
     def step():
         qgemv(x, w, out=logits, norm=norm, topk=topk)
 
-    side = torch.cuda.Stream()  # compile outside the capture, on a side stream (torch's recipe)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    from edgerun.engine.graphs import capture_graph, run_on_side_stream
+
+    run_on_side_stream(step, x.device)  # compiles outside the capture, as the engine does
+    graph = capture_graph(step, x.device)
     for i in range(4):
         x.copy_(torch.randn(1, 2048, generator=gen(20 + i), device="cuda") * 3)
         graph.replay()
