@@ -23,7 +23,7 @@ from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
 from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
-from edgerun.kernels.scratch import SCRATCH_SET
+from edgerun.kernels.scratch import SCRATCH_SET, counters
 from edgerun.models.args import ModelArgs
 
 if TYPE_CHECKING:
@@ -877,9 +877,6 @@ class Router(nn.Module):
         self.num_experts = args.num_experts
         self.top_k = args.num_experts_per_tok
         self.normalize = args.norm_topk_prob
-        # :meth:`route`'s arrival counters, by (device, scratch set): calls on a prefill lane's
-        # stream may overlap the main stream's (kernels/scratch.py)
-        self.counts: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def fuse(self, extra: nn.Module | None = None) -> None:
         self.proj = QLinear.concat(
@@ -942,22 +939,11 @@ class Router(nn.Module):
             return logits
         from edgerun.kernels.decode_triton import TopK
 
-        topk = TopK(self.num_experts, self.top_k, self.normalize, *out, self._count(x.device))
+        # the arrival counter: the scratch set's first (kernels/scratch.py: a lane's calls use
+        # their own; in one stream each kernel leaves its counters at 0 before the next starts)
+        count = counters(x.device, 1)[:1]
+        topk = TopK(self.num_experts, self.top_k, self.normalize, *out, count)
         return self.proj(x, norm=norm, norm_out=norm_out, topk=topk, also=also)
-
-    def _count(self, device: torch.device) -> torch.Tensor:
-        """This context's arrival counter of :meth:`route` (its scratch set's), allocated (zeroed)
-        at its first call, which must not be during graph capture (a captured fill would not
-        have run before the next eager call; the engine's warm-up steps run first)."""
-        key = (device, SCRATCH_SET.get())
-        if key not in self.counts:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"the router's top-k counter of scratch set {key[1]} on {device} is first needed "
-                    "during graph capture; run the step once outside capture first"
-                )
-            self.counts[key] = torch.zeros(1, dtype=torch.int32, device=device)
-        return self.counts[key]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]

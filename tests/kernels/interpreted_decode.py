@@ -358,7 +358,7 @@ def test_router_route_is_logits_then_select():
     """``Router.route`` on qgemv (one launch) is :meth:`logits` then :meth:`select` (fused), its
     counter one per scratch set; without ``fused``, or on more rows than a plain GEMV takes
     (outside exact_rows), it is the two calls, as before."""
-    from edgerun.kernels.scratch import scratch_set
+    from edgerun.kernels.scratch import counters, scratch_set
     from edgerun.models.layers import RMSNorm, Router, exact_rows
 
     args = tiny_args("qwen3_5_moe")
@@ -383,14 +383,17 @@ def test_router_route_is_logits_then_select():
             r.select(want, two, fused)
         assert torch.equal(logits, want) and torch.equal(normed, normed_apart)
         assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
-    assert list(r.counts) == [(torch.device("cpu"), 0)]  # the folded calls' counter
-    with scratch_set(1):
+    cpu = torch.device("cpu")
+    main = counters(cpu, 1)
+    assert int(main[0]) == 0  # the folded calls' counter (the scratch set's first), back at 0
+    with scratch_set(1):  # a lane's calls: a counter of their own, also left at 0
+        assert counters(cpu, 1) is not main
         r.route(torch.randn(1, args.hidden_size), outs(1), True, norm)
-    assert len(r.counts) == 2 and all(int(c) == 0 for c in r.counts.values())
+        assert int(counters(cpu, 1)[0]) == 0
     r.proj.gemv = False  # torch's GEMM: topk cannot ride along
     with pytest.raises(ValueError, match="topk runs in qgemv"):
         x = torch.randn(1, args.hidden_size)
-        r.proj(x, topk=TopK(args.num_experts, A, True, *outs(1), r.counts[torch.device("cpu"), 0]))
+        r.proj(x, topk=TopK(args.num_experts, A, True, *outs(1), counters(cpu, 1)[:1]))
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
