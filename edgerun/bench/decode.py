@@ -612,4 +612,11 @@ def markdown(result: dict) -> str:
                 + " |"
             )
     lines += [f"\n{r['config']}: {r['planned']}" for r in result["configs"] if r.get("planned")]
+    lines += [
+        f"\n{r['config']}: {p['kernels_per_step']:.0f} kernels a step, {p['gpu_us_per_step']:,.0f} GPU us a step "
+        "(torch.profiler over replayed steps; with programmatic dependent launch a kernel's time includes its "
+        "wait for the one before)"
+        for r in result["configs"]
+        if (p := r.get("profile"))
+    ]
     return "\n".join(lines) + "\n"
