@@ -681,22 +681,16 @@ def qgemv(
     if N == 0:
         return out
     cfg = config or gemv_config(w.scheme, w.rows, C)
-    block_k, sub, grouped = _tile(w, cfg)
-    block_r = cfg.block_r
-    progs = triton.cdiv(width, block_r // 2 if epilogue == "silu_mul" else block_r)
+    progs, (wt, st, rs), tile = _weight_args(w, x, epilogue, width, cfg)
     grid = (progs + (pair["progs2"] if pair else 0), N if alone else 1)
     n = 1 if alone else N
     _qgemv_kernel[grid](
-        x, w.weight, w.scales if w.scales is not None else x,
-        w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
-        bias if bias is not None else x, gate if gate is not None else x, out,
+        x, wt, st, rs, bias if bias is not None else x, gate if gate is not None else x, out,
         norm[0] if norm is not None else x, norm_out if norm_out is not None else x,
         norm[1] if norm is not None else 0.0,
         width, x.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, 0, n,
-        N=triton.next_power_of_2(n), C=C, QUANT=QUANT_CODE[w.scheme], G=w.group,
-        GROUPED=grouped, ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped),
-        HAS_BIAS=bias is not None, EPILOGUE=EPILOGUE_CODE[epilogue], CODE=DTYPE_CODE[x.dtype],
-        BLOCK_R=block_r, BLOCK_K=block_k, SUM=sub,
+        N=triton.next_power_of_2(n), C=C, **tile,
+        HAS_BIAS=bias is not None, CODE=DTYPE_CODE[x.dtype],
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, progs)),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
@@ -727,20 +721,27 @@ def _check_also(x, w, also, alone, config, rolled) -> dict:
         raise ValueError(f"qgemv's also needs out2 [{N}, {width2}]")
     if not pairs(w, w2, C):
         raise ValueError(f"qgemv's also: {w2.scheme} [{w2.rows}, {w2.cols}] does not pair with {w.scheme} [{w.rows}, {w.cols}] (pairs())")  # fmt: skip
-    cfg2 = gemv_config(w2.scheme, w2.rows, C)
-    block_k2, sub2, grouped2 = _tile(w2, cfg2)
-    args = dict(
-        w2=w2.weight, s2=w2.scales if w2.scales is not None else x,
-        row_scale2=w2.row_scale if w2.row_scale is not None else (w2.scales if w2.scheme == "int8" else x),
-        out2=out2, ROWS2=width2, out2_row=out2.stride(0), QUANT2=QUANT_CODE[w2.scheme], G2=w2.group,
-        GROUPED2=grouped2, ROW_SCALED2=w2.scheme == "int4" or (w2.scheme == "int8" and not grouped2),
-        EPILOGUE2=EPILOGUE_CODE[epilogue2], BLOCK_R2=cfg2.block_r, BLOCK_K2=block_k2, SUM2=sub2,
-        TWO=True,
+    progs2, (wt, st, rs), tile = _weight_args(w2, x, epilogue2, width2, gemv_config(w2.scheme, w2.rows, C))
+    args = dict(w2=wt, s2=st, row_scale2=rs, out2=out2, ROWS2=width2, out2_row=out2.stride(0), TWO=True)
+    return {"progs2": progs2, "args": args | {f"{k}2": v for k, v in tile.items()}}
+
+
+def _weight_args(w: QWeight, x: torch.Tensor, epilogue: str, width: int, cfg: GemvConfig) -> tuple:
+    """A weight's part of a ``_qgemv_kernel`` launch on its tile ``cfg``: (its programs, (weight,
+    scales, row scale) with x as the placeholder of what it has not, its constexprs by their
+    first GEMV's names: QUANT, G, GROUPED, ROW_SCALED, EPILOGUE, BLOCK_R, BLOCK_K, SUM)."""
+    block_k, sub, grouped = _tile(w, cfg)
+    tensors = (
+        w.weight,
+        w.scales if w.scales is not None else x,
+        w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
+    )
+    tile = dict(
+        QUANT=QUANT_CODE[w.scheme], G=w.group, GROUPED=grouped,
+        ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped), EPILOGUE=EPILOGUE_CODE[epilogue],
+        BLOCK_R=cfg.block_r, BLOCK_K=block_k, SUM=sub,
     )  # fmt: skip
-    return {
-        "progs2": triton.cdiv(width2, cfg2.block_r // 2 if epilogue2 == "silu_mul" else cfg2.block_r),
-        "args": args,
-    }
+    return triton.cdiv(width, cfg.block_r // 2 if epilogue == "silu_mul" else cfg.block_r), tensors, tile
 
 
 def _no_also(x: torch.Tensor) -> dict:
