@@ -129,6 +129,7 @@ def main() -> None:
             ROLLED=False,
             **K.NO_TOPK,
             **K.NO_ALSO,
+            **K.NO_CONV,
         )  # unrolled: static count = dynamic
         name = f"qgemv N={n} r{cfg.block_r} w{cfg.num_warps}"
         report(name, sass_ops(K._qgemv_kernel, const, cfg.num_warps), cfg.block_r, cfg.num_warps)

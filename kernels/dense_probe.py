@@ -147,10 +147,52 @@ def run_cases(args, device: torch.device, dtype: torch.dtype, gemv=()) -> float:
         if not all(torch.equal(r["conv_state"], ref["conv_state"]) for r in runs):
             raise Refused("delta_decode: the conv state differs from the reference's")
     if gemv:
-        worst = max(worst, gemv_cases(list(gemv), device, dtype), decode_cases(args, device, dtype))
+        plain = [c for c in gemv if c[4] != "conv"]
+        worst = max(worst, gemv_cases(plain, device, dtype), decode_cases(args, device, dtype))
+        if _has_delta(args):
+            conv_fold_cases([c for c in gemv if c[4] == "conv"], args, device, dtype, gen)
         if getattr(args, "vocab_size", 0) > 0:
             greedy_cases(args.vocab_size, device, dtype, gen)
     return worst
+
+
+def conv_fold_cases(cases: list[tuple], args, device: torch.device, dtype: torch.dtype, gen) -> int:
+    """A DeltaNet layer's one-row step with its conv in the in_proj GEMV's launch (``qgemv``'s
+    ``conv``, for each case (scheme, rows, cols, group, "conv", norm kind) the model's in_proj
+    folds: ``folds_conv``), then ``delta_decode`` on its ``act``, against the same step with the
+    conv in a launch of its own: the projection, the output and both states equal bit for bit,
+    and again on a second run (every act value reaches the output or the recurrent state, so
+    a conv that differs shows). Refused names the case. Returns how many cases folded."""
+    from edgerun.kernels import dense_triton as K
+    from edgerun.kernels.qlinear_reference import random_norm, random_qweight
+    from edgerun.kernels.qlinear_triton import folds_conv, qgemv
+
+    dims = DeltaDims.from_args(args)
+    folded = 0
+    for scheme, rows, cols, group, _, kind in cases:
+        what = f"qgemv {scheme} [{rows}, {cols}] group {group} with the DeltaNet conv in its launch"
+        w = random_qweight(scheme, rows, cols, group, gen, device, dtype)
+        if not folds_conv(w, cols, dims.conv_dim):
+            continue  # the step runs the conv in its own launch, probed with delta_decode
+        norm = random_norm(kind, cols, gen, device, dtype)
+        x = (torch.randn(1, cols, generator=gen, device=device) * 3).to(dtype)
+        inputs = random_delta_inputs(dims, 1, gen, device, dtype, args.rms_norm_eps)
+        split = [dims.conv_dim, dims.value_dim, dims.n_v, rows - dims.conv_dim - dims.value_dim - dims.n_v]
+        runs = []
+        for fold in (False, True, True):
+            r = clone_inputs(inputs)
+            act = torch.empty(1, dims.conv_dim, dtype=torch.float32, device=device) if fold else None
+            y = qgemv(x, w, norm=norm, conv=(r["conv_state"], r["conv_weight"], act) if fold else None)
+            qkv, z, b, a = y.split(split, dim=-1)
+            a = a[:, : dims.n_v]
+            out = K.delta_decode(**{**r, "mixed_qkv": qkv, "z": z, "a": a, "b": b}, act=act)
+            runs.append((y, out, r["state"], r["conv_state"]))
+        for run, (other, how) in enumerate(((runs[0], "the conv's own launch"), (runs[1], "the first run"))):
+            for name, got, want in zip(("projection", "output", "state", "conv state"), runs[run + 1], other):
+                if not torch.equal(got, want):
+                    raise Refused(f"{what}: the {name} differs from {how}'s")
+        folded += 1
+    return folded
 
 
 def greedy_cases(vocab: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:

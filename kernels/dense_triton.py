@@ -15,7 +15,9 @@ Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv ch
   value head left most SMs idle, and one per key head more so). With ``trail``, a verify window: N
   consecutive tokens of one sequence in the same two launches, each program stepping the rows in
   order (the per-row arithmetic the one-row kernels' own helpers), so each row, and the states
-  it leaves in the trail, are the one-row call's bits.
+  it leaves in the trail, are the one-row call's bits. With ``act``, one launch: the conv ran in
+  the in_proj GEMV's launch (``qgemv``'s ``conv``: the same helper, ``_conv_silu_of``, whose taps
+  are summed one at a time in order, so its bits do not depend on the program's layout).
 
 Math is fp32, rounded to the model dtype at every point the modules round (conv products, conv
 sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
@@ -71,15 +73,29 @@ def _silu(x):
 
 @triton.jit
 def _conv_silu(x, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
-    """SiLU of the causal depthwise conv of channels c over [conv state cs, new input] (fp32
-    values rounded as the module rounds them); the state shifted by the new input goes to cs_out
-    (cs itself, or a verify window's trail entry)."""
+    """SiLU of the causal depthwise conv of channels c over [conv state cs, new input x[c]]
+    (``_conv_silu_of``)."""
+    return _conv_silu_of(tl.load(x + c, mask=cmask, other=0.0), cs, cs_out, w, c, cmask, K, KP2, ACT)
+
+
+@triton.jit
+def _conv_silu_of(new, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
+    """SiLU of the causal depthwise conv of channels c over [conv state cs, new input ``new``
+    (their values in the model dtype, or fp32 holding such values: the projection's epilogue)]
+    (fp32 values rounded as the module rounds them); the state shifted by the new input goes to
+    cs_out (cs itself, or a verify window's trail entry). The taps are summed in their order, one
+    at a time, so the bits do not depend on how the program's threads hold the channels (the
+    conv launch's programs and the projection's epilogue, ``qgemv``'s ``conv``, hold them
+    differently)."""
     t = tl.arange(0, KP2)[None, :]
     hist = tl.load(cs + c[:, None] * (K - 1) + t, mask=cmask[:, None] & (t < K - 1), other=0.0)
-    new = tl.load(x + c, mask=cmask, other=0.0)
-    window = tl.where(t == K - 1, new[:, None], hist).to(tl.float32)  # [channels, KP2]
+    window = tl.where(t == K - 1, new.to(tl.float32)[:, None], hist.to(tl.float32))  # [channels, KP2]
     wt = tl.load(w + c[:, None] * K + t, mask=cmask[:, None] & (t < K), other=0.0).to(tl.float32)
-    s = _round(tl.sum(_round(window * wt, ACT), axis=1), ACT)
+    prod = _round(window * wt, ACT)
+    s = tl.sum(tl.where(t == 0, prod, 0.0), axis=1)  # one term and zeros: exact, whatever the order
+    for i in tl.static_range(1, K):
+        s += tl.sum(tl.where(t == i, prod, 0.0), axis=1)
+    s = _round(s, ACT)
     # the shifted state goes where other threads read the old one: all reads first
     tl.debug_barrier()
     tl.store(
@@ -433,6 +449,7 @@ def delta_decode(
     dv: int,
     slots: torch.Tensor | None = None,
     trail: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``delta_decode_ref`` in two launches (same arguments, same in-place updates of conv_state
     and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
@@ -448,7 +465,11 @@ def delta_decode(
     fp32): a verify window instead, the N rows one sequence's consecutive tokens on conv_state
     [1, C, K - 1] and state [1, Hv, Dk, Dv], still two launches. Row n's output and the states
     after it (in trail entry n; the last row's also in the states) are bit for bit those of N
-    one-row calls in order, each followed by copies of the states into the trail."""
+    one-row calls in order, each followed by copies of the states into the trail.
+
+    ``act`` (fp32 [N, C], one row without slots or trail): the conv + SiLU of mixed_qkv, already
+    computed, and conv_state already shifted, by the projection's launch (``qgemv``'s ``conv``,
+    whose bits are the conv launch's): only the delta rule's launch runs."""
     if conv_weight.dim() != 2:
         raise ValueError(f"conv_weight must be [C, K], got {list(conv_weight.shape)}")
     dims = DeltaDims(n_k, n_v, dk, dv, conv_weight.shape[1])
@@ -464,12 +485,12 @@ def delta_decode(
     C, K, Hv = dims.conv_dim, dims.kernel, n_v
     batch = lead[0] if lead else 1
     pool = (conv_state.shape[0],) if slots is not None and conv_state.dim() == 3 else lead
-    act, floats = (dtype,), tuple(DTYPE_CODE)
+    model, floats = (dtype,), tuple(DTYPE_CODE)
     rows = {
-        "mixed_qkv": (mixed_qkv, (*lead, C), act),
-        "z": (z, (*lead, Hv * dv), act),
-        "a": (a, (*lead, Hv), act),
-        "b": (b, (*lead, Hv), act),
+        "mixed_qkv": (mixed_qkv, (*lead, C), model),
+        "z": (z, (*lead, Hv * dv), model),
+        "a": (a, (*lead, Hv), model),
+        "b": (b, (*lead, Hv), model),
     }
     if trail is not None:
         if slots is not None:
@@ -482,8 +503,8 @@ def delta_decode(
             raise ValueError("trail must be (conv_trail [N, C, K - 1], recurrent_trail [N, Hv, Dk, Dv])")
         pool = (1,)
     expected = {
-        "conv_state": (conv_state, (*pool, C, K - 1), act),
-        "conv_weight": (conv_weight, (C, K), act),
+        "conv_state": (conv_state, (*pool, C, K - 1), model),
+        "conv_weight": (conv_weight, (C, K), model),
         "A_log": (A_log, (Hv,), floats),
         "dt_bias": (dt_bias, (Hv,), floats),
         "state": (state, (*pool, Hv, dk, dv), (torch.float32,)),
@@ -493,8 +514,14 @@ def delta_decode(
         if not lead:
             raise ValueError("slots need rows: mixed_qkv [N, C]")
         expected["slots"] = (slots, (batch,), (torch.int64,))
+    if act is not None:
+        if slots is not None or trail is not None or batch != 1:
+            raise ValueError(
+                "act (the conv done in the projection's launch) takes one row, without slots or trail"
+            )
+        expected["act"] = (act, (*lead, C), (torch.float32,))
     if trail is not None:
-        expected["conv_trail"] = (trail[0], (batch, C, K - 1), act)
+        expected["conv_trail"] = (trail[0], (batch, C, K - 1), model)
         expected["recurrent_trail"] = (trail[1], (batch, Hv, dk, dv), (torch.float32,))
     _check(expected, mixed_qkv.device)
     _check(rows, mixed_qkv.device, strided_rows=True)
@@ -502,7 +529,7 @@ def delta_decode(
     if not batch:
         return out
     row = [t.stride(0) if lead else 0 for t in (mixed_qkv, z, a, b)]
-    scratch = torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)  # conv + SiLU, rounded
+    scratch = act if act is not None else torch.empty(*lead, C, dtype=torch.float32, device=mixed_qkv.device)
     blocks, kp2 = triton.cdiv(C, CONV_BLOCK), triton.next_power_of_2(K)
     bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     slices = delta_slices(Hv, dv)
@@ -526,10 +553,11 @@ def delta_decode(
         )  # fmt: skip
         return out
     idx = slots if slots is not None else state  # placeholder when unused (never read)
-    _delta_conv_kernel[(batch, blocks)](
-        mixed_qkv, row[0], conv_state, idx, conv_weight, scratch, C=C, K=K, KP2=kp2,
-        ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4, **pdl,
-    )  # fmt: skip
+    if act is None:  # conv + SiLU, rounded, into the fp32 scratch
+        _delta_conv_kernel[(batch, blocks)](
+            mixed_qkv, row[0], conv_state, idx, conv_weight, scratch, C=C, K=K, KP2=kp2,
+            ACT=DTYPE_CODE[dtype], BLOCK_C=CONV_BLOCK, SLOTS=slots is not None, num_warps=4, **pdl,
+        )  # fmt: skip
     _delta_decode_kernel[(batch, Hv, slices)](
         scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
         count, eps, dk**-0.5, SLOTS=slots is not None, **delta,

@@ -64,6 +64,7 @@ def moe_experts(
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     packed: dict | None = None,
     far: FarTier | None = None,
+    shared_down: tuple | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -81,7 +82,9 @@ def moe_experts(
     does it in its epilogue). ``packed`` (cpu): slot -> the slot's weights repacked for the CPU
     kernels, kept by the caller across steps (the cache drops a slot's entry when it refills it).
     ``far`` (:class:`FarTier`): slots from S = pool.shape[0] on are its rows, pinned host memory
-    the GPU reads in place (global scales then cover both: [S + R, 2])."""
+    the GPU reads in place (global scales then cover both: [S + R, 2]). ``shared_down``: the
+    shared expert's down projection into ``into``'s shared output, in the decode kernel's gate_up
+    launch (``moe_triton.moe_gemv``'s); only where that kernel runs the step."""
     part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if part and (table is not None or into is not None):
         raise ValueError("a step run in parts takes neither a slot table nor a residual")
@@ -90,8 +93,12 @@ def moe_experts(
 
         return moe_triton.moe_gemv(
             x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
-            far=far, **part,
+            far=far, shared_down=shared_down, **part,
         )  # fmt: skip
+    if shared_down is not None:
+        raise ValueError(
+            f"shared_down runs in the decode kernel's launch; this step runs {policy.impl} on {x.shape[0]} token(s)"
+        )
     if table is not None:
         slot_idx = table[expert_ids]
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)

@@ -12,6 +12,8 @@ Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequa
      parts in ascending expert id order and finishes the rows. No atomics on data: the sum order
      is fixed, so the bits are too, whatever order the router listed the experts in and whichever
      program came last.
+At one token the shared expert's down projection can ride in launch 1 as programs after the
+pairs' (``shared_down``: each qgemv's own program on its tile, so its bits are its launch's).
 Both run the dense GEMV's step (``qgemv``'s ``_accumulate``: 32-bit words decoded without
 conversions, a scale group summed in registers): 5.0 and 7.3 SASS instructions a weight value at
 the default tile, against 9.5 and 11.6 for the per-byte decode with shuffled group sums they
@@ -47,7 +49,18 @@ from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
-from edgerun.kernels.qlinear_triton import _accumulate, _pow2_divisor, _scales, _words, step_sum
+from edgerun.kernels.qlinear_triton import (
+    MANY,
+    _accumulate,
+    _gemv_program,
+    _pow2_divisor,
+    _scales,
+    _weight_args,
+    _words,
+    step_sum,
+)
+from edgerun.kernels.qlinear_triton import GemvConfig as GemvTile
+from edgerun.kernels.qlinear_triton import unsupported as gemv_unsupported
 from edgerun.kernels.scratch import counters
 
 INTERPRETED = (
@@ -169,17 +182,65 @@ def _gate_up_kernel(
     TABLE: tl.constexpr,
     FAR: tl.constexpr,
     RANGE: tl.constexpr,
+    pairs,
+    sd_x,
+    sd_w,
+    sd_s,
+    sd_rs,
+    sd_gate,
+    sd_out,
+    sd_rows,
+    sd_progs,
+    SD: tl.constexpr,
+    SD_C: tl.constexpr,
+    SD_QUANT: tl.constexpr,
+    SD_G: tl.constexpr,
+    SD_GROUPED: tl.constexpr,
+    SD_ROW_SCALED: tl.constexpr,
+    SD_BLOCK_R: tl.constexpr,
+    SD_BLOCK_K: tl.constexpr,
+    SD_SUM: tl.constexpr,
+    SD_CODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
     [j BLOCK_R / 2, (j + 1) BLOCK_R / 2). RANGE: pairs whose expert is outside lo..hi do
-    nothing (their slot is not read)."""
-    _grid_sync(PDL)
+    nothing (their slot is not read).
+
+    SD (one token; ``moe_gemv``'s ``shared_down``): the programs past the ``pairs`` rows of
+    axis 0, in row-major order, are the shared expert's down projection, ``qgemv(sd_x, w, None,
+    "gated", sd_out, sd_gate)`` on its tile (the ``SD_`` constexprs, ``sd_progs`` programs): each
+    the program that GEMV's own launch runs, so its bits are that launch's (the launch's warps
+    are its tile's); the down launch reads its output as ``shared``. One launch fewer a layer."""
     p = tl.program_id(0)  # pair t*A + a
-    if RANGE:
-        e = tl.load(ids + p)
-        if (e < lo) | (e > hi):
-            return
+    if SD and p >= pairs:
+        q = (p - pairs) * tl.num_programs(1) + tl.program_id(1)
+        if q < sd_progs:
+            _gemv_program(
+                q, sd_x, sd_w, sd_s, sd_rs, sd_x, sd_gate, sd_out, sd_x, sd_x, 0.0, sd_rows, 0, 0, 0, zero, 1,
+                1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, 3, SD_CODE, SD_BLOCK_R, SD_BLOCK_K,
+                SD_SUM, 0, False, 1, 1, False, PDL,
+            )  # fmt: skip
+        else:
+            _grid_sync(PDL)
+    else:
+        _grid_sync(PDL)
+        run = True
+        if RANGE:
+            e = tl.load(ids + p)
+            run = (e >= lo) & (e <= hi)
+        if run:
+            _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, uses, w_block, s_block, w_off,
+                          s_off, split, w_far, s_far, zero, p, D, I, A, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM,
+                          TABLE, FAR)  # fmt: skip
+
+
+@triton.jit
+def _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, uses, w_block, s_block, w_off, s_off,
+                  split, w_far, s_far, zero, p, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                  QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SUM: tl.constexpr, TABLE: tl.constexpr, FAR: tl.constexpr):  # fmt: skip
+    """Program (p, program_id(1)) of ``_gate_up_kernel``'s experts: its h columns of pair p."""
     slot = _slot(slots, table, ids, p, TABLE)
     if FAR:
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
@@ -706,6 +767,7 @@ def moe_gemv(
     far: FarTier | None = None,
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    shared_down: tuple | None = None,
 ) -> torch.Tensor:
     """Decode, and prompts of up to a few hundred tokens (``moe.GEMV_MAX_TOKENS``): fused
     dequant + GEMV from the pool, two launches (four with a rotation). Same contract as
@@ -719,7 +781,13 @@ def moe_gemv(
     the far tier's rows, read in place (``moe_experts``). ``expert_range`` (lo, hi) with ``acc``
     (fp32 [T, D]): a step in parts, as ``moe_grouped`` runs one: only those experts run (the
     others' slots are not read), added into ``acc`` in ascending id order, unrounded; parts over
-    consecutive ranges in ascending order give one call's sum, bit for bit."""
+    consecutive ranges in ascending order give one call's sum, bit for bit.
+
+    ``shared_down`` (w, mid [1, S], gate [1, 1], its qgemv tile; one token, ``into`` with a
+    shared output; ``folds_shared_down``): the shared expert's down projection, ``qgemv(mid, w,
+    None, "gated", shared, gate, config=tile)``, runs in the gate_up launch (its programs after
+    the experts', each bit for bit its own launch's) and the down launch adds its output as
+    ``shared``: two launches for the step, not three."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
@@ -738,6 +806,8 @@ def moe_gemv(
     else:
         out = resid if resid is not None else torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
     lo, hi = expert_range if expert_range is not None else (0, 0)
+    if shared_down is not None and (T != 1 or shared is None):
+        raise ValueError("shared_down runs with one token, into a residual and a shared output")
     if T == 0:
         return out
     slots = slot_idx.to(torch.int64).contiguous()  # no copy (and no launch) when already so
@@ -754,12 +824,16 @@ def moe_gemv(
     grouped = layout.quant == "int4" or (layout.quant == "int8" and G > 0)
     br = 2 * _pow2_divisor(I, config.block_r)  # a gate and an up row for each of block_r columns of h
     bk = _block_k(D, layout, config.row_bytes)
-    _gate_up_kernel[(T * A, 2 * I // br)](
+    cols = 2 * I // br  # programs a pair (grid axis 1)
+    sd, extra = (
+        _shared_down_args(shared_down, shared, config, cols) if shared_down is not None else (_no_sd(x), 0)
+    )
+    _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
-        TABLE=table is not None, FAR=count, RANGE=expert_range is not None, num_warps=config.num_warps,
-        **pdl_kwargs(x.device),
+        TABLE=table is not None, FAR=count, RANGE=expert_range is not None, pairs=T * A, **sd,
+        num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
@@ -775,6 +849,56 @@ def moe_gemv(
         ACC=expert_range is not None, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+def _no_sd(x: torch.Tensor) -> dict:
+    """The gate_up launch's shared-down arguments when it runs none: placeholders, never read."""
+    return dict(
+        sd_x=x, sd_w=x, sd_s=x, sd_rs=x, sd_gate=x, sd_out=x, sd_rows=0, sd_progs=0, SD=False, SD_C=1, SD_QUANT=0,
+        SD_G=1, SD_GROUPED=False, SD_ROW_SCALED=False, SD_BLOCK_R=2, SD_BLOCK_K=1, SD_SUM=1, SD_CODE=0,
+    )  # fmt: skip
+
+
+def folds_shared_down(w, tile: GemvTile, config: GemvConfig = DEFAULT_GEMV) -> bool:
+    """Whether ``moe_gemv``'s ``shared_down`` can run weight w (a ``QWeight``) on qgemv tile
+    ``tile`` in the gate_up launch: qgemv takes w, the tile runs this launch's warps, and
+    unrolled at one row (as qgemv runs it)."""
+    return gemv_unsupported(w) is None and tile.num_warps == config.num_warps and tile.rolled_from > 1
+
+
+def shared_down_tile(w) -> GemvTile | None:
+    """The qgemv tile a shared expert's down projection w (a ``QWeight``) runs on everywhere
+    once the engine runs the decode kernels, so that its one-token step can ride in the gate_up
+    launch (``shared_down``) with the bits of its own launches elsewhere (a batch's rows, a
+    verify window): the weight's MANY tile where that runs this launch's warps, else None (its
+    default tile, its own launch)."""
+    tile = MANY.get(w.scheme)
+    return tile if tile is not None and folds_shared_down(w, tile) else None
+
+
+def _shared_down_args(
+    shared_down: tuple, shared: torch.Tensor, config: GemvConfig, cols: int
+) -> tuple[dict, int]:
+    """The gate_up launch's arguments for ``shared_down`` and the rows of axis 0 its programs
+    take (``cols`` programs a row); errors name what does not fit."""
+    from edgerun.kernels.qlinear_triton import _check as check_gemv
+
+    w, mid, gate, tile = shared_down
+    if not folds_shared_down(w, tile, config):
+        raise ValueError(
+            f"shared_down: {w.scheme} [{w.rows}, {w.cols}] on a tile of {tile.num_warps} warps does not run in "
+            f"the gate_up launch ({config.num_warps} warps; folds_shared_down)"
+        )
+    width = check_gemv(mid, w, None, "gated", shared, gate)
+    if mid.shape[0] != 1:
+        raise ValueError(f"shared_down takes one row of mid, got {list(mid.shape)}")
+    progs, (wt, st, rs), t = _weight_args(w, mid, "gated", width, tile)
+    args = dict(
+        sd_x=mid, sd_w=wt, sd_s=st, sd_rs=rs, sd_gate=gate, sd_out=shared, sd_rows=width, sd_progs=progs, SD=True,
+        SD_C=w.cols, SD_QUANT=t["QUANT"], SD_G=t["G"], SD_GROUPED=t["GROUPED"], SD_ROW_SCALED=t["ROW_SCALED"],
+        SD_BLOCK_R=t["BLOCK_R"], SD_BLOCK_K=t["BLOCK_K"], SD_SUM=t["SUM"], SD_CODE=DTYPE_CODE[mid.dtype],
+    )  # fmt: skip
+    return args, triton.cdiv(progs, cols)
 
 
 def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[int, int], x) -> None:

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.decode_triton import TopK, _route_row
-from edgerun.kernels.dense_triton import DTYPE_CODE, _round, _silu
+from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
@@ -57,6 +57,8 @@ MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better t
 SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
 # the kernel's top-k constexprs when it routes nothing (``TopK.kwargs`` when it does)
 NO_TOPK = dict(TOPK=False, TOPK_E=1, TOPK_K=1, TOPK_BLOCK_E=1, TOPK_BLOCK_K=1, TOPK_NORMALIZE=False)
+# its constexprs when it runs no conv epilogue (``conv``)
+NO_CONV = dict(CONV=False, CONV_C=1, CONV_K=2, CONV_KP2=2)
 # its constexprs for a second GEMV when it runs none (``also``)
 NO_ALSO = dict(
     TWO=False, QUANT2=0, G2=1, GROUPED2=False, ROW_SCALED2=False, EPILOGUE2=0, BLOCK_R2=2, BLOCK_K2=1, SUM2=1
@@ -374,12 +376,14 @@ def _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, 
             ROW_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
     """A tile's fp32 sums y [BLOCK_R, N] (tokens last) to its outputs: the row scale and bias,
     rounded to x.dtype (F.linear's output), then the epilogue, rounded where its torch ops round;
-    the NT tokens of the call stored, columns past ROWS not."""
+    the NT tokens of the call stored, columns past ROWS not. Returns the rounded F.linear output
+    (fp32 holding x.dtype values: what epilogue none stores)."""
     if ROW_SCALED:
         y = y * tl.load(row_scale + wrow)[:, None]
     if HAS_BIAS:
         y = y + tl.load(bias + wrow).to(tl.float32)[:, None]
     y = _round(y, CODE)
+    linear = y
     tok = tl.arange(0, N)[None, :]
     dst = out + tok * out_row + ocol[:, None]
     mask = (tok < NT) & (ocol[:, None] < ROWS)
@@ -392,6 +396,7 @@ def _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, 
         logit = tl.load(gate + tok * gate_row, mask=tok < NT, other=0.0).to(tl.float32)
         y = _round(_round(1.0 / (1.0 + tl.exp(-logit)), CODE) * y, CODE)  # torch.sigmoid's form
     tl.store(dst, y.to(out.dtype.element_ty), mask=mask)
+    return linear
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,7 +411,8 @@ def _gemv_program(p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps,
                   NORM: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_C: tl.constexpr, NO_BLOCK: tl.constexpr,
                   ROLLED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program p of one GEMV's tiles (``_qgemv_kernel``'s docstring), its pointers already at its
-    row of the call."""
+    row of the call. Returns (its output columns [BLOCK_R] (silu_mul: [BLOCK_R / 2]), their rounded
+    F.linear outputs [BLOCK_R, N] (``_finish``))."""
     ocol, wrow = _tile_rows(p, ROWS, EPILOGUE, BLOCK_R)
     wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
     scale0 = wd0
@@ -419,8 +425,9 @@ def _gemv_program(p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps,
         x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
         BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
     )  # fmt: skip
-    _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED, HAS_BIAS,
-            EPILOGUE, CODE)  # fmt: skip
+    linear = _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED,
+                     HAS_BIAS, EPILOGUE, CODE)  # fmt: skip
+    return ocol, linear
 
 
 @triton.jit(do_not_specialize=["zero"])  # a runtime 0 (see _field), whatever Triton specializes
@@ -483,6 +490,13 @@ def _qgemv_kernel(
     BLOCK_R2: tl.constexpr,
     BLOCK_K2: tl.constexpr,
     SUM2: tl.constexpr,
+    conv_state,
+    conv_w,
+    conv_act,
+    CONV: tl.constexpr,
+    CONV_C: tl.constexpr,
+    CONV_K: tl.constexpr,
+    CONV_KP2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -499,7 +513,13 @@ def _qgemv_kernel(
     TWO: programs ``progs`` and on are a second GEMV's on the same x and norm (``qgemv``'s
     ``also``: weight w2, its constexprs the ...2 ones, no bias, gate, norm_out nor top-k, into
     out2): each of its programs is the one that GEMV's own launch would run, so its bits are
-    that launch's; one launch instead of two."""
+    that launch's; one launch instead of two.
+
+    CONV (one row, epilogue none; ``qgemv``'s ``conv``): output columns [0, CONV_C) are a
+    DeltaNet layer's conv input, and the programs that own them also run the causal conv + SiLU
+    of their columns (``dense_triton._conv_silu_of`` on the rounded outputs, the values the conv
+    launch would load) into ``conv_act`` (fp32) and shift their rows of ``conv_state`` [CONV_C,
+    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer."""
     j = tl.program_id(1)
     x += j * x_row
     out += j * out_row
@@ -513,11 +533,17 @@ def _qgemv_kernel(
             NORM, False, BLOCK_C, NO_BLOCK, ROLLED, PDL,
         )  # fmt: skip
     else:
-        _gemv_program(
+        ocol, linear = _gemv_program(
             p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps, ROWS, x_row, out_row, gate_row, zero, NT,
             N, C, QUANT, G, GROUPED, ROW_SCALED, HAS_BIAS, EPILOGUE, CODE, BLOCK_R, BLOCK_K, SUM, NORM, NORM_OUT,
             BLOCK_C, NO_BLOCK, ROLLED, PDL,
         )  # fmt: skip
+        if CONV:
+            if p * BLOCK_R < CONV_C:  # the whole program's branch (CONV_C is a multiple of BLOCK_R)
+                cm = ocol < CONV_C
+                y = _conv_silu_of(tl.reshape(linear, [BLOCK_R]), conv_state, conv_state, conv_w, ocol, cm,
+                                  CONV_K, CONV_KP2, CODE)  # fmt: skip
+                tl.store(conv_act + ocol, y, mask=cm)
         if TOPK:
             tl.debug_barrier()  # every thread's logits stored before the arrival is released
             last = (progs if TWO else tl.num_programs(0)) * tl.num_programs(1) - 1
@@ -644,10 +670,12 @@ def qgemv(
     rolled: bool | None = None,
     topk: TopK | None = None,
     also: tuple[QWeight, str, torch.Tensor] | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
-    overlap x. ``config`` overrides ``gemv_config`` (benchmarks): it changes the bits.
+    overlap x. ``config`` overrides ``gemv_config`` (benchmarks; a weight that always runs
+    another tile, ``QLinear.tile``): it changes the bits.
 
     ``alone``: each row by programs of its own (the one-row kernel over a grid of rows: its
     weights read again for each row, mostly from L2), rather than one pass over all rows that
@@ -665,11 +693,19 @@ def qgemv(
 
     ``also`` (w2, epilogue2 'none' or 'silu_mul', out2): a second GEMV of the same x (and norm)
     in the same launch, into out2, where ``pairs(w, w2, C)``: its programs are those its own
-    call would run (the same tile, so the same bits), after this one's."""
+    call would run (the same tile, so the same bits), after this one's.
+
+    ``conv`` (conv_state [1, CC, K - 1] and conv_weight [CC, K] in x's dtype, act fp32 [1, CC];
+    one row, epilogue none; ``folds_conv``): the output's first CC columns are a DeltaNet layer's
+    conv input; the launch also runs its causal conv + SiLU into ``act`` and shifts
+    ``conv_state``, the bits of ``dense_triton.delta_decode``'s conv launch (which then does not
+    run: its ``act``)."""
     width = _check(x, w, bias, epilogue, out, gate)
     N, C = x.shape
     _check_norm(x, norm, norm_out)
     pair = _check_also(x, w, also, alone, config, rolled) if also is not None else None
+    cfg = config or gemv_config(w.scheme, w.rows, C)
+    folded = _check_conv(x, epilogue, width, cfg, conv, topk, also) if conv is not None else _no_conv(x)
     if topk is not None:
         if epilogue != "none":
             raise ValueError(
@@ -680,7 +716,6 @@ def qgemv(
         out = torch.empty(N, width, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    cfg = config or gemv_config(w.scheme, w.rows, C)
     progs, (wt, st, rs), tile = _weight_args(w, x, epilogue, width, cfg)
     grid = (progs + (pair["progs2"] if pair else 0), N if alone else 1)
     n = 1 if alone else N
@@ -694,7 +729,7 @@ def qgemv(
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, progs)),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
-        **_topk_args(topk, x), **(pair["args"] if pair else _no_also(x)), progs=progs,
+        **_topk_args(topk, x), **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
         num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
@@ -724,6 +759,44 @@ def _check_also(x, w, also, alone, config, rolled) -> dict:
     progs2, (wt, st, rs), tile = _weight_args(w2, x, epilogue2, width2, gemv_config(w2.scheme, w2.rows, C))
     args = dict(w2=wt, s2=st, row_scale2=rs, out2=out2, ROWS2=width2, out2_row=out2.stride(0), TWO=True)
     return {"progs2": progs2, "args": args | {f"{k}2": v for k, v in tile.items()}}
+
+
+def folds_conv(w: QWeight, cols: int, channels: int) -> bool:
+    """Whether ``qgemv``'s ``conv`` can run a conv over ``channels`` of w's first output columns
+    in w's launch: w takes qgemv and its tile's programs split at the channels' end."""
+    if unsupported(w) or w.cols != cols or not 0 < channels <= w.rows:
+        return False
+    return channels % gemv_config(w.scheme, w.rows, cols).block_r == 0
+
+
+def _check_conv(x, epilogue, width, cfg, conv, topk, also) -> dict:
+    """The conv epilogue's kernel arguments; errors name what does not fit."""
+    conv_state, conv_weight, act = conv
+    if x.shape[0] != 1 or epilogue != "none" or topk is not None or also is not None:
+        raise ValueError("qgemv's conv takes one row of x, epilogue 'none', and neither topk nor also")
+    if conv_weight.dim() != 2:
+        raise ValueError(f"conv weight must be [CC, K], got {_where(conv_weight)}")
+    CC, K = conv_weight.shape
+    if K < 2 or not 0 < CC <= width or CC % cfg.block_r:
+        raise ValueError(
+            f"qgemv's conv over {CC} channels ({K} taps) does not fit {width} outputs in tiles of {cfg.block_r} rows"
+        )
+    for name, t, shape, dtype in (
+        ("conv_state", conv_state, (1, CC, K - 1), x.dtype),
+        ("conv weight", conv_weight, (CC, K), x.dtype),
+        ("act", act, (1, CC), torch.float32),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"qgemv's conv: {name} must be a contiguous {dtype} {list(shape)} on {x.device}, got {_where(t)}")  # fmt: skip
+    return dict(
+        conv_state=conv_state, conv_w=conv_weight, conv_act=act, CONV=True, CONV_C=CC, CONV_K=K,
+        CONV_KP2=triton.next_power_of_2(K),
+    )  # fmt: skip
+
+
+def _no_conv(x: torch.Tensor) -> dict:
+    """The conv epilogue's arguments when there is none: placeholders, never read."""
+    return dict(conv_state=x, conv_w=x, conv_act=x, **NO_CONV)
 
 
 def _weight_args(w: QWeight, x: torch.Tensor, epilogue: str, width: int, cfg: GemvConfig) -> tuple:

@@ -133,6 +133,11 @@ class _MoeBuffers:
     refs: list[SlotRef]  # the lookup's references, checked when the expert step is queued
     predicted: torch.Tensor | None = None  # [1, A] int64: the next host-op layer's experts, predicted
     predicted_weights: torch.Tensor | None = None  # [1, A] (select writes both)
+    # where the shared expert's down projection runs in the expert step's launch (``fold_down``):
+    # its input (SiLU(gate) * up, [1, S]) and the router's logits [1, E + 1], from the router's
+    # launch, static so that a later segment's graph reads them
+    mid: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -269,6 +274,14 @@ class DecodeGraphs:
         for i in self.predict:
             buf = self.moe[i]
             buf.predicted, buf.predicted_weights = torch.zeros_like(buf.ids), torch.zeros_like(buf.weights)
+        # one row of one sequence with the fused kernels: each MoE layer whose expert step runs the
+        # decode kernel over its slots also runs its shared expert's down projection there (one
+        # launch fewer a layer; its bits those of its own launch)
+        self.fold_down = {i for i in self.modes if self._folds_down(i)}
+        for i in self.fold_down:
+            mlp, buf = self.layers[i].mlp, self.moe[i]
+            buf.mid = torch.zeros(N, mlp.shared_expert.down_proj.in_features, dtype=self.dtype, **kw)
+            buf.logits = torch.zeros(N, mlp.gate.proj.out_features, dtype=self.dtype, **kw)
         self.ops = self._plan()
         if head is not None and self.rows > 1:  # the MTP head's windows: every projection a GEMV
             self.ops = [(kind, _in_draft_rows(fn)) for kind, fn in self.ops]
@@ -297,6 +310,15 @@ class DecodeGraphs:
         if self.cache is None and isinstance(experts, StreamingExperts):
             self.cache = experts.cache
         return expert_mode(experts, self.policy)
+
+    def _folds_down(self, i: int) -> bool:
+        """Whether layer i's expert step runs its shared expert's down projection (see __init__)."""
+        mlp = self.layers[i].mlp
+        if self.rows != 1 or self.is_window or self.modes[i] not in ("routed", "table"):
+            return False
+        if isinstance(mlp.experts, HeldExperts) or self.policy.moe.impl != "triton":
+            return False
+        return mlp.defers_down(self.x, self.static.fused)
 
     def _next_moe(self, i: int) -> int | None:
         return next((j for j in sorted(self.modes) if j > i), None)
@@ -369,7 +391,17 @@ class DecodeGraphs:
             return
         buf = self.moe[i]
         fused = self.static.fused  # the top-k (and shared gate_up) in the router GEMV's launch
-        mlp.route_shared(self.x, (buf.weights, buf.ids), fused, norm, self.h, self.shared)  # MLP input in h
+        mlp.route_shared(
+            self.x,
+            (buf.weights, buf.ids),
+            fused,
+            norm,
+            self.h,
+            self.shared,
+            buf.mid,
+            buf.logits,
+            i in self.fold_down,
+        )  # MLP input in h
         if i in self.predict:  # the next layer's router on this residual stream (see __init__)
             nxt = self.layers[self.predict[i]]
             guess = (buf.predicted_weights, buf.predicted)
@@ -403,9 +435,12 @@ class DecodeGraphs:
         # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
         # this segment (captured: checked at capture, and at replay nothing runs between the
         # lookup and the kernel)
+        shared_down = None
+        if i in self.fold_down:  # the shared expert's down projection in the gate_up launch
+            shared_down = self.layers[i].mlp.shared_down(buf.mid, buf.logits)
         run_experts(
             self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs,
-            table=buf.table, into=self._into(i),
+            table=buf.table, into=self._into(i), shared_down=shared_down,
         )  # fmt: skip
 
     def _experts_eager(self, i: int) -> None:

@@ -45,11 +45,13 @@ def run_experts(
     table: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     out_dtype: torch.dtype | None = None,
+    shared_down: tuple | None = None,
 ) -> torch.Tensor:
     """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
     slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
     step run in parts; ``table``: slots looked up from the layer's device slot table; ``into``:
-    added into a residual in place; ``out_dtype``: the result's, default x's; see ``moe_experts``).
+    added into a residual in place; ``out_dtype``: the result's, default x's; ``shared_down``: the
+    shared expert's down projection in the step's launch; see ``moe_experts``).
 
     ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
     against the slot table first, so a slot refilled since its lookup is refused
@@ -61,7 +63,7 @@ def run_experts(
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy, out_dtype,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
-        far=cache.far.get(layer),
+        far=cache.far.get(layer), shared_down=shared_down,
     )  # fmt: skip
 
 

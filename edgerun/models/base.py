@@ -185,6 +185,11 @@ class CausalLM(nn.Module):
                 packed += take
             elif isinstance(m, GatedDeltaNet):
                 m.chunk_fla = delta_chunk
+        for m in self.modules():  # a shared expert's down projection on the expert kernel's tile
+            if isinstance(m, SparseMoe) and m.has_shared:
+                m.shared_expert.down_proj.tile = (
+                    _shared_down_tile(m.shared_expert.down_proj) if gemv else None
+                )
         return packed
 
     def use_planes(self, on: bool) -> list[QLinear]:
@@ -225,7 +230,8 @@ class CausalLM(nn.Module):
         rows, cols, group) with no epilogue (rows capped at PROBE_ROWS plus the remainder of a
         64-row tile, so the largest are probed at a size the start-up can afford), and each
         epilogue, and the RMSNorm prologue (normalised x written out too), once per (scheme, cols,
-        group)."""
+        group); and a DeltaNet layer's in_proj at its own rows with the conv in its launch
+        (epilogue "conv": ``QLinear.folds_conv``, checked against the conv's own launch)."""
         shapes, kinds = set(), set()
         for m in self.modules():
             if isinstance(m, QLinear):
@@ -236,6 +242,10 @@ class CausalLM(nn.Module):
         for scheme, cols, group in kinds:
             shapes.update((scheme, 128, cols, group, e) for e in ("silu_mul", "residual", "gated"))
             shapes.update((scheme, 128, cols, group, e, norm) for e in ("none", "silu_mul"))
+        for layer in self.model.layers:
+            if layer.kind != A.FULL_ATTENTION:
+                m = layer.linear_attn.in_proj
+                shapes.add((m.scheme, m.out_features, m.in_features, m.group, "conv", norm))
         return sorted(shapes)
 
     def new_state(
@@ -325,3 +335,11 @@ def tensor_specs(model_cls: type[CausalLM], args: ModelArgs) -> list[TensorSpec]
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         specs.append(TensorSpec(name, tuple(p.shape), categorize(name), layer))
     return specs
+
+
+def _shared_down_tile(down: QLinear):
+    """``moe_triton.shared_down_tile`` of a shared expert's down projection (imported only where
+    the Triton kernels run)."""
+    from edgerun.kernels.moe_triton import shared_down_tile
+
+    return shared_down_tile(down.qweight())

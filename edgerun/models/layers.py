@@ -129,6 +129,10 @@ class QLinear(nn.Module):
         self.planes = None
         self.planes_count: torch.Tensor | None = None
         self.lane_counts: dict[int, torch.Tensor] = {}  # scratch sets 1.. (kernels/scratch.py)
+        # qgemv's tile for this weight where it is not the default (``qlinear_triton.gemv_config``),
+        # in every call: a shared expert's down projection runs the expert kernel's warps, so that
+        # its one-token step can ride in that kernel's launch (``moe_triton.shared_down_tile``)
+        self.tile = None
 
     @classmethod
     def of(cls, m: nn.Module) -> QLinear:
@@ -189,13 +193,16 @@ class QLinear(nn.Module):
         norm_out: torch.Tensor | None = None,
         topk: TopK | None = None,
         also: tuple[QLinear, str, torch.Tensor] | None = None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``.
         ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
         the output, in the GEMV's launch. ``also`` (other, its epilogue, its out; where
         :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
-        its bits those of its own."""
+        its bits those of its own. ``conv`` (conv_state, conv_weight, act; where
+        :meth:`folds_conv`): a DeltaNet layer's conv + SiLU of the output's first channels in the
+        launch's epilogue (``qgemv``'s ``conv``)."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         exact, draft = EXACT_ROWS.get(), DRAFT_ROWS.get()
         limit = self._gemv_limit()
@@ -205,6 +212,8 @@ class QLinear(nn.Module):
             )
         if also is not None and not self.pairs_with(also[0], x):
             raise ValueError(f"{self.extra_repr()} and {also[0].extra_repr()} do not run in one launch here")
+        if conv is not None and not self.folds_conv(x, conv[1].shape[0]):
+            raise ValueError(f"{self.extra_repr()}: the conv does not run in this projection's launch here")
         few = x.dim() > 2 and x.numel() // x.shape[-1] <= limit
         if self.gemv and few and out is None and gate is None and norm is None:
             # a few rows with leading dims (a prompt's last row for the lm_head: [1, 1, D]) are a
@@ -239,8 +248,10 @@ class QLinear(nn.Module):
                 norm=nrm,
                 norm_out=norm_out,
                 alone=(exact or draft) and not self.shared_rows and also is None,  # also: one row
+                config=self.tile,
                 topk=topk,
                 also=None if also is None else (also[0].qweight(), also[1], also[2]),
+                conv=conv,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
@@ -281,6 +292,15 @@ class QLinear(nn.Module):
         from edgerun.kernels.qlinear_triton import pairs
 
         return pairs(self.qweight(), other.qweight(), x.shape[1])
+
+    def folds_conv(self, x: torch.Tensor, channels: int) -> bool:
+        """Whether :meth:`forward` can run a conv over its first ``channels`` outputs in its
+        launch on x (``conv``): one row on ``qgemv`` (``qlinear_triton.folds_conv``)."""
+        if x.dim() != 2 or x.shape[0] != 1 or not self.takes_qgemv(x):
+            return False
+        from edgerun.kernels.qlinear_triton import folds_conv
+
+        return folds_conv(self.qweight(), x.shape[1], channels)
 
     def takes_qgemv(self, x: torch.Tensor) -> bool:
         """Whether :meth:`forward` runs x (without leading dims) on ``qgemv``: the Triton GEMV,
@@ -703,10 +723,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = QLinear.of(self.out_proj)
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def _project(self, x: torch.Tensor, norm: RMSNorm | None = None) -> list[torch.Tensor]:
+    def _project(self, x: torch.Tensor, norm: RMSNorm | None = None, conv=None) -> list[torch.Tensor]:
         """x [..., D] (with ``norm``: norm(x), x [N, D]) -> the qkv (conv input), z, b and a
-        projections."""
-        return self.in_proj(x, norm=norm).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
+        projections (``conv``: see ``QLinear.forward``)."""
+        y = self.in_proj(x, norm=norm, conv=conv)
+        return y.split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
 
     def forward(
         self, x: torch.Tensor, state: DeltaState | None, rows: bool = False, valid: torch.Tensor | None = None
@@ -824,7 +845,9 @@ class GatedDeltaNet(nn.Module):
         entry ``slots[n]`` (a batch's pool). ``trail`` (conv [N, C, K-1], recurrent [N, Hv, Dk,
         Dv]): the rows are one sequence's consecutive tokens (a verify window), stepped in order
         by the kernels' window mode (still two launches), each row the one-row step's bits, the
-        states after row n in row n of ``trail`` for a rollback."""
+        states after row n in row n of ``trail`` for a rollback. One row of one sequence runs the
+        conv in the projection's launch where it can (``QLinear.folds_conv``): the same bits, one
+        launch fewer."""
         if not fused:
             if x.shape[0] != 1 or slots is not None or trail is not None:
                 raise ValueError("a static decode step of several rows needs the fused DeltaNet kernel")
@@ -832,11 +855,15 @@ class GatedDeltaNet(nn.Module):
             return
         from edgerun.kernels import dense_triton
 
-        qkv, z, b, a = self._project(x, norm)  # [N, *] views of one GEMV's output
+        conv_weight, act = self.conv1d.weight[:, 0], None
+        if slots is None and trail is None and self.in_proj.folds_conv(x, self.conv_dim):
+            act = torch.empty(1, self.conv_dim, dtype=torch.float32, device=x.device)  # the conv's output
+        conv = None if act is None else (state.conv, conv_weight, act)
+        qkv, z, b, a = self._project(x, norm, conv)  # [N, *] views of one GEMV's output
         out = dense_triton.delta_decode(
-            qkv, z, a, b, conv_state=state.conv, conv_weight=self.conv1d.weight[:, 0], A_log=self.A_log,
+            qkv, z, a, b, conv_state=state.conv, conv_weight=conv_weight, A_log=self.A_log,
             dt_bias=self.dt_bias, state=state.recurrent, norm_weight=self.norm.weight, eps=self.norm.eps,
-            n_k=self.n_k, n_v=self.n_v, dk=self.dk, dv=self.dv, slots=slots, trail=trail,
+            n_k=self.n_k, n_v=self.n_v, dk=self.dk, dv=self.dv, slots=slots, trail=trail, act=act,
         )  # fmt: skip
         self.out_proj(out, "residual", out=residual)
 
@@ -925,8 +952,10 @@ class Router(nn.Module):
         norm: RMSNorm | None = None,
         norm_out: torch.Tensor | None = None,
         also: tuple[QLinear, str, torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits.
+        """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits
+        (written into ``logits`` [N, E + extra] when given: a decode step's static buffer).
         ``fused`` where the projection runs on ``qgemv``: one launch, the GEMV's last program
         routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls.
         ``also``: another projection of the normalised x in the same launch (QLinear's), where
@@ -934,7 +963,7 @@ class Router(nn.Module):
         if not (fused and self.proj.takes_qgemv(x)):
             if also is not None:
                 raise ValueError("Router.route runs another projection in its launch only where fused")
-            logits = self.logits(x, norm, norm_out)
+            logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out)
             self.select(logits, out, fused)
             return logits
         from edgerun.kernels.decode_triton import TopK
@@ -943,7 +972,7 @@ class Router(nn.Module):
         # their own; in one stream each kernel leaves its counters at 0 before the next starts)
         count = counters(x.device, 1)[:1]
         topk = TopK(self.num_experts, self.top_k, self.normalize, *out, count)
-        return self.proj(x, norm=norm, norm_out=norm_out, topk=topk, also=also)
+        return self.proj(x, out=logits, norm=norm, norm_out=norm_out, topk=topk, also=also)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
@@ -1042,6 +1071,9 @@ class SparseMoe(nn.Module):
         norm: RMSNorm,
         h: torch.Tensor,
         shared: torch.Tensor,
+        mid: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> torch.Tensor:
         """The decode step's router and shared expert on norm(x), x [N, D]: the router into
         ``out`` (weights, ids) as :meth:`Router.route` (the normalised x into ``h``), the gated
@@ -1049,16 +1081,40 @@ class SparseMoe(nn.Module):
         the logits. With the fused kernels and one row, the shared expert's gate_up runs in the
         router's launch (``QLinear.pairs_with``: its programs normalise x themselves, its bits
         those of its own launch on h): two launches for the router, its top-k and the shared
-        expert, not three."""
+        expert, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static buffers for the
+        shared expert's SiLU(gate) * up and the router's logits. ``defer`` (where
+        :meth:`defers_down`): the shared expert's down projection is left to the expert step's
+        launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``)."""
         gate_up = self.shared_expert.gate_up if self.has_shared else None
+        if defer and not self.defers_down(x, fused):
+            raise ValueError("the shared expert's down projection cannot wait for the expert step here")
         if gate_up is None or not (fused and self.gate.proj.pairs_with(gate_up, x)):
-            logits = self.gate.route(x, out, fused, norm, norm_out=h)
+            logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits)
             self.shared_output(h, logits, out=shared)
             return logits
-        mid = x.new_empty(x.shape[0], gate_up.out_features // 2)
-        logits = self.gate.route(x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid))
-        self.shared_expert.down_proj(mid, "gated", shared, logits[:, self.gate.num_experts :])
+        mid = mid if mid is not None else x.new_empty(x.shape[0], gate_up.out_features // 2)
+        logits = self.gate.route(
+            x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid), logits=logits
+        )
+        if not defer:
+            self.shared_expert.down_proj(mid, "gated", shared, logits[:, self.gate.num_experts :])
         return logits
+
+    def defers_down(self, x: torch.Tensor, fused: bool) -> bool:
+        """Whether :meth:`route_shared` on x [N, D] can leave the shared expert's down projection
+        to the expert step's launch: one row, the shared gate_up in the router's launch, and the
+        down projection on ``qgemv`` with the expert kernel's tile (``QLinear.tile``)."""
+        if not (self.has_shared and fused):
+            return False
+        down = self.shared_expert.down_proj
+        paired = self.gate.proj.pairs_with(self.shared_expert.gate_up, x)
+        return paired and down.tile is not None and down.takes_qgemv(x) and down.bias is None
+
+    def shared_down(self, mid: torch.Tensor, logits: torch.Tensor) -> tuple:
+        """The deferred down projection for the expert step (``moe_gemv``'s ``shared_down``): the
+        weight, its input ``mid``, its gate (the router's last logit column) and its tile."""
+        down = self.shared_expert.down_proj
+        return down.qweight(), mid, logits[:, self.gate.num_experts :], down.tile
 
     @staticmethod
     def combine(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

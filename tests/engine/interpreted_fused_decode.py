@@ -56,25 +56,32 @@ def sources(tmp_path_factory):
     return out
 
 
-def decode(runner: Runner, policy: Resolved, monkeypatch) -> tuple[list[int], list[torch.Tensor], int, int]:
+def decode(
+    runner: Runner, policy: Resolved, monkeypatch
+) -> tuple[list[int], list[torch.Tensor], int, int, int]:
     """Greedy tokens, each step's logits, how many projections the decode steps ran through the
-    torch reference (an exact dequantization then F.linear) instead of the GEMV, and how many
-    GEMV launches ran a second projection in theirs (``qgemv``'s also)."""
+    torch reference (an exact dequantization then F.linear) instead of the GEMV, how many
+    GEMV launches ran a second projection in theirs (``qgemv``'s also), and how many ran a
+    DeltaNet conv in theirs (``conv``)."""
     from edgerun.kernels import qlinear_reference, qlinear_triton
 
     runner.model.use_kernels(policy.dense == "triton")
     runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 16)
     state = runner.decoder.reset()
-    tokens, logits, ref_calls, paired = [], [], [], []
+    tokens, logits, ref_calls, paired, convs = [], [], [], [], []
     ref, gemv = qlinear_reference.qlinear_ref, qlinear_triton.qgemv
     with torch.no_grad():
         token = int(runner.prefill(state, PROMPT).argmax())
         monkeypatch.setattr(
             qlinear_reference, "qlinear_ref", lambda *a, **k: ref_calls.append(1) or ref(*a, **k)
         )
-        monkeypatch.setattr(
-            qlinear_triton, "qgemv", lambda *a, **k: paired.append(k.get("also") is not None) or gemv(*a, **k)
-        )
+
+        def counted(*a, **k):
+            paired.append(k.get("also") is not None)
+            convs.append(k.get("conv") is not None)
+            return gemv(*a, **k)
+
+        monkeypatch.setattr(qlinear_triton, "qgemv", counted)
         for _ in range(STEPS):
             tokens.append(token)
             step = runner.decode_step(state, token).clone()
@@ -82,7 +89,7 @@ def decode(runner: Runner, policy: Resolved, monkeypatch) -> tuple[list[int], li
             token = int(step.argmax())
         monkeypatch.setattr(qlinear_reference, "qlinear_ref", ref)
         monkeypatch.setattr(qlinear_triton, "qgemv", gemv)
-    return tokens, logits, len(ref_calls), sum(paired)
+    return tokens, logits, len(ref_calls), sum(paired), sum(convs)
 
 
 # each scheme once (the interpreter is slow): plain, int8 per group and int4, both architectures
@@ -97,15 +104,20 @@ def test_fused_decode_step_matches_torch(sources, tmp_path, arch, dense, monkeyp
         bundle, device="cpu", dtype=torch.float32, cache=CacheConfig(64)
     )  # every expert held
     assert all(runner.cache.slot_table(layer) is not None for layer in runner.args.moe_layers)
-    want_tokens, want, torch_calls, _ = decode(
+    want_tokens, want, torch_calls, _, _ = decode(
         runner, Resolved(MoeKernelPolicy(), graphs=False, dense="torch"), monkeypatch
     )
     assert torch_calls > 0  # the count sees the reference when it runs
     fused = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
-    got_tokens, got, fused_ref_calls, paired = decode(runner, fused, monkeypatch)
+    got_tokens, got, fused_ref_calls, paired, convs = decode(runner, fused, monkeypatch)
     assert fused_ref_calls == 0  # every projection of a fused decode step ran the GEMV
-    # Qwen3.5's shared expert: its gate_up in each MoE layer's router launch, every step
-    assert paired == (STEPS * len(runner.args.moe_layers) if arch == "qwen3_5_moe" else 0)
+    # Qwen3.5's shared expert: its gate_up in each MoE layer's router launch, its down in the
+    # expert step's gate_up launch; each DeltaNet layer's conv in its in_proj's launch, every step
+    qwen35 = arch == "qwen3_5_moe"
+    assert paired == (STEPS * len(runner.args.moe_layers) if qwen35 else 0)
+    deltas = sum(t == "linear_attention" for t in runner.args.layer_types)
+    assert convs == (STEPS * deltas if qwen35 else 0) and (deltas > 0) == qwen35
+    assert runner.decoder.fold_down == (set(runner.args.moe_layers) if qwen35 else set())
     assert runner.decoder.modes and set(runner.decoder.modes.values()) == {"table"}
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
@@ -129,13 +141,14 @@ def test_batch_rows_are_the_one_sequence_step(sources, tmp_path):
     with torch.no_grad():
         runner.prefill(state, PROMPT[:2])
         single = runner.decode_step(state, 5).clone()
+    assert runner.decoder.fold_down == set(runner.args.moe_layers)  # routed too: the shared down folds
     runner.decoder = None
     runner.enable_batch(2)
     rows = [runner.batch.join(16) for _ in range(2)]
     for row, p in zip(rows, (PROMPT[:2], [1])):
         runner.prefill(row.state, p)
     logits, picks = runner.batch_step([r.slot for r in rows], [r.state for r in rows], [5, 9])
-    assert torch.equal(logits[0], single)
+    assert torch.equal(logits[0], single)  # the one sequence's step folds (its conv, its shared down)
     assert picks[0][0] == int(single.argmax()) and [r.state.pos for r in rows] == [3, 2]
     assert set(runner.row_steps.by_rows[2].modes.values()) == {"routed"}
 

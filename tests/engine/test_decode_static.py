@@ -113,3 +113,16 @@ def test_a_capture_holds_the_garbage_collector_off(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_probe_cases_include_each_delta_in_proj_with_its_conv(bundles):
+    """``gemv_cases`` names a DeltaNet model's in_proj at its own rows with the conv epilogue
+    (the dense probe checks the conv in its launch there); a model without DeltaNet layers has
+    no such case."""
+    for arch in ARCHS:
+        model, args, _ = load_bundle_model(bundles[(arch, "int4")], dtype=torch.float32)
+        conv = [c for c in model.gemv_cases() if c[4] == "conv"]
+        deltas = [m.linear_attn.in_proj for m in model.model.layers if hasattr(m, "linear_attn")]
+        want = {(m.scheme, m.out_features, m.in_features, m.group) for m in deltas}
+        assert {c[:4] for c in conv} == want and (not want or len(conv) == len(want))
+        assert all(c[5] == ("unit" if args.norm_unit_offset else "plain") for c in conv)

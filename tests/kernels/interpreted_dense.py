@@ -201,3 +201,108 @@ def test_a_heads_columns_split_among_programs():
     ref_in = clone_inputs(inputs)
     assert_matches(K.delta_decode(**inputs), delta_decode_ref(**ref_in))
     assert not counters(torch.device("cpu"), 2 * dims.n_v)[: 2 * dims.n_v].any()
+
+
+# --------------------------------------------------------------------------------------------
+# The conv in the in_proj GEMV's launch (qgemv's conv)
+
+
+def _in_proj(dims: DeltaDims, scheme: str, cols: int, seed: int, dtype=torch.bfloat16):
+    """A random in_proj of this geometry (qkv, z, b, a rows) and a plain RMSNorm of its input."""
+    from edgerun.kernels.qlinear_reference import random_norm, random_qweight
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = dims.conv_dim + dims.value_dim + 2 * dims.n_v
+    return random_qweight(scheme, rows, cols, 16, gen, dtype=dtype), random_norm(
+        "unit", cols, gen, "cpu", dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
+@pytest.mark.parametrize("dims", GEOMETRIES, ids=str)
+def test_the_conv_in_the_projection_launch_is_the_conv_launch(dims, scheme, dtype):
+    """The probe's case (``dense_probe.conv_fold_cases``): the in_proj GEMV with the conv in its
+    launch, then the delta rule alone, equal bit for bit to the GEMV, the conv's own launch and
+    the delta rule (projection, output, recurrent and conv state), twice, at every geometry
+    (3-tap convs, masked heads) and scheme; a case whose tile does not split at the conv's
+    channels is left to the conv's launch."""
+    from dense_cases import delta_args
+
+    from edgerun.kernels.dense_probe import conv_fold_cases
+    from edgerun.kernels.qlinear_triton import folds_conv
+
+    w, _ = _in_proj(dims, scheme, 64, seed=1, dtype=dtype)
+    assert folds_conv(w, 64, dims.conv_dim)
+    args = delta_args(dims)
+    case = (scheme, w.rows, 64, 16, "conv", "unit")
+    assert conv_fold_cases([case], args, torch.device("cpu"), dtype, torch.Generator().manual_seed(2)) == 1
+
+
+@pytest.mark.parametrize("block_r", [2, 16])
+def test_the_conv_epilogue_on_each_tile(block_r):
+    """On the MANY tile (16 rows a program, an in_proj of Qwen3.6's size takes it) and FEW's (2):
+    act and the shifted conv state equal the conv launch's, the projection's output the GEMV's
+    without the conv, through delta_decode's act; the programs past the conv's channels (z, b,
+    a) run no conv."""
+    from edgerun.kernels.qlinear_triton import GemvConfig, qgemv
+
+    dims = GEOMETRIES[1]
+    w, norm = _in_proj(dims, "int4", 64, seed=3)
+    cfg = GemvConfig(block_r, 256, 2)
+    x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    inputs = random_delta_inputs(dims, 1, torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    split = [dims.conv_dim, dims.value_dim, dims.n_v, dims.n_v]
+    plain, folded = clone_inputs(inputs), clone_inputs(inputs)
+    y0 = qgemv(x, w, norm=norm, config=cfg)
+    act = torch.full((1, dims.conv_dim), float("nan"))
+    y1 = qgemv(x, w, norm=norm, config=cfg, conv=(folded["conv_state"], folded["conv_weight"], act))
+    assert torch.equal(y0, y1)
+    qkv, z, b, a = y0.split(split, dim=-1)
+    out0 = K.delta_decode(**{**plain, "mixed_qkv": qkv, "z": z, "a": a, "b": b})
+    qkv, z, b, a = y1.split(split, dim=-1)
+    out1 = K.delta_decode(**{**folded, "mixed_qkv": qkv, "z": z, "a": a, "b": b}, act=act)
+    assert not act.isnan().any()
+    for got, want in (
+        (out1, out0),
+        (folded["state"], plain["state"]),
+        (folded["conv_state"], plain["conv_state"]),
+    ):
+        assert torch.equal(got, want)
+    assert not torch.equal(folded["conv_state"], inputs["conv_state"])  # shifted
+
+
+def test_the_conv_epilogue_refusals_name_what_does_not_fit():
+    """More than one row, another epilogue, top-k along, channels past the outputs or not at a
+    tile's end, a state of another shape or dtype, a bf16 act: refused, named; delta_decode's act
+    with slots or a trail too."""
+    from edgerun.kernels.qlinear_triton import folds_conv, qgemv
+
+    dims = GEOMETRIES[1]
+    w, norm = _in_proj(dims, "int4", 64, seed=6)
+    inputs = random_delta_inputs(dims, 1, torch.Generator().manual_seed(7), dtype=torch.bfloat16)
+    cs, cw = inputs["conv_state"], inputs["conv_weight"]
+    act = torch.empty(1, dims.conv_dim)
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError, match="one row"):
+        qgemv(x, w, conv=(cs, cw, act))
+    with pytest.raises(ValueError, match="one row"):
+        qgemv(
+            x[:1],
+            w,
+            epilogue="residual",
+            out=torch.zeros(1, w.rows, dtype=torch.bfloat16),
+            conv=(cs, cw, act),
+        )
+    assert not folds_conv(w, 64, dims.conv_dim + 1) and not folds_conv(w, 64, w.rows + 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        qgemv(x[:1], w, conv=(cs[:, :-1], cw[:-1], act[:, :-1]))  # not at the end of a tile of 2 rows
+    with pytest.raises(ValueError, match="conv_state must be"):
+        qgemv(x[:1], w, conv=(cs.float(), cw, act))
+    with pytest.raises(ValueError, match="act must be"):
+        qgemv(x[:1], w, conv=(cs, cw, act.bfloat16()))
+    with pytest.raises(ValueError, match="act"):
+        K.delta_decode(
+            **random_delta_inputs(dims, 2, torch.Generator().manual_seed(8)),
+            act=torch.empty(2, dims.conv_dim),
+        )

@@ -200,3 +200,66 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     assert int(reads) == far_pairs
     ref = moe_experts_ref(x, near, slots, ids, w, layout, gs, far=FarTier(rows))
     assert torch.equal(ref, moe_experts_ref(x, pool, slots, ids, w, layout, gs))
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("bf16", None, "none")], ids=fmt_id)
+def test_shared_down_in_the_gate_up_launch_is_its_own_launch(fmt, scheme):
+    """The shared expert's down projection in the gate_up launch (``shared_down``, one token):
+    its output and the residual after the step equal, bit for bit, qgemv's own launch of it on
+    the same tile (its gated epilogue) followed by the two expert launches, twice; its programs
+    fill part of a row of the grid (the rest do nothing) and leave the experts' h alone."""
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_triton import MANY, qgemv
+
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(11)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 1, 2, 6, gen, x_dtype=torch.bfloat16)
+    D = x.shape[1]
+    down = random_qweight(scheme, D, 48, 16, gen, dtype=torch.bfloat16)
+    tile = MANY[scheme]
+    assert K.folds_shared_down(down, tile)
+    mid = torch.randn(1, 48, generator=gen).bfloat16()
+    logit = torch.randn(1, 1, generator=gen).bfloat16()
+    resid = torch.randn(1, D, generator=gen).bfloat16()
+    want_shared = qgemv(mid, down, None, "gated", torch.empty(1, D, dtype=torch.bfloat16), logit, config=tile)
+    want = K.moe_gemv(x, pool, slots, ids, w, layout, gs, into=(resid.clone(), want_shared))
+    for _ in range(2):
+        shared = torch.full((1, D), float("nan"), dtype=torch.bfloat16)
+        got = K.moe_gemv(x, pool, slots, ids, w, layout, gs, into=(resid.clone(), shared),
+                         shared_down=(down, mid, logit, tile))  # fmt: skip
+        assert torch.equal(shared, want_shared) and torch.equal(got, want)
+
+
+def test_shared_down_refusals_name_what_does_not_fit():
+    """Two tokens, no shared output, a tile of other warps, a mid of another width: refused."""
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_triton import FEW, MANY
+
+    layout = layout_for(("int4", 16, "none"))
+    gen = torch.Generator().manual_seed(12)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 2, 2, 6, gen, x_dtype=torch.bfloat16)
+    D = x.shape[1]
+    down = random_qweight("int4", D, 48, 16, gen, dtype=torch.bfloat16)
+    mid, logit = torch.randn(1, 48).bfloat16(), torch.randn(1, 1).bfloat16()
+    resid, shared = torch.randn(2, D).bfloat16(), torch.zeros(2, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one token"):
+        K.moe_gemv(
+            x,
+            pool,
+            slots,
+            ids,
+            w,
+            layout,
+            gs,
+            into=(resid, shared),
+            shared_down=(down, mid, logit, MANY["int4"]),
+        )
+    one = (x[:1], pool, slots[:1], ids[:1], w[:1], layout, gs)
+    with pytest.raises(ValueError, match="one token"):
+        K.moe_gemv(*one, into=(resid[:1], None), shared_down=(down, mid, logit, MANY["int4"]))
+    assert not K.folds_shared_down(down, FEW["int4"])  # 4 warps
+    with pytest.raises(ValueError, match="warps"):
+        K.moe_gemv(*one, into=(resid[:1], shared[:1]), shared_down=(down, mid, logit, FEW["int4"]))
+    with pytest.raises(ValueError, match="columns"):
+        K.moe_gemv(*one, into=(resid[:1], shared[:1]), shared_down=(down, mid[:, :32], logit, MANY["int4"]))

@@ -92,3 +92,18 @@ def test_probe_selects_on_this_gpu(dtype):
     print(r)
     assert r.selected, r.reason
     assert r.name == "dense_triton[delta_decode]"
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_the_conv_in_the_in_proj_launch_at_the_real_geometry(scheme):
+    """Qwen3.6's in_proj (12,352 x 2,048: the 16-row MANY tile, 2 warps) with the DeltaNet conv
+    in its launch, then the delta rule alone: the projection, output and both states bit for bit
+    those of the conv's own launch, twice (the probe's case, ``conv_fold_cases``), in bf16."""
+    from dense_cases import delta_args
+
+    from edgerun.kernels.dense_probe import conv_fold_cases
+
+    args = delta_args(REAL, hidden_size=2048)
+    rows = REAL.conv_dim + REAL.value_dim + 2 * REAL.n_v
+    case = (scheme, rows, 2048, 32, "conv", "unit")
+    assert conv_fold_cases([case], args, torch.device("cuda"), torch.bfloat16, gen(9)) == 1

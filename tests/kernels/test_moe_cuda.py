@@ -129,3 +129,39 @@ def test_pool_past_2_31_bytes():
     ref = moe_experts_ref(*args)
     assert rel_err(K.moe_gemv(*args), ref) < 1e-4
     assert rel_err(K.moe_grouped(*args), ref) < TOLERANCE
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_shared_down_in_the_gate_up_launch_at_the_real_geometry(scheme):
+    """Qwen3.6's shared expert down projection (2,048 x 512, its expert-kernel tile) in the
+    gate_up launch of a one-token step of Qwen3.6's int4 experts (8 of 16 slots): its output and
+    the residual bit for bit its own qgemv launch's followed by the two expert launches, twice."""
+    from edgerun.kernels import moe_triton as K
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_triton import qgemv
+
+    layout = layout_for(("int4", 32, "none"), **REAL)
+    g = gen(21)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 1, 8, 16, g, "cuda", x_dtype=torch.bfloat16)
+    down = random_qweight(scheme, 2048, 512, 32, g, "cuda", torch.bfloat16)
+    tile = K.shared_down_tile(down)
+    assert tile is not None
+    mid = torch.randn(1, 512, generator=g, device="cuda").bfloat16()
+    logit = torch.randn(1, 1, generator=g, device="cuda").bfloat16()
+    resid = torch.randn(1, 2048, generator=g, device="cuda").bfloat16()
+    shared = qgemv(mid, down, None, "gated", torch.empty_like(resid), logit, config=tile)
+    want = K.moe_gemv(x, pool, slots, ids, w, layout, gs, into=(resid.clone(), shared))
+    for _ in range(2):
+        got_shared = torch.full_like(resid, float("nan"))
+        got = K.moe_gemv(
+            x,
+            pool,
+            slots,
+            ids,
+            w,
+            layout,
+            gs,
+            into=(resid.clone(), got_shared),
+            shared_down=(down, mid, logit, tile),
+        )
+        assert torch.equal(got_shared, shared) and torch.equal(got, want)
