@@ -36,6 +36,7 @@ every process reduces in the same order. Pools are indexed with 64-bit slot offs
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -870,10 +871,13 @@ def shared_down_tile(w) -> GemvTile | None:
     """The qgemv tile a shared expert's down projection w (a ``QWeight``) runs on everywhere
     once the engine runs the decode kernels, so that its one-token step can ride in the gate_up
     launch (``shared_down``) with the bits of its own launches elsewhere (a batch's rows, a
-    verify window): the weight's MANY tile where that runs this launch's warps, else None (its
-    default tile, its own launch)."""
-    tile = MANY.get(w.scheme)
-    return tile if tile is not None and folds_shared_down(w, tile) else None
+    verify window): the weight's MANY tile at this launch's warps (int4 and int8: MANY itself;
+    plain: MANY's at 2 warps, not 4), or None where the launch cannot run it (its default tile,
+    its own launch)."""
+    if w.scheme not in MANY:
+        return None
+    tile = dataclasses.replace(MANY[w.scheme], num_warps=DEFAULT_GEMV.num_warps)
+    return tile if folds_shared_down(w, tile) else None
 
 
 def _shared_down_args(

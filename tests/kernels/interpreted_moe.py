@@ -202,7 +202,7 @@ def test_far_tier_reads_the_same_bits_as_one_pool(fmt):
     assert torch.equal(ref, moe_experts_ref(x, pool, slots, ids, w, layout, gs))
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
 @pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("bf16", None, "none")], ids=fmt_id)
 def test_shared_down_in_the_gate_up_launch_is_its_own_launch(fmt, scheme):
     """The shared expert's down projection in the gate_up launch (``shared_down``, one token):
@@ -210,15 +210,15 @@ def test_shared_down_in_the_gate_up_launch_is_its_own_launch(fmt, scheme):
     the same tile (its gated epilogue) followed by the two expert launches, twice; its programs
     fill part of a row of the grid (the rest do nothing) and leave the experts' h alone."""
     from edgerun.kernels.qlinear_reference import random_qweight
-    from edgerun.kernels.qlinear_triton import MANY, qgemv
+    from edgerun.kernels.qlinear_triton import qgemv
 
     layout = layout_for(fmt)
     gen = torch.Generator().manual_seed(11)
     x, pool, slots, ids, w, _, gs = random_step(layout, 1, 2, 6, gen, x_dtype=torch.bfloat16)
     D = x.shape[1]
     down = random_qweight(scheme, D, 48, 16, gen, dtype=torch.bfloat16)
-    tile = MANY[scheme]
-    assert K.folds_shared_down(down, tile)
+    tile = K.shared_down_tile(down)  # MANY's tile at the launch's 2 warps
+    assert tile is not None and tile.num_warps == 2 and K.folds_shared_down(down, tile)
     mid = torch.randn(1, 48, generator=gen).bfloat16()
     logit = torch.randn(1, 1, generator=gen).bfloat16()
     resid = torch.randn(1, D, generator=gen).bfloat16()

@@ -131,7 +131,7 @@ def test_pool_past_2_31_bytes():
     assert rel_err(K.moe_grouped(*args), ref) < TOLERANCE
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
 def test_shared_down_in_the_gate_up_launch_at_the_real_geometry(scheme):
     """Qwen3.6's shared expert down projection (2,048 x 512, its expert-kernel tile) in the
     gate_up launch of a one-token step of Qwen3.6's int4 experts (8 of 16 slots): its output and
