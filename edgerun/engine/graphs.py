@@ -316,9 +316,7 @@ class DecodeGraphs:
         mlp = self.layers[i].mlp
         if self.rows != 1 or self.is_window or self.modes[i] not in ("routed", "table"):
             return False
-        if isinstance(mlp.experts, HeldExperts) or self.policy.moe.impl != "triton":
-            return False
-        return mlp.defers_down(self.x, self.static.fused)
+        return self.policy.moe.impl == "triton" and mlp.defers_down(self.x, self.static.fused)
 
     def _next_moe(self, i: int) -> int | None:
         return next((j for j in sorted(self.modes) if j > i), None)
@@ -429,15 +427,17 @@ class DecodeGraphs:
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]
         experts = self.layers[i].mlp.experts
+        shared_down = None
+        if i in self.fold_down:  # the shared expert's down projection in the gate_up launch
+            shared_down = self.layers[i].mlp.shared_down(buf.mid, buf.logits)
         if isinstance(experts, HeldExperts):  # the MTP head's, held outside the cache
-            experts.run(self.h, buf.ids, buf.weights, self.policy.moe, into=self._into(i))
+            experts.run(
+                self.h, buf.ids, buf.weights, self.policy.moe, into=self._into(i), shared_down=shared_down
+            )
             return
         # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
         # this segment (captured: checked at capture, and at replay nothing runs between the
         # lookup and the kernel)
-        shared_down = None
-        if i in self.fold_down:  # the shared expert's down projection in the gate_up launch
-            shared_down = self.layers[i].mlp.shared_down(buf.mid, buf.logits)
         run_experts(
             self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs,
             table=buf.table, into=self._into(i), shared_down=shared_down,

@@ -254,11 +254,13 @@ class HeldExperts(nn.Module):
         weights: torch.Tensor,
         policy: MoeKernelPolicy | None = None,
         into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        shared_down: tuple | None = None,
     ) -> torch.Tensor:
-        """x [N, D], ids / weights [N, A] -> [N, D] (or added into ``into``, see ``moe_experts``)."""
+        """x [N, D], ids / weights [N, A] -> [N, D] (or added into ``into``; ``shared_down``: the
+        shared expert's down projection in the step's launch; see ``moe_experts``)."""
         return moe_experts(
             x, self.pool, ids, ids, weights, self.layout, self.scales, policy or self.policy,
-            table=self.table, into=into, packed=self.packed,
+            table=self.table, into=into, packed=self.packed, shared_down=shared_down,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
