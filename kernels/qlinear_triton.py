@@ -47,6 +47,7 @@ import triton.language as tl
 from edgerun.kernels.bits_triton import _e4m3, _field
 from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
+from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
@@ -781,13 +782,12 @@ def _check_conv(x, epilogue, width, cfg, conv, topk, also) -> dict:
         raise ValueError(
             f"qgemv's conv over {CC} channels ({K} taps) does not fit {width} outputs in tiles of {cfg.block_r} rows"
         )
-    for name, t, shape, dtype in (
-        ("conv_state", conv_state, (1, CC, K - 1), x.dtype),
-        ("conv weight", conv_weight, (CC, K), x.dtype),
-        ("act", act, (1, CC), torch.float32),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device or not t.is_contiguous():
-            raise ValueError(f"qgemv's conv: {name} must be a contiguous {dtype} {list(shape)} on {x.device}, got {_where(t)}")  # fmt: skip
+    expected = {
+        "conv_state": (conv_state, (1, CC, K - 1), (x.dtype,)),
+        "conv weight": (conv_weight, (CC, K), (x.dtype,)),
+        "act": (act, (1, CC), (torch.float32,)),
+    }
+    check_tensors(expected, x.device)
     return dict(
         conv_state=conv_state, conv_w=conv_weight, conv_act=act, CONV=True, CONV_C=CC, CONV_K=K,
         CONV_KP2=triton.next_power_of_2(K),

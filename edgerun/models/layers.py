@@ -1086,9 +1086,10 @@ class SparseMoe(nn.Module):
         :meth:`defers_down`): the shared expert's down projection is left to the expert step's
         launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``)."""
         gate_up = self.shared_expert.gate_up if self.has_shared else None
-        if defer and not self.defers_down(x, fused):
+        paired = gate_up is not None and fused and self.gate.proj.pairs_with(gate_up, x)
+        if defer and not (paired and self.shared_expert.down_proj.tile is not None):  # (defers_down, cheaply)
             raise ValueError("the shared expert's down projection cannot wait for the expert step here")
-        if gate_up is None or not (fused and self.gate.proj.pairs_with(gate_up, x)):
+        if not paired:
             logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits)
             self.shared_output(h, logits, out=shared)
             return logits
