@@ -6,8 +6,9 @@ because a symbol imports. ``probe_dense`` runs the model's own geometry on rando
 model dtype, twice each: for a model with DeltaNet layers, ``delta_decode`` from a random
 history and recurrent state; then the model's projection GEMVs (every scheme and shape, each
 epilogue, the RMSNorm prologue), the router top-k (alone, and in the router GEMV's launch as
-the decode step runs it: ``decode_reference.run_fused_router``) and attention kernels, and the
-greedy pick (argmax and its logit: exact, so equal to torch's).
+the decode step runs it: ``decode_reference.run_fused_router``) and attention kernels, the
+DeltaNet conv in the in_proj GEMV's launch against the conv's own launch (``conv_fold_cases``:
+bit for bit), and the greedy pick (argmax and its logit: exact, so equal to torch's).
 
 - accuracy: max |got - ref| <= TOLERANCE[dtype] * max |ref| for every output and for the
   recurrent state, ref = kernels/dense_reference.py on the same inputs; the conv state, a pure
