@@ -100,12 +100,15 @@ def report_experts() -> None:
     POINTERS.update(h="*fp32", far_reads="*i64", uses="*i64", rw="*bf16", shared="*bf16", part="*fp32")
     POINTERS.update(count="*i32")
     cfg = MT.DEFAULT_GEMV
-    common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, PDL=True)
+    common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, RANGE=False, PDL=True)
+    gate_up = MT.NO_SD  # the shared expert's down projection not in the launch
     rows = 2 * cfg.block_r
-    const = common | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
+    const = common | gate_up | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
     ops = sass_ops(MT._gate_up_kernel, const, cfg.num_warps)
     report(f"experts gate_up r{rows} w{cfg.num_warps}", ops, rows, cfg.num_warps, cols=2048)
-    const = common | dict(D=2048, A_P2=8, BLOCK_R=cfg.down_rows, BLOCK_K=512, SHARED=True, INTO=True, CODE=1)
+    const = common | dict(
+        D=2048, A_P2=8, BLOCK_R=cfg.down_rows, BLOCK_K=512, SHARED=True, INTO=True, CODE=1, ACC=False
+    )
     ops = sass_ops(MT._down_kernel, const, cfg.num_warps)
     report(f"experts down r{cfg.down_rows} w{cfg.num_warps}", ops, cfg.down_rows, cfg.num_warps, cols=512)
 

@@ -61,6 +61,7 @@ from edgerun.kernels.qlinear_triton import (
     step_sum,
 )
 from edgerun.kernels.qlinear_triton import GemvConfig as GemvTile
+from edgerun.kernels.qlinear_triton import _check as check_gemv
 from edgerun.kernels.qlinear_triton import unsupported as gemv_unsupported
 from edgerun.kernels.scratch import counters
 
@@ -198,6 +199,7 @@ def _gate_up_kernel(
     SD_G: tl.constexpr,
     SD_GROUPED: tl.constexpr,
     SD_ROW_SCALED: tl.constexpr,
+    SD_EPILOGUE: tl.constexpr,
     SD_BLOCK_R: tl.constexpr,
     SD_BLOCK_K: tl.constexpr,
     SD_SUM: tl.constexpr,
@@ -219,7 +221,7 @@ def _gate_up_kernel(
         if q < sd_progs:
             _gemv_program(
                 q, sd_x, sd_w, sd_s, sd_rs, sd_x, sd_gate, sd_out, sd_x, sd_x, 0.0, sd_rows, 0, 0, 0, zero, 1,
-                1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, 3, SD_CODE, SD_BLOCK_R, SD_BLOCK_K,
+                1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, SD_EPILOGUE, SD_CODE, SD_BLOCK_R, SD_BLOCK_K,
                 SD_SUM, 0, False, 1, 1, False, PDL,
             )  # fmt: skip
         else:
@@ -852,12 +854,25 @@ def moe_gemv(
     return out
 
 
+# the gate_up kernel's shared-down constexprs when it runs none (``shared_down``)
+NO_SD = dict(
+    SD=False,
+    SD_C=1,
+    SD_QUANT=0,
+    SD_G=1,
+    SD_GROUPED=False,
+    SD_ROW_SCALED=False,
+    SD_EPILOGUE=3,
+    SD_BLOCK_R=2,
+    SD_BLOCK_K=1,
+    SD_SUM=1,
+    SD_CODE=0,
+)
+
+
 def _no_sd(x: torch.Tensor) -> dict:
     """The gate_up launch's shared-down arguments when it runs none: placeholders, never read."""
-    return dict(
-        sd_x=x, sd_w=x, sd_s=x, sd_rs=x, sd_gate=x, sd_out=x, sd_rows=0, sd_progs=0, SD=False, SD_C=1, SD_QUANT=0,
-        SD_G=1, SD_GROUPED=False, SD_ROW_SCALED=False, SD_BLOCK_R=2, SD_BLOCK_K=1, SD_SUM=1, SD_CODE=0,
-    )  # fmt: skip
+    return dict(sd_x=x, sd_w=x, sd_s=x, sd_rs=x, sd_gate=x, sd_out=x, sd_rows=0, sd_progs=0, **NO_SD)
 
 
 def folds_shared_down(w, tile: GemvTile, config: GemvConfig = DEFAULT_GEMV) -> bool:
@@ -885,8 +900,6 @@ def _shared_down_args(
 ) -> tuple[dict, int]:
     """The gate_up launch's arguments for ``shared_down`` and the rows of axis 0 its programs
     take (``cols`` programs a row); errors name what does not fit."""
-    from edgerun.kernels.qlinear_triton import _check as check_gemv
-
     w, mid, gate, tile = shared_down
     if not folds_shared_down(w, tile, config):
         raise ValueError(
@@ -899,10 +912,9 @@ def _shared_down_args(
     progs, (wt, st, rs), t = _weight_args(w, mid, "gated", width, tile)
     args = dict(
         sd_x=mid, sd_w=wt, sd_s=st, sd_rs=rs, sd_gate=gate, sd_out=shared, sd_rows=width, sd_progs=progs, SD=True,
-        SD_C=w.cols, SD_QUANT=t["QUANT"], SD_G=t["G"], SD_GROUPED=t["GROUPED"], SD_ROW_SCALED=t["ROW_SCALED"],
-        SD_BLOCK_R=t["BLOCK_R"], SD_BLOCK_K=t["BLOCK_K"], SD_SUM=t["SUM"], SD_CODE=DTYPE_CODE[mid.dtype],
+        SD_C=w.cols, SD_CODE=DTYPE_CODE[mid.dtype],
     )  # fmt: skip
-    return args, triton.cdiv(progs, cols)
+    return args | {f"SD_{k}": v for k, v in t.items()}, triton.cdiv(progs, cols)
 
 
 def _check_into(resid: torch.Tensor, shared: torch.Tensor | None, shape: tuple[int, int], x) -> None:
