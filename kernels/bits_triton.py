@@ -4,6 +4,10 @@ Quantized values become fp32 without int-to-float conversions (a quarter-rate in
 GPU): a field is masked in place, its sign bit flipped and an exponent or-ed over it, so the
 float is 2^e + (q + 2^(bits-1)), from which one exact subtraction leaves q. An e4m3 scale code
 moves into fp32's sign and low exponent bits and one multiply by 2^120 rescales it.
+
+Order keys: an fp32 value and its index as one int64 whose integer order is the pick order (the
+larger value, then the lower index), so that one max reduction (or one ``atomic_max`` between
+programs) is an argmax with its tie rule, and the value comes back from the key exactly.
 """
 
 from __future__ import annotations
@@ -38,3 +42,31 @@ def _e4m3(code):
     c = code.to(tl.int32)
     bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
     return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+
+
+KEY_EMPTY = tl.constexpr(-(2**63))  # below every key ``_order_key`` makes
+
+
+@triton.jit
+def _order_key(x, index):
+    """fp32 x and its index (< 2^32) -> int64: (the value's order - 2^31) * 2^32 + (2^32 - 1 -
+    index). The order is the value's bits made monotone (a negative value's 31 low bits flipped),
+    -0.0 as +0.0 (they compare equal) and NaN above +inf, as ``torch.argmax`` ranks it."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    order = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # -1 - b: ~b of a 32-bit b, as int64
+    order = tl.where(x != x, 4294967295, order)
+    return (order - 2147483648) * 4294967296 + (4294967295 - index.to(tl.int64))
+
+
+@triton.jit
+def _key_index(key):
+    """The index ``_order_key`` put in ``key``."""
+    return (4294967295 - (key & 4294967295)).to(tl.int32)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value ``_order_key`` put in ``key``, exactly (+0.0 for -0.0; a NaN for NaN)."""
+    order = (key >> 32) + 2147483648
+    bits = tl.where(order >= 2147483648, order - 2147483648, -1 - order)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)

@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels.bits_triton import KEY_EMPTY, _key_index, _key_value, _order_key
 from edgerun.kernels.dense_triton import DTYPE_CODE, _check, _round, _warps
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
@@ -88,27 +89,28 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
                HAS_GATE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
     """Row n of logits [N, E + X] to weights / ids [N, A] (and the gate [N, 1]): ``router_topk``'s
     program, and ``qgemv``'s last program for each row of its call (``route``), so both give the
-    same bits: max and min are exact and the sums ``_fixed_sum``'s, so no value depends on the
-    kernel's warps. Loads bypass L1 (.cg): in the GEMV, other programs stored the row."""
+    same bits: each pick is one integer max of ``bits_triton._order_key``s (exact, the value
+    and the lowest id among equals at once) and the sums ``_fixed_sum``'s, so no value depends on
+    the kernel's warps. Loads bypass L1 (.cg): in the GEMV, other programs stored the row."""
     n = n.to(tl.int64)
     row = logits + n * row_stride
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(row + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    m = tl.max(x, axis=0)
-    total = _fixed_sum(tl.where(valid, tl.exp(x - m), 0.0))
+    key = tl.where(valid, _order_key(x, e), KEY_EMPTY)
 
     j = tl.arange(0, BLOCK_K)
     top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
-    free = valid
-    for i in tl.static_range(K):  # k passes of argmax: largest logit, lowest id among equals
-        key = tl.where(free, x, float("-inf"))
-        best = tl.max(key, axis=0)
-        pick = tl.min(tl.where(free & (key == best), e, BLOCK_E), axis=0)
-        free = free & (e != pick)
-        top_x = tl.where(j == i, best, top_x)
-        top_id = tl.where(j == i, pick, top_id)
+    best = tl.max(key, axis=0)
+    m = _key_value(best)  # the row's max
+    for i in tl.static_range(K):  # k passes of one max each: largest logit, lowest id among equals
+        top_x = tl.where(j == i, _key_value(best), top_x)
+        top_id = tl.where(j == i, _key_index(best), top_id)
+        if i + 1 < K:
+            key = tl.where(key == best, KEY_EMPTY, key)  # keys are unique: exactly the pick
+            best = tl.max(key, axis=0)
+    total = _fixed_sum(tl.where(valid, tl.exp(x - m), 0.0))
     top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
     if NORMALIZE:
         top = top / _fixed_sum(tl.where(j < K, top, 0.0))

@@ -8,9 +8,12 @@ visible) before anything else, and lets the successor launch.
 
 The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
 - it calls ``_grid_sync`` in every program, before reading any activation and before any store;
-- before that call it reads only tensors that no kernel of the last two launches writes (weights,
-  scales): its launch waited for every program of the predecessor to pass *its* wait, so the
-  kernel before that had completed.
+- before that call it reads only tensors that neither it nor its predecessor writes and that, if
+  anything in the step writes them, were written two or more launches back: its launch waited
+  for every program of the predecessor to pass *its* wait, so the kernel before that had
+  completed. Weights and scales qualify everywhere; a MoE layer's expert ids, slots and slot
+  table qualify in the expert down kernel (the router or the cache wrote them before the gate_up
+  launch between them), which loads them bypassing L1 (``.cg``).
 So the arithmetic is the same with and without PDL: the bits do not change, only the overlap.
 Kernels launched without it (torch's own, the prefill path) serialise as usual.
 """

@@ -99,17 +99,25 @@ DEFAULT_GEMV = GemvConfig()
 
 
 @triton.jit
-def _rows_dot(x, w, s, rows, zero, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-              GROUPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
-    """fp32 [BLOCK_R]: sum_c W[r, c] x[c] for weight ``rows`` (int64) of an [R, C] component at w
-    (its scales at s), every scale applied but an int4 tensor's global one. The dense GEMV's own
-    step (``qgemv``'s ``_accumulate`` for one row: 32-bit words decoded without conversions,
-    each step's group sums in registers), so an expert's weight value costs what a projection's
-    does."""
+def _rows_first(w, s, rows, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """(words, scales) of ``_rows_dot``'s first step: loads a kernel may issue before it waits
+    for the previous one (kernels/launch.py), as ``qgemv``'s programs do."""
     wd0 = _words(w, rows, 0, C, QUANT, BLOCK_K)
     scale0 = wd0
     if GROUPED:
         scale0 = _scales(s, rows, 0, C, G, QUANT, BLOCK_K)
+    return wd0, scale0
+
+
+@triton.jit
+def _rows_dot(x, w, s, rows, zero, wd0, scale0, C: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+              GROUPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_R]: sum_c W[r, c] x[c] for weight ``rows`` (int64) of an [R, C] component at w
+    (its scales at s; the first step's words and scales ``_rows_first``'s), every scale applied
+    but an int4 tensor's global one. The dense GEMV's own step (``qgemv``'s ``_accumulate`` for
+    one row: 32-bit words decoded without conversions, each step's group sums in registers), so
+    an expert's weight value costs what a projection's does."""
     y = _accumulate(x, 0, w, s, rows, zero, wd0, scale0, x, 0.0, 1, 1, C, QUANT, G, GROUPED,
                     BLOCK_R, BLOCK_K, SUM, 0, 0, 16, False)  # fmt: skip
     y = tl.sum(y, axis=1)  # [BLOCK_R, 1]: the one row's sums
@@ -122,8 +130,9 @@ def _rows_dot(x, w, s, rows, zero, C: tl.constexpr, QUANT: tl.constexpr, G: tl.c
 def _slot(slots, table, ids, p, TABLE: tl.constexpr):
     """The slot of pair p: slots[p], or (a layer whose every expert is held) table[ids[p]]."""
     if TABLE:
-        return tl.load(table + tl.load(ids + p)).to(tl.int64)
-    return tl.load(slots + p).to(tl.int64)  # 64-bit: slot * block passes 2^31 in large pools
+        return tl.load(table + tl.load(ids + p, cache_modifier=".cg"), cache_modifier=".cg").to(tl.int64)
+    # 64-bit: slot * block passes 2^31 in large pools; .cg: the down kernel reads it before its wait
+    return tl.load(slots + p, cache_modifier=".cg").to(tl.int64)
 
 
 @triton.jit
@@ -256,7 +265,10 @@ def _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, use
     i = tl.arange(0, BLOCK_R)
     OUT_R: tl.constexpr = BLOCK_R // 2
     rows = (tl.program_id(1) * OUT_R + i // 2 + (i % 2) * I).to(tl.int64)
-    y = _rows_dot(x + (p // A) * D, w, s, rows, zero, D, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+    wd0, scale0 = _rows_first(w, s, rows, D, QUANT, G, GROUPED, BLOCK_K)
+    y = _rows_dot(
+        x + (p // A) * D, w, s, rows, zero, wd0, scale0, D, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM
+    )
     if QUANT == 2:
         y *= tl.load(gscales + slot * 2)
     gate, up = tl.split(tl.reshape(y, [OUT_R, 2]))
@@ -320,21 +332,27 @@ def _down_kernel(
     lo..hi compute nothing but still arrive, and only the experts in lo..hi are summed; with ACC
     the sum starts from ``out`` (fp32) rather than 0 and is stored unrounded, so consecutive
     ranges in ascending order add exactly what one call adds, in the same order."""
-    _grid_sync(PDL)
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
     r0 = j * BLOCK_R
     rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     run = True
-    if RANGE:
+    if RANGE:  # a step in parts: a pair outside lo..hi reads no slot, so nothing before the wait
+        _grid_sync(PDL)
         e = tl.load(ids + p)
         run = (e >= lo) & (e <= hi)
     if run:
+        # the pair's slot and first step of weights before the wait (kernels/launch.py): the
+        # router wrote ids (the slots: the cache, before the step's expert launches) two
+        # launches back, the gate_up launch between them writes neither
         slot = _slot(slots, table, ids, p, TABLE)
         w = wpool + _at(slot, split, w_block, w_far) + w_off
         s = spool + _at(slot, split, s_block, s_far) + s_off
-        y = _rows_dot(h + p * I, w, s, rows, zero, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
+        wd0, scale0 = _rows_first(w, s, rows, I, QUANT, G, GROUPED, BLOCK_K)
+        if not RANGE:
+            _grid_sync(PDL)
+        y = _rows_dot(h + p * I, w, s, rows, zero, wd0, scale0, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
         if QUANT == 2:
             y *= tl.load(gscales + slot * 2 + 1)
         tl.store(part + p * D + rows, y * tl.load(rw + p).to(tl.float32))

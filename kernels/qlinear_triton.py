@@ -104,6 +104,16 @@ FEW = {
     "plain": GemvConfig(8, 1024, 4, rolled_from=4),
 }
 MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
+# TINY: where FEW would leave SMs without a program (a router's 257 bf16 rows: 33 programs of 8
+# rows reading 32 KB each in turn), two rows a program and a row of up to 4 KB in one step, so
+# that every SM reads and, with PDL, all of a program's weights are requested before it waits.
+# FEW's warps, so that a router still pairs with the shared expert's gate_up (``pairs``).
+SMS = 132
+TINY = {
+    "int4": FEW["int4"],
+    "int8": GemvConfig(2, 4096, 4, rolled_from=4),
+    "plain": GemvConfig(2, 4096, 4, rolled_from=4),
+}
 
 
 def _pow2_divisor(n: int, at_most: int) -> int:
@@ -583,8 +593,10 @@ def unsupported(w: QWeight) -> str | None:
 def gemv_config(scheme: str, R: int, C: int) -> GemvConfig:
     """The tile ``qgemv`` uses for a weight of this scheme and shape (C does not change it: a
     step's columns are a fixed number of bytes). A fixed function, so the bits repeat."""
-    many = MANY[scheme]
-    return many if triton.cdiv(R, many.block_r) >= MIN_PROGRAMS else FEW[scheme]
+    many, few = MANY[scheme], FEW[scheme]
+    if triton.cdiv(R, many.block_r) >= MIN_PROGRAMS:
+        return many
+    return few if triton.cdiv(R, few.block_r) >= SMS else TINY[scheme]
 
 
 def _tile(w: QWeight, config: GemvConfig) -> tuple[int, int, bool]:

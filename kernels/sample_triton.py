@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels.bits_triton import KEY_EMPTY, _key_index, _order_key
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
 BLOCK = 4096  # logits a tile: a tile is loaded, scaled and summed at once (61 tiles at 248,320)
@@ -159,7 +160,6 @@ def _sample_kernel(
 # programs that meet in one int64 key a row (``greedy``): (the logit's order - 2^31) * 2^32 +
 # (2^32 - 1 - its index), so the largest key is the largest logit's first index
 GREEDY_SPAN = 4 * BLOCK
-KEY_EMPTY = tl.constexpr(-(2**63))  # below every key
 
 
 @triton.jit
@@ -193,16 +193,13 @@ def _greedy_kernel(
         # the span's best as a key whose int64 order is (logit, then the lower index): +0.0 for
         # -0.0 (they compare equal), NaN above +inf; the last program of the row to arrive reads
         # the row's largest key and resets both for the next call
-        bits = (best + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-        order = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # -1 - b: ~b of a 32-bit b, as int64
-        order = tl.where(nan_at < V, 4294967295, order)
-        low = 4294967295 - idx.to(tl.int64)
-        key = tl.where(idx < V, (order - 2147483648) * 4294967296 + low, KEY_EMPTY)
+        key = _order_key(tl.where(nan_at < V, float("nan"), best), idx)
+        key = tl.where(idx < V, key, KEY_EMPTY)
         tl.atomic_max(keys + n, key)
         if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
             key = tl.atomic_xchg(keys + n, KEY_EMPTY)
             tl.atomic_xchg(tickets + n, 0)
-            idx = (4294967295 - (key & 4294967295)).to(tl.int32)
+            idx = _key_index(key)
             value = tl.load(src + idx).to(tl.float32)
             tl.store(token + n * token_stride, idx.to(tl.int64))
             tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))

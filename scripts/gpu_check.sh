@@ -26,6 +26,8 @@
 #           VW_QUOTA (256: every expert held), VW_CALLS (10) timed calls
 #   dec     edgerun bench decode at DEC_LAYERS (40) layers of Qwen3.6's geometry, resident, int4 dense,
 #           DEC_ENV set for it, files dec$DEC_TAG.*
+#   route   benchmarks/bench_route.py: a MoE layer's router launch and its parts (ROUTE_TILES: router
+#           tiles "block_r,row_bytes ..." timed too), files route.*
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
@@ -87,6 +89,9 @@ for ph in ${PHASES:-}; do
       --out "$OUT/dec${DEC_TAG:-}" --prompt "${DEC_PROMPT:-64}" --decode "${DEC_DECODE:-128}" \
       --repeats "${DEC_REPEATS:-3}" --budgets resident --dense int4 --layers "${DEC_LAYERS:-40}" \
       --calibrate-seconds 0.2 2>&1 | grep -v Warning | tee "$OUT/dec${DEC_TAG:-}.txt" | tail -25 ;;
+  route)  # benchmarks/bench_route.py: the router launch and its parts, the router tiles ROUTE_TILES
+    timeout "$(lim "${ROUTE_TIMEOUT:-120}")" python3 benchmarks/bench_route.py --reps "${ROUTE_REPS:-50}" \
+      --tiles ${ROUTE_TILES:-} --json "$OUT/route.json" 2>&1 | grep -v Warning | tee "$OUT/route.txt" ;;
   sbench)
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
       --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \

@@ -27,11 +27,14 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from router_cases import both_ways, router, with_shared
 from test_decode_reference import qwen3_30b_args, qwen36_args, tiny_args
 from torch import nn
 
 from edgerun.kernels import decode_triton as K
+from edgerun.kernels.bits_triton import _key_index, _key_value, _order_key
 from edgerun.kernels.decode_reference import (
     TOLERANCE,
     AttnDims,
@@ -100,6 +103,57 @@ def test_router_ties_go_to_the_lower_expert_id():
         assert ids.tolist() == want
         probs = torch.softmax(logits.float(), -1)
         assert torch.equal(weights, probs.gather(1, ids).bfloat16())
+
+
+def test_router_ranks_minus_zero_with_zero_and_minus_inf_last():
+    # -0.0 == +0.0, so among them the lower id goes first; -inf logits (masked experts) go last
+    logits = torch.tensor([[-1.0, 0.0, -0.0, -float("inf"), -0.5, -0.0, -float("inf"), -2.0]])
+    weights, ids = torch.empty(1, 8), torch.empty(1, 8, dtype=torch.int64)
+    K.router_topk(logits, 8, 8, False, weights, ids)
+    assert ids.tolist() == [[1, 2, 5, 4, 0, 7, 3, 6]]
+
+
+@triton.jit
+def _keys_kernel(x, index, keys, values, indices, N: tl.constexpr):
+    o = tl.arange(0, N)
+    key = _order_key(tl.load(x + o), tl.load(index + o))
+    tl.store(keys + o, key)
+    tl.store(values + o, _key_value(key))
+    tl.store(indices + o, _key_index(key))
+
+
+def test_order_keys_sort_as_argmax_ranks_and_give_back_value_and_index():
+    """``bits_triton._order_key``: the integer order of the keys is (value descending, NaN
+    first, -0.0 equal to +0.0, then the lower index), and the value and index come back exactly."""
+    g = torch.Generator().manual_seed(3)
+    special = [
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        0.0,
+        -0.0,
+        1e-40,
+        -1e-40,
+        3.4e38,
+        -3.4e38,
+        1.0,
+        -1.0,
+    ]
+    x = torch.cat(
+        [torch.tensor(special), torch.randn(64 - 2 * len(special), generator=g), torch.tensor(special)]
+    )
+    index = torch.randint(0, 2**31 - 1, (64,), generator=g, dtype=torch.int32)
+    index[-len(special) :] = index[: len(special)] + 1  # each special value twice, indices adjacent
+    keys, values = torch.empty(64, dtype=torch.int64), torch.empty(64)
+    indices = torch.empty(64, dtype=torch.int32)
+    _keys_kernel[(1,)](x, index, keys, values, indices, N=64)
+    assert torch.equal(indices, index)
+    nan = x.isnan()
+    assert values[nan].isnan().all()
+    want = torch.where(x == 0, torch.zeros_like(x), x)  # +0.0 for -0.0
+    assert torch.equal(values[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    ranked = sorted(range(64), key=lambda i: (not nan[i], 0.0 if nan[i] else -x[i].item(), index[i].item()))
+    assert sorted(range(64), key=lambda i: -keys[i].item()) == ranked
 
 
 def test_router_reads_strided_rows_and_the_gate_column():
