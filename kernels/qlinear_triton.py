@@ -54,6 +54,7 @@ from edgerun.kernels.qweight import SCHEMES, QWeight
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
 EPILOGUE_CODE = {"none": 0, "silu_mul": 1, "residual": 2, "gated": 3}
 PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the weight
+VALUE_BITS = {"int4": 4, "int8": 8, "plain": 16}  # a tile's sizing counts plain weights as 16-bit
 MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better tool
 SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
 # the kernel's top-k constexprs when it routes nothing (``TopK.kwargs`` when it does)
@@ -107,8 +108,10 @@ MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 # TINY: where FEW would leave SMs without a program (a router's 257 bf16 rows: 33 programs of 8
 # rows reading 32 KB each in turn), two rows a program and a row of up to 4 KB in one step, so
 # that every SM reads and, with PDL, all of a program's weights are requested before it waits.
-# FEW's warps, so that a router still pairs with the shared expert's gate_up (``pairs``).
+# FEW's warps, so that a router still pairs with the shared expert's gate_up (``pairs``). Only
+# for weights of TINY_BYTES or more: below, a program's reads are a few KB either way.
 SMS = 132
+TINY_BYTES = 256 << 10
 TINY = {
     "int4": FEW["int4"],
     "int8": GemvConfig(2, 4096, 4, rolled_from=4),
@@ -591,12 +594,15 @@ def unsupported(w: QWeight) -> str | None:
 
 
 def gemv_config(scheme: str, R: int, C: int) -> GemvConfig:
-    """The tile ``qgemv`` uses for a weight of this scheme and shape (C does not change it: a
-    step's columns are a fixed number of bytes). A fixed function, so the bits repeat."""
+    """The tile ``qgemv`` uses for a weight of this scheme and shape (C only decides whether a
+    weight of few rows is large enough for TINY: a step's columns are a fixed number of bytes).
+    A fixed function, so the bits repeat."""
     many, few = MANY[scheme], FEW[scheme]
     if triton.cdiv(R, many.block_r) >= MIN_PROGRAMS:
         return many
-    return few if triton.cdiv(R, few.block_r) >= SMS else TINY[scheme]
+    if triton.cdiv(R, few.block_r) >= SMS or R * C * VALUE_BITS[scheme] < 8 * TINY_BYTES:
+        return few
+    return TINY[scheme]
 
 
 def _tile(w: QWeight, config: GemvConfig) -> tuple[int, int, bool]:

@@ -93,6 +93,20 @@ def test_default_tile_strided_x_and_out(scheme):
     assert_matches(out, qlinear_ref(x, w), qlinear_ref(x, w, exact_weight=True))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "plain"])
+def test_the_tiny_tile_of_a_router_sized_weight(scheme):
+    # 257 rows of 1,024 columns: at least TINY_BYTES, and FEW's 8-row tile would leave SMs idle
+    R, C = 257, 1024
+    assert K.gemv_config(scheme, R, C) == K.TINY[scheme]
+    g = torch.Generator().manual_seed(5)
+    w = random_qweight(scheme, R, C, C, g)
+    for N in (1, 2):
+        x = torch.randn(N, C, generator=g).bfloat16()
+        got = K.qgemv(x, w)
+        assert_matches(got, qlinear_ref(x, w), qlinear_ref(x, w, exact_weight=True))
+        assert torch.equal(got, K.qgemv(x, w))
+
+
 def test_row_scales_of_concatenated_int4():
     # two int4 tensors of different global scales in one GEMV: each row keeps its own
     g = torch.Generator().manual_seed(2)
