@@ -6,10 +6,11 @@ H = query heads, Hk = kv heads, G = H / Hk, Dh = head dim, R = rotary dim, S = S
 KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
 
 - ``router_topk``: softmax over E in fp32, top-k, renormalisation, the shared-expert gate's
-  sigmoid; a program per row (3.6 µs on an H200 at E 256, against 21 µs for the torch ops).
+  sigmoid; a program per row (3.6 µs on an H200 at E 256, against 21 µs for the torch ops; 2.9
+  on an H100 with one integer max a pick, benchmarks/bench_route.py).
   Experts are picked by their logit as stored: softmax is monotone, so this is the reference's
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
-  logits go lowest id first. The softmax denominator and the renormalisation are summed in
+  logits (-0.0 and +0.0 among them) go lowest id first. The softmax denominator and the renormalisation are summed in
   64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits),
   which lets the router GEMV route its own logits in its last program with these bits
   (``qlinear_triton.qgemv``'s ``topk``, ``TopK``: the decode step's router, one launch fewer).

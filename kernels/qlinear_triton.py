@@ -110,6 +110,8 @@ MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 # that every SM reads and, with PDL, all of a program's weights are requested before it waits.
 # FEW's warps, so that a router still pairs with the shared expert's gate_up (``pairs``). Only
 # for weights of TINY_BYTES or more: below, a program's reads are a few KB either way.
+# benchmarks/bench_route.py on an H100: Qwen3.6's router launch 6.2 µs against FEW's 7.8, the
+# router GEMV alone 2.5 against 4.4.
 SMS = 132
 TINY_BYTES = 256 << 10
 TINY = {
