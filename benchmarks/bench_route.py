@@ -97,7 +97,6 @@ def main() -> None:
     copies = 1
     if cuda:
         from bench_dense_gemv import copies_for, graph_times
-        from bench_moe_kernel import timed  # noqa: F401 (graph_times' timing)
 
         copies = copies_for(nbytes)
 
