@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,21 +35,20 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from edgerun.kernels import qlinear_triton as K  # noqa: E402
 from edgerun.kernels.decode_triton import TopK, router_topk  # noqa: E402
 from edgerun.kernels.qlinear_reference import random_qweight  # noqa: E402
-from edgerun.kernels.qweight import QWeight  # noqa: E402
 
 D, E, TOP, SHARED = 2048, 256, 8, 512
 CALLS = 20
 
 
 def variants(x, router, shared, bufs):
-    """name -> call(i): the i-th copy's weights and buffers (``bufs``: per-copy outputs)."""
+    """name -> call(i): call i of a graph, on copy i of each list (cycled; ``bufs``: outputs)."""
 
     def launch(i, topk=True, also=True):
-        b = bufs[i]
+        b = bufs[i % len(bufs)]
         K.qgemv(
-            x, router[i], out=b["logits"], norm=(b["norm_w"], 1e-6, True), norm_out=b["normed"],
+            x, router[i % len(router)], out=b["logits"], norm=(b["norm_w"], 1e-6, True), norm_out=b["normed"],
             topk=TopK(E, TOP, True, b["weights"], b["ids"], b["count"]) if topk else None,
-            also=(shared[i], "silu_mul", b["mid"]) if also else None,
+            also=(shared[i % len(shared)], "silu_mul", b["mid"]) if also else None,
         )  # fmt: skip
 
     return {
@@ -56,30 +56,28 @@ def variants(x, router, shared, bufs):
         "without the top-k": lambda i: launch(i, topk=False),
         "without the shared gate_up": lambda i: launch(i, also=False),
         "router GEMV alone": lambda i: launch(i, topk=False, also=False),
-        "router_topk alone": lambda i: router_topk(bufs[i]["logits"], E, TOP, True, bufs[i]["weights"], bufs[i]["ids"]),
+        "router_topk alone": lambda i: router_topk(
+            bufs[i % len(bufs)]["logits"], E, TOP, True, bufs[i % len(bufs)]["weights"], bufs[i % len(bufs)]["ids"]
+        ),
     }  # fmt: skip
 
 
+@contextmanager
 def with_tile(tile):
-    """A context: ``gemv_config`` gives the router's shape ``tile`` (block_r, row_bytes)."""
+    """Within: ``gemv_config`` gives the router's shape ``tile`` (block_r, row_bytes; None: its own)."""
     original = K.gemv_config
 
-    class Ctx:
-        def __enter__(self):
-            if tile is not None:
+    def patched(scheme, R, C):
+        cfg = original(scheme, R, C)
+        if scheme == "plain" and R == E + 1:
+            return K.GemvConfig(tile[0], tile[1], cfg.num_warps, cfg.rolled_from)
+        return cfg
 
-                def patched(scheme, R, C):
-                    cfg = original(scheme, R, C)
-                    if scheme == "plain" and R == E + 1:
-                        return K.GemvConfig(tile[0], tile[1], cfg.num_warps, cfg.rolled_from)
-                    return cfg
-
-                K.gemv_config = patched
-
-        def __exit__(self, *exc):
-            K.gemv_config = original
-
-    return Ctx()
+    K.gemv_config = patched if tile is not None else original
+    try:
+        yield
+    finally:
+        K.gemv_config = original
 
 
 def main() -> None:
@@ -94,17 +92,11 @@ def main() -> None:
     r0 = random_qweight("plain", E + 1, D, D, g, dev, torch.bfloat16)
     s0 = random_qweight("int4", 2 * SHARED, D, 32, g, dev, torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for w in (r0, s0) for t in w.tensors())
-    copies = 1
-    if cuda:
-        from bench_dense_gemv import copies_for, graph_times
+    router, shared = [r0], [s0]
+    if cuda:  # weight copies filling twice the L2, so each call reads HBM
+        from bench_dense_gemv import graph_times, weight_copies
 
-        copies = copies_for(nbytes)
-
-    def clone(w):
-        return QWeight(w.scheme, *(t.clone() if t is not None else None for t in (w.weight, w.scales, w.row_scale)), w.group)  # fmt: skip
-
-    router = [r0] + [clone(r0) for _ in range(copies - 1)]
-    shared = [s0] + [clone(s0) for _ in range(copies - 1)]
+        router, shared = weight_copies(r0), weight_copies(s0)
     x = torch.randn(1, D, generator=g, device=dev).bfloat16()
     bufs = [
         dict(
@@ -116,7 +108,7 @@ def main() -> None:
             count=torch.zeros(1, dtype=torch.int32, device=dev),
             mid=torch.empty(1, SHARED, dtype=torch.bfloat16, device=dev),
         )
-        for _ in range(copies)
+        for _ in range(max(len(router), len(shared)))
     ]
     tiles = [None] + [tuple(int(v) for v in t.split(",")) for t in a.tiles]
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if cuda else None
@@ -136,7 +128,7 @@ def main() -> None:
                     print(f"{label:<28} {what:<42} ran")
                     continue
                 t = graph_times(
-                    [lambda i=i, call=call: call(i % copies) for i in range(CALLS)],
+                    [lambda i=i, call=call: call(i) for i in range(CALLS)],
                     a.reps,
                     lambda _i: flush.zero_(),
                 )
