@@ -201,7 +201,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "reader", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
+    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens", "speculative_sampled",
 )  # fmt: skip
 
@@ -239,6 +239,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, 
         read_mode=ns.read_mode,
         read_depth=ns.read_depth,
         reader=ns.reader,
+        read_pieces=ns.read_pieces,
         prefetch=ns.prefetch,
         pool=ns.slot_pool,
         tier_reads=ns.tier_reads,

@@ -26,6 +26,8 @@
 #           VW_QUOTA (256: every expert held), VW_CALLS (10) timed calls
 #   dec     edgerun bench decode at DEC_LAYERS (40) layers of Qwen3.6's geometry, resident, int4 dense,
 #           DEC_ENV set for it, files dec$DEC_TAG.*
+#   stream  edgerun bench decode at 40 layers, experts streamed at STREAM_BUDGETS (16,8) GiB through the
+#           native reader, STREAM_ARGS more flags (--read-pieces 1,4 --prefetch off,on), files stream$STREAM_TAG.*
 #   route   benchmarks/bench_route.py: a MoE layer's router launch and its parts (ROUTE_TILES: router
 #           tiles "block_r,row_bytes ..." timed too), files route.*
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
@@ -89,6 +91,13 @@ for ph in ${PHASES:-}; do
       --out "$OUT/dec${DEC_TAG:-}" --prompt "${DEC_PROMPT:-64}" --decode "${DEC_DECODE:-128}" \
       --repeats "${DEC_REPEATS:-3}" --budgets resident --dense int4 --layers "${DEC_LAYERS:-40}" \
       --calibrate-seconds 0.2 2>&1 | grep -v Warning | tee "$OUT/dec${DEC_TAG:-}.txt" | tail -25 ;;
+  stream)  # edgerun bench decode at 40 layers, experts streamed from /tmp/bd at STREAM_BUDGETS (16,8) GiB,
+    # native reader, int4 dense, STREAM_DECODE (32) tokens; more flags in STREAM_ARGS ("--read-pieces 1,4
+    # --prefetch off,on"); files stream$STREAM_TAG.*
+    timeout -s INT "$(lim "${STREAM_TIMEOUT:-400}")" $ER bench decode --dir /tmp/bd --out "$OUT/stream${STREAM_TAG:-}" \
+      --prompt 8 --decode "${STREAM_DECODE:-32}" --repeats 2 --budgets "${STREAM_BUDGETS:-16,8}" --dense int4 \
+      --reader native --calibrate-seconds "${STREAM_CAL:-0.5}" ${STREAM_ARGS:-} 2>&1 | grep -v Warning \
+      | tee "$OUT/stream${STREAM_TAG:-}.txt" | grep -v "^{" | tail -40 ;;
   route)  # benchmarks/bench_route.py: the router launch and its parts, the router tiles ROUTE_TILES
     timeout "$(lim "${ROUTE_TIMEOUT:-120}")" python3 benchmarks/bench_route.py --reps "${ROUTE_REPS:-50}" \
       --tiles ${ROUTE_TILES:-} --json "$OUT/route.json" 2>&1 | grep -v Warning | tee "$OUT/route.txt" ;;

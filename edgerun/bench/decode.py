@@ -272,7 +272,7 @@ def med(values: list[float]) -> dict:
 
 def run_config(
     name, bundle_dir, bundle, quota, capacity, prompt, decode, timed, warm_all, depth, host_quota=None,
-    cpu_experts=None, prefetch=None, reader=None, staging=None,
+    cpu_experts=None, prefetch=None, reader=None, staging=None, pieces=1,
 ) -> dict:  # fmt: skip
     """One configuration: an eager run of ``prompt``, the same with graphs (their tokens must be
     identical), then a timed graph run of each of the ``timed`` prompts: a prompt of its own each,
@@ -290,6 +290,7 @@ def run_config(
     )
     if staging is not None:
         cache = dataclasses.replace(cache, staging=staging)
+    cache = dataclasses.replace(cache, read_pieces=pieces) if cache is not None else None
     runner = Runner.load(  # warm_all: quota = every expert, all read in at load (one graph a step)
         bundle_dir,
         device="cuda",
@@ -302,6 +303,8 @@ def run_config(
     rec = {"config": name, "quota": quota, "load_s": time.perf_counter() - t0}
     if runner.cache is not None:  # who read: the C pool, or Python threads (and any fallback's reason)
         rec["reader"] = sorted({r.backend for r in runner.cache.readers.values()})
+        rec["read_depth"] = sorted({r.depth for r in runner.cache.readers.values()})
+        rec["read_pieces"] = sorted({r.pieces for r in runner.cache.readers.values()})
     if runner.cache is not None and runner.cache.cpu_split_text:  # --cpu-experts auto's choice (far tier)
         rec["cpu_experts"] = runner.cache.cpu_split_text
     eager = one_run(runner, prompt, decode)
@@ -405,10 +408,17 @@ def main(argv: list[str] | None = None) -> int:
         help="staging buffers (default 2 x top_k; prefetch may hold all but top_k of them); a list "
         "(10,16) runs each streamed budget with each",
     )
+    ap.add_argument(
+        "--read-pieces",
+        default="1",
+        help="the native reader reads each block as this many parts at once; a list (1,4) runs each "
+        "streamed budget with each, and the calibration measures each (its storage bound: the best of all)",
+    )
     ns = ap.parse_args(argv)
     prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
+    piece_counts = [int(v) for v in ns.read_pieces.split(",")]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -441,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = [bundle.expert_path(layer) for layer in a.moe_layers]
     reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)
+    for n in sorted({n for n in piece_counts if n > 1}):  # the same disk read the way those runs read it
+        reads += calibrate.read_bandwidth(
+            paths, block, queue_depths=(1, 2, 4, 8), seconds_per_depth=ns.calibrate_seconds, pieces=n
+        )
     storage = calibrate.best(reads)
     copy = calibrate.device_copy_bandwidth("cuda")
     result["storage_read"] = reads
@@ -448,8 +462,15 @@ def main(argv: list[str] | None = None) -> int:
     storage_bw = storage["gb_per_s"] * 1e9
     device_bw = copy["d2d_gb_per_s"] * 1e9
     for r in reads:
-        print(f"  O_DIRECT read depth {r['queue_depth']:>2}: {r['gb_per_s']:.2f} GB/s", flush=True)
-    print(f"storage bound: {storage_bw / 1e9:.2f} GB/s (depth {storage['queue_depth']})", flush=True)
+        print(
+            f"  O_DIRECT read depth {r['queue_depth']:>2}, {r['pieces']} piece(s): {r['gb_per_s']:.2f} GB/s",
+            flush=True,
+        )
+    print(
+        f"storage bound: {storage_bw / 1e9:.2f} GB/s (depth {storage['queue_depth']}, "
+        f"{storage['pieces']} piece(s))",
+        flush=True,
+    )
     print(
         f"device copy: {device_bw / 1e9:.0f} GB/s read + write (range {copy['d2d_gb_per_s_range']}), "
         f"pinned host->device {copy['h2d_pinned_gb_per_s']:.1f} GB/s",
@@ -459,8 +480,18 @@ def main(argv: list[str] | None = None) -> int:
     # the engine reads with the queue depth the disk was fastest at, of at least 2 (--read-depth
     # overrides): one reader thread checks and copies each block before it starts the next read,
     # which cost a fast-at-depth-1 disk a third of its rate on the H200 (docs/benchmarks.md)
-    deep = [r for r in reads if r["queue_depth"] >= 2]
-    depth = ns.read_depth or calibrate.best(deep or reads)["queue_depth"]
+    # (for each --read-pieces count, from that count's own calibration)
+    def read_model(pieces: int) -> tuple[int, dict]:
+        from edgerun.cache.native import parts
+
+        split = parts(block, pieces)
+        rows = [r for r in reads if r["pieces"] == split] or [r for r in reads if r["pieces"] == 1]
+        deep = [r for r in rows if r["queue_depth"] >= 2]
+        depth = ns.read_depth or calibrate.best(deep or rows)["queue_depth"]
+        single = next((r["gb_per_s"] for r in rows if r["queue_depth"] == 1), None)
+        return depth, {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
+
+    depth = read_model(1)[0]
     result["read_depth"] = depth
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
@@ -472,17 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     pcie_bw = copy["h2d_pinned_gb_per_s"] * 1e9
     bandwidths = (device_bw, pcie_bw, storage_bw)  # the plan predicts with this run's bandwidths
-    single = next((r["gb_per_s"] for r in reads if r["queue_depth"] == 1), None)
-    read_model = {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
     runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how, reader)
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         if spec == "resident":
-            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None)))
+            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None, 1)))
         elif spec.startswith("host"):
             quota = int(spec[4:])
             name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
-            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None)))
+            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None, 1)))
         elif spec.startswith("far"):
             budget = int(float(spec[3:]) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bandwidths)
@@ -491,26 +520,32 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"config": name, "refused": how})
                 continue
             print(how, flush=True)
-            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None)))
+            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None, 1)))
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
             quota, how, p = planned_quota(
-                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model
+                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(1)[1]
             )
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
-            predicted = p.prediction
-            for pf, reader, staging in itertools.product(prefetches, readers, stagings):
+            for pf, reader, staging, pieces in itertools.product(prefetches, readers, stagings, piece_counts):
+                # the plan's prediction with the read model of the way this run reads
+                p = planned_quota(
+                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(pieces)[1]
+                )[2]
                 name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
                 name += f", reader {reader}" if len(readers) > 1 else ""
                 name += f", staging {staging}" if len(stagings) > 1 else ""
-                runs.append((name, quota, budget, None, cpu, pf, predicted, None, (reader, staging)))
+                name += f", {pieces} piece(s)" if len(piece_counts) > 1 else ""
+                runs.append(
+                    (name, quota, budget, None, cpu, pf, p.prediction, None, (reader, staging, pieces))
+                )
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
-            budget is None and host is None, depth, host, cpu or None, pf, *reading,
+            budget is None and host is None, read_model(reading[2])[0], host, cpu or None, pf, *reading,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how
@@ -562,8 +597,11 @@ def markdown(result: dict) -> str:
     lines = [
         f"{result['date']}, {result['device']}, torch {result['torch']}; `{result['command']}`",
         "",
-        "O_DIRECT block reads (GB/s by queue depth): "
-        + ", ".join(f"{r['queue_depth']}: {r['gb_per_s']:.2f}" for r in result["storage_read"])
+        "O_DIRECT block reads (GB/s by queue depth, x pieces a block where split): "
+        + ", ".join(
+            f"{r['queue_depth']}{'x' + str(r['pieces']) if r.get('pieces', 1) > 1 else ''}: {r['gb_per_s']:.2f}"
+            for r in result["storage_read"]
+        )
         + f"; storage bound {best['gb_per_s']:.2f} GB/s. Device copy {c['d2d_gb_per_s']:.0f} GB/s "
         f"(read + write, range {c['d2d_gb_per_s_range'][0]:.0f}-{c['d2d_gb_per_s_range'][1]:.0f}).",
         "",

@@ -163,7 +163,9 @@ class ExpertCache:
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
         self.readers = {
-            bb: BlockReader(bb, staging, config.read_mode, config.read_depth, config.reader)
+            bb: BlockReader(
+                bb, staging, config.read_mode, config.read_depth, config.reader, config.read_pieces
+            )
             for bb in block_sizes
         }
         # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads

@@ -49,7 +49,7 @@ def library() -> ctypes.CDLL:
     p, i64, u64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
     pi64, pd = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
     sig = {
-        "er_open": ([i32, u64, i32, ctypes.POINTER(u64), p, ctypes.POINTER(_CudaApi)], p),
+        "er_open": ([i32, u64, i32, i32, ctypes.POINTER(u64), p, ctypes.POINTER(_CudaApi)], p),
         "er_submit": ([p, i32, u64, i32, u64, u64, i32, u64, i32], i64),
         "er_wait": ([p, i64, pi64, pd, i32], i32),
         "er_done": ([p, i64], i32),
@@ -112,17 +112,28 @@ def unavailable() -> str | None:
     return None
 
 
+def parts(block: int, pieces: int) -> int:
+    """The parts a ``block``-byte read is split into when ``pieces`` are asked for: each a whole
+    number of 4 KiB pages (O_DIRECT's unit), the last one shorter where they do not divide."""
+    pages = -(-block // 4096)
+    return -(-block // min(-(-pages // max(pieces, 1)) * 4096, block))
+
+
 class NativePool:
     """One C pool: ``threads`` readers over ``buffers`` (addresses of page-aligned staging
     buffers of ``block`` bytes each); ``cuda``: copies to device memory may be asked for (the
-    calling thread's current CUDA context is the one the pool copies in)."""
+    calling thread's current CUDA context is the one the pool copies in). ``pieces``: each block
+    read as that many parts at once, by as many threads (``threads`` counts them all: reads in
+    flight x pieces); the pool rounds a part up to whole 4 KiB pages, so a small block may take
+    fewer (``self.pieces``)."""
 
-    def __init__(self, threads: int, block: int, buffers: list[int], cuda: bool) -> None:
+    def __init__(self, threads: int, block: int, buffers: list[int], cuda: bool, pieces: int = 1) -> None:
         lib = library()
         addrs = (ctypes.c_uint64 * len(buffers))(*buffers)
         api = ctypes.byref(cuda_api()) if cuda else None
         self._lib = lib
-        self._p = lib.er_open(threads, block, len(buffers), addrs, xxh3_64(), api)
+        self._p = lib.er_open(threads, block, pieces, len(buffers), addrs, xxh3_64(), api)
+        self.pieces = parts(block, pieces)
         if not self._p:
             raise NativeUnavailable(
                 "the native pool did not start (threads, memory, or with CUDA: no current context)"

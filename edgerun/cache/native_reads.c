@@ -8,8 +8,12 @@
  * only submits a job and later waits for its ticket (ctypes releases the GIL for both calls), so
  * no read, check or copy waits for the interpreter.
  *
- * Jobs run in ticket order. A job reading into a staging buffer takes one from the free list
- * (waiting for one, then for its fence); a staged job (prefetch) keeps its buffer after the read
+ * Jobs run in ticket order. A block may be read as several pieces at once (``pieces`` at open):
+ * the threads take a job's pieces in turn, so one block keeps several requests in the disk's
+ * queue (a virtio or network disk serves one large request at about half the rate it serves
+ * four); the thread that ends the last piece checks the whole block and hands it on. A job
+ * reading into a staging buffer takes one from the free list (its first piece waits for one,
+ * then for its fence; the other pieces wait for that); a staged job (prefetch) keeps its buffer after the read
  * until the caller places it (er_place) or releases it. A job whose read fails its check, or
  * fails, keeps its buffer too: the caller reads it again its own way and then places or releases.
  * A ticket's record is freed when the caller finishes with it (er_wait with free, er_place,
@@ -52,9 +56,10 @@ enum { OK = 0, BAD_SUM = 1, IO_ERROR = 2, SHORT = 3, CUDA_ERROR = 4, NO_JOB = 5 
 typedef struct {
     int64_t ticket;
     int state, kind, fd, check, count, dropped, buf, result, err;
+    int taken, left, ready; /* pieces handed to threads, pieces not yet ended, buffer ready to read into */
     uint64_t offset, expect, dst, stream;
     int64_t got;
-    double seconds;
+    double seconds, started;
 } job_t;
 
 typedef struct {
@@ -62,7 +67,8 @@ typedef struct {
     pthread_cond_t work, done, bufs;
     pthread_t *threads;
     int nthreads, stop;
-    uint64_t block;
+    uint64_t block, piece; /* a block's bytes; a piece's (a multiple of 4096, the last may be less) */
+    int npieces;
     int nbuf, nfree;
     char **buffers;
     int *free_list;
@@ -136,29 +142,73 @@ static int64_t read_all(int fd, char *to, uint64_t n, uint64_t offset, int *err)
     return (int64_t)got;
 }
 
+/* with p->mu held: the job whose next piece a thread may take (NULL: none due) */
+static job_t *next_piece(pool_t *p) {
+    while (p->head < p->next) { /* skip tickets taken, cancelled or (record reused) not yet due */
+        job_t *h = &p->jobs[p->head % JOBS];
+        if (h->ticket == p->head && h->taken < p->npieces && (h->state == QUEUED || h->state == RUNNING))
+            return h;
+        p->head++;
+    }
+    return NULL;
+}
+
+/* The end of a job whose pieces have all ended (``got``: bytes read, -1 after an error); with
+ * p->mu NOT held on entry and held on return. */
+static void finish(pool_t *p, job_t *j, int b) {
+    int kind = j->kind, err = j->err;
+    int64_t got = j->got;
+    uint64_t n = p->block, expect = j->expect, dst = j->dst, stream = j->stream;
+    int check = j->check;
+    char *to = kind == TO_DIRECT ? (char *)(uintptr_t)j->dst : p->buffers[b];
+    double dt = now() - j->started;
+    int result = err ? IO_ERROR : (uint64_t)got != n ? SHORT : OK;
+    if (result == OK && check && p->hash(to, n) != expect) result = BAD_SUM;
+    if (result == OK && kind != TO_STAGE && kind != TO_DIRECT) result = hand_on(p, b, kind, dst, stream, &err);
+
+    pthread_mutex_lock(&p->mu);
+    if (result == OK) {
+        if (j->count) { /* else the caller counts it, once its own check has passed */
+            p->reads++;
+            p->bytes += got;
+            p->seconds += dt;
+        }
+        if (kind == TO_HOST || kind == TO_DEVICE) { /* handed on: the buffer goes back */
+            give_buffer(p, b);
+            j->buf = -1;
+        }
+    }
+    j->result = result;
+    j->err = err;
+    j->seconds = dt;
+    j->state = DONE;
+    if (j->dropped) { /* nobody will claim it */
+        if (result != OK) p->faults_dropped++;
+        free_job(p, j);
+    }
+    pthread_cond_broadcast(&p->done);
+}
+
 static void *worker(void *arg) {
     pool_t *p = arg;
     if (p->ctx && p->cu.ctx_set) p->cu.ctx_set(p->ctx);
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (p->head < p->next) { /* skip tickets taken, cancelled or (record reused) not yet due */
-            job_t *h = &p->jobs[p->head % JOBS];
-            if (h->ticket == p->head && h->state == QUEUED) break;
-            p->head++;
-        }
+        job_t *j = next_piece(p);
         if (p->stop) break;
-        if (p->head >= p->next) {
+        if (!j) {
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
-        job_t *j = &p->jobs[p->head % JOBS];
-        p->head++;
-        j->state = RUNNING;
-        char *to;
-        int b = -1;
-        if (j->kind == TO_DIRECT) {
-            to = (char *)(uintptr_t)j->dst;
-        } else {
+        int k = j->taken++;
+        if (j->taken == p->npieces) p->head++;
+        if (k == 0) {
+            j->state = RUNNING;
+            j->left = p->npieces;
+            j->started = now();
+        }
+        if (j->taken < p->npieces) pthread_cond_signal(&p->work); /* another thread takes the next piece */
+        if (j->kind != TO_DIRECT && k == 0) {
             /* buffers go to jobs in ticket order (a condition variable wakes any waiter): the
              * caller claims reads in the order it issued them, and a later read holding the last
              * buffer while an earlier one waits would leave the caller waiting for ever */
@@ -166,54 +216,43 @@ static void *worker(void *arg) {
             while ((turn != p->buf_serving || !p->nfree) && !p->stop) pthread_cond_wait(&p->bufs, &p->mu);
             if (p->stop) break;
             p->buf_serving++;
-            pthread_cond_broadcast(&p->bufs); /* the next in line may go if a buffer is left */
-            b = p->free_list[--p->nfree];
+            int b = p->free_list[--p->nfree];
             j->buf = b;
-            to = p->buffers[b];
             if (p->fenced[b]) { /* its last copy out must be done before it is read into */
                 pthread_mutex_unlock(&p->mu);
                 p->cu.ev_sync(p->events[b]);
                 pthread_mutex_lock(&p->mu);
                 p->fenced[b] = 0;
             }
+            j->ready = 1;
+            pthread_cond_broadcast(&p->bufs); /* the next in line may go if a buffer is left; this job's pieces */
+        } else if (j->kind == TO_DIRECT) {
+            j->ready = 1;
         }
+        while (!j->ready && !p->stop) pthread_cond_wait(&p->bufs, &p->mu);
+        if (p->stop) break;
+        int b = j->buf;
+        char *to = j->kind == TO_DIRECT ? (char *)(uintptr_t)j->dst : p->buffers[b];
+        uint64_t at = (uint64_t)k * p->piece;
+        uint64_t n = p->block - at < p->piece ? p->block - at : p->piece;
+        int fd = j->fd, err = 0;
+        uint64_t offset = j->offset + at;
         if (p->inflight++ == 0) p->busy_since = now();
-        int fd = j->fd, kind = j->kind, check = j->check, err = 0;
-        uint64_t n = p->block, offset = j->offset, expect = j->expect, dst = j->dst, stream = j->stream;
         pthread_mutex_unlock(&p->mu);
 
-        double t0 = now();
-        int64_t got = read_all(fd, to, n, offset, &err);
-        double dt = now() - t0;
-        int result = got < 0 ? IO_ERROR : (uint64_t)got != n ? SHORT : OK;
+        int64_t got = read_all(fd, to + at, n, offset, &err);
+
         pthread_mutex_lock(&p->mu);
         if (--p->inflight == 0) p->wall += now() - p->busy_since;
-        pthread_mutex_unlock(&p->mu);
-        if (result == OK && check && p->hash(to, n) != expect) result = BAD_SUM;
-        if (result == OK && kind != TO_STAGE && kind != TO_DIRECT) result = hand_on(p, b, kind, dst, stream, &err);
-
-        pthread_mutex_lock(&p->mu);
-        if (result == OK) {
-            if (j->count) { /* else the caller counts it, once its own check has passed */
-                p->reads++;
-                p->bytes += got;
-                p->seconds += dt;
-            }
-            if (kind == TO_HOST || kind == TO_DEVICE) { /* handed on: the buffer goes back */
-                give_buffer(p, b);
-                j->buf = -1;
-            }
+        if (got < 0) {
+            if (!j->err) j->err = err ? err : EIO;
+        } else {
+            j->got += got;
         }
-        j->result = result;
-        j->err = err;
-        j->got = got;
-        j->seconds = dt;
-        j->state = DONE;
-        if (j->dropped) { /* nobody will claim it */
-            if (result != OK) p->faults_dropped++;
-            free_job(p, j);
+        if (--j->left == 0) { /* the last piece to end finishes the job */
+            pthread_mutex_unlock(&p->mu);
+            finish(p, j, b);
         }
-        pthread_cond_broadcast(&p->done);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -223,7 +262,9 @@ static void *worker(void *arg) {
 
 void er_close(pool_t *p);
 
-pool_t *er_open(int nthreads, uint64_t block, int nbuf, const uint64_t *buffers, hash_fn hash,
+/* ``pieces``: the parts a block is read in at once (each a multiple of 4096 bytes; 1: whole
+ * blocks); ``nthreads`` should be reads in flight x pieces. */
+pool_t *er_open(int nthreads, uint64_t block, int pieces, int nbuf, const uint64_t *buffers, hash_fn hash,
                 const cuda_api *cu) {
     pool_t *p = calloc(1, sizeof(pool_t));
     if (!p) return NULL;
@@ -232,6 +273,11 @@ pool_t *er_open(int nthreads, uint64_t block, int nbuf, const uint64_t *buffers,
     pthread_cond_init(&p->done, NULL);
     pthread_cond_init(&p->bufs, NULL);
     p->block = block;
+    if (pieces < 1) pieces = 1;
+    uint64_t pages = (block + 4095) / 4096;
+    p->piece = (pages + (uint64_t)pieces - 1) / (uint64_t)pieces * 4096;
+    if (p->piece > block) p->piece = block;
+    p->npieces = (int)((block + p->piece - 1) / p->piece);
     p->hash = hash;
     p->nbuf = nbuf;
     p->buffers = calloc(nbuf, sizeof(char *));

@@ -91,7 +91,7 @@ def check_alignment(offset: int, length: int, address: int, what: str) -> None:
 
 # counted per read they serve
 READ_FALLBACKS = ("direct_read", "io_uring", "native_reader", "pageable_staging", "unchecked_blocks")
-_EVERY_READ = ("direct_read", "io_uring", "native_reader")  # the rest count staged reads only
+_EVERY_READ = ("direct_read", "io_uring", "native_reader", "read_pieces")  # the rest count staged reads only
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,7 @@ class BlockReader:
         mode: str = "auto",
         depth: int | None = None,
         reader: str = "preadv",
+        pieces: int = 1,
     ) -> None:
         if mode not in MODES:
             raise ReadError(f"read_mode {mode!r} is not one of {', '.join(MODES)}")
@@ -186,6 +187,8 @@ class BlockReader:
             raise ReadError(f"staging buffer count must be >= 1, got {staging}")
         if depth is not None and depth < 1:
             raise ReadError(f"read depth (reads in flight) must be >= 1, got {depth}")
+        if not 1 <= pieces <= 64:
+            raise ReadError(f"read pieces (parts a block is read in at once) must be 1..64, got {pieces}")
         self.block_bytes = block_bytes
         self.mode = mode
         self._buffers = [aligned_buffer(block_bytes) for _ in range(staging)]
@@ -200,6 +203,7 @@ class BlockReader:
         self._stats = ReadStats()
         self._uring = None
         self._native = None  # the C pool (reader native), started at the first read
+        self._native_start = threading.Lock()
         self._native_why = None
         self._cuda_device = None  # set by pin(): the native pool copies to this device
         if reader in ("native", "auto"):
@@ -218,6 +222,12 @@ class BlockReader:
                 raise ReadError(f"reader io_uring: {exc} (set reader: preadv or auto)") from exc
         # who reads: preadv / io_uring in Python threads, or the C pool
         self.backend = "native" if reader == "native" else "preadv" if self._uring is None else "io_uring"
+        # parts of a block read at once (the native pool's threads); the other readers read whole blocks
+        self.pieces = N.parts(block_bytes, pieces) if self.backend == "native" else 1
+        if pieces > 1 and self.backend != "native":
+            self._stats.fallbacks["read_pieces"] = (
+                f"read_pieces {pieces} needs the native reader; {self.backend} reads whole blocks"
+            )
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="edgerun-read")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._retired: list[int] = []  # replaced by a fresh open; a read in flight may still use one
@@ -338,6 +348,10 @@ class BlockReader:
     # ---- the native reader (edgerun.cache.native) ----------------------------------------------
 
     def _pool_native(self):
+        with self._native_start:  # two threads' first reads start one pool, not one each
+            return self._start_native()
+
+    def _start_native(self):
         if self._native is None:
             addrs = [buffer_address(b) for b in self._buffers]
             try:
@@ -346,9 +360,13 @@ class BlockReader:
 
                     with torch.cuda.device(self._cuda_device):  # the pool copies in this device's context,
                         torch.cuda.synchronize()  # current on this thread from here (the runtime makes it so)
-                        self._native = N.NativePool(self.depth, self.block_bytes, addrs, cuda=True)
+                        self._native = N.NativePool(
+                            self.depth * self.pieces, self.block_bytes, addrs, cuda=True, pieces=self.pieces
+                        )
                 else:
-                    self._native = N.NativePool(self.depth, self.block_bytes, addrs, cuda=False)
+                    self._native = N.NativePool(
+                        self.depth * self.pieces, self.block_bytes, addrs, cuda=False, pieces=self.pieces
+                    )
             except N.NativeUnavailable as exc:
                 raise ReadError(f"reader native: {exc} (set reader: preadv)") from exc
             self._natives.append(self._native)

@@ -38,6 +38,7 @@ def experts_text(runner) -> str:
     modes = {r.mode for r in cache.readers.values()}
     backends = {r.backend for r in cache.readers.values()}
     depths = "/".join(str(r.depth) for r in cache.readers.values())
+    pieces = "/".join(str(r.pieces) for r in cache.readers.values())
     tier = sorted({t.quota for t in cache.tier.values()})
     far = len(cache.far)
     tier_text = (
@@ -56,6 +57,7 @@ def experts_text(runner) -> str:
         f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.policy} eviction, "
         f"{cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} via {'/'.join(sorted(backends))} depth {depths}, "
+        + (f"{pieces} pieces a block, " if any(r.pieces > 1 for r in cache.readers.values()) else "")
         + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
         + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"
         + (

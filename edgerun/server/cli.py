@@ -42,6 +42,7 @@ _FLAGS = (
     "read_mode",
     "read_depth",
     "reader",
+    "read_pieces",
     "prefetch",
     "warm",
     "trace",
@@ -196,6 +197,14 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
         "io_uring are errors where they cannot run; auto: native where it builds, else preadv, a counted "
         "fallback (default: auto)",
     )
+    p.add_argument(
+        "--read-pieces",
+        type=int,
+        default=None,
+        help="the native reader reads each expert block as this many parts at once, whole pages each "
+        "(1..64; default 1): a disk that serves one large request slowly (virtio, network) keeps several "
+        "requests busy; `edgerun bench decode --read-pieces 1,4` measures it on yours",
+    )
 
 
 def add_plan_file_arguments(p: argparse.ArgumentParser) -> None:
@@ -312,6 +321,7 @@ def cache_plan(opts: ServeOptions):
         read_mode=opts.read_mode,
         read_depth=opts.read_depth,
         reader=opts.reader,
+        read_pieces=opts.read_pieces,
         prefetch=opts.prefetch,
         pool=opts.slot_pool,
         tier_reads=opts.tier_reads,

@@ -39,6 +39,7 @@ class ServeOptions:
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
     reader: str | None = None  # the reads' system call: preadv | io_uring | auto; None: preadv
+    read_pieces: int | None = None  # native reader: parts of a block read at once; None: 1 (whole blocks)
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )
@@ -100,6 +101,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
+        if self.read_pieces is not None and not 1 <= self.read_pieces <= 64:
+            raise ConfigError(f"serve option 'read_pieces' must be 1..64, got {self.read_pieces}")
         if self.batch is not None and self.batch < 1:
             raise ConfigError(f"serve option 'batch' must be at least 1, got {self.batch}")
         if self.batch_gemv not in ("planes", "rows"):

@@ -2,7 +2,9 @@
 
 ``read_bandwidth``: what the disk gives the expert cache. Whole blocks at random block-aligned
 offsets, read with O_DIRECT into page-aligned buffers by N threads that each keep one read in
-flight (queue depth N), for a fixed time per depth. ``device_copy_bandwidth``: device-to-device
+flight (queue depth N), for a fixed time per depth; with ``pieces`` > 1, the engine's native
+reader reads each block as that many parts at once (``read_pieces``), N blocks in flight.
+``device_copy_bandwidth``: device-to-device
 and pinned host-to-device copy rates. Rates are decimal GB/s (1e9 bytes per second).
 """
 
@@ -55,10 +57,13 @@ def read_bandwidth(
     seconds_per_depth: float = 2.0,
     direct: bool = True,
     seed: int = 0,
+    pieces: int = 1,
 ) -> list[dict[str, Any]]:
     """Random whole-block reads of ``path`` (or of several files, every block equally likely, as
     the expert cache reads a bundle's expert files), one result per queue depth, in order:
-    {queue_depth, reads, bytes, seconds, gb_per_s, median_read_ms, direct, block_bytes}.
+    {queue_depth, pieces, reads, bytes, seconds, gb_per_s, median_read_ms, direct, block_bytes}.
+    ``pieces`` > 1: each block read as that many parts at once by the native reader's C pool (as
+    the engine reads with ``read_pieces``; a ReadError where that reader cannot run).
 
     Block k is the ``block_bytes`` at ``k * block_bytes``; a file's partial last block is never
     read. ``direct=False`` reads through the page cache (each file's cached pages are dropped
@@ -87,6 +92,11 @@ def read_bandwidth(
                 f"{p}: {size} bytes, smaller than one block of {block_bytes} bytes: nothing to read"
             )
         starts.append(starts[-1] + size // block_bytes)
+    if pieces > 1:
+        return [
+            _one_depth_pooled(paths, starts, block_bytes, depth, pieces, seconds_per_depth, direct, seed)
+            for depth in queue_depths
+        ]
     fds = []
     try:
         for p in paths:
@@ -161,6 +171,81 @@ def _one_depth(
     nbytes = reads * block_bytes
     return {
         "queue_depth": depth,
+        "pieces": 1,
+        "reads": reads,
+        "bytes": nbytes,
+        "seconds": elapsed,
+        "gb_per_s": nbytes / elapsed / 1e9,
+        "median_read_ms": statistics.median(t for _, ts, _ in runs for t in ts) * 1e3 if reads else None,
+        "direct": direct,
+        "block_bytes": block_bytes,
+    }
+
+
+def _one_depth_pooled(
+    paths: list[Path],
+    starts: list[int],
+    block_bytes: int,
+    depth: int,
+    pieces: int,
+    seconds: float,
+    direct: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """``depth`` threads each keep one block in flight through the native pool, which reads it as
+    ``pieces`` parts at once (depth x pieces requests at the disk)."""
+    from edgerun.cache.reader import BlockReader
+
+    reader = BlockReader(
+        block_bytes, staging=depth, mode="direct" if direct else "buffered", depth=depth,
+        reader="native", pieces=pieces,
+    )  # fmt: skip
+    if not direct:
+        for p in paths:
+            fd = _open(p, False)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    bufs = [aligned_buffer(block_bytes) for _ in range(depth)]
+    clock: dict[str, float] = {}
+    barrier = threading.Barrier(depth, action=lambda: clock.setdefault("start", time.perf_counter()))
+
+    def one(i: int) -> tuple[int, list[float], float]:
+        rnd = random.Random(f"{seed}/{depth}/{pieces}/{i}")
+        view = memoryview(bufs[i])[:block_bytes]
+        times: list[float] = []
+        try:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                return 0, times, time.perf_counter()
+            deadline = clock["start"] + seconds
+            while (now := time.perf_counter()) < deadline:
+                k = rnd.randrange(starts[-1])
+                f = bisect.bisect_right(starts, k) - 1
+                reader.read_into(paths[f], k - starts[f], None, starts[f + 1] - starts[f], dest=view)
+                times.append(time.perf_counter() - now)
+            return len(times), times, time.perf_counter()
+        except BaseException:
+            barrier.abort()
+            raise
+        finally:
+            view.release()
+
+    try:
+        with ThreadPoolExecutor(depth, thread_name_prefix="edgerun-calibrate") as pool:
+            runs = [f.result() for f in [pool.submit(one, i) for i in range(depth)]]
+    finally:
+        reader.close()
+        for b in bufs:
+            b.close()
+    if reader.stats.fallbacks:
+        raise ReadError(f"read pieces calibration: {'; '.join(reader.stats.fallbacks.values())}")
+    reads = sum(n for n, _, _ in runs)
+    elapsed = max(end for _, _, end in runs) - clock["start"]
+    nbytes = reads * block_bytes
+    return {
+        "queue_depth": depth,
+        "pieces": reader.pieces,
         "reads": reads,
         "bytes": nbytes,
         "seconds": elapsed,

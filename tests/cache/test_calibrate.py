@@ -142,3 +142,20 @@ def test_cpu_expert_seconds_times_the_cpu_kernels_on_a_layout():
         C.cpu_expert_seconds(rotated)
     with pytest.raises(ValueError, match="must be positive"):
         C.cpu_expert_seconds(layout, tokens=0)
+
+
+def test_pieces_read_through_the_native_pool(blocks_file, monkeypatch):
+    """``pieces`` > 1 reads each block as parts at once in the engine's native pool: a result per
+    depth that names its pieces (a 4-page block in 2 or 4 parts; 8 asked for is 4, one page each);
+    where the native reader cannot run, a ReadError names why, not whole-block reads instead."""
+    from edgerun.cache import native
+
+    if native.unavailable():
+        pytest.skip(f"the native reader cannot run here: {native.unavailable()}")
+    for pieces, parts in ((2, 2), (8, 4)):
+        results = _read(blocks_file, queue_depths=(1, 2), seconds_per_depth=0.05, pieces=pieces)
+        assert [(r["queue_depth"], r["pieces"]) for r in results] == [(1, parts), (2, parts)]
+        assert all(r["reads"] > 0 and r["bytes"] == r["reads"] * BLOCK for r in results)
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler found")
+    with pytest.raises(ReadError, match="reader native: no C compiler found"):
+        C.read_bandwidth(blocks_file, BLOCK, (1,), 0.05, direct=False, pieces=2)

@@ -153,3 +153,36 @@ def test_a_read_nobody_waits_for_is_freed_and_a_closed_reader_refuses_by_name(ex
     assert r.stats.reads == reads >= 1
     with pytest.raises(RuntimeError, match="the pool is closed"):
         r.fetch(path, 1, 16, Target("host", rows[1]))
+
+
+def test_two_threads_first_reads_start_one_pool(expert_file, monkeypatch):
+    """Two threads whose first reads race start one C pool between them: with a pool each, one
+    thread's ticket was waited for in the other's pool ("ticket 0 is not outstanding"). The
+    pool's start is slowed so both threads are inside it together."""
+    import threading
+
+    path, data = expert_file
+    started = []
+    real = native.NativePool
+
+    def slow(*a, **kw):
+        time.sleep(0.2)
+        started.append(real(*a, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(native, "NativePool", slow)
+    r = BlockReader(BB, staging=2, mode="buffered", depth=2, reader="native")
+    rows = torch.zeros(2, BB, dtype=torch.uint8)
+    got = [None, None]
+
+    def read(i):
+        got[i] = r.fetch(path, 5 + i, 16, Target("host", rows[i])).result()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [BB, BB] and len(started) == 1
+    assert [bytes(rows[i].numpy()) for i in range(2)] == [data[(5 + i) * BB : (6 + i) * BB] for i in range(2)]
+    r.close()

@@ -341,3 +341,27 @@ def test_a_quota_above_the_experts_is_a_stated_adjustment(bundles):
     assert f"quota 99 is more than a layer's {E} experts: {E} used" in provenance(runner, path)
     exact = Runner.load(path, device="cpu", cache=CacheConfig(quotas=E))
     assert "more than a layer's" not in provenance(exact, path)
+
+
+def test_generate_with_blocks_read_in_pieces_gives_the_same_tokens(bundles, capsys):
+    """--read-pieces 3: the native reader reads each block as parts at once; the tokens equal whole
+    blocks' and the start-up line says how many parts a block is read in."""
+    from edgerun.bundle.reader import Bundle
+    from edgerun.cache import native
+    from edgerun.cli import main
+
+    if why := native.unavailable():
+        pytest.skip(f"the native reader cannot run here: {why}")
+    model = bundles[("qwen3_5_moe", "bf16")]
+    blocks = sorted({lay.block_bytes for lay in Bundle.open(model).layouts.values()})
+    parts = [native.parts(b, 3) for b in blocks]
+    assert max(parts) > 1, f"the fixture's blocks ({blocks} B) are too small to split"
+    argv = ["generate", "--model", str(model), "--quota", "2", "--token-ids", "4,5,6"]
+    argv += ["--max-tokens", "6", "--device", "cpu", "--reader", "native"]
+    assert main(argv) == 0
+    want = capsys.readouterr()
+    assert "pieces a block" not in want.err
+    assert main(argv + ["--read-pieces", "3"]) == 0
+    got = capsys.readouterr()
+    assert got.out == want.out
+    assert f"{'/'.join(map(str, parts))} pieces a block" in got.err

@@ -42,6 +42,39 @@ def test_cuda_streaming_equals_resident(bundles, arch, quant):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_blocks_read_in_pieces_copy_to_the_device_as_whole_blocks_do(bundles, arch):
+    """The native reader reading each block as 3 parts at once, copying it to device slots from the
+    thread that ends its last part: the logits and tokens equal the resident model's, every block
+    counted once."""
+    from edgerun.cache import native
+    from edgerun.config import CacheConfig
+
+    if why := native.unavailable():
+        pytest.skip(f"the native reader cannot run here: {why}")
+    b = bundles[(arch, "bf16")]
+    resident, args, _ = load_bundle_model(b, dtype=torch.float32, device="cuda")
+    ref = Runner(resident, args, None, device="cuda", prefill_chunk=1).generate_ids(PROMPT, PARAMS)
+    ids = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        ref_logits = resident(ids[:, :1])
+    config = CacheConfig(quotas=args.num_experts_per_tok, reader="native", read_pieces=3)
+    model, _, cache, _ = load_streaming_model(b, config, dtype=torch.float32, device="cuda")
+    readers = list(cache.readers.values())
+    assert all(r.backend == "native" for r in readers) and max(r.pieces for r in readers) > 1
+    assert cache.fallbacks() == {}
+    with torch.no_grad():
+        assert torch.equal(model(ids[:, :1]), ref_logits)
+    assert Runner(model, args, None, device="cuda", prefill_chunk=1).generate_ids(PROMPT, PARAMS) == ref
+    t = cache.totals()
+    # a block read is one read, not three: misses not served by a prefetch, and the prefetches
+    assert t.evictions > 0
+    assert (
+        sum(r.stats.reads for r in readers) == t.misses - t.prefetch_useful + t.prefetch_issued + t.warm_reads
+    )
+    cache.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_equals_one_pass(bundles, arch):
     """Every expert held (the grouped kernel looks slots up on the device), bf16, the kernels the
     engine picks: a prompt in chunks of 7 gives the one-pass last logits within the dense
