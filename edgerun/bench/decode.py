@@ -493,6 +493,22 @@ def main(argv: list[str] | None = None) -> int:
 
     depth = read_model(1)[0]
     result["read_depth"] = depth
+    # what a layer's misses cost: a burst of j reads after the disk idled, at each read set-up the
+    # streamed runs use (the native reader only: the engine's reader on CUDA)
+    if any(b not in ("resident",) and not b.startswith("host") for b in ns.budgets.split(",")):
+        from edgerun.cache.native import unavailable
+
+        if "native" in readers or ("auto" in readers and unavailable() is None):
+            result["bursts"] = {
+                n: calibrate.burst_seconds(paths, block, depth=read_model(n)[0], pieces=n)
+                for n in piece_counts
+            }
+            for n, rows in result["bursts"].items():
+                print(
+                    f"  a burst of j reads after 2 ms idle, {n} piece(s), depth {read_model(n)[0]}: "
+                    + ", ".join(f"{r['reads']}: {r['median_s'] * 1e3:.2f} ms" for r in rows),
+                    flush=True,
+                )
     capacity = 1 << (ns.prompt + ns.decode - 1).bit_length()
     g = torch.Generator().manual_seed(0)
     prompt, *timed = (

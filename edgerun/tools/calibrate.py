@@ -256,6 +256,69 @@ def _one_depth_pooled(
     }
 
 
+def burst_seconds(
+    paths: Sequence[Path],
+    block_bytes: int,
+    sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8),
+    depth: int = 4,
+    pieces: int = 1,
+    idle: float = 0.002,
+    repeats: int = 15,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """What a streamed layer's reads cost: ``j`` random blocks submitted at once to the native
+    reader (``depth`` in flight, ``pieces`` parts each, O_DIRECT) after the disk idled ``idle``
+    seconds, timed from the submit until the last one has landed; per j the median and the
+    range over ``repeats`` bursts (interleaved over the sizes). A layer's misses are such a burst:
+    issued after its router, waited for before its experts run, with the host's and the GPU's
+    work between one layer's last read and the next layer's first. Steady back-to-back reads
+    (``read_bandwidth``) do not pay the ramp-up of a burst after idle."""
+    from edgerun.cache.reader import BlockReader
+
+    paths = [Path(p) for p in paths]
+    counts = [os.stat(p).st_size // block_bytes for p in paths]
+    reader = BlockReader(
+        block_bytes, staging=max(sizes), mode="direct", depth=depth, reader="native", pieces=pieces
+    )
+    bufs = [aligned_buffer(block_bytes) for _ in range(max(sizes))]
+    views = [memoryview(b)[:block_bytes] for b in bufs]
+    rnd = random.Random(f"burst/{seed}")
+    times: dict[int, list[float]] = {j: [] for j in sizes}
+    try:
+        reader.read_into(paths[0], 0, None, counts[0], dest=views[0])  # the pool started, files open
+        for _ in range(repeats):
+            for j in sizes:
+                picks = [(f := rnd.randrange(len(paths)), rnd.randrange(counts[f])) for _ in range(j)]
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                futures = [
+                    reader.submit(paths[f], k, None, counts[f], dest=views[i])
+                    for i, (f, k) in enumerate(picks)
+                ]
+                for fut in futures:
+                    fut.result()
+                times[j].append(time.perf_counter() - t0)
+    finally:
+        reader.close()
+        for v in views:
+            v.release()
+        for b in bufs:
+            b.close()
+    return [
+        {
+            "reads": j,
+            "depth": depth,
+            "pieces": reader.pieces,
+            "idle_s": idle,
+            "median_s": statistics.median(ts),
+            "min_s": min(ts),
+            "max_s": max(ts),
+            "gb_per_s": j * block_bytes / statistics.median(ts) / 1e9,
+        }
+        for j, ts in times.items()
+    ]
+
+
 def best(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The result with the highest GB/s (the disk's bound for the expert cache)."""
     if not results:

@@ -159,3 +159,21 @@ def test_pieces_read_through_the_native_pool(blocks_file, monkeypatch):
     monkeypatch.setattr(native, "unavailable", lambda: "no C compiler found")
     with pytest.raises(ReadError, match="reader native: no C compiler found"):
         C.read_bandwidth(blocks_file, BLOCK, (1,), 0.05, direct=False, pieces=2)
+
+
+def test_bursts_of_reads_after_idle(blocks_file, tmp_path):
+    """A burst per size, timed from the submit until its last block landed: sizes in order, the
+    median inside the range, GB/s from the median; bursts of more reads take longer."""
+    from edgerun.cache import native
+    from edgerun.cache.reader import direct_supported
+
+    if native.unavailable():
+        pytest.skip(f"the native reader cannot run here: {native.unavailable()}")
+    if not direct_supported(blocks_file):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    rows = C.burst_seconds([blocks_file], BLOCK, sizes=(1, 4), depth=1, pieces=2, idle=0.001, repeats=5)
+    assert [(r["reads"], r["depth"], r["pieces"]) for r in rows] == [(1, 1, 2), (4, 1, 2)]
+    for r in rows:
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["gb_per_s"] == pytest.approx(r["reads"] * BLOCK / r["median_s"] / 1e9)
+    assert rows[1]["min_s"] > rows[0]["min_s"]  # four reads one at a time: more than one read's time
