@@ -296,13 +296,16 @@ class CacheConfig:
     quotas: int | Mapping[int, int]
     host_quotas: int | Mapping[int, int] | None = None
     read_mode: str = "auto"
+    # reads in flight; None: the device's default (cache.expert_cache.read_shape: 2 on CUDA, one
+    # per staging buffer on the CPU)
     read_depth: int | None = None
     # who reads (edgerun.cache.reader): native (C threads, no GIL) | preadv (a Python thread per read
     # in flight) | io_uring | auto (native where it builds, else preadv, a counted fallback)
     reader: str = "auto"
     # each block read as this many parts at once by the native reader (whole pages each): a disk that
-    # serves one large request at a fraction of its rate (a virtio or network disk) keeps several busy
-    read_pieces: int = 1
+    # serves one large request at a fraction of its rate (a virtio or network disk) keeps several busy;
+    # None: the device's default (cache.expert_cache.read_shape: 2 on CUDA, 1 on the CPU)
+    read_pieces: int | None = None
     pool: str | None = None
     # a pinned host tier holding every expert of a layer (discrete GPUs): "in-place", the GPU reads
     # the experts its device slots lack straight from pinned memory over PCIe (no copy, no host

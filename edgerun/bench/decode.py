@@ -43,6 +43,7 @@ import torch
 
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, add_dense_arguments
 from edgerun.bundle.reader import Bundle
+from edgerun.cache.expert_cache import CUDA_READ_DEPTH, CUDA_READ_PIECES
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -389,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-seconds", type=float, default=2.0)
     add_dense_arguments(ap)
     ap.add_argument(
-        "--read-depth", type=int, default=None, help="default: the calibration's best depth of at least 2"
+        "--read-depth",
+        type=int,
+        default=None,
+        help="streamed reads in flight (default: the engine's on CUDA, cache.expert_cache.CUDA_READ_DEPTH)",
     )
     ap.add_argument(
         "--prefetch",
@@ -410,15 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--read-pieces",
-        default="1",
-        help="the native reader reads each block as this many parts at once; a list (1,4) runs each "
-        "streamed budget with each, and the calibration measures each (its storage bound: the best of all)",
+        default=None,
+        help="the native reader reads each block as this many parts at once (default: the engine's on "
+        "CUDA, cache.expert_cache.CUDA_READ_PIECES); a list (1,2,4) runs each streamed budget with each, "
+        "and the calibration measures each (its storage bound: the best of all)",
     )
     ns = ap.parse_args(argv)
     prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
-    piece_counts = [int(v) for v in ns.read_pieces.split(",")]
+    piece_counts = [int(v) for v in ns.read_pieces.split(",")] if ns.read_pieces else [CUDA_READ_PIECES]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -477,17 +482,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    # the engine reads with the queue depth the disk was fastest at, of at least 2 (--read-depth
-    # overrides): one reader thread checks and copies each block before it starts the next read,
-    # which cost a fast-at-depth-1 disk a third of its rate on the H200 (docs/benchmarks.md)
-    # (for each --read-pieces count, from that count's own calibration)
+    # the engine reads at its own depth (--read-depth overrides; the calibration's fastest depth of
+    # steady reads was not the engine's fastest: docs/benchmarks.md, "Blocks in pieces"); the plan's
+    # read model takes a read alone from the calibration of the same pieces count
     def read_model(pieces: int) -> tuple[int, dict]:
         from edgerun.cache.native import parts
 
         split = parts(block, pieces)
         rows = [r for r in reads if r["pieces"] == split] or [r for r in reads if r["pieces"] == 1]
-        deep = [r for r in rows if r["queue_depth"] >= 2]
-        depth = ns.read_depth or calibrate.best(deep or rows)["queue_depth"]
+        depth = ns.read_depth or CUDA_READ_DEPTH
         single = next((r["gb_per_s"] for r in rows if r["queue_depth"] == 1), None)
         return depth, {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
 

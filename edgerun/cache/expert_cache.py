@@ -70,6 +70,23 @@ class LayerStats:
         return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
 
 
+# CUDA's reads when not set: 2 blocks in flight, each in 2 parts (4 requests at the disk). On the
+# H100 machines' virtio disk a 40-layer Qwen3.6 step read its misses fastest so: 5.9 tok/s at an
+# 8 GiB budget against 5.4 with 2 whole blocks and 4.3-4.7 with 4 or 8 (docs/benchmarks.md,
+# "Blocks in pieces"); the CPU keeps one read a staging buffer, whole blocks (not measured there).
+CUDA_READ_DEPTH = 2
+CUDA_READ_PIECES = 2
+
+
+def read_shape(config: CacheConfig, device: torch.device) -> tuple[int | None, int]:
+    """(reads in flight, None: one per staging buffer; parts a block is read in) for ``config``
+    on ``device``: what it sets, else the device's default."""
+    cuda = torch.device(device).type == "cuda"
+    depth = config.read_depth if config.read_depth is not None else CUDA_READ_DEPTH if cuda else None
+    pieces = config.read_pieces if config.read_pieces is not None else CUDA_READ_PIECES if cuda else 1
+    return depth, pieces
+
+
 def cache_footprint(bundle: Bundle, quotas: dict[int, int], staging: int) -> int:
     slots = sum(q * bundle.layouts[layer].block_bytes for layer, q in quotas.items())
     return slots + staging * max(lay.block_bytes for lay in bundle.layouts.values())
@@ -162,11 +179,9 @@ class ExpertCache:
         self.footprint_bytes = need
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
+        depth, pieces = read_shape(config, device)
         self.readers = {
-            bb: BlockReader(
-                bb, staging, config.read_mode, config.read_depth, config.reader, config.read_pieces
-            )
-            for bb in block_sizes
+            bb: BlockReader(bb, staging, config.read_mode, depth, config.reader, pieces) for bb in block_sizes
         }
         # prefetched blocks wait in staging buffers; top_k of them stay for the lookups' own reads
         prefetch = config.prefetch

@@ -216,7 +216,7 @@ def cache_config(
         read_mode=read_mode or "auto",
         read_depth=read_depth,
         reader=reader or "auto",
-        read_pieces=read_pieces or 1,
+        read_pieces=read_pieces,
         prefetch=prefetch,
         pool=pool,
         tier_reads=tier_reads,

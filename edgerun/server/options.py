@@ -37,9 +37,13 @@ class ServeOptions:
     quota: int | None = None  # expert slots per MoE layer (bundle); None with a profile: the plan's quotas
     host_quota: int | None = None  # CUDA, with quota: a pinned host tier of this many experts a layer
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
-    read_depth: int | None = None  # expert reads in flight; None: one per staging buffer
+    read_depth: int | None = (
+        None  # expert reads in flight; None: 2 on CUDA, one per staging buffer on the CPU
+    )
     reader: str | None = None  # the reads' system call: preadv | io_uring | auto; None: preadv
-    read_pieces: int | None = None  # native reader: parts of a block read at once; None: 1 (whole blocks)
+    read_pieces: int | None = (
+        None  # native reader: parts of a block read at once; None: 2 on CUDA, 1 on the CPU
+    )
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )

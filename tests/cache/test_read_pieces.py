@@ -155,3 +155,16 @@ def test_the_other_readers_read_whole_blocks_and_say_so(blocks):
         ReadError, match=r"read pieces \(parts a block is read in at once\) must be 1..64, got 0"
     ):
         BlockReader(BB, pieces=0)
+
+
+def test_cuda_reads_two_blocks_in_two_pieces_unless_told():
+    """The defaults a cache reads with (cache.expert_cache.read_shape): on CUDA 2 in flight in 2
+    parts (what the GPU machines' disks read fastest), on the CPU one per staging buffer (None),
+    whole blocks; what the config sets wins on either."""
+    from edgerun.cache.expert_cache import read_shape
+    from edgerun.config import CacheConfig
+
+    assert read_shape(CacheConfig(quotas=4), torch.device("cuda")) == (2, 2)
+    assert read_shape(CacheConfig(quotas=4), torch.device("cpu")) == (None, 1)
+    told = CacheConfig(quotas=4, read_depth=6, read_pieces=1)
+    assert read_shape(told, torch.device("cuda")) == read_shape(told, torch.device("cpu")) == (6, 1)
