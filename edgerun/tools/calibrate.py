@@ -17,7 +17,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,65 @@ def read_bandwidth(
             os.close(fd)
 
 
+def _closed_loop(
+    paths: list[Path],
+    starts: list[int],
+    block_bytes: int,
+    depth: int,
+    seconds: float,
+    direct: bool,
+    tag: str,
+    read: Callable[[int, int, memoryview], None],
+    pieces: int = 1,
+) -> dict[str, Any]:
+    """``depth`` threads, each with one page-aligned buffer, read random whole blocks back to back
+    for ``seconds`` (started together): ``read(file, block, view)`` reads block ``block`` of
+    ``paths[file]`` into ``view``. The result row of :func:`read_bandwidth`."""
+    clock: dict[str, float] = {}
+    barrier = threading.Barrier(depth, action=lambda: clock.setdefault("start", time.perf_counter()))
+
+    def one(i: int) -> tuple[int, list[float], float]:
+        buf = aligned_buffer(block_bytes)
+        view = memoryview(buf)[:block_bytes]
+        rnd = random.Random(f"{tag}/{i}")
+        times: list[float] = []
+        try:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                return 0, times, time.perf_counter()  # another reader failed; its error is raised
+            deadline = clock["start"] + seconds
+            while (now := time.perf_counter()) < deadline:
+                k = rnd.randrange(starts[-1])
+                f = bisect.bisect_right(starts, k) - 1
+                read(f, k - starts[f], view)
+                times.append(time.perf_counter() - now)
+            return len(times), times, time.perf_counter()
+        except BaseException:
+            barrier.abort()
+            raise
+        finally:
+            view.release()
+            buf.close()
+
+    with ThreadPoolExecutor(depth, thread_name_prefix="edgerun-calibrate") as pool:
+        runs = [f.result() for f in [pool.submit(one, i) for i in range(depth)]]
+    reads = sum(n for n, _, _ in runs)
+    elapsed = max(end for _, _, end in runs) - clock["start"]
+    nbytes = reads * block_bytes
+    return {
+        "queue_depth": depth,
+        "pieces": pieces,
+        "reads": reads,
+        "bytes": nbytes,
+        "seconds": elapsed,
+        "gb_per_s": nbytes / elapsed / 1e9,
+        "median_read_ms": statistics.median(t for _, ts, _ in runs for t in ts) * 1e3 if reads else None,
+        "direct": direct,
+        "block_bytes": block_bytes,
+    }
+
+
 def _one_depth(
     paths: list[Path],
     fds: list[int],
@@ -123,63 +182,21 @@ def _one_depth(
     if not direct:
         for fd in fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    clock: dict[str, float] = {}
-    barrier = threading.Barrier(depth, action=lambda: clock.setdefault("start", time.perf_counter()))
 
-    def reader(i: int) -> tuple[int, list[float], float]:
-        buf = aligned_buffer(block_bytes)
-        view = memoryview(buf)[:block_bytes]
-        rnd = random.Random(f"{seed}/{depth}/{i}")
-        times: list[float] = []
+    def read(f: int, index: int, view: memoryview) -> None:
+        offset = index * block_bytes
+        if direct:
+            check_alignment(offset, block_bytes, buffer_address(view), f"{paths[f]} block {index}")
         try:
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:
-                return 0, times, time.perf_counter()  # another reader failed; its error is raised
-            deadline = clock["start"] + seconds
-            while (now := time.perf_counter()) < deadline:
-                k = rnd.randrange(starts[-1])
-                f = bisect.bisect_right(starts, k) - 1
-                offset = (k - starts[f]) * block_bytes
-                if direct:
-                    check_alignment(
-                        offset, block_bytes, buffer_address(buf), f"{paths[f]} block {k - starts[f]}"
-                    )
-                try:
-                    got = os.preadv(fds[f], [view], offset)
-                except OSError as exc:
-                    raise ReadError(
-                        f"{paths[f]}: read of {block_bytes} bytes at offset {offset} failed: {exc}"
-                    ) from exc
-                if got != block_bytes:
-                    raise ReadError(
-                        f"{paths[f]}: short read at offset {offset}: {got} of {block_bytes} bytes"
-                    )
-                times.append(time.perf_counter() - now)
-            return len(times), times, time.perf_counter()
-        except BaseException:
-            barrier.abort()
-            raise
-        finally:
-            view.release()
-            buf.close()
+            got = os.preadv(fds[f], [view], offset)
+        except OSError as exc:
+            raise ReadError(
+                f"{paths[f]}: read of {block_bytes} bytes at offset {offset} failed: {exc}"
+            ) from exc
+        if got != block_bytes:
+            raise ReadError(f"{paths[f]}: short read at offset {offset}: {got} of {block_bytes} bytes")
 
-    with ThreadPoolExecutor(depth, thread_name_prefix="edgerun-calibrate") as pool:
-        runs = [f.result() for f in [pool.submit(reader, i) for i in range(depth)]]
-    reads = sum(n for n, _, _ in runs)
-    elapsed = max(end for _, _, end in runs) - clock["start"]
-    nbytes = reads * block_bytes
-    return {
-        "queue_depth": depth,
-        "pieces": 1,
-        "reads": reads,
-        "bytes": nbytes,
-        "seconds": elapsed,
-        "gb_per_s": nbytes / elapsed / 1e9,
-        "median_read_ms": statistics.median(t for _, ts, _ in runs for t in ts) * 1e3 if reads else None,
-        "direct": direct,
-        "block_bytes": block_bytes,
-    }
+    return _closed_loop(paths, starts, block_bytes, depth, seconds, direct, f"{seed}/{depth}", read)
 
 
 def _one_depth_pooled(
@@ -205,55 +222,18 @@ def _one_depth_pooled(
             fd = _open(p, False)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-    bufs = [aligned_buffer(block_bytes) for _ in range(depth)]
-    clock: dict[str, float] = {}
-    barrier = threading.Barrier(depth, action=lambda: clock.setdefault("start", time.perf_counter()))
 
-    def one(i: int) -> tuple[int, list[float], float]:
-        rnd = random.Random(f"{seed}/{depth}/{pieces}/{i}")
-        view = memoryview(bufs[i])[:block_bytes]
-        times: list[float] = []
-        try:
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:
-                return 0, times, time.perf_counter()
-            deadline = clock["start"] + seconds
-            while (now := time.perf_counter()) < deadline:
-                k = rnd.randrange(starts[-1])
-                f = bisect.bisect_right(starts, k) - 1
-                reader.read_into(paths[f], k - starts[f], None, starts[f + 1] - starts[f], dest=view)
-                times.append(time.perf_counter() - now)
-            return len(times), times, time.perf_counter()
-        except BaseException:
-            barrier.abort()
-            raise
-        finally:
-            view.release()
+    def read(f: int, index: int, view: memoryview) -> None:
+        reader.read_into(paths[f], index, None, starts[f + 1] - starts[f], dest=view)
 
     try:
-        with ThreadPoolExecutor(depth, thread_name_prefix="edgerun-calibrate") as pool:
-            runs = [f.result() for f in [pool.submit(one, i) for i in range(depth)]]
+        tag = f"{seed}/{depth}/{pieces}"
+        row = _closed_loop(paths, starts, block_bytes, depth, seconds, direct, tag, read, reader.pieces)
     finally:
         reader.close()
-        for b in bufs:
-            b.close()
     if reader.stats.fallbacks:
         raise ReadError(f"read pieces calibration: {'; '.join(reader.stats.fallbacks.values())}")
-    reads = sum(n for n, _, _ in runs)
-    elapsed = max(end for _, _, end in runs) - clock["start"]
-    nbytes = reads * block_bytes
-    return {
-        "queue_depth": depth,
-        "pieces": reader.pieces,
-        "reads": reads,
-        "bytes": nbytes,
-        "seconds": elapsed,
-        "gb_per_s": nbytes / elapsed / 1e9,
-        "median_read_ms": statistics.median(t for _, ts, _ in runs for t in ts) * 1e3 if reads else None,
-        "direct": direct,
-        "block_bytes": block_bytes,
-    }
+    return row
 
 
 def burst_seconds(
