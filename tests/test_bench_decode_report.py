@@ -15,3 +15,99 @@ def test_the_report_names_a_resident_steps_kernels_and_rate():
     assert "resident: 325 kernels a step, 3,074 GPU us a step" in text
     del result["configs"][0]["profile"]  # a configuration not profiled (streamed) says nothing of it
     assert "kernels a step" not in markdown(result)
+
+
+STREAMED = Path(__file__).parents[1] / "docs/bench/stream_2026-12-06/run4.json"
+
+
+def test_the_report_names_split_reads_in_the_calibration_and_each_streamed_row():
+    text = markdown(json.loads(STREAMED.read_text()))
+    assert "1: 2.22, 4: 1.89, 8: 1.68, 16: 1.50, 32: 1.71, 1x2: 1.73, 2x2: 2.15" in text
+    assert "| 8 GiB, prefetch off, 2 piece(s) | 91 | True | 1.16 | 5.9 (5.8-5.9) | 192.3 |" in text
+
+
+def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch, tmp_path):
+    """``--read-depth 2,4 --read-pieces 1,2``: each streamed budget runs at the four ways, each
+    with its own plan prediction, the calibration measures split blocks for pieces 2 (not 1), and
+    a layer's bursts are timed per way. The GPU parts are stand-ins: this checks the sweep's
+    plumbing (what reaches run_config and the plan), which a GPU run would otherwise be first to try."""
+    from types import SimpleNamespace
+
+    import edgerun.bench.decode as D
+
+    block = 1 << 20
+    args = SimpleNamespace(
+        num_hidden_layers=2, num_experts=16, num_experts_per_tok=2, hidden_size=64,
+        moe_intermediate_size=32, vocab_size=100, moe_layers=[0, 1],
+    )  # fmt: skip
+    bundle = SimpleNamespace(
+        args=args,
+        layouts={0: SimpleNamespace(block_bytes=block), 1: SimpleNamespace(block_bytes=block)},
+        manifest=SimpleNamespace(
+            dense_quant=SimpleNamespace(scheme=SimpleNamespace(label=lambda: "int4 g32"))
+        ),
+        expert_path=lambda layer: tmp_path / f"L{layer}.bin",
+    )
+    monkeypatch.setattr(D, "prepare", lambda ns, name: (tmp_path, tmp_path / "b", 0.0, bundle))
+    monkeypatch.setattr(D.torch.cuda, "get_device_name", lambda: "stand-in")
+    calibrated = []
+
+    def read_bandwidth(paths, bb, queue_depths=(1, 4, 8, 16, 32), seconds_per_depth=2.0, pieces=1):
+        calibrated.append(pieces)
+        return [
+            {"queue_depth": d, "pieces": pieces, "gb_per_s": 1.0 + d / 100 + pieces / 10}
+            for d in queue_depths
+        ]
+
+    monkeypatch.setattr(D.calibrate, "read_bandwidth", read_bandwidth)
+    monkeypatch.setattr(
+        D.calibrate,
+        "device_copy_bandwidth",
+        lambda dev: {
+            "d2d_gb_per_s": 3000.0,
+            "d2d_gb_per_s_range": [2990.0, 3010.0],
+            "h2d_pinned_gb_per_s": 50.0,
+        },
+    )
+    bursts = []
+    monkeypatch.setattr(
+        D.calibrate,
+        "burst_seconds",
+        lambda paths, bb, depth, pieces: bursts.append((depth, pieces)) or [{"reads": 1, "median_s": 1e-3}],
+    )
+    monkeypatch.setattr(D, "dense_bytes", lambda b: (1, 1))
+    monkeypatch.setattr(D, "state_bytes", lambda b, c: (1, 1, 1))
+    planned = []
+
+    def planned_quota(budget, bundle_dir, capacity, bandwidths, reads):
+        planned.append(reads)
+        pred = SimpleNamespace(
+            misses_per_token=10.0, tok_s=5.0, tok_s_serial=4.0, tok_s_layered=4.5 + reads["read_depth"] / 10
+        )
+        return 8, "plan", SimpleNamespace(prediction=pred)
+
+    monkeypatch.setattr(D, "planned_quota", planned_quota)
+    ran = []
+
+    def run_config(name, bundle_dir, b, quota, capacity, prompt, decode, timed, warm_all, depth, host, cpu,
+                   pf, reader, staging, pieces):  # fmt: skip
+        ran.append((name, depth, pieces, pf))
+        med = {"median": 4.0, "min": 4.0, "max": 4.0}
+        return {
+            "config": name, "quota": quota, "tokens_identical": True, "decode_tps": med, "ttft_s": med,
+            "misses_per_token": {"median": 10.0}, "read_gbs": med, "disk_busy": med, "busy_gbs": med,
+        }  # fmt: skip
+
+    monkeypatch.setattr(D, "run_config", run_config)
+    argv = ["--dir", str(tmp_path), "--budgets", "8", "--prefetch", "off", "--read-depth", "2,4"]
+    assert D.main(argv + ["--read-pieces", "1,2", "--prompt", "4", "--decode", "4", "--repeats", "1"]) == 0
+    assert calibrated == [1, 2]
+    assert bursts == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert [n for n, *_ in ran][1] == "8 GiB, prefetch off, depth 2, 2 piece(s)"
+    # the first plan sizes the quota; each run's own: its depth, a read alone at its pieces' depth 1
+    assert [(r["read_depth"], r["storage_read_single"]) for r in planned[1:]] == [
+        (2, 1.11e9), (2, 1.21e9), (4, 1.11e9), (4, 1.21e9),
+    ]  # fmt: skip
+    result = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [round(c["predicted"]["tok_s_layered"], 2) for c in result["configs"]] == [4.7, 4.7, 4.9, 4.9]

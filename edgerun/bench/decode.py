@@ -391,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     add_dense_arguments(ap)
     ap.add_argument(
         "--read-depth",
-        type=int,
         default=None,
-        help="streamed reads in flight (default: the engine's on CUDA, cache.expert_cache.CUDA_READ_DEPTH)",
+        help="streamed reads in flight (default: the engine's on CUDA, cache.expert_cache.CUDA_READ_DEPTH); "
+        "a list (2,4) runs each streamed budget with each",
     )
     ap.add_argument(
         "--prefetch",
@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
     piece_counts = [int(v) for v in ns.read_pieces.split(",")] if ns.read_pieces else [CUDA_READ_PIECES]
+    read_depths = [int(v) for v in ns.read_depth.split(",")] if ns.read_depth else [CUDA_READ_DEPTH]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -485,30 +486,26 @@ def main(argv: list[str] | None = None) -> int:
     # the engine reads at its own depth (--read-depth overrides; the calibration's fastest depth of
     # steady reads was not the engine's fastest: docs/benchmarks.md, "Blocks in pieces"); the plan's
     # read model takes a read alone from the calibration of the same pieces count
-    def read_model(pieces: int) -> tuple[int, dict]:
+    def read_model(pieces: int, depth: int) -> dict:
         from edgerun.cache.native import parts
 
         split = parts(block, pieces)
         rows = [r for r in reads if r["pieces"] == split] or [r for r in reads if r["pieces"] == 1]
-        depth = ns.read_depth or CUDA_READ_DEPTH
         single = next((r["gb_per_s"] for r in rows if r["queue_depth"] == 1), None)
-        return depth, {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
+        return {"read_depth": depth, **({"storage_read_single": single * 1e9} if single else {})}
 
-    depth = read_model(1)[0]
-    result["read_depth"] = depth
+    shapes = list(itertools.product(read_depths, piece_counts))  # each streamed budget reads each way
+    result["read_depth"] = read_depths
     # what a layer's misses cost: a burst of j reads after the disk idled, at each read set-up the
     # streamed runs use (the native reader only: the engine's reader on CUDA)
     if any(b not in ("resident",) and not b.startswith("host") for b in ns.budgets.split(",")):
         from edgerun.cache.native import unavailable
 
         if "native" in readers or ("auto" in readers and unavailable() is None):
-            result["bursts"] = {
-                n: calibrate.burst_seconds(paths, block, depth=read_model(n)[0], pieces=n)
-                for n in piece_counts
-            }
-            for n, rows in result["bursts"].items():
+            result["bursts"] = [calibrate.burst_seconds(paths, block, depth=d, pieces=n) for d, n in shapes]
+            for (d, n), rows in zip(shapes, result["bursts"], strict=True):
                 print(
-                    f"  a burst of j reads after 2 ms idle, {n} piece(s), depth {read_model(n)[0]}: "
+                    f"  a burst of j reads after 2 ms idle, {n} piece(s), depth {d}: "
                     + ", ".join(f"{r['reads']}: {r['median_s'] * 1e3:.2f} ms" for r in rows),
                     flush=True,
                 )
@@ -526,11 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         if spec == "resident":
-            runs.append(("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None, 1)))
+            runs.append(
+                ("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None, 1, 1))
+            )
         elif spec.startswith("host"):
             quota = int(spec[4:])
             name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
-            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None, 1)))
+            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None, 1, 1)))
         elif spec.startswith("far"):
             budget = int(float(spec[3:]) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bandwidths)
@@ -539,32 +538,36 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"config": name, "refused": how})
                 continue
             print(how, flush=True)
-            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None, 1)))
+            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None, 1, 1)))
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
             quota, how, p = planned_quota(
-                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(1)[1]
+                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(*shapes[0][::-1])
             )
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
-            for pf, reader, staging, pieces in itertools.product(prefetches, readers, stagings, piece_counts):
+            for pf, reader, staging, (depth, pieces) in itertools.product(
+                prefetches, readers, stagings, shapes
+            ):
                 # the plan's prediction with the read model of the way this run reads
                 p = planned_quota(
-                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(pieces)[1]
+                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(pieces, depth)
                 )[2]
                 name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
                 name += f", reader {reader}" if len(readers) > 1 else ""
                 name += f", staging {staging}" if len(stagings) > 1 else ""
+                name += f", depth {depth}" if len(read_depths) > 1 else ""
                 name += f", {pieces} piece(s)" if len(piece_counts) > 1 else ""
                 runs.append(
-                    (name, quota, budget, None, cpu, pf, p.prediction, None, (reader, staging, pieces))
+                    (name, quota, budget, None, cpu, pf, p.prediction, None, (reader, staging, pieces, depth))
                 )
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
+        reader, staging, pieces, depth = reading
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
-            budget is None and host is None, read_model(reading[2])[0], host, cpu or None, pf, *reading,
+            budget is None and host is None, depth, host, cpu or None, pf, reader, staging, pieces,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how
