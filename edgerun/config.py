@@ -296,15 +296,15 @@ class CacheConfig:
     quotas: int | Mapping[int, int]
     host_quotas: int | Mapping[int, int] | None = None
     read_mode: str = "auto"
-    # reads in flight; None: the device's default (cache.expert_cache.read_shape: 2 on CUDA, one
-    # per staging buffer on the CPU)
+    # reads in flight; None: the default for the device and disk (cache.expert_cache.read_shape: one
+    # per staging buffer; 2 on CUDA from a virtio disk)
     read_depth: int | None = None
     # who reads (edgerun.cache.reader): native (C threads, no GIL) | preadv (a Python thread per read
     # in flight) | io_uring | auto (native where it builds, else preadv, a counted fallback)
     reader: str = "auto"
     # each block read as this many parts at once by the native reader (whole pages each): a disk that
     # serves one large request at a fraction of its rate (a virtio or network disk) keeps several busy;
-    # None: the device's default (cache.expert_cache.read_shape: 2 on CUDA, 1 on the CPU)
+    # None: the default for the device and disk (cache.expert_cache.read_shape: 1; 2 on CUDA from virtio)
     read_pieces: int | None = None
     pool: str | None = None
     # a pinned host tier holding every expert of a layer (discrete GPUs): "in-place", the GPU reads

@@ -43,7 +43,9 @@ import torch
 
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, add_dense_arguments
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.expert_cache import CUDA_READ_DEPTH, CUDA_READ_PIECES
+from edgerun.cache.expert_cache import read_shape
+from edgerun.cache.reader import disk_of
+from edgerun.config import CacheConfig
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--read-depth",
         default=None,
-        help="streamed reads in flight (default: the engine's on CUDA, cache.expert_cache.CUDA_READ_DEPTH); "
+        help="streamed reads in flight (default: the engine's on this disk, cache.expert_cache.read_shape); "
         "a list (2,4) runs each streamed budget with each",
     )
     ap.add_argument(
@@ -416,15 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         "--read-pieces",
         default=None,
         help="the native reader reads each block as this many parts at once (default: the engine's on "
-        "CUDA, cache.expert_cache.CUDA_READ_PIECES); a list (1,2,4) runs each streamed budget with each, "
+        "this disk, cache.expert_cache.read_shape); a list (1,2,4) runs each streamed budget with each, "
         "and the calibration measures each (its storage bound: the best of all)",
     )
     ns = ap.parse_args(argv)
     prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
-    piece_counts = [int(v) for v in ns.read_pieces.split(",")] if ns.read_pieces else [CUDA_READ_PIECES]
-    read_depths = [int(v) for v in ns.read_depth.split(",")] if ns.read_depth else [CUDA_READ_DEPTH]
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -456,6 +456,16 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     paths = [bundle.expert_path(layer) for layer in a.moe_layers]
+    # unless told, the engine's own reads on this disk (cache.expert_cache.read_shape)
+    disk = disk_of(paths[0])
+    engine_depth, engine_pieces = read_shape(CacheConfig(quotas=1), torch.device("cuda"), disk and disk[1])
+    piece_counts = [int(v) for v in ns.read_pieces.split(",")] if ns.read_pieces else [engine_pieces]
+    read_depths = (
+        [int(v) for v in ns.read_depth.split(",")]
+        if ns.read_depth
+        else [engine_depth or 2 * a.num_experts_per_tok]
+    )
+    result["disk"] = disk
     reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)
     for n in sorted({n for n in piece_counts if n > 1}):  # the same disk read the way those runs read it
         reads += calibrate.read_bandwidth(

@@ -40,7 +40,7 @@ import torch
 
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PrefetchGate
-from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer
+from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer, disk_of
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
 from edgerun.errors import ChecksumError, StorageError
@@ -70,20 +70,22 @@ class LayerStats:
         return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
 
 
-# CUDA's reads when not set: 2 blocks in flight, each in 2 parts (4 requests at the disk). On the
-# H100 machines' virtio disk a 40-layer Qwen3.6 step read its misses fastest so: 5.9 tok/s at an
-# 8 GiB budget against 5.4 with 2 whole blocks and 4.3-4.7 with 4 or 8 (docs/benchmarks.md,
-# "Blocks in pieces"); the CPU keeps one read a staging buffer, whole blocks (not measured there).
-CUDA_READ_DEPTH = 2
-CUDA_READ_PIECES = 2
+# CUDA's reads from a virtio disk when not set: 2 blocks in flight, each in 2 parts (4 requests at
+# the disk). On the H100 machines' virtio disk a 40-layer Qwen3.6 step read its misses fastest so:
+# 5.9 tok/s at an 8 GiB budget against 5.4 with 2 whole blocks and 4.3-4.7 with 4 or 8
+# (docs/benchmarks.md, "Blocks in pieces"). Elsewhere (an NVMe drive, which wants more in flight;
+# the CPU) one read a staging buffer, whole blocks: not measured against this.
+VIRTIO_READ_DEPTH = 2
+VIRTIO_READ_PIECES = 2
 
 
-def read_shape(config: CacheConfig, device: torch.device) -> tuple[int | None, int]:
+def read_shape(config: CacheConfig, device: torch.device, disk: str | None) -> tuple[int | None, int]:
     """(reads in flight, None: one per staging buffer; parts a block is read in) for ``config``
-    on ``device``: what it sets, else the device's default."""
-    cuda = torch.device(device).type == "cuda"
-    depth = config.read_depth if config.read_depth is not None else CUDA_READ_DEPTH if cuda else None
-    pieces = config.read_pieces if config.read_pieces is not None else CUDA_READ_PIECES if cuda else 1
+    on ``device`` reading from a disk of kind ``disk`` (reader.disk_of): what the config sets,
+    else the default for the two."""
+    virtio = torch.device(device).type == "cuda" and disk == "virtio"
+    depth = config.read_depth if config.read_depth is not None else VIRTIO_READ_DEPTH if virtio else None
+    pieces = config.read_pieces if config.read_pieces is not None else VIRTIO_READ_PIECES if virtio else 1
     return depth, pieces
 
 
@@ -179,7 +181,18 @@ class ExpertCache:
         self.footprint_bytes = need
         self.io = {layer: LayerStats() for layer in quotas}  # warm reads, bytes, time
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
-        depth, pieces = read_shape(config, device)
+        disk = disk_of(bundle.expert_path(args.moe_layers[0])) if args.moe_layers else None
+        depth, pieces = read_shape(config, device, disk and disk[1])
+        if (
+            disk
+            and disk[1] == "virtio"
+            and device.type == "cuda"
+            and None in (config.read_depth, config.read_pieces)
+        ):
+            self.adjustments.append(
+                f"reads {depth} in flight in {pieces} pieces a block from {disk[0]}, a virtio disk (the "
+                "fastest on the GPU machines' virtio disks; --read-depth / --read-pieces set them)"
+            )
         self.readers = {
             bb: BlockReader(bb, staging, config.read_mode, depth, config.reader, pieces) for bb in block_sizes
         }

@@ -77,6 +77,32 @@ def direct_supported(path: Path) -> bool:
         return False
 
 
+def disk_of(path: Path) -> tuple[str, str] | None:
+    """(block device name, its kind: virtio | nvme | other) holding ``path``, from sysfs (a
+    partition answers for its disk); None where sysfs does not say (not Linux, an overlay or
+    network filesystem)."""
+    try:
+        st = os.stat(path)
+        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve(strict=True)
+    except OSError:
+        return None
+    if (dev / "partition").exists():
+        dev = dev.parent
+    try:
+        driver = (dev / "device" / "driver").resolve(strict=True).name
+    except OSError:
+        driver = ""
+    name = dev.name
+    kind = (
+        "virtio"
+        if driver == "virtio_blk" or name.startswith("vd")
+        else "nvme"
+        if name.startswith("nvme")
+        else "other"
+    )
+    return name, kind
+
+
 def check_alignment(offset: int, length: int, address: int, what: str) -> None:
     problems = []
     if offset % ALIGN:

@@ -186,8 +186,8 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
         "--read-depth",
         type=int,
         default=None,
-        help="expert reads in flight (default: 2 on CUDA, one per staging buffer on the CPU); some disks "
-        "are faster shallow",
+        help="expert reads in flight (default: one per staging buffer; on CUDA from a virtio disk 2); some "
+        "disks are faster shallow",
     )
     p.add_argument(
         "--reader",
@@ -203,8 +203,8 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="the native reader reads each expert block as this many parts at once, whole pages each "
-        "(1..64; default 2 on CUDA, 1 on the CPU): a disk that serves one large request slowly (virtio, "
-        "network) keeps several requests busy; `edgerun bench decode --read-pieces 1,2,4` measures it on yours",
+        "(1..64; default 1; on CUDA from a virtio disk 2): a disk that serves one large request slowly "
+        "(virtio, network) keeps several requests busy; `edgerun bench decode --read-pieces 1,2,4` measures yours",
     )
 
 

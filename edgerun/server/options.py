@@ -38,11 +38,11 @@ class ServeOptions:
     host_quota: int | None = None  # CUDA, with quota: a pinned host tier of this many experts a layer
     read_mode: str | None = None  # streamed expert reads: direct | buffered | auto (the default)
     read_depth: int | None = (
-        None  # expert reads in flight; None: 2 on CUDA, one per staging buffer on the CPU
+        None  # expert reads in flight; None: one per staging buffer (CUDA from a virtio disk: 2)
     )
     reader: str | None = None  # the reads' system call: preadv | io_uring | auto; None: preadv
     read_pieces: int | None = (
-        None  # native reader: parts of a block read at once; None: 2 on CUDA, 1 on the CPU
+        None  # native reader: parts of a block read at once; None: 1 (CUDA from a virtio disk: 2)
     )
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA

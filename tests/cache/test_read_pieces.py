@@ -5,6 +5,7 @@ into pieces of whole pages; a block counts as one read; a damaged piece fails th
 other readers read whole blocks and say so."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,14 +158,34 @@ def test_the_other_readers_read_whole_blocks_and_say_so(blocks):
         BlockReader(BB, pieces=0)
 
 
-def test_cuda_reads_two_blocks_in_two_pieces_unless_told():
-    """The defaults a cache reads with (cache.expert_cache.read_shape): on CUDA 2 in flight in 2
-    parts (what the GPU machines' disks read fastest), on the CPU one per staging buffer (None),
-    whole blocks; what the config sets wins on either."""
+def test_cuda_reads_a_virtio_disk_two_blocks_in_two_pieces_unless_told():
+    """The defaults a cache reads with (cache.expert_cache.read_shape): CUDA from a virtio disk 2 in
+    flight in 2 parts (what the GPU machines' virtio disks read fastest); an NVMe drive, a disk
+    sysfs does not name, or the CPU: one per staging buffer (None), whole blocks; what the config
+    sets wins everywhere."""
     from edgerun.cache.expert_cache import read_shape
     from edgerun.config import CacheConfig
 
-    assert read_shape(CacheConfig(quotas=4), torch.device("cuda")) == (2, 2)
-    assert read_shape(CacheConfig(quotas=4), torch.device("cpu")) == (None, 1)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert read_shape(CacheConfig(quotas=4), cuda, "virtio") == (2, 2)
+    for device, disk in ((cuda, "nvme"), (cuda, "other"), (cuda, None), (cpu, "virtio")):
+        assert read_shape(CacheConfig(quotas=4), device, disk) == (None, 1)
     told = CacheConfig(quotas=4, read_depth=6, read_pieces=1)
-    assert read_shape(told, torch.device("cuda")) == read_shape(told, torch.device("cpu")) == (6, 1)
+    assert read_shape(told, cuda, "virtio") == read_shape(told, cpu, None) == (6, 1)
+    assert read_shape(CacheConfig(quotas=4, read_depth=3), cuda, "virtio") == (3, 2)
+
+
+def test_the_disk_under_a_file_is_named_from_sysfs(tmp_path):
+    """disk_of: the block device under a file and its kind, a partition answered for by its disk;
+    None for a path sysfs knows nothing of."""
+    from edgerun.cache.reader import disk_of
+
+    p = tmp_path / "x.bin"
+    p.write_bytes(b"x")
+    assert disk_of(tmp_path / "missing") is None
+    got = disk_of(p)
+    if got is None:
+        pytest.skip(f"sysfs does not name the block device under {tmp_path}")
+    name, kind = got
+    assert kind in ("virtio", "nvme", "other") and Path(f"/sys/block/{name}").exists()
+    assert kind != "virtio" or name.startswith("vd") or "virtio" in os.path.realpath(f"/sys/block/{name}")
