@@ -13,8 +13,8 @@
  * queue (a virtio or network disk serves one large request at about half the rate it serves
  * four); the thread that ends the last piece checks the whole block and hands it on. A job
  * reading into a staging buffer takes one from the free list (its first piece waits for one,
- * then for its fence; the other pieces wait for that); a staged job (prefetch) keeps its buffer after the read
- * until the caller places it (er_place) or releases it. A job whose read fails its check, or
+ * then for its fence; the other pieces wait for that); a staged job (prefetch) keeps its buffer
+ * after the read until the caller places it (er_place) or releases it. A job whose read fails its check, or
  * fails, keeps its buffer too: the caller reads it again its own way and then places or releases.
  * A ticket's record is freed when the caller finishes with it (er_wait with free, er_place,
  * er_release) or, for a dropped job, when the read ends.
@@ -153,8 +153,8 @@ static job_t *next_piece(pool_t *p) {
     return NULL;
 }
 
-/* The end of a job whose pieces have all ended (``got``: bytes read, -1 after an error); with
- * p->mu NOT held on entry and held on return. */
+/* The end of a job whose pieces have all ended (j->got: the bytes they read; j->err: the first
+ * piece's errno that failed, 0 if none); with p->mu NOT held on entry and held on return. */
 static void finish(pool_t *p, job_t *j, int b) {
     int kind = j->kind, err = j->err;
     int64_t got = j->got;
