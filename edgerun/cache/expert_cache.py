@@ -82,10 +82,12 @@ VIRTIO_READ_PIECES = 2
 def read_shape(config: CacheConfig, device: torch.device, disk: str | None) -> tuple[int | None, int]:
     """(reads in flight, None: one per staging buffer; parts a block is read in) for ``config``
     on ``device`` reading from a disk of kind ``disk`` (reader.disk_of): what the config sets,
-    else the default for the two."""
+    else the default for the two (pieces only where the native reader may read: the others read
+    whole blocks)."""
     virtio = torch.device(device).type == "cuda" and disk == "virtio"
+    split = virtio and config.reader in ("native", "auto")
     depth = config.read_depth if config.read_depth is not None else VIRTIO_READ_DEPTH if virtio else None
-    pieces = config.read_pieces if config.read_pieces is not None else VIRTIO_READ_PIECES if virtio else 1
+    pieces = config.read_pieces if config.read_pieces is not None else VIRTIO_READ_PIECES if split else 1
     return depth, pieces
 
 

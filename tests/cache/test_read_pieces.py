@@ -173,6 +173,8 @@ def test_cuda_reads_a_virtio_disk_two_blocks_in_two_pieces_unless_told():
     told = CacheConfig(quotas=4, read_depth=6, read_pieces=1)
     assert read_shape(told, cuda, "virtio") == read_shape(told, cpu, None) == (6, 1)
     assert read_shape(CacheConfig(quotas=4, read_depth=3), cuda, "virtio") == (3, 2)
+    # preadv and io_uring read whole blocks: no default pieces to fall back from
+    assert read_shape(CacheConfig(quotas=4, reader="preadv"), cuda, "virtio") == (2, 1)
 
 
 def test_the_disk_under_a_file_is_named_from_sysfs(tmp_path):
