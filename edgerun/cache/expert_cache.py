@@ -185,14 +185,9 @@ class ExpertCache:
         block_sizes = {lay.block_bytes for lay in bundle.layouts.values()}
         disk = disk_of(bundle.expert_path(args.moe_layers[0])) if args.moe_layers else None
         depth, pieces = read_shape(config, device, disk and disk[1])
-        if (
-            disk
-            and disk[1] == "virtio"
-            and device.type == "cuda"
-            and None in (config.read_depth, config.read_pieces)
-        ):
+        if disk and (depth, pieces) != read_shape(config, device, None):  # the disk chose them: said
             self.adjustments.append(
-                f"reads {depth} in flight in {pieces} pieces a block from {disk[0]}, a virtio disk (the "
+                f"reads {depth} in flight in {pieces} pieces a block from {disk[0]}, a {disk[1]} disk (the "
                 "fastest on the GPU machines' virtio disks; --read-depth / --read-pieces set them)"
             )
         self.readers = {
