@@ -28,6 +28,8 @@
 #           DEC_ENV set for it, files dec$DEC_TAG.*
 #   stream  edgerun bench decode at 40 layers, experts streamed at STREAM_BUDGETS (16,8) GiB through the
 #           native reader, STREAM_ARGS more flags (--read-pieces 1,4 --prefetch off,on), files stream$STREAM_TAG.*
+#   tl      benchmarks/stream_timeline.py on the stream phase's bundle at TL_QUOTA (91) a layer: where a
+#           streamed layer's time goes, prefetch off and on (TL_ARGS more flags), files tl$TL_TAG.*
 #   route   benchmarks/bench_route.py: a MoE layer's router launch and its parts (ROUTE_TILES: router
 #           tiles "block_r,row_bytes ..." timed too), files route.*
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
@@ -98,6 +100,11 @@ for ph in ${PHASES:-}; do
       --prompt 8 --decode "${STREAM_DECODE:-32}" --repeats 2 --budgets "${STREAM_BUDGETS:-16,8}" --dense int4 \
       --reader native --calibrate-seconds "${STREAM_CAL:-0.5}" ${STREAM_ARGS:-} 2>&1 | grep -v Warning \
       | tee "$OUT/stream${STREAM_TAG:-}.txt" | grep -v "^{" | tail -40 ;;
+  tl)  # benchmarks/stream_timeline.py on /tmp/bd (the stream phase makes it) at TL_QUOTA (91: 8 GiB),
+    # prefetch off and on, TL_ARGS more flags (--read-depth 2 --read-pieces 2); files tl$TL_TAG.*
+    timeout -s INT "$(lim "${TL_TIMEOUT:-200}")" python3 -P benchmarks/stream_timeline.py --model /tmp/bd \
+      --quota "${TL_QUOTA:-91}" --json "$OUT/tl${TL_TAG:-}.json" ${TL_ARGS:-} 2>&1 | grep -v Warning \
+      | tee "$OUT/tl${TL_TAG:-}.txt" | tail -6 ;;
   route)  # benchmarks/bench_route.py: the router launch and its parts, the router tiles ROUTE_TILES
     timeout "$(lim "${ROUTE_TIMEOUT:-120}")" python3 benchmarks/bench_route.py --reps "${ROUTE_REPS:-50}" \
       --tiles ${ROUTE_TILES:-} --json "$OUT/route.json" 2>&1 | grep -v Warning | tee "$OUT/route.txt" ;;
