@@ -46,6 +46,14 @@ def parse_context(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
 
 
+def read_pieces(text: str) -> int:
+    """Parts a block is read in at once, 1..64 (``--read-pieces``; the reader's own bound)."""
+    value = positive_int(text)
+    if value > 64:
+        raise argparse.ArgumentTypeError(f"at most 64, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count of at least 1 (``--prefill-chunk``)."""
     try:

@@ -306,6 +306,20 @@ def test_a_context_past_the_models_is_said_and_a_prefill_chunk_below_1_refused(
         )
 
 
+def test_read_depth_and_pieces_out_of_range_are_bad_usage_before_anything_loads(capsys):
+    """``--read-depth`` below 1 and ``--read-pieces`` outside 1..64 are refused by the flag parser
+    (exit 2, the flag named), for generate and serve alike, before a model is looked at."""
+    for cmd in (["generate", "--token-ids", "3"], ["serve"]):
+        for flag, bad, why in (
+            ("--read-depth", "0", "a whole number of at least 1, got '0'"),
+            ("--read-pieces", "0", "a whole number of at least 1, got '0'"),
+            ("--read-pieces", "65", "at most 64, got '65'"),
+        ):
+            with pytest.raises(SystemExit) as e:
+                main([*cmd, "--model", "/nonexistent", flag, bad])
+            assert e.value.code == 2 and f"argument {flag}: {why}" in capsys.readouterr().err
+
+
 def test_first_contact_defects_stay_fixed(tmp_path, capsys):
     """Found by following the README as a newcomer: output piped into `head` ends quietly; a
     missing bundle path is bad input (2); chat without a daemon is no daemon (1); convert with no

@@ -21,6 +21,7 @@ from edgerun.flags import (
     octal_mode,
     parse_context,
     positive_int,
+    read_pieces,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
 from edgerun.server.options import (
@@ -184,7 +185,7 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--read-depth",
-        type=int,
+        type=positive_int,
         default=None,
         help="expert reads in flight (default: one per staging buffer; on CUDA from a virtio disk 2); some "
         "disks are faster shallow",
@@ -200,7 +201,7 @@ def add_read_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--read-pieces",
-        type=int,
+        type=read_pieces,
         default=None,
         help="the native reader reads each expert block as this many parts at once, whole pages each "
         "(1..64; default 1; on CUDA from a virtio disk 2): a disk that serves one large request slowly "
