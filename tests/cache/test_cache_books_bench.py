@@ -1,19 +1,12 @@
 """benchmarks/cache_books.py runs by hand: its timed paths must stay runnable and count alike."""
 
-import importlib.util
-from pathlib import Path
-
+import bench_scripts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cache_books.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("cache_books", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("cache_books")
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lru"])

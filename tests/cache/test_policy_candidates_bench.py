@@ -1,24 +1,18 @@
 """benchmarks/policy_candidates.py runs by hand: its replay must decide as the cache's LFU, and
 its literature policies must behave as their definitions say on short hand-made sequences."""
 
-import importlib.util
 import random
-from pathlib import Path
 
+import bench_scripts
 import numpy as np
 import pytest
 
 from edgerun.cache.policy import LFUSet, LRUSet, replay_misses
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "policy_candidates.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("policy_candidates", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("policy_candidates")
 
 
 def misses(table, lookups):

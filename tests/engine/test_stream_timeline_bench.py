@@ -1,21 +1,15 @@
 """benchmarks/stream_timeline.py runs by hand (on the GPU, where prefetch's cost is in question):
 its wrappers must keep finding the lookup path, and its phases must add up."""
 
-import importlib.util
 import json
-from pathlib import Path
 
+import bench_scripts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "stream_timeline.py"
 
 
 @pytest.fixture(scope="module")
 def timeline():
-    spec = importlib.util.spec_from_file_location("stream_timeline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("stream_timeline")
 
 
 def test_each_streamed_lookup_is_timed_and_its_phases_fill_it(bundles, tmp_path, timeline):
