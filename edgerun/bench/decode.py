@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     # the engine reads at its own depth (--read-depth overrides; the calibration's fastest depth of
     # steady reads was not the engine's fastest: docs/benchmarks.md, "Blocks in pieces"); the plan's
     # read model takes a read alone from the calibration of the same pieces count
-    def read_model(pieces: int, depth: int) -> dict:
+    def read_model(depth: int, pieces: int) -> dict:
         from edgerun.cache.native import parts
 
         split = parts(block, pieces)
@@ -534,12 +534,34 @@ def main(argv: list[str] | None = None) -> int:
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         if spec == "resident":
             runs.append(
-                ("resident", a.num_experts, None, None, cpu, None, None, None, (readers[0], None, 1, 1))
+                (
+                    "resident",
+                    a.num_experts,
+                    None,
+                    None,
+                    cpu,
+                    None,
+                    None,
+                    None,
+                    (readers[0], None, *shapes[0][::-1]),
+                )
             )
         elif spec.startswith("host"):
             quota = int(spec[4:])
             name = f"{quota} device slots + pinned host tier" + (f", CPU experts {cpu}" if cpu else "")
-            runs.append((name, quota, None, a.num_experts, cpu, None, None, None, (readers[0], None, 1, 1)))
+            runs.append(
+                (
+                    name,
+                    quota,
+                    None,
+                    a.num_experts,
+                    cpu,
+                    None,
+                    None,
+                    None,
+                    (readers[0], None, *shapes[0][::-1]),
+                )
+            )
         elif spec.startswith("far"):
             budget = int(float(spec[3:]) * GiB)
             quota, how = quota_for(budget, bundle_dir, capacity, far=True, bandwidths=bandwidths)
@@ -548,29 +570,54 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"config": name, "refused": how})
                 continue
             print(how, flush=True)
-            runs.append((name, quota, budget, a.num_experts, cpu, None, None, how, (readers[0], None, 1, 1)))
+            runs.append(
+                (
+                    name,
+                    quota,
+                    budget,
+                    a.num_experts,
+                    cpu,
+                    None,
+                    None,
+                    how,
+                    (readers[0], None, *shapes[0][::-1]),
+                )
+            )
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
             budget = int(float(spec) * GiB)
             quota, how, p = planned_quota(
-                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(*shapes[0][::-1])
+                budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(*shapes[0])
             )
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
+            # the plan's prediction with the read model of each way the runs read (the first: the quota's)
+            predicted = {shapes[0]: p.prediction}
+            for shape in shapes[1:]:
+                reads_as = read_model(*shape)
+                predicted[shape] = planned_quota(
+                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=reads_as
+                )[2].prediction
             for pf, reader, staging, (depth, pieces) in itertools.product(
                 prefetches, readers, stagings, shapes
             ):
-                # the plan's prediction with the read model of the way this run reads
-                p = planned_quota(
-                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=read_model(pieces, depth)
-                )[2]
                 name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
                 name += f", reader {reader}" if len(readers) > 1 else ""
                 name += f", staging {staging}" if len(stagings) > 1 else ""
                 name += f", depth {depth}" if len(read_depths) > 1 else ""
                 name += f", {pieces} piece(s)" if len(piece_counts) > 1 else ""
                 runs.append(
-                    (name, quota, budget, None, cpu, pf, p.prediction, None, (reader, staging, pieces, depth))
+                    (
+                        name,
+                        quota,
+                        budget,
+                        None,
+                        cpu,
+                        pf,
+                        predicted[depth, pieces],
+                        None,
+                        (reader, staging, pieces, depth),
+                    )
                 )
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
