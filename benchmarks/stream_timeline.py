@@ -5,7 +5,7 @@ reads, and what runs between one layer's lookup and the next (the GPU's segment,
 launches). With prefetch on and off, at the read depth and pieces asked for, from one bundle.
 
     python benchmarks/stream_timeline.py --model BUNDLE --quota 91 [--device cuda] [--prefetch on,off]
-        [--read-depth 2] [--read-pieces 2] [--tokens 24] [--warm 8] [--json out.json]
+        [--read-depth 2] [--read-pieces 2] [--staging 10] [--tokens 24] [--warm 8] [--json out.json]
 
 The engine itself runs unchanged; the timestamps come from wrappers around ``lookup`` (the
 graphs' and the model path's), ``ExpertCache._claim`` / ``_read`` / ``prefetch`` and the
@@ -30,6 +30,7 @@ clock). What the phases are:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -66,7 +67,7 @@ class Clock:
 
 def phases(m: dict[str, float], t0: float, t1: float) -> dict[str, float]:
     """One lookup's phases (seconds, router excepted) from its marks (see the module's doc)."""
-    pf = m["prefetch1"] - m["prefetch0"] if "prefetch1" in m else 0.0
+    pf = m.get("prefetch", 0.0)
     out = dict.fromkeys(PHASES, 0.0)
     out["prefetch"] = pf
     read = m.get("read")
@@ -144,12 +145,13 @@ def instrument(clock: Clock):
     patch(ExpertCache, "_read", wrap_read)
 
     def wrap_prefetch(old):
-        def prefetch(self, layer, experts):
-            clock.mark("prefetch0")
+        def prefetch(self, layer, experts, *ahead):
+            t = time.perf_counter()  # two calls a lookup (two ahead): both counted
             try:
-                return old(self, layer, experts)
+                return old(self, layer, experts, *ahead)
             finally:
-                clock.mark("prefetch1")
+                if clock.on:
+                    clock.marks["prefetch"] = clock.marks.get("prefetch", 0.0) + time.perf_counter() - t
 
         return prefetch
 
@@ -170,6 +172,9 @@ def run(ns, prefetch: bool) -> dict:
     cache = cache_config(
         ns.model, quota=ns.quota, prefetch=prefetch, read_depth=ns.read_depth, read_pieces=ns.read_pieces
     )
+    if ns.staging is not None:  # staging buffers: prefetch may hold all but top_k of them
+        cache = dataclasses.replace(cache, staging=ns.staging)
+    cache = dataclasses.replace(cache, prefetch_ahead=ns.prefetch_ahead)
     device = torch.device(ns.device)
     runner = Runner.load(
         ns.model,
@@ -202,6 +207,8 @@ def run(ns, prefetch: bool) -> dict:
     layers = clock.layers
     out = {
         "prefetch": prefetch,
+        "prefetch_depth": runner.cache.prefetch_depth,
+        "prefetch_ahead": runner.cache.prefetch_ahead,
         "reads": sorted({(r.depth, r.pieces, r.backend) for r in runner.cache.readers.values()}),
         "tokens": n - ns.warm,
         "tok_s": (n - ns.warm) / wall,
@@ -227,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", default="off,on")
     p.add_argument("--read-depth", type=int, default=None)
     p.add_argument("--read-pieces", type=int, default=None)
+    p.add_argument("--staging", type=int, default=None, help="staging buffers (default 2 x top_k)")
+    p.add_argument(
+        "--prefetch-ahead", type=int, default=1, choices=(1, 2), help="layers prefetch reads ahead"
+    )
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24, help="timed tokens")
     p.add_argument("--warm", type=int, default=8, help="untimed tokens first")

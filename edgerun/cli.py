@@ -17,6 +17,7 @@ from edgerun.flags import (
     add_speculative_arguments,
     parse_context,
     positive_int,
+    prefetch_ahead,
     speculative_config,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
@@ -201,7 +202,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
+    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "prefetch_ahead", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens", "speculative_sampled",
 )  # fmt: skip
 
@@ -241,6 +242,7 @@ def _cache_config(ns: argparse.Namespace, rt, providers, warm=None, trace=None, 
         reader=ns.reader,
         read_pieces=ns.read_pieces,
         prefetch=ns.prefetch,
+        prefetch_ahead=ns.prefetch_ahead,
         pool=ns.slot_pool,
         tier_reads=ns.tier_reads,
         cpu_experts=ns.cpu_experts,
@@ -411,6 +413,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "the trace's predicted experts) issues it",
     )
     p.add_argument(
+        "--prefetch-ahead",
+        type=prefetch_ahead,
+        default=1,
+        help="with --prefetch-depth: replay the cache reading two layers ahead (2: each layer with half "
+        "the buffers; the trace's predicted2 experts) or one (default 1)",
+    )
+    p.add_argument(
         "--study",
         type=int,
         metavar="FOLDS",
@@ -466,7 +475,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
         for quota in ns.quota:
             for policy in ns.policy:
                 depth = ns.prefetch_depth if policy != "belady" else 0
-                r = simulate(trace, quota, policy, prefetch_depth=depth)
+                r = simulate(trace, quota, policy, prefetch_depth=depth, prefetch_ahead=ns.prefetch_ahead)
                 pf = (
                     "/".join(str(r.prefetch_total(k)) for k in ("issued", "useful", "wasted"))
                     if depth

@@ -328,6 +328,10 @@ class CacheConfig:
     # read experts before the lookup asks (the next layer's predicted, prefill's next batch);
     # None: on for CPU slots, off for CUDA ones until it is measured there (the cache says so)
     prefetch: bool | None = None
+    # how many streamed layers ahead a decode step's prefetch reads: 1, the next layer's experts
+    # predicted from this layer's residual stream; 2, the one after's too (its guesses refined a
+    # layer later), each layer holding at most half the prefetch buffers (ExpertCache.prefetch)
+    prefetch_ahead: int = 1
     policy: str | None = None  # None: the cache's default (cache.policy.DEFAULT_POLICY)
     trace: Path | None = None  # route trace the plan's per-layer quotas come from (re-planned with it)
     # speculative decoding's draft tokens K: the plan counts the MTP head and its quota floor

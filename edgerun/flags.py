@@ -54,6 +54,14 @@ def read_pieces(text: str) -> int:
     return value
 
 
+def prefetch_ahead(text: str) -> int:
+    """Streamed layers a decode step's prefetch reads ahead, 1 or 2 (``--prefetch-ahead``)."""
+    value = positive_int(text)
+    if value > 2:
+        raise argparse.ArgumentTypeError(f"1 or 2, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count of at least 1 (``--prefill-chunk``)."""
     try:

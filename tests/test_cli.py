@@ -260,6 +260,17 @@ def test_trace_reads_a_text_and_simulate_studies_and_replays_prefetch(tmp_path, 
     table = capsys.readouterr().out
     assert re.search(r"^lfu +4 +\d+ +[\d.]+ +\d+/\d+/\d+$", table, re.M), table
     assert re.search(r"^belady +4 +\d+ +[\d.]+$", table, re.M), table
+    # two layers ahead: the trace carries the predictions from two layers back too
+    assert main(["simulate", str(out), "--quota", "4", "--prefetch-depth", "4", "--prefetch-ahead", "2"]) == 0
+    assert re.search(r"^lfu +4 +\d+ +[\d.]+ +\d+/\d+/\d+$", capsys.readouterr().out, re.M)
+    old = tmp_path / "old.jsonl"  # a trace from before prefetch two ahead
+    old.write_text("".join(re.sub(r',"predicted2":\[[^a-z]*?\]\]', "", line) for line in out.open()))
+    assert "predicted2" in out.read_text() and "predicted2" not in old.read_text()
+    assert main(["simulate", str(old), "--quota", "4", "--prefetch-depth", "4", "--prefetch-ahead", "2"]) == 2
+    assert "has no 'predicted2' experts" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # bad usage at the flag parser
+        main(["simulate", str(out), "--quota", "4", "--prefetch-ahead", "3"])
+    assert bad.value.code == 2 and "1 or 2, got '3'" in capsys.readouterr().err
     assert main(["simulate", str(out), "--quota", "4", "--study", "2"]) == 0
     rows = capsys.readouterr().out
     assert all(re.search(rf"^{p} +4 ", rows, re.M) for p in ("lru", "lfu-decay", "pinned\\+lru", "belady"))

@@ -288,7 +288,8 @@ def run_config(
         read_depth=depth,
         host_quota=host_quota,
         cpu_experts=cpu_experts,
-        prefetch=prefetch,
+        prefetch=None if prefetch is None else bool(prefetch),
+        prefetch_ahead=prefetch or None,
         reader=reader,
     )
     if staging is not None:
@@ -337,6 +338,7 @@ def run_config(
         for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
             rec[f"{key}_per_token"] = med([r[f"{key}_per_token"] for r in graph_runs])
         rec["prefetch_depth"] = runner.cache.prefetch_depth
+        rec["prefetch_ahead"] = runner.cache.prefetch_ahead
     if warm_all:
         rec["profile"] = profile_steps(runner, capacity)
     if not same:
@@ -400,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prefetch",
         default="on,off",
-        help="for each streamed budget, a run with decode prefetch on and/or off (on,off | on | off)",
+        help="for each streamed budget, a run with decode prefetch on and/or off (on,off | on | off); "
+        "on2: on, reading two layers ahead (--prefetch-ahead 2)",
     )
     ap.add_argument(
         "--reader",
@@ -422,7 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         "and the calibration measures each (its storage bound: the best of all)",
     )
     ns = ap.parse_args(argv)
-    prefetches = [{"on": True, "off": False}[v] for v in ns.prefetch.split(",")]
+    # 0: off; 1: on (one layer ahead); 2: on, two layers ahead
+    prefetches = []
+    for v in ns.prefetch.split(","):
+        if v not in ("on", "off", "on2"):
+            ap.error(f"--prefetch takes a list of on, off and on2, got {v!r}")
+        prefetches.append({"off": 0, "on": 1, "on2": 2}[v])
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
     prepared = prepare(ns, "decode")
@@ -601,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             for pf, reader, staging, (depth, pieces) in itertools.product(
                 prefetches, readers, stagings, shapes
             ):
-                name = f"{float(spec):g} GiB, prefetch {'on' if pf else 'off'}"
+                name = f"{float(spec):g} GiB, prefetch {('off', 'on', '2 ahead')[pf]}"
                 name += f", reader {reader}" if len(readers) > 1 else ""
                 name += f", staging {staging}" if len(stagings) > 1 else ""
                 name += f", depth {depth}" if len(read_depths) > 1 else ""
@@ -716,7 +724,8 @@ def markdown(result: dict) -> str:
             pf = "off"
             if r.get("prefetch_depth"):
                 i, u, w = (r[f"prefetch_{k}_per_token"]["median"] for k in ("issued", "useful", "wasted"))
-                pf = f"{i:.1f} / {u:.1f} / {w:.1f} (depth {r['prefetch_depth']})"
+                two = ", 2 ahead" if r.get("prefetch_ahead", 1) > 1 else ""
+                pf = f"{i:.1f} / {u:.1f} / {w:.1f} (depth {r['prefetch_depth']}{two})"
             pr = r.get("predicted") or {}
             m_err, t_err, l_err = pr.get("misses_error"), pr.get("tok_s_error"), pr.get("tok_s_layered_error")
             lines.append(

@@ -208,6 +208,16 @@ class ExpertCache:
             self.adjustments.append(
                 f"prefetch off: {staging} staging buffers leave none beyond top_k {args.num_experts_per_tok}"
             )
+        # layers a decode step reads ahead (the engine predicts that many); each layer may hold
+        # an equal share of the prefetch buffers, so the layers' prefetches never compete for
+        # them and the simulator replays each layer alone, exactly
+        self.prefetch_ahead = min(config.prefetch_ahead, self.prefetch_depth) if self.prefetch_depth else 0
+        if self.prefetch_depth and self.prefetch_ahead < config.prefetch_ahead:
+            self.adjustments.append(
+                f"prefetch {self.prefetch_ahead} layer ahead, not {config.prefetch_ahead}: "
+                f"{self.prefetch_depth} prefetch buffer(s) cannot be shared by {config.prefetch_ahead} layers"
+            )
+        self.prefetch_share = self.prefetch_depth // self.prefetch_ahead if self.prefetch_ahead else 0
         self._staged: dict[int, dict[int, Future]] = {}  # layer -> expert -> staged read (prefetch)
         self._gates = {layer: PrefetchGate() for layer in quotas}  # how many a layer's prefetch may read
         self.copy_stream = None
@@ -436,25 +446,32 @@ class ExpertCache:
 
     # ---- prefetch -----------------------------------------------------------------------
 
-    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+    def prefetch(self, layer: int, experts: Iterable[int], ahead: int = 1) -> int:
         """Start reading those of ``experts`` that ``layer`` does not hold, before its lookup
         asks (the next layer's predicted experts; a prefill's next batch): into staging buffers,
         not slots. The layer's next fill places each one it needs from there and drops the rest
         (wasted). Slots and their books are untouched until that lookup, so no slot a step holds
         a reference to is refilled, and hits and misses count as without prefetch. At most
-        ``prefetch_depth`` prefetches are outstanding (issued, not yet claimed or dropped),
-        counted here rather than by the reader's busy buffers so that the simulator replays the
-        count exactly; the other ``top_k`` buffers stay for the lookups' own reads (one may wait
-        for a dropped read still landing, never for a claim). Returns how many reads were issued
-        (0 with prefetch off). How many of the guesses are read follows how the layer's recent
-        ones fared (:class:`~edgerun.cache.policy.PrefetchGate`)."""
+        ``prefetch_share`` prefetches of one layer are outstanding (issued, not yet claimed or
+        dropped): ``prefetch_depth`` over the ``prefetch_ahead`` layers a step reads ahead, so
+        the layers never compete for buffers; counted here rather than by the reader's busy
+        buffers so that the simulator replays the count exactly. A layer's guesses may come in
+        two calls (``ahead`` 2, two layers before its lookup, then refined one layer before it):
+        the first may take half the share (rounded up), the second adds what it lacks. The
+        other ``top_k`` buffers stay for the lookups' own reads (one may wait for a dropped read
+        still landing, never for a claim). Returns how many reads were issued (0 with prefetch
+        off). How many of the guesses are read follows how the layer's recent ones fared
+        (:class:`~edgerun.cache.policy.PrefetchGate`)."""
         if not self.prefetch_depth or layer in self.tier:
             return 0
         bb = self.bundle.layouts[layer].block_bytes
         reader = self.readers[bb]
         held, staged = self.slots[layer].slot_of, self._staged.setdefault(layer, {})
-        room = max(self.prefetch_depth - sum(map(len, self._staged.values())), 0)
-        room = self._gates[layer].limit(room)
+        # (the total bound is the buffers' guard: a lookup's own reads always find top_k free; the
+        # shares never reach it while the engine reads prefetch_ahead layers ahead)
+        total = self.prefetch_depth - sum(map(len, self._staged.values()))
+        share = (self.prefetch_share + 1) // 2 if ahead > 1 else self.prefetch_share
+        room = self._gates[layer].limit(max(min(share - len(staged), total), 0))
         todo = [e for e in dict.fromkeys(experts) if e not in held and e not in staged][:room]
         (path, checked), n = self._files[layer], self.bundle.args.num_experts
         sums = self._sums[layer]

@@ -8,7 +8,8 @@
  * only submits a job and later waits for its ticket (ctypes releases the GIL for both calls), so
  * no read, check or copy waits for the interpreter.
  *
- * Jobs run in ticket order. A block may be read as several pieces at once (``pieces`` at open):
+ * Jobs run in ticket order, except that a staged job (a prefetch) waits while a job of any other
+ * kind is queued (next_piece). A block may be read as several pieces at once (``pieces`` at open):
  * the threads take a job's pieces in turn, so one block keeps several requests in the disk's
  * queue (a virtio or network disk serves one large request at about half the rate it serves
  * four); the thread that ends the last piece checks the whole block and hands it on. A job
@@ -142,15 +143,25 @@ static int64_t read_all(int fd, char *to, uint64_t n, uint64_t offset, int *err)
     return (int64_t)got;
 }
 
-/* with p->mu held: the job whose next piece a thread may take (NULL: none due) */
+static int due(pool_t *p, job_t *j, int64_t ticket) { /* a piece of it is left to take */
+    return j->ticket == ticket && j->taken < p->npieces && (j->state == QUEUED || j->state == RUNNING);
+}
+
+/* with p->mu held: the job whose next piece a thread may take (NULL: none due). A block already
+ * started goes on first, then reads a lookup waits for, in ticket order; a staged read (a
+ * prefetch: a guess) only when neither is queued, so a guess issued early never delays a read
+ * the step needs now. */
 static job_t *next_piece(pool_t *p) {
-    while (p->head < p->next) { /* skip tickets taken, cancelled or (record reused) not yet due */
-        job_t *h = &p->jobs[p->head % JOBS];
-        if (h->ticket == p->head && h->taken < p->npieces && (h->state == QUEUED || h->state == RUNNING))
-            return h;
-        p->head++;
+    while (p->head < p->next && !due(p, &p->jobs[p->head % JOBS], p->head))
+        p->head++; /* skip tickets taken, cancelled or (record reused) not yet due */
+    job_t *staged = NULL;
+    for (int64_t t = p->head; t < p->next; t++) {
+        job_t *j = &p->jobs[t % JOBS];
+        if (!due(p, j, t)) continue;
+        if (j->state == RUNNING || j->kind != TO_STAGE) return j;
+        if (!staged) staged = j;
     }
-    return NULL;
+    return staged;
 }
 
 /* The end of a job whose pieces have all ended (j->got: the bytes they read; j->err: the first
@@ -201,7 +212,6 @@ static void *worker(void *arg) {
             continue;
         }
         int k = j->taken++;
-        if (j->taken == p->npieces) p->head++;
         if (k == 0) {
             j->state = RUNNING;
             j->left = p->npieces;
@@ -209,9 +219,10 @@ static void *worker(void *arg) {
         }
         if (j->taken < p->npieces) pthread_cond_signal(&p->work); /* another thread takes the next piece */
         if (j->kind != TO_DIRECT && k == 0) {
-            /* buffers go to jobs in ticket order (a condition variable wakes any waiter): the
-             * caller claims reads in the order it issued them, and a later read holding the last
-             * buffer while an earlier one waits would leave the caller waiting for ever */
+            /* buffers go to jobs in the order threads take them (a condition variable wakes any
+             * waiter; next_piece's order): a job taken later holding the last buffer while an
+             * earlier one waits could leave the caller waiting for ever. Staged jobs keep theirs
+             * until claimed, but the caller keeps at most staging - top_k of them outstanding */
             int64_t turn = p->buf_tickets++;
             while ((turn != p->buf_serving || !p->nfree) && !p->stop) pthread_cond_wait(&p->bufs, &p->mu);
             if (p->stop) break;

@@ -133,6 +133,9 @@ class _MoeBuffers:
     refs: list[SlotRef]  # the lookup's references, checked when the expert step is queued
     predicted: torch.Tensor | None = None  # [1, A] int64: the next host-op layer's experts, predicted
     predicted_weights: torch.Tensor | None = None  # [1, A] (select writes both)
+    # prefetch two ahead: the host-op layer after that one's, predicted from the same stream
+    predicted2: torch.Tensor | None = None
+    predicted2_weights: torch.Tensor | None = None
     # where the shared expert's down projection runs in the expert step's launch (``fold_down``):
     # its input (SiLU(gate) * up, [1, S]) and the router's logits [1, E + 1], from the router's
     # launch, static so that a later segment's graph reads them
@@ -271,9 +274,20 @@ class DecodeGraphs:
         self.predict = (
             {i: j for i, j in zip(host, host[1:], strict=False) if j == self._next_moe(i)} if prefetch else {}
         )
+        # reading two ahead (the cache's prefetch_ahead): the layer after j too, where it follows
+        # j as j follows i; j's own prediction refines it a layer later
+        ahead = self.cache.prefetch_ahead if prefetch else 0
+        self.predict2 = (
+            {i: self.predict[j] for i, j in self.predict.items() if j in self.predict} if ahead > 1 else {}
+        )
         for i in self.predict:
             buf = self.moe[i]
             buf.predicted, buf.predicted_weights = torch.zeros_like(buf.ids), torch.zeros_like(buf.weights)
+            if i in self.predict2:
+                buf.predicted2, buf.predicted2_weights = (
+                    torch.zeros_like(buf.ids),
+                    torch.zeros_like(buf.weights),
+                )
         # one row of one sequence with the fused kernels: each MoE layer whose expert step runs the
         # decode kernel over its slots also runs its shared expert's down projection there (one
         # launch fewer a layer; its bits those of its own launch)
@@ -404,6 +418,10 @@ class DecodeGraphs:
             nxt = self.layers[self.predict[i]]
             guess = (buf.predicted_weights, buf.predicted)
             nxt.mlp.gate.route(self.x, guess, fused, nxt.post_attention_layernorm)
+        if i in self.predict2:  # and the one after's, two ahead
+            after = self.layers[self.predict2[i]]
+            guess = (buf.predicted2_weights, buf.predicted2)
+            after.mlp.gate.route(self.x, guess, fused, after.post_attention_layernorm)
 
     def _into(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The expert step's result goes into the residual stream, with the shared expert's."""
@@ -419,10 +437,14 @@ class DecodeGraphs:
         buf.slots.copy_(buf.slots_host, non_blocking=True)
 
     def _prefetch(self, i: int) -> None:
-        """After layer i's lookup: start the reads of the next layer's predicted experts."""
+        """After layer i's lookup: start the reads of the next layer's predicted experts (and,
+        two ahead, the first guesses of the layer after it)."""
         if i in self.predict:  # the rows' predictions, each expert once, in the rows' order
             rows = self.moe[i].predicted.tolist()
             self.cache.prefetch(self.predict[i], list(dict.fromkeys(e for row in rows for e in row)))
+        if i in self.predict2:
+            rows = self.moe[i].predicted2.tolist()
+            self.cache.prefetch(self.predict2[i], list(dict.fromkeys(e for row in rows for e in row)), 2)
 
     def _experts_slots(self, i: int) -> None:
         buf = self.moe[i]

@@ -58,7 +58,12 @@ def experts_text(runner) -> str:
         f"{cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} via {'/'.join(sorted(backends))} depth {depths}, "
         + (f"{pieces} pieces a block, " if any(r.pieces > 1 for r in cache.readers.values()) else "")
-        + (f"prefetch {cache.prefetch_depth} ahead, " if cache.prefetch_depth else "prefetch off, ")
+        + (
+            f"prefetch {cache.prefetch_depth} ahead"
+            + (f" over {cache.prefetch_ahead} layers, " if cache.prefetch_ahead > 1 else ", ")
+            if cache.prefetch_depth
+            else "prefetch off, "
+        )
         + f"cache {cache.footprint_bytes / 2**20:.1f} MiB"
         + (
             f" + {cache.packed_bytes() / 2**20:.1f} MiB packed for the CPU kernels"

@@ -151,6 +151,7 @@ def cache_config(
     reader: str | None = None,
     read_pieces: int | None = None,
     prefetch: bool | None = None,
+    prefetch_ahead: int | None = None,
     pool: str | None = None,
     tier_reads: str | None = None,
     cpu_experts: str | None = None,
@@ -186,6 +187,7 @@ def cache_config(
             ("--reader", reader),
             ("--read-pieces", read_pieces),
             ("--prefetch" if prefetch else "--no-prefetch", prefetch),
+            ("--prefetch-ahead", prefetch_ahead),
             ("--warm", warm),
             ("--trace", trace),
         ):
@@ -218,6 +220,7 @@ def cache_config(
         reader=reader or "auto",
         read_pieces=read_pieces,
         prefetch=prefetch,
+        prefetch_ahead=prefetch_ahead or 1,
         pool=pool,
         tier_reads=tier_reads,
         cpu_experts=cpu_experts or "off",

@@ -99,6 +99,12 @@ class Prefetcher:
             and i not in cache.tier
         ]
         self.next = dict(zip(streamed, streamed[1:], strict=False))
+        # prefetch_ahead 2: the streamed layer after next too, from the same residual stream
+        self.after = (
+            {i: self.next[j] for i, j in self.next.items() if j in self.next}
+            if cache.prefetch_ahead > 1
+            else {}
+        )
         self._residual: dict[int, torch.Tensor] = {}
         self._hooks = [
             layers[i].post_attention_layernorm.register_forward_pre_hook(partial(self._keep, i))
@@ -111,13 +117,19 @@ class Prefetcher:
         self._residual[layer] = inputs[0]
 
     def issue(self, layer: int) -> int:
-        """After ``layer``'s lookup: prefetch the next streamed layer's predicted experts."""
+        """After ``layer``'s lookup: prefetch the next streamed layer's predicted experts (and,
+        two ahead, the one after's: its first guesses, which the next layer's issue refines)."""
         residual = self._residual.pop(layer, None)
         if residual is None or layer not in self.next:
             return 0
-        nxt = self.next[layer]
-        rows = predicted_rows(self.model, nxt, residual.reshape(-1, residual.shape[-1]))
-        return self.cache.prefetch(nxt, fetches(rows, self.cache.slots[nxt].quota)[0])  # its first lookup
+        residual = residual.reshape(-1, residual.shape[-1])
+        issued = 0
+        for ahead, target in ((1, self.next[layer]), (2, self.after.get(layer))):
+            if target is not None:
+                rows = predicted_rows(self.model, target, residual)
+                first = fetches(rows, self.cache.slots[target].quota)[0]  # its first lookup's
+                issued += self.cache.prefetch(target, first, ahead)
+        return issued
 
     def remove(self) -> None:
         for h in self._hooks:

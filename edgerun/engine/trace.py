@@ -33,9 +33,11 @@ class RouteRecorder:
         self._in_forward = False
         self._ids: dict[int, list[list[int]]] = {}
         self._predicted: dict[int, list[list[int]]] = {}
+        self._predicted2: dict[int, list[list[int]]] = {}  # two MoE layers ahead
         self._residual: dict[int, object] = {}
         self.model = model
         self._next = dict(zip(args.moe_layers, args.moe_layers[1:], strict=False))
+        self._after = dict(zip(args.moe_layers, args.moe_layers[2:], strict=False))
         self._hooks = []
         for i, layer in enumerate(model.model.layers):
             if i in args.moe_layers:
@@ -68,10 +70,12 @@ class RouteRecorder:
                 self._ids[layer] = output[1].tolist()
                 residual = self._residual.pop(layer, None)
                 if residual is not None:
+                    residual = residual.reshape(-1, residual.shape[-1])
                     nxt = self._next[layer]
-                    self._predicted[nxt] = predicted_rows(
-                        self.model, nxt, residual.reshape(-1, residual.shape[-1])
-                    )
+                    self._predicted[nxt] = predicted_rows(self.model, nxt, residual)
+                    if layer in self._after:
+                        after = self._after[layer]
+                        self._predicted2[after] = predicted_rows(self.model, after, residual)
 
         return hook
 
@@ -79,29 +83,37 @@ class RouteRecorder:
         self._in_forward = True
         self._ids.clear()
         self._predicted.clear()
+        self._predicted2.clear()
 
     def _on_forward(self, _module, _inputs, _output) -> None:
         self._in_forward = False
-        self.add_step(self._ids, self._predicted)
+        self.add_step(self._ids, self._predicted, self._predicted2)
 
     def add_step(
-        self, ids: dict[int, list[list[int]]], predicted: dict[int, list[list[int]]] | None = None
+        self,
+        ids: dict[int, list[list[int]]],
+        predicted: dict[int, list[list[int]]] | None = None,
+        predicted2: dict[int, list[list[int]]] | None = None,
     ) -> None:
         """One forward's routes: {MoE layer: [token][A] expert ids}; ``predicted``: the same for
-        every MoE layer after the first, as the prefetcher predicts them (None: not known)."""
+        every MoE layer after the first, as the prefetcher predicts them (None: not known);
+        ``predicted2``: for every MoE layer after the second, predicted two MoE layers before."""
         per_layer = [ids[layer] for layer in self.args.moe_layers]
-        later = self.args.moe_layers[1:]
-        pred = (
-            [predicted[layer] for layer in later]
-            if predicted and all(i in predicted for i in later)
-            else None
-        )
+
+        def rows_of(pred, skip: int):
+            later = self.args.moe_layers[skip:]
+            return [pred[layer] for layer in later] if pred and all(i in pred for i in later) else None
+
+        pred, pred2 = rows_of(predicted, 1), rows_of(predicted2, 2)
+        if len(self.args.moe_layers) < 3:
+            pred2 = None  # nothing is two MoE layers ahead
         for t in range(len(per_layer[0])):
             self.writer.add(
                 [rows[t] for rows in per_layer],
                 seq=self.seq,
                 step=self.step,
                 predicted=None if pred is None else [rows[t] for rows in pred],
+                predicted2=None if pred2 is None or pred is None else [rows[t] for rows in pred2],
             )
             self.step += self.per_token
         self.step += not self.per_token

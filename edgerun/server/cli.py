@@ -21,6 +21,7 @@ from edgerun.flags import (
     octal_mode,
     parse_context,
     positive_int,
+    prefetch_ahead,
     read_pieces,
 )
 from edgerun.models.providers import ProviderPolicy, add_provider_arguments
@@ -45,6 +46,7 @@ _FLAGS = (
     "reader",
     "read_pieces",
     "prefetch",
+    "prefetch_ahead",
     "warm",
     "trace",
     "expert_kernel",
@@ -168,6 +170,14 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
         default=None,
         help="streamed experts: read the next layer's predicted experts (and a prefill's next batch) "
         "before the router asks (default: on for CPU slots; off on CUDA, where it pays only while steps miss)",
+    )
+    p.add_argument(
+        "--prefetch-ahead",
+        type=prefetch_ahead,
+        default=None,
+        help="with prefetch: streamed layers a decode step reads ahead, 1 (the next layer's predicted "
+        "experts) or 2 (the one after's too, refined a layer later; each layer may hold half the "
+        "prefetch buffers); default 1",
     )
 
 
@@ -325,6 +335,7 @@ def cache_plan(opts: ServeOptions):
         reader=opts.reader,
         read_pieces=opts.read_pieces,
         prefetch=opts.prefetch,
+        prefetch_ahead=opts.prefetch_ahead,
         pool=opts.slot_pool,
         tier_reads=opts.tier_reads,
         cpu_experts=opts.cpu_experts,

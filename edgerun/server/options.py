@@ -47,6 +47,7 @@ class ServeOptions:
     prefetch: bool | None = (
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )
+    prefetch_ahead: int | None = None  # with prefetch: streamed layers a decode step reads ahead, 1 or 2
     warm: Path | None = (
         None  # warm-set JSON (`edgerun trace --frequencies`): each layer's most used preloaded
     )
@@ -105,6 +106,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
+        if self.prefetch_ahead is not None and self.prefetch_ahead not in (1, 2):
+            raise ConfigError(f"serve option 'prefetch_ahead' must be 1 or 2, got {self.prefetch_ahead}")
         if self.read_pieces is not None and not 1 <= self.read_pieces <= 64:
             raise ConfigError(f"serve option 'read_pieces' must be 1..64, got {self.read_pieces}")
         if self.batch is not None and self.batch < 1:

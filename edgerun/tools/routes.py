@@ -15,7 +15,8 @@ computed in one forward, e.g. a prefill chunk, share a step: the cache fetches t
 together). Without ``step`` every token is its own step. A line may carry ``"predicted"``: one
 list of ``top_k`` ids for each MoE layer after the first, the experts the prefetcher predicts
 for it from the previous MoE layer's residual stream (``edgerun simulate --prefetch`` replays
-them). Readers keep lines in file order, since the expert cache persists across requests. See
+them), and ``"predicted2"``: one list for each MoE layer after the second, predicted from the
+residual stream two MoE layers before it (a prefetch two layers ahead). Readers keep lines in file order, since the expert cache persists across requests. See
 docs/planning.md.
 """
 
@@ -83,6 +84,7 @@ class RouteTrace:
     source: str = ""
     steps: tuple[int, ...] = ()  # per token; empty: each token is its own step
     predicted: tuple[TokenRoutes | None, ...] = ()  # per token, MoE layers after the first; empty: none
+    predicted2: tuple[TokenRoutes | None, ...] = ()  # per token, MoE layers after the second (two ahead)
 
     def step_ids(self) -> tuple[int, ...]:
         return self.steps or tuple(range(len(self.tokens)))
@@ -115,12 +117,12 @@ def _header_from_dict(raw: Any, where: str) -> TraceHeader:
 
 
 def _token_from_dict(raw: Any, h: TraceHeader, where: str, key: str = "experts") -> TokenRoutes:
-    layers = h.moe_layers if key == "experts" else h.moe_layers[1:]
+    skip = {"experts": 0, "predicted": 1, "predicted2": 2}[key]  # MoE layers before the first listed
+    layers = h.moe_layers[skip:]
     lists = raw.get(key) if isinstance(raw, dict) else None
     if not isinstance(lists, list) or len(lists) != len(layers):
-        raise ConfigError(
-            f"{where}: {key!r} must hold {len(layers)} lists, one per MoE layer{' after the first' if key != 'experts' else ''}"
-        )
+        after = {0: "", 1: " after the first", 2: " after the second"}[skip]
+        raise ConfigError(f"{where}: {key!r} must hold {len(layers)} lists, one per MoE layer{after}")
     out = []
     for layer, ids in zip(layers, lists):
         if (
@@ -141,7 +143,8 @@ def read_trace(path: str | Path) -> RouteTrace:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: route trace not found")
-    header, tokens, steps, predicted = None, [], [], []
+    header, tokens, steps = None, [], []
+    predicted: dict[str, list] = {"predicted": [], "predicted2": []}
     with path.open() as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -157,8 +160,9 @@ def read_trace(path: str | Path) -> RouteTrace:
                 header = _header_from_dict(raw, where)
             else:
                 tokens.append(_token_from_dict(raw, header, where))
-                has = isinstance(raw, dict) and "predicted" in raw
-                predicted.append(_token_from_dict(raw, header, where, "predicted") if has else None)
+                for key, rows in predicted.items():
+                    has = isinstance(raw, dict) and key in raw
+                    rows.append(_token_from_dict(raw, header, where, key) if has else None)
                 step = raw.get("step", len(tokens) - 1)
                 if not isinstance(step, int) or (steps and step < steps[-1]):
                     raise ConfigError(
@@ -167,8 +171,8 @@ def read_trace(path: str | Path) -> RouteTrace:
                 steps.append(step)
     if header is None:
         raise ConfigError(f"{path}: empty route trace (no header line)")
-    known = any(p is not None for p in predicted)
-    return RouteTrace(header, tuple(tokens), str(path), tuple(steps), tuple(predicted) if known else ())
+    kept = {key: tuple(rows) if any(p is not None for p in rows) else () for key, rows in predicted.items()}
+    return RouteTrace(header, tuple(tokens), str(path), tuple(steps), **kept)
 
 
 class RouteTraceWriter:
@@ -186,6 +190,7 @@ class RouteTraceWriter:
         seq: int | None = None,
         step: int | None = None,
         predicted: Sequence[Sequence[int]] | None = None,
+        predicted2: Sequence[Sequence[int]] | None = None,
     ) -> None:
         line: dict[str, Any] = {"experts": [[int(e) for e in ids] for ids in experts]}
         if seq is not None:
@@ -194,6 +199,8 @@ class RouteTraceWriter:
             line["step"] = step
         if predicted is not None:
             line["predicted"] = [[int(e) for e in ids] for ids in predicted]
+        if predicted2 is not None:
+            line["predicted2"] = [[int(e) for e in ids] for ids in predicted2]
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.count += 1
 
@@ -211,5 +218,6 @@ def write_trace(path: str | Path, trace: RouteTrace) -> None:
     with RouteTraceWriter(path, trace.header) as w:
         steps = trace.steps or (None,) * len(trace.tokens)
         predicted = trace.predicted or (None,) * len(trace.tokens)
-        for token, step, pred in zip(trace.tokens, steps, predicted):
-            w.add(token, step=step, predicted=pred)
+        predicted2 = trace.predicted2 or (None,) * len(trace.tokens)
+        for token, step, pred, pred2 in zip(trace.tokens, steps, predicted, predicted2, strict=True):
+            w.add(token, step=step, predicted=pred, predicted2=pred2)

@@ -73,30 +73,42 @@ def _steps(trace: RouteTrace) -> list[list[int]]:
     return list(by_step.values())
 
 
-def layer_lookups(trace: RouteTrace, layer_pos: int, quota: int) -> list[tuple[list[int], list[int] | None]]:
+Lookup = tuple[list[int], list[int] | None, list[int] | None]
+
+
+def layer_lookups(trace: RouteTrace, layer_pos: int, quota: int, ahead: int = 1) -> list[Lookup]:
     """One MoE layer's cache lookups in order (per step, :func:`fetches`), each with what was
     read ahead for it: ``None`` for nothing, else the candidates the streaming layer hands
     ``ExpertCache.prefetch`` before it: a step's first lookup gets the experts predicted from
     the previous MoE layer (``predicted`` lines; the first layer none), each later one the batch
-    itself, issued after the lookup before it."""
-    out: list[tuple[list[int], list[int] | None]] = []
+    itself, issued after the lookup before it. With ``ahead`` 2, a step's first lookup also
+    gets, first, the experts predicted two MoE layers before (``predicted2``; the first two
+    layers none): (ids, predicted a layer before, predicted two layers before)."""
+    out: list[Lookup] = []
     for tokens in _steps(trace):
         batches = fetches([list(trace.tokens[t][layer_pos]) for t in tokens], quota)
-        first = None
-        if layer_pos and trace.predicted:
-            rows = [trace.predicted[t] for t in tokens]
-            if any(r is None for r in rows):
-                raise ValueError(
-                    f"{trace.source or 'route trace'}: a step has no 'predicted' experts to replay"
-                )
-            first = fetches([list(r[layer_pos - 1]) for r in rows], quota)[0]
-        out.extend((b, first if j == 0 else b) for j, b in enumerate(batches))
+        first = _predicted(trace, tokens, layer_pos, quota, 1)
+        second = _predicted(trace, tokens, layer_pos, quota, 2) if ahead > 1 else None
+        out.extend((b, first, second) if j == 0 else (b, b, None) for j, b in enumerate(batches))
     return out
+
+
+def _predicted(trace: RouteTrace, tokens: list[int], layer_pos: int, quota: int, ahead: int):
+    """A step's first lookup's candidates predicted ``ahead`` MoE layers before it (None: no layer
+    that far before, or no predictions in the trace)."""
+    key = "predicted" if ahead == 1 else "predicted2"
+    lines = getattr(trace, key)
+    if layer_pos < ahead or not lines:
+        return None
+    rows = [lines[t] for t in tokens]
+    if any(r is None for r in rows):
+        raise ValueError(f"{trace.source or 'route trace'}: a step has no {key!r} experts to replay")
+    return fetches([list(r[layer_pos - ahead]) for r in rows], quota)[0]
 
 
 def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[int]]:
     """One MoE layer's cache lookups in order (per step, :func:`fetches`)."""
-    return [ids for ids, _ in layer_lookups(trace, layer_pos, quota)]
+    return [lookup[0] for lookup in layer_lookups(trace, layer_pos, quota)]
 
 
 def _belady_misses(accesses: list[list[int]], quota: int) -> int:
@@ -129,15 +141,20 @@ def _belady_misses(accesses: list[list[int]], quota: int) -> int:
 
 def _replay(lookups, table: LRUSet, depth: int) -> tuple[int, int, dict[str, int]]:
     """(misses, hits, prefetch counts) of ``lookups`` through ``table`` as the cache counts them,
-    reading ahead at most ``depth`` experts before a lookup (``ExpertCache.prefetch``: those not
-    held, as many as the layer's ``PrefetchGate`` allows; useful if the lookup misses on them,
-    else wasted)."""
+    reading ahead at most ``depth`` experts before a lookup (the layer's share of the cache's
+    prefetch buffers; ``ExpertCache.prefetch``: those not held and not already staged, as many
+    as the layer's ``PrefetchGate`` allows, a guess two layers ahead at most half of them, first;
+    useful if the lookup misses on them, else wasted)."""
     misses = hits = 0
     pf = dict.fromkeys(PREFETCH, 0)
     gate = PrefetchGate()
-    for ids, ahead in lookups:
-        room = gate.limit(depth)
-        staged = [e for e in dict.fromkeys(ahead) if e not in table][:room] if depth and ahead else []
+    for ids, ahead, ahead2 in lookups:
+        staged: list[int] = []
+        for guesses, share in ((ahead2, (depth + 1) // 2), (ahead, depth)):
+            if depth and guesses:
+                room = gate.limit(max(share - len(staged), 0))
+                new = [e for e in dict.fromkeys(guesses) if e not in table and e not in staged]
+                staged += new[:room]
         access = table.access(ids)
         misses += len(access.misses)
         hits += len(access.hits)
@@ -180,6 +197,7 @@ def simulate(
     policy: str = DEFAULT_POLICY,
     tier_quota: int | None = None,
     prefetch_depth: int = 0,
+    prefetch_ahead: int = 1,
 ) -> SimResult:
     """Misses (and, for the cache's policies, hits) per MoE layer of a cache of ``quota`` slots
     (one number for every layer, or a quota by layer as the planner sizes them); with
@@ -187,7 +205,8 @@ def simulate(
     every lookup the device slots make, batched as the device quota batches them); with
     ``prefetch_depth`` (the cache's: staging buffers - top_k), the prefetches the streaming layer
     issues and how many were useful or wasted, as the cache counts them (the trace must carry
-    ``predicted`` lines, which ``edgerun trace`` records)."""
+    ``predicted`` lines, which ``edgerun trace`` records); ``prefetch_ahead`` 2: reading two
+    layers ahead too (``predicted2``), each layer with its share, depth // 2, of the buffers."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     h = trace.header
@@ -195,10 +214,14 @@ def simulate(
     if prefetch_depth:
         if policy == "belady" or tier_quota:
             raise ValueError("prefetch replays the cache's own policies (lfu, lru) without a host tier")
-        if not trace.predicted:
+        if not trace.predicted or (prefetch_ahead > 1 and not trace.predicted2):
+            key = "predicted" if not trace.predicted else "predicted2"
             raise ValueError(
-                f"{trace.source or 'route trace'} has no 'predicted' experts: record it with `edgerun trace`"
+                f"{trace.source or 'route trace'} has no {key!r} experts: record it with `edgerun trace`"
+                + (" (traces from before prefetch two ahead lack them)" if key == "predicted2" else "")
             )
+        if prefetch_ahead not in (1, 2):
+            raise ValueError(f"prefetch_ahead is 1 or 2, got {prefetch_ahead}")
         full = [layer for layer in h.moe_layers if quotas[layer] >= h.num_experts]
         if full and any(quotas[layer] < h.num_experts for layer in h.moe_layers if layer > full[0]):
             raise ValueError(
@@ -209,10 +232,12 @@ def simulate(
     for pos, layer in enumerate(h.moe_layers):
         q = quotas[layer]
         size = min(tier_quota or q, h.num_experts)
-        depth = prefetch_depth if q < h.num_experts else 0  # a layer holding every expert never reads
-        lookups = layer_lookups(trace, pos, q)
+        # a layer holding every expert never reads; two ahead, each layer reads with its share
+        depth = prefetch_depth // (prefetch_ahead if prefetch_depth >= prefetch_ahead else 1)
+        depth = depth if q < h.num_experts else 0
+        lookups = layer_lookups(trace, pos, q, prefetch_ahead)
         if policy == "belady":
-            res.misses[layer] = _belady_misses([ids for ids, _ in lookups], size)
+            res.misses[layer] = _belady_misses([lookup[0] for lookup in lookups], size)
             continue
         misses, hits, pf = _replay(lookups, expert_set(size, policy), depth)
         res.misses[layer] = misses
@@ -286,7 +311,12 @@ def folds_of(trace: RouteTrace, folds: int) -> list[RouteTrace]:
             raise ValueError(f"{trace.source or 'route trace'}: too few steps for {folds} folds")
         out.append(
             RouteTrace(
-                trace.header, trace.tokens[lo:hi], trace.source, trace.steps[lo:hi], trace.predicted[lo:hi]
+                trace.header,
+                trace.tokens[lo:hi],
+                trace.source,
+                trace.steps[lo:hi],
+                trace.predicted[lo:hi],
+                trace.predicted2[lo:hi],
             )
         )
     return out

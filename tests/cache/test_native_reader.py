@@ -186,3 +186,31 @@ def test_two_threads_first_reads_start_one_pool(expert_file, monkeypatch):
     assert got == [BB, BB] and len(started) == 1
     assert [bytes(rows[i].numpy()) for i in range(2)] == [data[(5 + i) * BB : (6 + i) * BB] for i in range(2)]
     r.close()
+
+
+def test_a_read_a_lookup_waits_for_goes_before_queued_prefetches(expert_file):
+    """One thread, one staging buffer: a prefetch (staged) queued before a lookup's own read does
+    not take the buffer first. In ticket order it would, and hold it (a staged read keeps its
+    buffer until claimed), and the lookup's read would wait for a claim that comes after it."""
+    path, data = expert_file
+    want = sums(data)
+    r = BlockReader(BB, staging=1, mode="buffered", depth=1, reader="native")
+    held = r.stage(path, 0, 16, None, want[0]).result()  # holds the only buffer
+    busy = r.stage(path, 1, 16, None, want[1])  # the thread takes it and waits for the buffer
+    deadline = time.monotonic() + 5
+    while r._native.stats()[3] == 0 and not busy.done() and time.monotonic() < deadline:
+        time.sleep(0.005)  # (stats()[3]: reads in flight; the thread is waiting, not reading)
+    time.sleep(0.05)  # the thread has taken it: both below are queued behind it
+    guess = r.stage(path, 2, 16, None, want[2])
+    row = torch.zeros(BB, dtype=torch.uint8)
+    needed = r.fetch(path, 3, 16, Target("host", row), None, want[3])
+    held.release()
+    busy.result().release()  # the buffer comes back once more: to the lookup's read
+    deadline = time.monotonic() + 5
+    while not needed.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert needed.done(), "the lookup's read waited behind a prefetch queued before it"
+    assert needed.result() == BB and bytes(row.numpy()) == data[3 * BB : 4 * BB]
+    assert bytes(guess.result().view) == data[2 * BB : 3 * BB]  # then the prefetch runs
+    guess.result().release()
+    r.close()

@@ -86,17 +86,24 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
         assert t.tier_copies == t.misses > 0 and graph.cache.tier_mem[graph.args.moe_layers[0]].is_pinned()
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefetch_changes_no_bit_of_a_streamed_graph_decode(bundles, arch):
+def test_prefetch_changes_no_bit_of_a_streamed_graph_decode(bundles, arch, ahead):
     """Decode prefetch on CUDA (the next layer's predicted experts read into staging while a
-    layer's own misses land): the same logits, bit for bit, as with it off, in graph segments with
-    misses served between them, and the greedy tokens of every expert held; its reads counted,
-    some of them used."""
+    layer's own misses land; two ahead, the one after's too): the same logits, bit for bit, as
+    with it off, in graph segments with misses served between them, and the greedy tokens of
+    every expert held; its reads counted, some of them used."""
     b = bundles[(arch, "int4")]
     kw = dict(device="cuda", dtype=torch.bfloat16, kernels=KernelPolicy(graphs="on"))
-    off, on = (Runner.load(b, cache=CacheConfig(2, prefetch=pf), **kw) for pf in (False, True))
+    off, on = (
+        Runner.load(b, cache=CacheConfig(2, prefetch=pf, prefetch_ahead=ahead, staging=8), **kw)
+        for pf in (False, True)
+    )
     held = _load(b, "table", "on")
     a, p, h = _decode(off), _decode(on), _decode(held)
+    assert on.cache.prefetch_ahead == ahead
+    if len(on.args.moe_layers) > 2:  # two ahead: each layer's mixer predicts the one after next too
+        assert bool(on.decoder.predict2) == (ahead > 1)
     assert on.cache.prefetch_depth > 0 and off.cache.prefetch_depth == 0
     for step, (x, y) in enumerate(zip(a, p)):
         assert torch.equal(x, y), f"step {step}: max |prefetch on - off| {float((x - y).abs().max())}"

@@ -29,14 +29,15 @@ def _stats(cache):
     return {layer: cache.layer_stats(layer) for layer in cache.slots}
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int4"])
-def test_prefetch_keeps_tokens_and_books_and_counts_its_reads(bundles, quant):
+@pytest.mark.parametrize("quant,ahead", [("bf16", 1), ("int4", 1), ("int4", 2)])
+def test_prefetch_keeps_tokens_and_books_and_counts_its_reads(bundles, quant, ahead):
     b = bundles[("qwen3_5_moe", quant)]
     out = {}
     for prefetch in (False, True):
-        model, args, cache, _ = load_streaming_model(
-            b, CacheConfig(2, prefetch=prefetch), dtype=torch.float32
-        )
+        config = CacheConfig(2, prefetch=prefetch, prefetch_ahead=ahead, staging=8 if ahead > 1 else None)
+        model, args, cache, _ = load_streaming_model(b, config, dtype=torch.float32)
+        if prefetch:
+            assert cache.prefetch_ahead == ahead
         runner = Runner(model, args, None, prefill_chunk=8)
         tokens = runner.generate_ids(list(range(5, 30)), GREEDY)
         tokens += runner.generate_ids(list(range(40, 44)), GREEDY)
@@ -209,6 +210,35 @@ def test_the_prefetcher_predicts_with_the_next_layers_router(bundles):
     cache.close()
 
 
+def test_two_ahead_predicts_the_layer_after_next_and_refines_it_a_layer_later(bundles):
+    """Reading two ahead: a layer's lookup stages the next layer's guesses and up to half its
+    share of the one after's (its surest first); the next lookup adds the refined guesses the
+    first call lacked, within the share."""
+    b = bundles[("qwen3_5_moe", "int4")]
+    args = Bundle.open(b).args
+    k = args.num_experts_per_tok
+    model, _, cache, _ = load_streaming_model(
+        b, CacheConfig(2, prefetch=True, prefetch_ahead=2, staging=k + 4), dtype=torch.float32
+    )
+    pre = next(m.prefetcher for m in model.modules() if isinstance(m, StreamingExperts) and m.prefetcher)
+    layers = args.moe_layers
+    assert pre.after == dict(zip(layers, layers[2:])) and (cache.prefetch_depth, cache.prefetch_share) == (
+        4,
+        2,
+    )
+    last = layers[-1]
+    assert cache.prefetch(last, [0, 1, 2, 3], ahead=2) == 1  # half the share of 2
+    assert cache.prefetch(last, [3, 2, 1, 0], ahead=2) == 0  # (a second call two ahead adds nothing)
+    assert cache.prefetch(last, [4, 0, 5]) == 1  # refined: one more, the share full
+    assert list(cache._staged[last]) == [0, 4]
+    assert cache.prefetch(last, [6, 7]) == 0
+    cache.close()
+    # too few buffers to share: one layer ahead, and said
+    one = ExpertCache(Bundle.open(b), CacheConfig(2, prefetch=True, prefetch_ahead=2, staging=k + 1))
+    assert one.prefetch_ahead == 1 and any("prefetch 1 layer ahead, not 2" in a for a in one.adjustments)
+    one.close()
+
+
 def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
     b = bundles[("qwen3_moe", "bf16")]
     assert cache_config(b, quota=2).prefetch is None  # the device's default
@@ -225,6 +255,15 @@ def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
     cfg.write_text("prefetch: 2\n")
     with pytest.raises(ConfigError, match="key 'prefetch' must be bool"):
         load_serve_config(cfg)
+    cfg.write_text("prefetch: true\nprefetch_ahead: 2\n")
+    assert load_serve_config(cfg) == {"prefetch": True, "prefetch_ahead": 2}
+    assert cache_config(b, quota=2, prefetch_ahead=2).prefetch_ahead == 2
+    from edgerun.server.options import ServeOptions
+
+    with pytest.raises(ConfigError, match="'prefetch_ahead' must be 1 or 2, got 3"):
+        ServeOptions(prefetch_ahead=3)
+    with pytest.raises(ConfigError, match="--prefetch-ahead sets up expert streaming"):
+        cache_config(None, prefetch_ahead=2)
 
 
 def test_layers_that_hold_every_expert_are_not_predicted(bundles):

@@ -31,3 +31,42 @@ def test_each_streamed_lookup_is_timed_and_its_phases_fill_it(bundles, tmp_path,
         assert r["misses"] > 0
     assert off["ms_per_layer"]["prefetch"] == 0.0 and off["prefetch_issued"] == 0
     assert on["ms_per_layer"]["prefetch"] > 0 and on["prefetch_issued"] > 0
+    # two layers ahead (both prefetch calls of a lookup timed)
+    argv += ["--prefetch", "on", "--prefetch-ahead", "2", "--staging", "8"]
+    assert timeline.main(argv + ["--json", str(out)]) == 0
+    (two,) = json.loads(out.read_text())["rows"]
+    assert two["prefetch_ahead"] == 2 and two["prefetch_issued"] > 0 and two["ms_per_layer"]["prefetch"] > 0
+
+
+def test_prefetch_ahead_scores_guesses_against_the_routers_own_choices():
+    """benchmarks/prefetch_ahead.py: where every layer's residual stream is the same rows, each
+    layer's guess from any earlier layer is its own choice (recall 1 at every distance); with
+    the choices shuffled between tokens it is not."""
+    import torch
+
+    from edgerun.engine.runner import Runner
+
+    ahead = bench_scripts.load("prefetch_ahead")
+    runner = Runner.load(None, device="cpu")  # the demo model
+    model = runner.model
+    residual, chosen, handles = ahead.capture(model)
+    runner.prefill(runner.new_state(24), list(range(3, 27)))
+    for h in handles:
+        h.remove()
+    layers = sorted(residual)
+    assert len(layers) == len(runner.args.moe_layers) and all(chosen[i] for i in layers)
+    real = ahead.score(model, residual, chosen, 3)
+    assert [r["ahead"] for r in real] == [1, 2, 3] and all(
+        0 <= r["recall_k"] <= r["recall_2k"] <= 1 for r in real
+    )
+    x = torch.cat(residual[layers[0]])
+    same = {i: [x] for i in layers}
+    own = {}
+    for j in layers:
+        block = model.model.layers[j]
+        with torch.no_grad():
+            own[j] = [block.mlp.gate.select(block.mlp.gate.logits(x, norm=block.post_attention_layernorm))[1]]
+    for r in ahead.score(model, same, own, 3):
+        assert r["recall_k"] == r["recall_2k"] == r["first"] == 1.0
+    shuffled = {j: [ids[0].roll(1, dims=0)] for j, ids in own.items()}
+    assert all(r["recall_k"] < 1.0 for r in ahead.score(model, same, shuffled, 3))

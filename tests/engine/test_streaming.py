@@ -103,17 +103,22 @@ def test_warm_preloads_most_used_and_counts_no_misses(bundles):
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, 1, 2])
 def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, prefetch):
     """Record a trace while generating through the cache (prefill in several batches, decode,
     two requests); replaying it through the simulator with the same quota, policy and prefetch
     depth gives the cache's own per-layer misses, hits and prefetches issued, useful, wasted;
-    with one quota for every layer, and with a quota by layer (as a plan from a trace sizes them)."""
+    with one quota for every layer, and with a quota by layer (as a plan from a trace sizes them).
+    ``prefetch`` 2: reading two layers ahead, each layer with half of 4 prefetch buffers."""
     b = bundles[("qwen3_5_moe", "int4")]
-    layers = Bundle.open(b).args.moe_layers
-    assert len(layers) > 1  # the per-layer quotas below differ between layers
+    args = Bundle.open(b).args
+    layers = args.moe_layers
+    assert len(layers) > 2  # the per-layer quotas below differ between layers; two ahead reaches one
     for quota in (2, 4, {layer: (4, 2, 3)[i % 3] for i, layer in enumerate(layers)}):
-        config = CacheConfig(quota, prefetch=prefetch, policy=policy)
+        staging = args.num_experts_per_tok + 4 if prefetch == 2 else None
+        config = CacheConfig(
+            quota, prefetch=bool(prefetch), policy=policy, staging=staging, prefetch_ahead=prefetch or 1
+        )
         model, args, cache, _ = load_streaming_model(b, config, dtype=torch.float32)
         runner = Runner(model, args, None, prefill_chunk=16)
         rec = RouteRecorder(model, args, tmp_path / "t.jsonl", "tiny")
@@ -121,7 +126,14 @@ def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, p
         runner.generate_ids(list(range(60, 70)), SamplingParams(max_tokens=10))
         rec.close()
         trace = read_trace(tmp_path / "t.jsonl")
-        sim = simulate(trace, quota, policy, prefetch_depth=cache.prefetch_depth)
+        assert cache.prefetch_ahead == (prefetch or 0)
+        sim = simulate(
+            trace,
+            quota,
+            policy,
+            prefetch_depth=cache.prefetch_depth,
+            prefetch_ahead=cache.prefetch_ahead or 1,
+        )
         stats = {layer: cache.layer_stats(layer) for layer in args.moe_layers}
         assert sim.misses == {layer: st.misses for layer, st in stats.items()}
         assert sim.hits == {layer: st.hits for layer, st in stats.items()}
