@@ -43,7 +43,7 @@ from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PrefetchGate
 from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer, disk_of
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
-from edgerun.errors import ChecksumError, StorageError
+from edgerun.errors import ChecksumError, ConfigError, StorageError
 from edgerun.kernels.moe_reference import FarTier
 
 
@@ -118,6 +118,10 @@ class ExpertCache:
         args = bundle.args
         device = torch.device(device)
         pool, staging, budget_bytes = config.pool, config.staging, config.budget
+        if config.prefetch_ahead not in (1, 2):  # before anything is allocated
+            raise ConfigError(
+                f"prefetch_ahead is 1 or 2 (layers a decode step reads ahead), got {config.prefetch_ahead!r}"
+            )
         if pool is None:  # host memory is device memory on unified profiles: the GPU reads slots there
             pool = "host" if device.type == "cpu" else "mapped" if config.unified_memory else "device"
         if pool not in POOLS:

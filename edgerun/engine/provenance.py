@@ -60,7 +60,11 @@ def experts_text(runner) -> str:
         + (f"{pieces} pieces a block, " if any(r.pieces > 1 for r in cache.readers.values()) else "")
         + (
             f"prefetch {cache.prefetch_depth} ahead"
-            + (f" over {cache.prefetch_ahead} layers, " if cache.prefetch_ahead > 1 else ", ")
+            + (
+                f" over the next {cache.prefetch_ahead} layers ({cache.prefetch_share} each), "
+                if cache.prefetch_ahead > 1
+                else ", "
+            )
             if cache.prefetch_depth
             else "prefetch off, "
         )

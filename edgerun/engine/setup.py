@@ -207,6 +207,13 @@ def cache_config(
         raise ConfigError(
             "give --host-quota or a device profile, not both (the profile's plan sizes the host tier)"
         )
+    if prefetch_ahead is not None:  # reading ahead asks for prefetch (off by default on CUDA)
+        if prefetch is False:
+            raise ConfigError(
+                f"--prefetch-ahead {prefetch_ahead} reads experts ahead, which --no-prefetch turns off: "
+                "drop one of them"
+            )
+        prefetch = True
     unified = False
     if profile is not None:
         from edgerun.config import load_device_profile

@@ -257,7 +257,12 @@ def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
         load_serve_config(cfg)
     cfg.write_text("prefetch: true\nprefetch_ahead: 2\n")
     assert load_serve_config(cfg) == {"prefetch": True, "prefetch_ahead": 2}
-    assert cache_config(b, quota=2, prefetch_ahead=2).prefetch_ahead == 2
+    two = cache_config(b, quota=2, prefetch_ahead=2)  # reading ahead asks for prefetch
+    assert (two.prefetch_ahead, two.prefetch) == (2, True)
+    with pytest.raises(ConfigError, match="--prefetch-ahead 2 reads experts ahead, which --no-prefetch"):
+        cache_config(b, quota=2, prefetch=False, prefetch_ahead=2)
+    with pytest.raises(ConfigError, match="prefetch_ahead is 1 or 2 .* got 3"):
+        ExpertCache(Bundle.open(b), CacheConfig(2, prefetch=True, prefetch_ahead=3))
     from edgerun.server.options import ServeOptions
 
     with pytest.raises(ConfigError, match="'prefetch_ahead' must be 1 or 2, got 3"):
