@@ -136,11 +136,14 @@ class DeviceProfile:
     # (edgerun/tools/calibrate.py cpu_expert_seconds); the planner's CPU-experts estimate, 0: none
     cpu_expert_bandwidth: float = 0.0
     # optional, the streamed decode's prediction (budget/planner.layer_read_seconds): bytes/s of
-    # one block read alone (0: storage_read_bandwidth), the reads a layer keeps in flight, and the
-    # host's seconds per layer that reads (its lookup, queueing, waking; measured on an H200 host)
+    # one block read alone (0: storage_read_bandwidth), the reads a layer keeps in flight, the
+    # host's seconds per layer that reads (its lookup, queueing, waking; measured on an H200 host),
+    # and per streamed layer whether it reads or not (the wait for its router's ids on the host,
+    # the books, the return to the next segment: benchmarks/stream_timeline.py on an H100 host)
     storage_read_single: float = 0.0
     read_depth: int = 4
     host_read_overhead: float = 3e-4
+    host_layer_overhead: float = 2e-4
     description: str = ""
     source: str = ""  # the file it came from
 
@@ -161,7 +164,11 @@ _RATE_KEYS = (
     "cpu_expert_bandwidth",
     "storage_read_single",
 )
-_NUMBER_KEYS = {"read_depth": int, "host_read_overhead": float}  # a count; seconds
+_NUMBER_KEYS = {
+    "read_depth": int,
+    "host_read_overhead": float,
+    "host_layer_overhead": float,
+}  # a count; seconds
 _REQUIRED = (
     "name",
     "memory_kind",

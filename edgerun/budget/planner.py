@@ -1298,8 +1298,11 @@ def _predict(
         sum(m * b for m, b in zip(device_misses, blocks)) * B / dev.pcie_bandwidth if dev.discrete else 0.0
     )
     bound = max(t_mem, t_storage, t_pcie)
+    # each layer that can miss looks its experts up on the host: its router's ids waited for, the
+    # books, the return (host_layer_overhead), then its reads, if any (layer_read_seconds)
     t_layers = sum(
         layer_read_seconds(round(d), m * B / d if d else 0.0, b, dev)
+        + (dev.host_layer_overhead if m > 0 else 0.0)
         for m, d, b in zip(storage_misses, distinct, blocks)
     )
     return Prediction(

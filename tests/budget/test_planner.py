@@ -642,3 +642,25 @@ def test_layer_reads_in_waves_of_the_read_depth_after_the_router():
     # one rate at every depth and no overhead: the expected bytes over the bandwidth (the storage bound)
     flat = replace(dev, storage_read_single=0.0, host_read_overhead=0.0)
     assert layer_read_seconds(8, 0.3, block, flat) == pytest.approx(8 * 0.3 * block / 2e9)
+
+
+def test_each_layer_that_can_miss_pays_the_hosts_lookup_once_in_the_layered_prediction():
+    """``host_layer_overhead``: the seconds a streamed layer's lookup costs the host even without a
+    miss (the wait for its router's ids, the books, the return): once per layer that can miss,
+    on top of its reads; the bound and the no-overlap figure do not see it."""
+    from dataclasses import replace
+
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    opts = PlanOptions(prefill_chunk=16, quota=4)
+    dev = profile(542_380, host_layer_overhead=1e-3)  # a profile key (seconds)
+    base, slow = (
+        plan(args, specs, experts, d, 64, 1, opts).prediction
+        for d in (replace(dev, host_layer_overhead=0.0), dev)
+    )
+    layers = sum(m > 0 for m in base.misses_per_layer)
+    assert layers == len(args.moe_layers) == 4
+    assert 1 / slow.tok_s_layered - 1 / base.tok_s_layered == pytest.approx(layers * 1e-3)
+    assert (slow.tok_s, slow.tok_s_serial) == (base.tok_s, base.tok_s_serial)
+    default = plan(args, specs, experts, profile(542_380), 64, 1, opts).prediction
+    assert 1 / default.tok_s_layered - 1 / base.tok_s_layered == pytest.approx(layers * 2e-4)
