@@ -229,13 +229,14 @@ def simulate(
                 "across it, from a layer the trace's predictions do not come from"
             )
     res = SimResult(policy, quota if isinstance(quota, int) else quotas, len(trace.tokens))
+    # as the cache: fewer prefetch buffers than layers to share them reads one layer ahead
+    ahead = prefetch_ahead if prefetch_depth >= prefetch_ahead else 1
     for pos, layer in enumerate(h.moe_layers):
         q = quotas[layer]
         size = min(tier_quota or q, h.num_experts)
         # a layer holding every expert never reads; two ahead, each layer reads with its share
-        depth = prefetch_depth // (prefetch_ahead if prefetch_depth >= prefetch_ahead else 1)
-        depth = depth if q < h.num_experts else 0
-        lookups = layer_lookups(trace, pos, q, prefetch_ahead)
+        depth = prefetch_depth // ahead if q < h.num_experts else 0
+        lookups = layer_lookups(trace, pos, q, ahead)
         if policy == "belady":
             res.misses[layer] = _belady_misses([lookup[0] for lookup in lookups], size)
             continue

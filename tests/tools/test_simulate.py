@@ -177,3 +177,35 @@ def test_prefetch_reads_fewer_guesses_once_most_are_wrong():
     assert gate.limit(4) == 4
     gate.record(0, 200)  # halved past its window: the counts stay small, the decision the same
     assert gate.useful + gate.wasted <= PrefetchGate.WINDOW and gate.limit(4) == 1
+
+
+def test_two_ahead_stages_the_surest_guess_first_and_refines_within_the_layers_share():
+    """Prefetch two layers ahead, by hand: with 4 prefetch buffers each layer has 2; the guess from
+    two layers back takes at most half (its surest, 5), the guess from one layer back adds what it
+    lacks (4; 6 finds no room). One ahead reads the later guess alone. With fewer buffers than
+    layers to share them, the replay reads one ahead, as the cache does."""
+    header = TraceHeader("toy", "qwen3_moe", 3, (0, 1, 2), 8, 2)
+    trace = RouteTrace(
+        header,
+        (((0, 1), (2, 3), (4, 5)),),
+        predicted=(((2, 3), (4, 6)),),
+        predicted2=(((5, 7),),),
+    )
+    counts = lambda issued, useful: {"issued": issued, "useful": useful, "wasted": issued - useful}  # noqa: E731
+    two = simulate(trace, 2, "lru", prefetch_depth=4, prefetch_ahead=2)
+    assert two.prefetch == {0: counts(0, 0), 1: counts(2, 2), 2: counts(2, 2)}
+    one = simulate(trace, 2, "lru", prefetch_depth=4)
+    assert one.prefetch == {0: counts(0, 0), 1: counts(2, 2), 2: counts(2, 1)}
+    assert two.misses == one.misses  # prefetch never changes what the books count
+    wrong = RouteTrace(header, trace.tokens, predicted=trace.predicted, predicted2=(((6, 7),),))
+    one_buffer = simulate(wrong, 2, "lru", prefetch_depth=1, prefetch_ahead=2).prefetch
+    assert one_buffer == simulate(wrong, 2, "lru", prefetch_depth=1).prefetch  # 4, not the wrong 6
+    assert one_buffer[2] == counts(1, 1)
+    with pytest.raises(ValueError, match="has no 'predicted2' experts"):
+        simulate(
+            RouteTrace(header, trace.tokens, predicted=trace.predicted),
+            2,
+            "lru",
+            prefetch_depth=4,
+            prefetch_ahead=2,
+        )
