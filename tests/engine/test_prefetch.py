@@ -269,6 +269,18 @@ def test_prefetch_is_a_setting_of_flags_and_serve_yaml(bundles, tmp_path):
         ServeOptions(prefetch_ahead=3)
     with pytest.raises(ConfigError, match="--prefetch-ahead sets up expert streaming"):
         cache_config(None, prefetch_ahead=2)
+    # serve: the flag (or serve.yaml key) reaches the cache the daemon plans
+    import argparse
+
+    from edgerun.server.cli import add_serve_arguments, cache_plan, serve_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    ns = parser.parse_args(["--model", str(b), "--quota", "2", "--device", "cpu", "--prefetch-ahead", "2"])
+    planned = cache_plan(serve_options(ns)).cache
+    assert (planned.prefetch_ahead, planned.prefetch) == (2, True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefetch-ahead", "3"])
 
 
 def test_layers_that_hold_every_expert_are_not_predicted(bundles):
