@@ -147,10 +147,10 @@ static int due(pool_t *p, job_t *j, int64_t ticket) { /* a piece of it is left t
     return j->ticket == ticket && j->taken < p->npieces && (j->state == QUEUED || j->state == RUNNING);
 }
 
-/* with p->mu held: the job whose next piece a thread may take (NULL: none due). A block already
- * started goes on first, then reads a lookup waits for, in ticket order; a staged read (a
- * prefetch: a guess) only when neither is queued, so a guess issued early never delays a read
- * the step needs now. */
+/* with p->mu held: the job whose next piece a thread may take (NULL: none due): in ticket order,
+ * a block already started or a read a lookup waits for; a staged read (a prefetch: a guess) not
+ * yet started only when neither is due, so a guess issued early never delays a read the step
+ * needs now. */
 static job_t *next_piece(pool_t *p) {
     while (p->head < p->next && !due(p, &p->jobs[p->head % JOBS], p->head))
         p->head++; /* skip tickets taken, cancelled or (record reused) not yet due */

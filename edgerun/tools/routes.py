@@ -16,8 +16,8 @@ together). Without ``step`` every token is its own step. A line may carry ``"pre
 list of ``top_k`` ids for each MoE layer after the first, the experts the prefetcher predicts
 for it from the previous MoE layer's residual stream (``edgerun simulate --prefetch`` replays
 them), and ``"predicted2"``: one list for each MoE layer after the second, predicted from the
-residual stream two MoE layers before it (a prefetch two layers ahead). Readers keep lines in file order, since the expert cache persists across requests. See
-docs/planning.md.
+residual stream two MoE layers before it (a prefetch two layers ahead). Readers keep lines in
+file order, since the expert cache persists across requests. See docs/planning.md.
 """
 
 from __future__ import annotations
