@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from edgerun.bundle.format import MANIFEST
+from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
@@ -119,11 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, default=None)
     ns = p.parse_args(argv)
-    bundle = (ns.model / "manifest.json").exists()
     cache = None
-    if bundle:
-        manifest = json.loads((ns.model / "manifest.json").read_text())
-        n = ns.quota or manifest["model_config"]["num_experts"]
+    if (ns.model / MANIFEST).is_file():  # a bundle: its experts stream through a cache
+        n = ns.quota or Bundle.open(ns.model).args.num_experts
         cache = cache_config(ns.model, quota=n, prefetch=False)
     # the model's forward path (graphs off), in the dtype the engine picks for the device
     runner = Runner.load(ns.model, device=ns.device, cache=cache, kernels=KernelPolicy(graphs="off"))
