@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from edgerun.cache.policy import PREFETCH_AHEAD
 from edgerun.errors import ConfigError
 
 EXIT_OK, EXIT_NO, EXIT_USAGE = 0, 1, 2
@@ -57,7 +58,7 @@ def read_pieces(text: str) -> int:
 def prefetch_ahead(text: str) -> int:
     """Streamed layers a decode step's prefetch reads ahead, 1 or 2 (``--prefetch-ahead``)."""
     value = positive_int(text)
-    if value > 2:
+    if value not in PREFETCH_AHEAD:
         raise argparse.ArgumentTypeError(f"1 or 2, got {text!r}")
     return value
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PrefetchGate
+from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PREFETCH_AHEAD, PrefetchGate
 from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer, disk_of
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
@@ -118,7 +118,7 @@ class ExpertCache:
         args = bundle.args
         device = torch.device(device)
         pool, staging, budget_bytes = config.pool, config.staging, config.budget
-        if config.prefetch_ahead not in (1, 2):  # before anything is allocated
+        if config.prefetch_ahead not in PREFETCH_AHEAD:  # before anything is allocated
             raise ConfigError(
                 f"prefetch_ahead is 1 or 2 (layers a decode step reads ahead), got {config.prefetch_ahead!r}"
             )

@@ -207,6 +207,11 @@ def fetches(rows: list[list[int]], quota: int) -> list[list[int]]:
     return [distinct[lo : lo + quota] for lo in range(0, len(distinct), quota)]
 
 
+# layers ahead a decode step's prefetch may read (``prefetch_ahead``): the next streamed layer, or
+# the one after it too (engine/graphs.py and engine/streaming.Prefetcher predict no further)
+PREFETCH_AHEAD = (1, 2)
+
+
 class PrefetchGate:
     """How many reads one layer's prefetch may issue, from how its recent ones fared: all it
     predicts (up to the depth) while at least half of them were used, else only its first guess

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
+from edgerun.cache.policy import PREFETCH_AHEAD
 from edgerun.cache.reader import READERS
 from edgerun.config import SpeculativeConfig, parse_bytes
 from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
@@ -106,7 +107,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.read_depth is not None and self.read_depth < 1:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
-        if self.prefetch_ahead is not None and self.prefetch_ahead not in (1, 2):
+        if self.prefetch_ahead is not None and self.prefetch_ahead not in PREFETCH_AHEAD:
             raise ConfigError(f"serve option 'prefetch_ahead' must be 1 or 2, got {self.prefetch_ahead}")
         if self.read_pieces is not None and not 1 <= self.read_pieces <= 64:
             raise ConfigError(f"serve option 'read_pieces' must be 1..64, got {self.read_pieces}")

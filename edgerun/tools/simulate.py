@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from edgerun.budget.planner import miss_curve, split_quotas, trace_steps
 from edgerun.cache.policy import (
     DEFAULT_POLICY,
+    PREFETCH_AHEAD,
     LFUSet,
     LRUSet,
     PrefetchGate,
@@ -220,7 +221,7 @@ def simulate(
                 f"{trace.source or 'route trace'} has no {key!r} experts: record it with `edgerun trace`"
                 + (" (traces from before prefetch two ahead lack them)" if key == "predicted2" else "")
             )
-        if prefetch_ahead not in (1, 2):
+        if prefetch_ahead not in PREFETCH_AHEAD:
             raise ValueError(f"prefetch_ahead is 1 or 2, got {prefetch_ahead}")
         full = [layer for layer in h.moe_layers if quotas[layer] >= h.num_experts]
         if full and any(quotas[layer] < h.num_experts for layer in h.moe_layers if layer > full[0]):
