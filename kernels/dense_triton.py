@@ -42,7 +42,7 @@ from edgerun.kernels.scratch import counters
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
-DELTA_PROGRAMS = 128  # programs a row's delta rule aims at (``delta_slices``): about an H100's SMs
+DELTA_PROGRAMS = 256  # programs a row's delta rule aims at (``delta_slices``): two for each of an H100's SMs
 MIN_SLICE = 16  # value columns of a head a program takes at the least
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
 L2NORM_EPS = tl.constexpr(1e-6)  # edgerun.models.layers.l2norm's default, which GatedDeltaNet uses

@@ -188,13 +188,13 @@ def test_unsupported_geometries():
 
 
 def test_a_heads_columns_split_among_programs():
-    """Qwen3.6's 32 value heads of 128 columns take 4 programs each (128 a row); a geometry with
-    many heads or narrow ones keeps one a head. After a call of split heads the norms' arrival
+    """Qwen3.6's 32 value heads of 128 columns take 8 programs each (256 a row); a geometry with
+    many heads or narrow ones keeps fewer, or one a head. After a call of split heads the norms' arrival
     counters are back at 0 (each last arrival resets its own), ready for the next call."""
     from edgerun.kernels.scratch import counters
 
-    assert K.delta_slices(REAL.n_v, REAL.dv) == 4
-    assert K.delta_slices(64, 128) == 2 and K.delta_slices(4, 16) == 1 and K.delta_slices(2, 64) == 4
+    assert K.delta_slices(REAL.n_v, REAL.dv) == 8
+    assert K.delta_slices(64, 128) == 4 and K.delta_slices(4, 16) == 1 and K.delta_slices(2, 64) == 4
     dims = GEOMETRIES[3]
     assert K.delta_slices(dims.n_v, dims.dv) == 4
     inputs = random_delta_inputs(dims, 2, torch.Generator().manual_seed(3), dtype=torch.bfloat16)
@@ -247,7 +247,7 @@ def test_the_conv_in_the_projection_launch_is_the_conv_launch(dims, scheme, dtyp
 
 @pytest.mark.parametrize("block_r", [2, 16])
 def test_the_conv_epilogue_on_each_tile(block_r):
-    """On the MANY tile (16 rows a program, an in_proj of Qwen3.6's size takes it) and FEW's (2):
+    """On the MANY tile (16 rows a program, an in_proj of Qwen3.6's size takes it) and TINY's (2):
     act and the shifted conv state equal the conv launch's, the projection's output the GEMV's
     without the conv, through delta_decode's act; the programs past the conv's channels (z, b,
     a) run no conv."""
