@@ -98,9 +98,13 @@ class GemvConfig:
 # Rolled steps from 2 rows for MANY, from 4 for FEW: benchmarks/bench_rows_gemv.py on an H200
 # (docs/benchmarks.md): the lm_head 0.81x the unrolled time at 2 rows, 0.84x at 4; FEW's small
 # programs lose a little at 2 rows (out_proj 7.6 against 7.3 us) and gain at 4 (9.8 against 13.2).
+# FEW int4 takes a whole 1 KB of each of 4 rows a step (a row of C = 2048 in one step) since
+# 2026-12-06: on an H100, out_proj [2048, 4096] 4.2 us against 5.7 for the 2-row 512-byte tile at
+# one row, 8.2 against 9.8 at 4 (rolled), the shared expert's gate_up faster at every row
+# count, and 40-layer decode +4.7% (606.9 against 579.7 tok/s in one run; docs/benchmarks.md).
 MANY = {"int4": GemvConfig(16, 256, 2), "int8": GemvConfig(16, 256, 2), "plain": GemvConfig(16, 512, 4)}
 FEW = {
-    "int4": GemvConfig(2, 512, 4, rolled_from=4),
+    "int4": GemvConfig(4, 1024, 4, rolled_from=4),
     "int8": GemvConfig(8, 1024, 4, rolled_from=4),
     "plain": GemvConfig(8, 1024, 4, rolled_from=4),
 }
@@ -115,7 +119,7 @@ MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 SMS = 132
 TINY_BYTES = 256 << 10
 TINY = {
-    "int4": FEW["int4"],
+    "int4": GemvConfig(2, 512, 4, rolled_from=4),
     "int8": GemvConfig(2, 4096, 4, rolled_from=4),
     "plain": GemvConfig(2, 4096, 4, rolled_from=4),
 }
