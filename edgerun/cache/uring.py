@@ -17,13 +17,42 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import threading
 
 
 class UringUnavailable(Exception):
     """io_uring cannot be used here; the message says why."""
+
+
+# what the child runs: the binding's ring set up and torn down, as ``UringReads`` does
+_PROBE = "import liburing as L\nr = L.Ring()\nL.io_uring_queue_init(1, r)\nL.io_uring_queue_exit(r)\n"
+PROBE_TIMEOUT_S = 60.0
+
+
+@functools.cache
+def _child_probe() -> str | None:
+    """Why setting up a ring would kill this process, found in a child process; None when the
+    child survived it (an error it raised, such as io_uring_setup's, is raised again here with
+    its own message). The binding is compiled code: on some hosts it dies in ``Ring()`` itself
+    (liburing 2026.3.30 on a 6.18 kernel: an invalid-opcode trap, SIGILL), which in-process
+    would take the daemon or the test run with it. Once per process."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return f"the liburing binding did not set up a ring in {PROBE_TIMEOUT_S:.0f} s (in a child process)"
+    if done.returncode >= 0:
+        return None
+    sig = -done.returncode
+    name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
+    return f"the liburing binding crashed setting up a ring ({name}, in a child process)"
 
 
 class _Pending:
@@ -45,6 +74,9 @@ class UringReads:
             raise UringUnavailable(
                 f"the liburing package is not installed ({exc}; pip install 'edgerun[io_uring]')"
             ) from exc
+        why = _child_probe()
+        if why:
+            raise UringUnavailable(why)
         self._L = L = liburing
         self._ring = L.Ring()
         try:

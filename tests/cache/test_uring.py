@@ -172,6 +172,27 @@ def test_io_uring_that_cannot_run_is_refused(expert_file, monkeypatch):
 
 
 @needs_uring
+def test_a_binding_that_crashes_is_refused_by_name_and_this_process_lives(expert_file, monkeypatch):
+    """The ring is first set up in a child process: a binding that dies there (SIGILL, as
+    liburing 2026.3.30 does on some kernels) is refused by name, and the reader says so, instead
+    of taking this process (a daemon, the test run) down with it."""
+    import types
+
+    from edgerun.cache import uring
+
+    monkeypatch.setitem(sys.modules, "liburing", types.ModuleType("liburing"))  # importable
+    monkeypatch.setattr(uring, "_PROBE", "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    uring._child_probe.cache_clear()
+    try:
+        with pytest.raises(uring.UringUnavailable, match=r"crashed setting up a ring \(SIGILL"):
+            uring.UringReads(1)
+        with pytest.raises(ReadError, match=r"reader io_uring: .*crashed.*SIGILL"):
+            BlockReader(BB, staging=2, mode="buffered", reader="io_uring")
+    finally:
+        uring._child_probe.cache_clear()
+
+
+@needs_uring
 def test_a_failed_completion_thread_fails_reads_instead_of_leaving_them_waiting(expert_file):
     import errno
 
