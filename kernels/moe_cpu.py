@@ -6,9 +6,10 @@ Shape legend: T = tokens, A = active experts per token, R = rows (outputs), C = 
 g = group size, G = C // g.
 
 int4: a slot's block is repacked once per fill (``pack_block``; the cache drops a slot's entry
-when it refills it) into the layout ``_convert_weight_to_int4pack_for_cpu`` writes: rows in
-blocks of 64, and for each column a byte per row pair (i, i + 32) of the block, low nibble
-first, each nibble the unsigned q + 8. The kernel computes ``(nibble - 8) * scale + zero``, so the
+when it refills it) into the layout ``_convert_weight_to_int4pack_for_cpu`` writes on this CPU:
+rows in blocks of B (64 where torch's kernels are built for AVX512, 32 for AVX2; found once by
+packing a probe with torch's own converter, ``int4_block_rows``), and for each column a byte
+per row pair (i, i + B/2) of the block, low nibble first, each nibble the unsigned q + 8. The kernel computes ``(nibble - 8) * scale + zero``, so the
 symmetric q in [-7, 7] needs zero point 0, and the group scale e4m3(code) x global (a power of
 two) is exact in bf16: 4 significant bits times a power of two (unless the product falls below
 bf16's smallest normal, 2^-126, which no real tensor's scales do). The weights are therefore
@@ -25,6 +26,8 @@ per-expert sort, gather and scatter), and no row is padded: the kernels' rows do
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,21 +47,62 @@ def kernel_name(layout: BlockLayout) -> str:
     return f"cpu_{'int4pack' if layout.quant == 'int4' else 'int8pack'}[{fmt}]"
 
 
-def repack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The bundle's int4 bytes (uint8 [R, C/2]: column 2j low nibble, two's complement) -> torch's
-    CPU layout of the unsigned q + 8 (uint8 [R, C/2]), as ``_convert_weight_to_int4pack_for_cpu``
-    writes it. Byte-wise: a target byte pairs one column of rows i and i + 32."""
+def _repack(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """``repack_int4`` for a layout of ``block`` rows a block."""
     R, H = packed.shape
-    u = (packed ^ 0x88).view(R // BLOCK_N, 2, BLOCK_N // 2, H)  # two's complement -> q + 8
-    top, bottom = u[:, 0], u[:, 1]  # rows i and i + 32 of each block: [R/64, 32, C/2]
+    u = (packed ^ 0x88).view(R // block, 2, block // 2, H)  # two's complement -> q + 8
+    top, bottom = u[:, 0], u[:, 1]  # rows i and i + block/2 of each block: [R/block, block/2, C/2]
     even, odd = (top & 0xF) | (bottom << 4), (top >> 4) | (bottom & 0xF0)  # columns 2j, 2j + 1
     return (
         torch.stack([even, odd], dim=-1)
-        .view(R // BLOCK_N, BLOCK_N // 2, 2 * H)
+        .view(R // block, block // 2, 2 * H)
         .transpose(1, 2)
         .contiguous()
         .view(R, H)
     )
+
+
+LAYOUT_BLOCKS = (64, 32)  # rows a block of torch's CPU int4 layout: AVX512 builds, AVX2 and below
+
+
+@functools.cache
+def int4_block_rows() -> int | None:
+    """Rows a block of the int4 layout torch's CPU kernels take on this CPU (``LAYOUT_BLOCKS``),
+    found by packing a random probe with ``_convert_weight_to_int4pack_for_cpu`` itself; None
+    where neither matches (the int4 kernels are then not used: ``int4_layout_unknown``)."""
+    q = torch.randint(0, 16, (2 * BLOCK_N, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).view(torch.uint8).reshape(-1)
+    except (RuntimeError, AttributeError):
+        return None
+    s = (q - 8) & 0xF  # the bundle's bytes of the same weight: column 2j low nibble, two's complement
+    stored = (s[:, 0::2] | (s[:, 1::2] << 4)).to(torch.uint8)
+    for block in LAYOUT_BLOCKS:
+        if theirs.numel() == stored.numel() and torch.equal(_repack(stored, block).reshape(-1), theirs):
+            return block
+    return None
+
+
+def int4_layout_unknown() -> str | None:
+    """Why the int4 CPU kernels cannot be fed here (torch packs them in a layout of neither
+    ``LAYOUT_BLOCKS``), or None."""
+    if int4_block_rows() is None:
+        return (
+            f"torch {torch.__version__} packs int4 for this CPU ({torch.backends.cpu.get_cpu_capability()}) "
+            f"in a layout of neither {' nor '.join(map(str, LAYOUT_BLOCKS))}-row blocks"
+        )
+    return None
+
+
+def repack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The bundle's int4 bytes (uint8 [R, C/2]: column 2j low nibble, two's complement) -> torch's
+    CPU layout of the unsigned q + 8 (uint8 [R, C/2]), as ``_convert_weight_to_int4pack_for_cpu``
+    writes it on this CPU (check ``int4_layout_unknown`` first). Byte-wise: a target byte pairs
+    one column of rows i and i + B/2 of a block of B rows (``int4_block_rows``)."""
+    block = int4_block_rows()
+    if block is None:
+        raise RuntimeError(int4_layout_unknown())
+    return _repack(packed, block)
 
 
 def pack_block(layout: BlockLayout, block: torch.Tensor, gscales: torch.Tensor | None) -> Packed:

@@ -111,6 +111,9 @@ def _probe_cpu(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
     if why:
         return False, why
     if layout.quant == "int4":
+        why = moe_cpu.int4_layout_unknown()
+        if why:
+            return False, why
         pool, gscales = random_pool(layout, 1, generator=torch.Generator().manual_seed(1))
         c = layout.component("down.weight")
         nibbles = unpack_int4(pool[0, c.offset : c.offset + c.nbytes].view(c.shape)).int() + 8

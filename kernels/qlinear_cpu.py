@@ -3,7 +3,8 @@ GEMMs the expert kernels use (``kernels/moe_cpu.py``), for a ``QWeight`` (``kern
 instead of an expert block, so an int4 lm_head is read as 0.5 bytes a weight instead of being
 dequantized to fp32 on every token.
 
-int4: the weight is repacked once (``pack``) into torch's CPU layout; its group scales, e4m3(code)
+int4: the weight is repacked once (``pack``) into torch's CPU layout (this CPU's:
+``moe_cpu.int4_block_rows``); its group scales, e4m3(code)
 x row_scale (a power of two), are exact in bf16, so the weights are exactly the reference's.
 int8 with one scale per row: the stored bytes in place, the fp32 row scales applied after the
 kernel. Activations and partial results are bf16 inside the kernels: within the dense probe's
@@ -19,7 +20,7 @@ import torch
 
 from edgerun.bundle.quant import e4m3_value
 from edgerun.kernels.cpu_layout import BLOCK_N, INT4_GROUPS
-from edgerun.kernels.moe_cpu import ACT, repack_int4
+from edgerun.kernels.moe_cpu import ACT, int4_layout_unknown, repack_int4
 from edgerun.kernels.probe import ProbeResult
 from edgerun.kernels.qweight import QWeight
 
@@ -40,6 +41,8 @@ def unsupported(w: QWeight) -> str | None:
         return f"a {w.scheme} weight (the CPU kernels take int4 or int8)"
     if w.group not in INT4_GROUPS:
         return f"int4 group {w.group} (the CPU kernel takes {INT4_GROUPS})"
+    if int4_layout_unknown():
+        return int4_layout_unknown()
     if w.rows % BLOCK_N or w.cols % 32:
         return f"[{w.rows}, {w.cols}] (the CPU kernel takes rows in multiples of {BLOCK_N}, columns of 32)"
     return None

@@ -131,6 +131,22 @@ def test_probe_selects_the_cpu_kernels_and_refuses_by_name():
 
 def test_probe_refuses_a_wrong_layout(monkeypatch):
     layout = layout_for(("int4", 32, "none"))
-    monkeypatch.setattr(moe_cpu, "BLOCK_N", 32)  # a torch or CPU whose layout blocks rows by 32
+    here = moe_cpu.int4_block_rows()
+    assert here in moe_cpu.LAYOUT_BLOCKS  # torch's own converter names this CPU's: 64 (AVX512) or 32
+    other = 96 - here  # the other CPU's block: 32 rows where this one's are 64, and the reverse
+    monkeypatch.setattr(moe_cpu, "int4_block_rows", lambda: other)
     result = probe_cpu(layout, top_k=2)
     assert not result.selected and "not the one this torch's CPU kernel reads" in result.reason
+
+
+def test_a_layout_of_neither_block_is_refused_by_name(monkeypatch):
+    from edgerun.kernels import qlinear_cpu
+    from edgerun.kernels.qlinear_reference import random_qweight
+
+    monkeypatch.setattr(moe_cpu, "int4_block_rows", lambda: None)
+    result = probe_cpu(layout_for(("int4", 32, "none")), top_k=2)
+    assert not result.selected and "layout of neither 64 nor 32-row blocks" in result.reason
+    w = random_qweight("int4", 128, 256, 32, torch.Generator().manual_seed(1))
+    assert "layout of neither" in qlinear_cpu.unsupported(w)
+    with pytest.raises(RuntimeError, match="layout of neither"):
+        moe_cpu.repack_int4(w.weight)
