@@ -9,10 +9,11 @@ int4: a slot's block is repacked once per fill (``pack_block``; the cache drops 
 when it refills it) into the layout ``_convert_weight_to_int4pack_for_cpu`` writes on this CPU:
 rows in blocks of B (64 where torch's kernels are built for AVX512, 32 for AVX2; found once by
 packing a probe with torch's own converter, ``int4_block_rows``), and for each column a byte
-per row pair (i, i + B/2) of the block, low nibble first, each nibble the unsigned q + 8. The kernel computes ``(nibble - 8) * scale + zero``, so the
-symmetric q in [-7, 7] needs zero point 0, and the group scale e4m3(code) x global (a power of
-two) is exact in bf16: 4 significant bits times a power of two (unless the product falls below
-bf16's smallest normal, 2^-126, which no real tensor's scales do). The weights are therefore
+per row pair (i, i + B/2) of the block, low nibble first, each nibble the unsigned q + 8. The
+kernel computes ``(nibble - 8) * scale + zero``, so the symmetric q in [-7, 7] needs zero point
+0, and the group scale e4m3(code) x global (a power of two) is exact in bf16: 4 significant bits
+times a power of two (unless the product falls below bf16's smallest normal, 2^-126, which no
+real tensor's scales do). The weights are therefore
 exactly the reference's (tests/kernels/test_moe_cpu.py checks this bit for bit); what differs is
 activations and partial results in bf16 and the kernel's summation order, within the probe's
 tolerance (kernels/probe.py). int8 (one scale per row) needs no repack: the kernel reads the

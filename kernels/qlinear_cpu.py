@@ -41,8 +41,8 @@ def unsupported(w: QWeight) -> str | None:
         return f"a {w.scheme} weight (the CPU kernels take int4 or int8)"
     if w.group not in INT4_GROUPS:
         return f"int4 group {w.group} (the CPU kernel takes {INT4_GROUPS})"
-    if int4_layout_unknown():
-        return int4_layout_unknown()
+    if why := int4_layout_unknown():
+        return why
     if w.rows % BLOCK_N or w.cols % 32:
         return f"[{w.rows}, {w.cols}] (the CPU kernel takes rows in multiples of {BLOCK_N}, columns of 32)"
     return None
