@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from edgerun.bundle.layout import BlockLayout
-from edgerun.bundle.quant import PROJECTIONS, e4m3_value
+from edgerun.bundle.quant import PROJECTIONS, e4m3_value, pack_int4
 from edgerun.kernels.cpu_layout import BLOCK_N, unsupported  # noqa: F401 (unsupported: the probe's)
 from edgerun.kernels.moe_reference import check_pool, combine_experts
 
@@ -76,8 +76,7 @@ def int4_block_rows() -> int | None:
         theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).view(torch.uint8).reshape(-1)
     except (RuntimeError, AttributeError):
         return None
-    s = (q - 8) & 0xF  # the bundle's bytes of the same weight: column 2j low nibble, two's complement
-    stored = (s[:, 0::2] | (s[:, 1::2] << 4)).to(torch.uint8)
+    stored = pack_int4(q - 8)  # the bundle's bytes of the same weight
     for block in LAYOUT_BLOCKS:
         if theirs.numel() == stored.numel() and torch.equal(_repack(stored, block).reshape(-1), theirs):
             return block
