@@ -17,6 +17,29 @@ torch.set_num_threads(1)
 
 from hf_fixtures import ARCHS  # noqa: E402
 
+INTERPRET = "test_interpret.py"  # tests/kernels/: Triton's interpreter, each script a child process
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The interpreter scripts' tests last: they only wait for children started with the
+    session (``interpreter_pool``), which by then have run beside every other test."""
+    items.sort(key=lambda item: item.path.name == INTERPRET)  # stable: the rest keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_pool(request, tmp_path_factory):
+    """Starts the selected interpreter scripts (tests/kernels/test_interpret.py) with the
+    session's first test, so that their children run beside the suite's single-threaded tests."""
+    import importlib.util
+
+    items = [item for item in request.session.items if item.path.name == INTERPRET]
+    if not items or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    module = items[0].module
+    with module.started(module.selected_cases(items), tmp_path_factory):
+        yield
+
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):

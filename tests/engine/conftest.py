@@ -65,3 +65,14 @@ def cpu_kernel_bundles(tmp_path_factory):
             convert(src, root / f"{arch}-{quant}", ConvertOptions(quant, group))
             out[(arch, quant)] = root / f"{arch}-{quant}"
     return out
+
+
+@pytest.fixture
+def few_attention_programs(monkeypatch):
+    """The interpreted engine scripts' attention on 8 programs a kv head, not TARGET_PROGRAMS'
+    128: the interpreter runs every program in turn, about 4 ms even for one past the position
+    that returns at once, and a tiny model's positions all fall in the first split either way.
+    The split plan itself is interpreted_decode.py's (tests/kernels), at its real value."""
+    from edgerun.kernels import decode_triton
+
+    monkeypatch.setattr(decode_triton, "TARGET_PROGRAMS", 8)

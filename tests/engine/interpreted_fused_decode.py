@@ -27,7 +27,10 @@ from edgerun.engine.runner import Runner
 from edgerun.kernels.moe import MoeKernelPolicy
 from hf_fixtures import ARCHS, build_hf
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py"),
+    pytest.mark.usefixtures("few_attention_programs"),  # tests/engine/conftest.py
+]
 CPU = torch.device("cpu")
 PROMPT = [3, 14, 15, 9, 2, 6]
 STEPS = 3

@@ -30,9 +30,10 @@ from edgerun.engine.streaming import HeldExperts, hold_mtp_experts, hold_residen
 from edgerun.kernels.moe import MoeKernelPolicy
 from edgerun.models.layers import KVCache
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_speculative.py"
-)
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_speculative.py"),
+    pytest.mark.usefixtures("few_attention_programs"),  # tests/engine/conftest.py
+]
 CPU = torch.device("cpu")
 PROMPT = [5, 17, 3, 44, 9]
 V = 48  # vocabulary: the lm_head's rows

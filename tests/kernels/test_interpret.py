@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,22 +40,23 @@ FLAGS = {
 }  # constexprs that pick code paths, not sizes
 
 
-# The scripts run as child processes, os.cpu_count() at a time, all started when the first of
-# these tests runs: each is one single-threaded interpreter, so on the 2-core CI machine two run
-# side by side and the suite waits for about half the sum, not for the sum. Longest first, so
-# the pool never ends on a long one started late. The fused decode script, the longest, runs as
-# two halves by -k (a test added to it falls in the second).
+# The scripts run as child processes, os.cpu_count() at a time, all started with the session's
+# first test (tests/conftest.py's ``interpreter_pool``) and niced: each is one single-threaded
+# interpreter, and the rest of the suite runs on one thread (conftest.py), so on the 2-core CI
+# machine the children take the core the suite leaves idle, then both once these tests, run last,
+# wait for them. Longest first, so the pool never ends on a long one started late. The fused
+# decode script runs as two halves by -k (a test added to it falls in the second).
 FUSED = "../engine/interpreted_fused_decode.py"
 BATCH = "batch"  # its batch tests (a step's rows; rows running a step ahead)
-SCRIPTS = [
-    (FUSED, BATCH),
+SCRIPTS = [  # in the order of their times on a 2-core VM (2026-12-06: 372, 184, 183, 162, 150, 111 s, ...)
+    ("../engine/interpreted_speculative.py", None),
+    ("interpreted_decode.py", None),
     (FUSED, f"not {BATCH}"),
     ("interpreted_qlinear.py", None),
-    ("../engine/interpreted_speculative.py", None),
+    ("interpreted_moe.py", None),
+    (FUSED, BATCH),
     ("interpreted_qlinear_mma.py", None),
     ("interpreted_qlinear_planes.py", None),
-    ("interpreted_moe.py", None),
-    ("interpreted_decode.py", None),
     ("interpreted_dense.py", None),
     ("interpreted_sample.py", None),
 ]
@@ -73,29 +75,71 @@ def _run_script(script: str, select: str | None, record: Path) -> subprocess.Com
         "no:cacheprovider",
         "-p",
         "launch_recorder",
+        "-p",
+        "interpreter_calls",  # helpers' calls skip the interpreter's repeated patching (its docstring)
         str(here / script),
         *(["-k", select] if select else []),
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=900)
+    child = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=here.parent.parent,
+        preexec_fn=lambda: os.nice(10),  # the suite's own tests first; the children take what is left
+    )
+    CHILDREN.append(child)
+    try:
+        out, err = child.communicate(timeout=1200)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        err += "\n(killed after 1200 s)"
+    return subprocess.CompletedProcess(cmd, child.returncode, out, err)
+
+
+RUNS: dict = {}  # (script, select) -> (future of its child's result, its launch record)
+CHILDREN: list[subprocess.Popen] = []
+
+
+@contextmanager
+def started(selected: list[tuple[str, str | None]], tmp_path_factory):
+    """Submits the ``selected`` (script, select) cases at once to a pool of os.cpu_count()
+    workers, longest first; their futures in RUNS until the context ends."""
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(selected)))) as pool:
+        for case in sorted(selected, key=SCRIPTS.index):
+            record = tmp_path_factory.mktemp("launches") / "launches.json"
+            RUNS[case] = (pool.submit(_run_script, *case, record), record)
+        try:
+            yield
+        finally:
+            for future, _ in RUNS.values():
+                future.cancel()  # a session stopped early leaves the rest unstarted ...
+            for child in CHILDREN:
+                if child.poll() is None:
+                    child.kill()  # ... and stops the running ones
+            RUNS.clear()
+            CHILDREN.clear()
+
+
+def selected_cases(items) -> list[tuple[str, str | None]]:
+    """The (script, select) cases of this module among a session's items."""
+    return [
+        (item.callspec.params["script"], item.callspec.params["select"])
+        for item in items
+        if item.path.name == Path(__file__).name and hasattr(item, "callspec")
+    ]
 
 
 @pytest.fixture(scope="module")
 def script_runs(request, tmp_path_factory):
-    """{(script, select): (future of its child's result, its launch record)} for the scripts this
-    session selected, all submitted at once to a pool of os.cpu_count() workers."""
-    selected = [
-        (item.callspec.params["script"], item.callspec.params["select"])
-        for item in request.session.items
-        if item.module is sys.modules[__name__] and hasattr(item, "callspec")
-    ]
-    runs = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(selected)))) as pool:
-        for case in sorted(selected, key=SCRIPTS.index):
-            record = tmp_path_factory.mktemp("launches") / "launches.json"
-            runs[case] = (pool.submit(_run_script, *case, record), record)
-        yield runs
-        for future, _ in runs.values():
-            future.cancel()  # a test that failed early leaves the rest unstarted
+    """RUNS, started by the session (conftest.py) or, where it did not, here."""
+    if RUNS:
+        yield RUNS
+        return
+    with started(selected_cases(request.session.items), tmp_path_factory):
+        yield RUNS
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
