@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +81,8 @@ def _run_script(script: str, select: str | None, record: Path) -> subprocess.Com
         str(here / script),
         *(["-k", select] if select else []),
     ]
+    if STOPPING.is_set():  # the session ended before this case started
+        return subprocess.CompletedProcess(cmd, -1, "", "not run: the session ended first")
     child = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -101,26 +104,31 @@ def _run_script(script: str, select: str | None, record: Path) -> subprocess.Com
 
 RUNS: dict = {}  # (script, select) -> (future of its child's result, its launch record)
 CHILDREN: list[subprocess.Popen] = []
+STOPPING = threading.Event()
 
 
 @contextmanager
 def started(selected: list[tuple[str, str | None]], tmp_path_factory):
     """Submits the ``selected`` (script, select) cases at once to a pool of os.cpu_count()
     workers, longest first; their futures in RUNS until the context ends."""
-    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(selected)))) as pool:
-        for case in sorted(selected, key=SCRIPTS.index):
-            record = tmp_path_factory.mktemp("launches") / "launches.json"
-            RUNS[case] = (pool.submit(_run_script, *case, record), record)
-        try:
-            yield
-        finally:
-            for future, _ in RUNS.values():
-                future.cancel()  # a session stopped early leaves the rest unstarted ...
-            for child in CHILDREN:
-                if child.poll() is None:
-                    child.kill()  # ... and stops the running ones
-            RUNS.clear()
-            CHILDREN.clear()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(selected)))) as pool:
+            for case in sorted(selected, key=SCRIPTS.index):
+                record = tmp_path_factory.mktemp("launches") / "launches.json"
+                RUNS[case] = (pool.submit(_run_script, *case, record), record)
+            try:
+                yield
+            finally:
+                STOPPING.set()
+                for future, _ in RUNS.values():
+                    future.cancel()  # a session stopped early leaves the rest unstarted ...
+                for child in CHILDREN:
+                    if child.poll() is None:
+                        child.kill()  # ... and stops the running ones
+    finally:
+        RUNS.clear()
+        CHILDREN.clear()
+        STOPPING.clear()
 
 
 def selected_cases(items) -> list[tuple[str, str | None]]:
@@ -132,24 +140,14 @@ def selected_cases(items) -> list[tuple[str, str | None]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def script_runs(request, tmp_path_factory):
-    """RUNS, started by the session (conftest.py) or, where it did not, here."""
-    if RUNS:
-        yield RUNS
-        return
-    with started(selected_cases(request.session.items), tmp_path_factory):
-        yield RUNS
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 @pytest.mark.parametrize(
     "script, select",
     SCRIPTS,
     ids=[Path(s).stem + (f"-k-{k.replace(' ', '-')}" if k else "") for s, k in SCRIPTS],
 )
-def test_triton_kernels_under_the_interpreter(script, select, script_runs):
-    future, record = script_runs[script, select]
+def test_triton_kernels_under_the_interpreter(script, select):
+    future, record = RUNS[script, select]  # started with the session (tests/conftest.py)
     out = future.result()
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
