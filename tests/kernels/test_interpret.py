@@ -1,6 +1,6 @@
 """Runs interpreted_moe.py (the expert kernels), interpreted_dense.py (the dense decode
 kernels), interpreted_qlinear.py (the projection GEMV), interpreted_qlinear_mma.py and
-interpreted_qlinear_planes.py (its tensor-core variants), interpreted_decode.py (router top-k, attention),
+interpreted_qlinear_planes.py (its tensor-core variants), interpreted_qlinear_w4a8.py (its W4A8 experiment), interpreted_decode.py (router top-k, attention),
 interpreted_sample.py (the device sampler),
 engine/interpreted_fused_decode.py (a whole fused decode step, a batch's steps) and
 engine/interpreted_speculative.py (the CUDA path's verify windows) on CPU, through
@@ -60,6 +60,7 @@ SCRIPTS = [  # in the order of their times on a 2-core VM (2026-12-06: 372, 184,
     ("interpreted_qlinear_planes.py", None),
     ("interpreted_dense.py", None),
     ("interpreted_sample.py", None),
+    ("interpreted_qlinear_w4a8.py", None),
 ]
 
 

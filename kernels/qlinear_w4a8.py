@@ -1,0 +1,257 @@
+"""W4A8 decode GEMV by ``dp4a`` (an experiment of issue 13; the engine does not run it yet): an
+int4 g32 ``QWeight`` times one row of x quantized to int8 per group of 32 columns.
+
+Shape legend: R = weight rows, C = columns, W = BLOCK_K // 8 words of a step, NG = BLOCK_K // 32
+groups of a step.
+
+Why: ``qgemv`` decodes each int4 value to fp32 and multiplies it by x in fp32: 4.3 SASS
+instructions a weight value (benchmarks/sass_mma_gemv.py), so at Qwen3.6's projections the
+instruction issue takes about as long as the bytes and the GEMV runs at 25-50% of its bytes'
+time (docs/benchmarks.md). Here a 32-bit word of 8 values costs five instructions:
+
+- ``(w & 0x0F0F0F0F) ^ 0x08080808``: columns 0, 2, 4, 6 of the word (nibbles 0, 2, 4, 6) as
+  unsigned bytes q + 8 (one LOP3); ``((w >> 4) & 0x0F0F0F0F) ^ 0x08080808``: columns 1, 3, 5, 7
+  (a shift and a LOP3);
+- two ``dp4a.u32.s32``: each the sum of four products of those bytes with x's int8 values of the
+  same columns (x's words ``xe`` and ``xo``: its even and odd columns, four a word).
+
+A group's four words' sums are added in integers, the offset removed as -8 times the group's sum
+of x's int8 values (``xb``), and the group's integer sum joins an fp32 accumulator once, times
+the weight scale and x's scale: (u - 8) s_w . q_x s_x summed exactly, then one rounding a group.
+
+x's quantization (``quantize_x``, one row): per group of 32 columns, s = max|x| / 127 and
+q = floor(x * (127 / max|x|) + 0.5) (0 where the group is all zeros), every step an fp32 op
+``quantize_x_ref`` repeats (launched without FMA contraction, which would round x * inv + 0.5
+once instead of twice). The kernel takes x quantized (``xq`` from ``quantize_x``: a launch of
+its own, or the producer of x writing it) or quantizes its slice of x itself each step
+(``QUANT_X``), the same values.
+
+On the CPU (Triton's interpreter runs no inline assembly) ``dp4a`` is its four products in
+integer operations, the same value. The integer sums are exact; the fp32 group products and
+their sum are the only rounding, so the kernel agrees with ``w4a8_ref`` to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from edgerun.kernels.bits_triton import _e4m3
+from edgerun.kernels.launch import _grid_sync, pdl_kwargs
+from edgerun.kernels.qweight import QWeight
+
+GROUP = 32  # columns of an x scale; the weight's scale group must be the same
+
+
+@dataclass(frozen=True)
+class W4A8Config:
+    block_r: int = 16  # weight rows a program
+    block_k: int = 512  # columns a step (int4: block_k / 2 bytes of a row)
+    num_warps: int = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _dp4a(a, b, c, INTERPRET: tl.constexpr):
+    """c + the dot product of a's four unsigned bytes with b's four signed bytes (int32)."""
+    if INTERPRET:
+        s = c
+        for j in tl.static_range(4):
+            s += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
+        return s
+    return tl.inline_asm_elementwise(
+        asm="dp4a.u32.s32 $0, $1, $2, $3;",
+        constraints="=r,r,r,r",
+        args=[a, b, c],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _lanes(w, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Nibbles 0, 2, 4, 6 of ``w >> SHIFT`` as unsigned bytes with their sign bit flipped (q + 8):
+    one LOP3 (the compiler emits an AND and an XOR), after a shift for SHIFT 4."""
+    v = w >> SHIFT if SHIFT else w
+    if INTERPRET:
+        return (v & 0x0F0F0F0F) ^ 0x08080808
+    return tl.inline_asm_elementwise(
+        asm="lop3.b32 $0, $1, 0x0F0F0F0F, 0x08080808, 0x6a;",  # (a & b) ^ c
+        constraints="=r,r",
+        args=[v],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _quantize(xf, NG: tl.constexpr):
+    """fp32 [NG * 32] -> x's even-column words [NG * 4], odd-column words [NG * 4] (int32, four
+    int8 a word, column 8i + 2j in byte j of even word i), scales [NG] fp32 and offsets [NG]
+    (-8 x the group's sum of its int8 values)."""
+    xg = tl.reshape(xf, [NG, 32])
+    amax = tl.max(tl.abs(xg), axis=1)
+    inv = tl.where(
+        amax > 0, tl.math.div_rn(tl.full([NG], 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0
+    )
+    q = tl.minimum(tl.maximum(tl.floor(xg * inv[:, None] + 0.5), -127.0), 127.0).to(tl.int32)
+    offset = -8 * tl.sum(q, axis=1)
+    even, odd = tl.split(tl.reshape(q & 0xFF, [NG * 4, 4, 2]))
+    shift = 8 * tl.arange(0, 4)
+    xe = tl.sum(even << shift[None, :], axis=1)  # disjoint bytes: the sum is their or
+    xo = tl.sum(odd << shift[None, :], axis=1)
+    return xe, xo, amax * (1.0 / 127.0), offset
+
+
+@triton.jit
+def _quantize_x_kernel(x, xe, xo, xs, xb, BLOCK: tl.constexpr):
+    """Program p quantizes x's columns [p BLOCK, (p + 1) BLOCK) (``_quantize``)."""
+    p = tl.program_id(0)
+    NG: tl.constexpr = BLOCK // 32
+    xf = tl.load(x + p * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    e, o, sc, off = _quantize(xf, NG)
+    wi = p * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    tl.store(xe + wi, e)
+    tl.store(xo + wi, o)
+    gi = p * NG + tl.arange(0, NG)
+    tl.store(xs + gi, sc)
+    tl.store(xb + gi, off)
+
+
+@triton.jit
+def _w4a8_kernel(x, xe, xo, xs, xb, w, s, row_scale, out, R, C: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """out[r] = row_scale[r] * sum over groups g of float(q_w . q_x + xb_g) * (s_w[r, g] * xs_g),
+    rows [p BLOCK_R, (p + 1) BLOCK_R) (past R clamped to the last and not stored). QUANT_X: x
+    (bf16) is quantized here, each step's slice by ``_quantize``; else ``xe, xo, xs, xb`` hold it.
+    The step's weights and scales are loaded before the PDL wait at the first step."""
+    p = tl.program_id(0)
+    r = p * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.minimum(r, R - 1).to(tl.int64)
+    W: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // 32
+    w32 = w.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_R, NG], tl.float32)
+    for k in tl.static_range(0, C, BLOCK_K):
+        wi = k // 8 + tl.arange(0, W)
+        gi = k // 32 + tl.arange(0, NG)
+        wd = tl.load(w32 + rows[:, None] * (C // 8) + wi[None, :])
+        sw = _e4m3(tl.load(s + rows[:, None] * (C // 32) + gi[None, :]))
+        if k == 0:
+            _grid_sync(PDL)
+        if QUANT_X:
+            e, o, sx, off = _quantize(tl.load(x + k + tl.arange(0, BLOCK_K)).to(tl.float32), NG)
+            e, o, sx, off = e[None, :], o[None, :], sx[None, :], off[None, :]
+        else:
+            # loaded in the weights' layout ([BLOCK_R, .], every row the same address): no
+            # conversion through shared memory
+            z = rows[:, None] * 0
+            e, o = tl.load(xe + z + wi[None, :]), tl.load(xo + z + wi[None, :])
+            sx, off = tl.load(xs + z + gi[None, :]), tl.load(xb + z + gi[None, :])
+        lo = _lanes(wd, 0, INTERPRET)
+        hi = _lanes(wd, 4, INTERPRET)
+        d = _dp4a(lo, tl.broadcast_to(e, [BLOCK_R, W]), tl.zeros([BLOCK_R, W], tl.int32), INTERPRET)
+        d = _dp4a(hi, tl.broadcast_to(o, [BLOCK_R, W]), d, INTERPRET)
+        isum = tl.sum(tl.reshape(d, [BLOCK_R, NG, 4]), axis=2) + off
+        acc += isum.to(tl.float32) * (sw * sx)
+    y = tl.sum(acc, axis=1) * tl.load(row_scale + rows)
+    tl.store(out + r, y.to(out.dtype.element_ty), mask=r < R)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+
+
+def _interpret() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(x: torch.Tensor, w: QWeight) -> None:
+    if w.scheme != "int4" or w.group != GROUP:
+        raise ValueError(
+            f"w4a8: the weight must be int4 with groups of {GROUP}, got {w.scheme} group {w.group}"
+        )
+    if x.dim() != 1 or x.shape[0] != w.cols:
+        raise ValueError(f"w4a8: x must be one row of {w.cols} columns, got {list(x.shape)}")
+
+
+def quantize_x(x: torch.Tensor, block: int = 512) -> tuple[torch.Tensor, ...]:
+    """x [C] (C a multiple of ``block``) -> (xe, xo, xs, xb), one launch."""
+    C = x.shape[0]
+    if C % block:
+        raise ValueError(f"w4a8: x's {C} columns are not a multiple of the quantize block {block}")
+    xe = torch.empty(C // 8, dtype=torch.int32, device=x.device)
+    xo = torch.empty_like(xe)
+    xs = torch.empty(C // GROUP, dtype=torch.float32, device=x.device)
+    xb = torch.empty(C // GROUP, dtype=torch.int32, device=x.device)
+    _quantize_x_kernel[(C // block,)](x, xe, xo, xs, xb, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return xe, xo, xs, xb
+
+
+def w4a8_gemv(
+    x: torch.Tensor,
+    w: QWeight,
+    xq: tuple[torch.Tensor, ...] | None = None,
+    out: torch.Tensor | None = None,
+    config: W4A8Config = W4A8Config(),
+) -> torch.Tensor:
+    """y [R] = w (int4 g32) @ x (one row, quantized to int8 per 32): ``xq`` from ``quantize_x``,
+    or None to quantize inside the kernel."""
+    _check(x, w)
+    R, C = w.rows, w.cols
+    if C % config.block_k:
+        raise ValueError(f"w4a8: {C} columns are not a multiple of the tile's {config.block_k}")
+    out = torch.empty(R, dtype=x.dtype, device=x.device) if out is None else out
+    dummy = x if xq is None else None
+    xe, xo, xs, xb = xq if xq is not None else (dummy,) * 4
+    grid = (triton.cdiv(R, config.block_r),)
+    _w4a8_kernel[grid](
+        x, xe, xo, xs, xb, w.weight, w.scales, w.row_scale, out, R, C=C, BLOCK_R=config.block_r,
+        BLOCK_K=config.block_k, QUANT_X=xq is None, INTERPRET=_interpret(), num_warps=config.num_warps,
+        enable_fp_fusion=False, **pdl_kwargs(x.device),
+    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# References (torch)
+
+
+def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [C] -> (q int32 [C], scales fp32 [C // 32]), by ``_quantize``'s fp32 operations."""
+    xg = x.float().reshape(-1, GROUP)
+    amax = xg.abs().amax(dim=1)
+    inv = torch.where(
+        amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)
+    )  # not 127 * (1 / amax)
+    q = torch.floor(xg * inv[:, None] + 0.5).clamp(-127, 127)
+    return q.to(torch.int32).reshape(-1), amax * (1.0 / 127.0)
+
+
+def w4a8_terms(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """fp64 [R, C // 32]: each group's term of what the kernel computes, the group's dot product
+    of q_w and q_x exactly, times its weight scale, x's scale and the row's row_scale."""
+    q, sx = quantize_x_ref(x)
+    packed = w.weight.to(torch.int32)
+    lo = ((packed & 0xF) ^ 8) - 8  # two's complement nibbles
+    hi = (((packed >> 4) & 0xF) ^ 8) - 8
+    qw = torch.stack([lo, hi], dim=2).reshape(w.rows, w.cols)
+    dots = (qw.reshape(w.rows, -1, GROUP).long() * q.reshape(-1, GROUP).long()).sum(dim=2)  # exact
+    sw = w.scales.view(torch.float8_e4m3fn).double()
+    return dots.double() * sw * sx.double() * w.row_scale.double()[:, None]
+
+
+def w4a8_ref(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """fp64 [R]: the kernel's result before its fp32 roundings and its final rounding to x.dtype."""
+    return w4a8_terms(x, w).sum(dim=1)
