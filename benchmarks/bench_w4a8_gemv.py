@@ -82,7 +82,7 @@ def bench_shape(label: str, reps: int, flush, copy_bw: float, fmt) -> dict:
         return graph_times([lambda i=i: call(weights[i % len(weights)], outs[i % len(weights)]) for i in range(CALLS)],
                            reps, flush)  # fmt: skip
 
-    ideal = nbytes(w0) / copy_bw * 2  # the copy's rate counts read + write
+    ideal = nbytes(w0) / copy_bw  # at the copy's rate (read + write bytes), as the decode bound counts
     row = dict(shape=label, R=R, C=C, bytes=nbytes(w0), ideal_s=ideal, tiles={})
     row["qgemv"] = series(lambda w, out: K.qgemv(x[None], w, out=out[None]))
     print(
