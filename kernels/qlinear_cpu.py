@@ -31,6 +31,8 @@ Packed = tuple[torch.Tensor, torch.Tensor, int]  # (weight, scales, int4 group o
 
 def unsupported(w: QWeight) -> str | None:
     """Why the CPU kernels cannot compute with ``w``, or None."""
+    if w.act != "bf16":
+        return f"{w.act} activations (W4A8) run on qgemv only"
     if w.scheme == "int8":
         return (
             None

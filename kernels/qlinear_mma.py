@@ -128,6 +128,8 @@ def mma_unsupported(w: QWeight, dtype: torch.dtype) -> str | None:
     why = unsupported(w)
     if why:
         return why
+    if w.act != "bf16":
+        return f"{w.act} activations (W4A8) run on qgemv only"
     if w.cols % 16:
         return f"{w.cols} columns are not a multiple of 16 (an MMA step)"
     return None

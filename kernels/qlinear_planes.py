@@ -312,6 +312,8 @@ def planes_unsupported(w: QWeight, dtype: torch.dtype) -> str | None:
     """Why ``qgemv_planes`` cannot compute with ``w`` and x of ``dtype``; None when it can."""
     if dtype != torch.bfloat16:
         return f"x dtype {dtype} is not bf16"
+    if w.act != "bf16":
+        return f"{w.act} activations (W4A8) run on qgemv only"
     if w.scheme != "int4":
         return f"scheme {w.scheme!r} is not int4"
     if w.group < 16 or w.group & (w.group - 1):

@@ -55,7 +55,9 @@ def qlinear_ref(
     ``matmul``: computes x @ w.T in its stead (a kernel over the stored bytes), the epilogue as
     here. ``exact_weight``: the weight's exact fp32 values, not rounded to x.dtype (fp32 products and
     sums, y rounded once): what ``qgemv`` computes. It differs from the default only for int8
-    weights in bf16 / fp16 (and fp32 summation order)."""
+    weights in bf16 / fp16 (and fp32 summation order). A weight whose ``act`` is int8 (W4A8)
+    multiplies each row of x (normalised first) as ``quantize_x_ref`` quantizes it, its int8 values
+    times their group's scale, in fp64 (exact), then as ``exact_weight``."""
     if norm is not None:
         x = rms_norm_ref(x, *norm)
         if norm_out is not None:
@@ -64,6 +66,11 @@ def qlinear_ref(
         raise ValueError(f"epilogue {epilogue!r} is not one of {', '.join(EPILOGUES)}")
     if matmul is not None:  # another kernel's x @ w.T (kernels/qlinear_cpu.py), then the same epilogue
         y = matmul(x) if bias is None else matmul(x) + bias
+    elif w.act == "int8":
+        from edgerun.kernels.qlinear_w4a8 import quantize_x_ref
+
+        xq = torch.stack([_int8_values(row, quantize_x_ref) for row in x])
+        y = F.linear(xq, dequantize(w).double(), None if bias is None else bias.double()).to(x.dtype)
     elif exact_weight:
         y = F.linear(x.float(), dequantize(w), None if bias is None else bias.float()).to(x.dtype)
     else:
@@ -80,6 +87,12 @@ def qlinear_ref(
             raise ValueError("epilogue 'gated' needs gate (logits [N, 1])")
         y = torch.sigmoid(gate) * y
     return y if out is None else out.copy_(y)
+
+
+def _int8_values(row: torch.Tensor, quantize) -> torch.Tensor:
+    """fp64 [C]: the values a W4A8 kernel multiplies for x's ``row``: q times its group's scale."""
+    q, scale = quantize(row)
+    return (q.double().reshape(scale.numel(), -1) * scale.double()[:, None]).reshape(-1)
 
 
 def random_qweight(

@@ -22,6 +22,12 @@ slow instruction on the GPU): one AND-XOR (a single LOP3) masks a field in place
 bit and sets an exponent over it, so the float is 2^e + (q + 2^(bits-1)), and one exact
 subtraction leaves q; then one FMA per token. Scale codes decode with two integer ops.
 
+W4A8 (a weight whose ``act`` is int8, QUANT 3): each step quantizes each row's slice of x (after
+the norm) to int8 per group of 32 columns and multiplies it with the step's words by ``dp4a``, two
+a word (kernels/qlinear_w4a8.py): about 3.4 SASS instructions a weight value with the norm
+prologue against 5.0 (MANY tile), the group's integer sum joining its accumulator once. A row's
+quantization is its own, so its bits still do not depend on the call's other rows.
+
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
 nothing is atomic but ``topk``'s arrival count: the bits repeat. Each token has accumulators of
 its own, updated and summed by
@@ -38,6 +44,7 @@ graph.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +56,13 @@ from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
+from edgerun.kernels.qlinear_w4a8 import _dp4a, _lanes, _quantize
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
+# QUANT 3: an int4 g32 weight whose ``act`` is int8 (W4A8: x quantized per 32 columns in each step,
+# dp4a products; kernels/qlinear_w4a8.py). The interpreter runs dp4a and LOP3 as integer operations.
+_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 EPILOGUE_CODE = {"none": 0, "silu_mul": 1, "residual": 2, "gated": 3}
 PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the weight
 VALUE_BITS = {"int4": 4, "int8": 8, "plain": 16}  # a tile's sizing counts plain weights as 16-bit
@@ -156,6 +167,8 @@ def _values(wd, zero, QUANT: tl.constexpr):
     unscaled."""
     if QUANT == 0:
         return wd.to(tl.float32)
+    elif QUANT == 3:  # W4A8: the words as they are (``_part`` takes their lanes)
+        return wd
     elif QUANT == 1:  # 4 int8 a word: column 4i + b in byte b
         hi = wd >> 16
         even = tl.interleave(_field(wd, 0, 8, zero), _field(hi, 0, 8, zero))  # bytes 0, 2
@@ -175,7 +188,7 @@ def _scales(s, rows, k0, C: tl.constexpr, G: tl.constexpr, QUANT: tl.constexpr, 
     """The group scales of columns [k0, k0 + BLOCK_K) of ``rows`` as fp32 [BLOCK_R, BLOCK_K // G]."""
     gi = k0 // G + tl.arange(0, BLOCK_K // G)
     scale = tl.load(s + rows[:, None] * (C // G) + gi[None, :])
-    if QUANT == 2:
+    if QUANT >= 2:
         scale = _e4m3(scale)
     return scale
 
@@ -218,15 +231,26 @@ def _store_normed(p, x, x_row, norm_w, norm_out, eps, NT, N: tl.constexpr, C: tl
 
 @triton.jit
 def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
-          CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):  # fmt: skip
+          CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
+          QUANT: tl.constexpr = 0):  # fmt: skip
     """fp32 [BLOCK_R, BLOCK_K // SUM]: one step's group sums of token n (x RMS-normalised first
     when NORM, ``inv`` its 1 / rms; a token n >= NT reads zeros), group scales applied."""
     xn = tl.load(x + n * x_row + cols, mask=n < NT, other=0.0).to(tl.float32)
     if NORM:
         xn = _normed(xn, inv, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
-    part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
-    if GROUPED:
-        part = part * scale
+    if QUANT == 3:  # W4A8 (SUM = G = 32): x's slice quantized, dp4a over the words' lanes
+        NG: tl.constexpr = BLOCK_K // 32
+        e, o, sx, off = _quantize(xn, NG)
+        W: tl.constexpr = BLOCK_K // 8
+        d = _dp4a(_lanes(q, 0, _INTERP), tl.broadcast_to(e[None, :], [BLOCK_R, W]), tl.zeros([BLOCK_R, W], tl.int32),
+                  _INTERP)  # fmt: skip
+        d = _dp4a(_lanes(q, 4, _INTERP), tl.broadcast_to(o[None, :], [BLOCK_R, W]), d, _INTERP)
+        isum = tl.sum(tl.reshape(d, [BLOCK_R, NG, 4]), axis=2) + off[None, :]
+        part = isum.to(tl.float32) * (scale * sx[None, :])
+    else:
+        part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
+        if GROUPED:
+            part = part * scale
     return part
 
 
@@ -234,25 +258,41 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
 def _step(x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
           inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N: tl.constexpr, GROUPED: tl.constexpr,
           NORM: tl.constexpr, CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-          SUM: tl.constexpr):  # fmt: skip
+          SUM: tl.constexpr, QUANT: tl.constexpr = 0):  # fmt: skip
     """One step of ``_accumulate``: each token's group sums of the step's columns k0 .. k0 +
     BLOCK_K added into its accumulator, by the same operations whatever N is."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    a0 += _part(x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+    a0 += _part(
+        x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+    )
     if N > 1:
-        a1 += _part(x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a1 += _part(
+            x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 2:
-        a2 += _part(x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a2 += _part(
+            x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 3:
-        a3 += _part(x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a3 += _part(
+            x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 4:
-        a4 += _part(x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a4 += _part(
+            x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 5:
-        a5 += _part(x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a5 += _part(
+            x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 6:
-        a6 += _part(x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a6 += _part(
+            x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     if N > 7:
-        a7 += _part(x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM)
+        a7 += _part(
+            x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+        )
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -338,7 +378,7 @@ def _accumulate(
             q = _values(wd, zero, QUANT)
             a0, a1, a2, a3, a4, a5, a6, a7 = _step(
                 x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
-                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM,
+                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT,
             )  # fmt: skip
             wd = wd_next
             scale = scale_next
@@ -353,7 +393,7 @@ def _accumulate(
                     scale = _scales(s, rows, k0, C, G, QUANT, BLOCK_K)
             a0, a1, a2, a3, a4, a5, a6, a7 = _step(
                 x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
-                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM,
+                inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT,
             )  # fmt: skip
     tok = tl.arange(0, N)[None, :]
     y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, N], dtype=tl.float32))
@@ -834,7 +874,7 @@ def _weight_args(w: QWeight, x: torch.Tensor, epilogue: str, width: int, cfg: Ge
         w.row_scale if w.row_scale is not None else (w.scales if w.scheme == "int8" else x),
     )
     tile = dict(
-        QUANT=QUANT_CODE[w.scheme], G=w.group, GROUPED=grouped,
+        QUANT=3 if w.act == "int8" else QUANT_CODE[w.scheme], G=w.group, GROUPED=grouped,
         ROW_SCALED=w.scheme == "int4" or (w.scheme == "int8" and not grouped), EPILOGUE=EPILOGUE_CODE[epilogue],
         BLOCK_R=cfg.block_r, BLOCK_K=block_k, SUM=sub,
     )  # fmt: skip

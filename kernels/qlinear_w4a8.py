@@ -1,5 +1,9 @@
-"""W4A8 decode GEMV by ``dp4a`` (an experiment of issue 13; the engine does not run it yet): an
-int4 g32 ``QWeight`` times one row of x quantized to int8 per group of 32 columns.
+"""W4A8 decode GEMV by ``dp4a`` (issue 13): an int4 g32 ``QWeight`` times one row of x quantized
+to int8 per group of 32 columns. This module's kernel is the stand-alone one the benchmark times
+(benchmarks/bench_w4a8_gemv.py); ``qgemv`` runs the same arithmetic (its ``_quantize``, ``_lanes``
+and ``_dp4a``, QUANT 3) for a weight whose ``act`` is int8, with its norms, epilogues and rows.
+The engine does not select int8 activations yet (docs/benchmarks.md: +5-7% at 40 layers, the
+probe's error against the W4A16 reference 1.7e-2 of 2e-2).
 
 Shape legend: R = weight rows, C = columns, W = BLOCK_K // 8 words of a step, NG = BLOCK_K // 32
 groups of a step.

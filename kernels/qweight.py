@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 SCHEMES = ("plain", "int8", "int4")
+ACTS = ("bf16", "int8")  # x as it is, or quantized to int8 per 32 columns (W4A8)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class QWeight:
     scales: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
     group: int = 0
+    act: str = (
+        "bf16"  # "int8": W4A8, x quantized to int8 per 32 columns (int4 g32 only; kernels/qlinear_w4a8.py)
+    )
 
     @property
     def rows(self) -> int:
@@ -48,6 +52,12 @@ class QWeight:
         """Shapes and dtypes agree with the scheme; errors name the weight."""
         if self.scheme not in SCHEMES:
             raise ValueError(f"{name}: scheme {self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        if self.act not in ACTS:
+            raise ValueError(f"{name}: act {self.act!r} is not one of {', '.join(ACTS)}")
+        if self.act == "int8" and (self.scheme != "int4" or self.group != 32):
+            raise ValueError(
+                f"{name}: int8 activations need an int4 weight in groups of 32, got {self.scheme} group {self.group}"
+            )
         if self.weight.dim() != 2:
             raise ValueError(f"{name}: weight must be 2-D, got {list(self.weight.shape)}")
         if self.scheme == "plain":
@@ -100,6 +110,8 @@ def concat_rows(parts: list[QWeight]) -> QWeight:
                 f"cannot concatenate {p.scheme} [{p.rows}, {p.cols}] group {p.group} with "
                 f"{first.scheme} [{first.rows}, {first.cols}] group {first.group}"
             )
+        if p.act != first.act:
+            raise ValueError(f"cannot concatenate rows of {p.act} activations with rows of {first.act}")
         if p.weight.dtype != first.weight.dtype:
             raise ValueError(f"cannot concatenate {p.weight.dtype} rows with {first.weight.dtype} rows")
 
@@ -112,4 +124,5 @@ def concat_rows(parts: list[QWeight]) -> QWeight:
         cat([p.scales for p in parts]),
         cat([p.row_scale for p in parts]),
         first.group,
+        first.act,
     )
