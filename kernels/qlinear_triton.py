@@ -24,9 +24,12 @@ subtraction leaves q; then one FMA per token. Scale codes decode with two intege
 
 W4A8 (a weight whose ``act`` is int8, QUANT 3): each step quantizes each row's slice of x (after
 the norm) to int8 per group of 32 columns and multiplies it with the step's words by ``dp4a``, two
-a word (kernels/qlinear_w4a8.py): about 3.4 SASS instructions a weight value with the norm
-prologue against 5.0 (MANY tile), the group's integer sum joining its accumulator once. A row's
-quantization is its own, so its bits still do not depend on the call's other rows.
+a word (kernels/qlinear_w4a8.py), the group's integer sum joining its accumulator once. On the
+MANY tile (16 rows a program) that is 3.4 SASS instructions a weight value with the norm prologue
+against 5.0, 3.2 against 4.3 without (x's slice loaded as its groups there); on the FEW tile (4
+rows) more than W4A16 (8.1 against 6.1 at 2,048 x 4,096), a slice's quantization being shared by
+4 rows only: int8 activations pay on weights of many rows. A row's quantization is its own, so its
+bits still do not depend on the call's other rows.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
 nothing is atomic but ``topk``'s arrival count: the bits repeat. Each token has accumulators of
@@ -56,7 +59,7 @@ from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.qlinear_w4a8 import _dp4a, _lanes, _quantize
+from edgerun.kernels.qlinear_w4a8 import _dp4a, _lanes, _quantize_groups
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
@@ -240,7 +243,11 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
         xn = _normed(xn, inv, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
     if QUANT == 3:  # W4A8 (SUM = G = 32): x's slice quantized, dp4a over the words' lanes
         NG: tl.constexpr = BLOCK_K // 32
-        e, o, sx, off = _quantize(xn, NG)
+        if NORM:  # x's slice as the norm gave it (this layout measured fewer instructions here) ...
+            e, o, sx, off = _quantize_groups(tl.reshape(xn, [NG, 32]), NG)
+        else:  # ... and loaded as its groups where there is no norm (3.2 SASS a value, not 4.8)
+            x2 = tl.load(x + n * x_row + tl.reshape(cols, [NG, 32]), mask=n < NT, other=0.0).to(tl.float32)
+            e, o, sx, off = _quantize_groups(x2, NG)
         W: tl.constexpr = BLOCK_K // 8
         d = _dp4a(_lanes(q, 0, _INTERP), tl.broadcast_to(e[None, :], [BLOCK_R, W]), tl.zeros([BLOCK_R, W], tl.int32),
                   _INTERP)  # fmt: skip

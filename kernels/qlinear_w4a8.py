@@ -101,7 +101,13 @@ def _quantize(xf, NG: tl.constexpr):
     """fp32 [NG * 32] -> x's even-column words [NG * 4], odd-column words [NG * 4] (int32, four
     int8 a word, column 8i + 2j in byte j of even word i), scales [NG] fp32 and offsets [NG]
     (-8 x the group's sum of its int8 values)."""
-    xg = tl.reshape(xf, [NG, 32])
+    return _quantize_groups(tl.reshape(xf, [NG, 32]), NG)
+
+
+@triton.jit
+def _quantize_groups(xg, NG: tl.constexpr):
+    """``_quantize`` of x given as its groups, fp32 [NG, 32] (loaded in that shape, the compiler
+    keeps a group's values in few threads: fewer shuffles for its max and sum)."""
     amax = tl.max(tl.abs(xg), axis=1)
     inv = tl.where(
         amax > 0, tl.math.div_rn(tl.full([NG], 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0
