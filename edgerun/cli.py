@@ -137,7 +137,16 @@ def run_generate(ns: argparse.Namespace) -> int:
         stop=tuple(ns.stop),
         ignore_eos=ns.ignore_eos,
     )
-    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
+    rt = runtime(
+        ns.device,
+        ns.dtype,
+        ns.threads,
+        ns.expert_kernel,
+        ns.dense_kernel,
+        ns.graphs,
+        ns.profile,
+        dense_act=ns.dense_act,
+    )
     providers = ProviderPolicy.from_namespace(ns)
     spec = speculative_config(ns)
     draft = spec.draft_tokens if spec is not None else 0
@@ -202,7 +211,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "prefetch_ahead", "expert_kernel", "graphs", "dense_kernel", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
+    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "prefetch_ahead", "expert_kernel", "graphs", "dense_kernel", "dense_act", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens", "speculative_sampled",
 )  # fmt: skip
 
@@ -358,7 +367,16 @@ def run_trace(ns: argparse.Namespace) -> int:
     for flag, out in (("--out", ns.out), ("--frequencies", ns.frequencies)):  # before the model runs
         if out is not None and not Path(out).resolve().parent.is_dir():
             raise EdgerunError(f"{flag} {out}: no directory {Path(out).resolve().parent} to write it in")
-    rt = runtime(ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile)
+    rt = runtime(
+        ns.device,
+        ns.dtype,
+        ns.threads,
+        ns.expert_kernel,
+        ns.dense_kernel,
+        ns.graphs,
+        ns.profile,
+        dense_act=ns.dense_act,
+    )
     providers = ProviderPolicy.from_namespace(ns)
     cache = _cache_config(ns, rt, providers).cache
     runner = rt.load(

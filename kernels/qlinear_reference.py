@@ -13,6 +13,8 @@ to x.dtype. Importing this module does not import Triton.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -151,13 +153,15 @@ def probe_cases(
     dtype: torch.dtype,
     tokens: int = 1,
     planes: bool = False,
+    act: str = "bf16",
 ) -> float:
     """Run ``qgemv`` (``planes``: ``qgemv_planes`` on the weight repacked) against ``qlinear_ref``
     on random weights for each case (scheme, R, C, group, epilogue[, norm]), twice: the worst
     error relative to the output's scale, or Mismatch if a case is over TOLERANCE[dtype], not
     finite, or does not repeat bit for bit. A case with a norm (NORMS) also checks the
-    normalised x the kernel writes out. On CUDA, or on CPU under Triton's interpreter (the
-    tests)."""
+    normalised x the kernel writes out. ``act`` int8: each weight takes int8 activations (W4A8;
+    int4 g32 cases), against the reference that quantizes x the same way. On CUDA, or on CPU under
+    Triton's interpreter (the tests)."""
     from edgerun.kernels import qlinear_planes as P
     from edgerun.kernels.qlinear_triton import qgemv, unsupported
 
@@ -181,6 +185,10 @@ def probe_cases(
             f" norm {kind}" if kind != "none" else ""
         )
         w = random_qweight(scheme, R, C, group, gen, device, dtype)
+        if act != "bf16":
+            w = dataclasses.replace(w, act=act)
+            w.check(what)
+            what += f" {act} activations"
         why = P.planes_unsupported(w, dtype) if planes else unsupported(w)
         if why:
             raise Mismatch(f"{what}: {why}")

@@ -59,6 +59,7 @@ EXPERT_KERNELS = ("auto", "reference", "triton", "cpu", "cpu_grouped")
 DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
 WINDOW_ROWS = ("auto", "shared", "alone")
+DENSE_ACTS = ("bf16", "int8")  # the activations of int4 projections of many rows: as they are, or int8 (W4A8)
 # auto on the CPU tries the grouped C kernel first: with an expert's tokens run together it
 # measured at or above torch's kernels at 1 and 2 threads, decode and prefill (docs/benchmarks.md,
 # "Grouped CPU expert kernel, an expert's tokens together"); a refused probe runs torch's, named
@@ -78,6 +79,10 @@ class KernelPolicy:
     # by programs of its own; alone: each row by programs of its own (the weight read per row, in
     # parallel). Both give every row the one-row step's bits: a measurement switch
     window_rows: str = "auto"
+    # int8: the int4 g32 projections of many rows a program (``Model.use_int8_activations``) take x
+    # quantized to int8 per 32 columns in their decode GEMV (W4A8, kernels/qlinear_w4a8.py): fewer
+    # instructions a weight value; a model's logits move by int8's rounding (docs/gpu.md)
+    dense_act: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
@@ -86,6 +91,12 @@ class KernelPolicy:
             raise ConfigError(f"dense kernel {self.dense!r} is not one of {', '.join(DENSE_KERNELS)}")
         if self.graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs {self.graphs!r} is not one of {', '.join(GRAPH_MODES)}")
+        if self.dense_act not in DENSE_ACTS:
+            raise ConfigError(f"dense activations {self.dense_act!r} are not one of {', '.join(DENSE_ACTS)}")
+        if self.dense_act == "int8" and self.dense == "torch":
+            raise ConfigError(
+                "--dense-act int8 runs in the Triton GEMV: it does not combine with --dense-kernel torch"
+            )
         if self.window_rows not in WINDOW_ROWS:
             raise ConfigError(f"window rows {self.window_rows!r} is not one of {', '.join(WINDOW_ROWS)}")
 
@@ -96,6 +107,7 @@ class Resolved:
     graphs: bool
     dense: str = "torch"
     window_rows: str = "auto"  # KernelPolicy.window_rows, as asked
+    dense_act: str = "bf16"  # KernelPolicy.dense_act, where the Triton dense kernels run
     delta_chunk: bool = False  # prompts' DeltaNet delta rule through fla-core (kernels/delta_chunk.py)
     cpu_dense: bool = (
         False  # int4 / int8 projections through the CPU weight-only kernels (kernels/qlinear_cpu.py)
@@ -149,6 +161,13 @@ def resolve(
             out.moe = MoeKernelPolicy("triton", *_sizes(policy))
             out.choices["experts"] = f"{results[0].name} ({results[0].reason})"
     _resolve_dense(policy, device, args, dtype, out, gemv)
+    if policy.dense_act == "int8":  # asked for by name: refused, not fallen back from
+        if out.dense != "triton":
+            why = out.fallbacks.get("dense_kernel") or out.choices.get("dense", "torch")
+            raise ConfigError(
+                f"--dense-act int8 runs in the Triton GEMV on CUDA; the dense kernels here are {why}"
+            )
+        out.dense_act = "int8"
     _resolve_delta_chunk(policy, device, args, dtype, out)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"

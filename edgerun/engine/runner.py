@@ -469,7 +469,36 @@ class Runner:
         self.model.use_kernels(
             self.kernels.dense == "triton", self.kernels.delta_chunk, self.kernels.cpu_dense
         )
+        self._use_int8_activations(dtype)
         self.decoder = None
+
+    def _use_int8_activations(self, dtype: torch.dtype) -> None:
+        """``--dense-act int8``: the projections ``int8_worth`` names take int8 activations in
+        their decode GEMV, once ``qgemv`` matched the reference that quantizes x the same way on
+        this device, at their tile and with the decoder's norm prologue, and repeated bit for bit.
+        Asked for by name, so a mismatch refuses to load (no fallback to bf16 x)."""
+        from edgerun.kernels.qlinear_reference import Mismatch, probe_cases
+        from edgerun.models.layers import int8_cases
+
+        taken = self.model.use_int8_activations(self.kernels.dense_act == "int8")
+        if self.kernels.dense_act != "int8":
+            return
+        if not taken:
+            self.kernels.choices["dense activations"] = (
+                "bf16: int8 asked for, and no projection is int4 in groups of 32 with 16 rows a program "
+                "(8,448 rows or more)"
+            )
+            return
+        norm = "unit" if self.args.norm_unit_offset else "plain"
+        try:
+            worst = probe_cases(int8_cases(taken, norm), self.device, dtype, act="int8")
+        except Mismatch as exc:
+            self.model.use_int8_activations(False)
+            raise EdgerunError(f"--dense-act int8 refused on {self.device}: {exc}") from None
+        self.kernels.choices["dense activations"] = (
+            f"int8 per 32 columns (W4A8) in {len(taken)} int4 projections' decode GEMV (matched the reference "
+            f"within {worst:.1e} of the output's scale and repeated bit for bit), x as it is in the rest and in prompts"
+        )
 
     def fallbacks(self) -> dict[str, str]:
         """Every fallback in force, by kind, with its reason."""

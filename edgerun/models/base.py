@@ -22,6 +22,7 @@ from edgerun.models.layers import (
     SparseMoe,
     StaticStep,
     exact_rows,
+    int8_worth,
     verify_window,
 )
 
@@ -206,6 +207,19 @@ class CausalLM(nn.Module):
                 take = on and worth and planes_unsupported(m.qweight(), dtype) is None
                 m.use_planes(take)
                 if take:
+                    taken.append(m)
+        return taken
+
+    def use_int8_activations(self, on: bool) -> list[QLinear]:
+        """Give (``on``) every projection that gains from int8 activations (``int8_worth``) x
+        quantized to int8 per 32 columns in its decode GEMV (W4A8), or take it from every one.
+        Returns those that take it. More rows than a GEMV takes (a prompt's chunk: a GEMM over the
+        dequantized weight) keep bf16 x."""
+        taken = []
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                m.act = "int8" if on and int8_worth(m) else "bf16"
+                if m.act == "int8":
                     taken.append(m)
         return taken
 

@@ -133,6 +133,7 @@ class QLinear(nn.Module):
         # in every call: a shared expert's down projection runs the expert kernel's warps, so that
         # its one-token step can ride in that kernel's launch (``moe_triton.shared_down_tile``)
         self.tile = None
+        self.act = "bf16"  # int8: W4A8 in the decode GEMV (``Model.use_int8_activations``)
 
     @classmethod
     def of(cls, m: nn.Module) -> QLinear:
@@ -154,7 +155,7 @@ class QLinear(nn.Module):
 
     def qweight(self) -> QWeight:
         """The weight as stored; with ``planes``, its bytes are in nibble-plane order."""
-        return QWeight(self.scheme, self.weight, self.scales, self.row_scale, self.group)
+        return QWeight(self.scheme, self.weight, self.scales, self.row_scale, self.group, self.act)
 
     def nbytes(self) -> int:
         """The bytes a one-row call reads of its weight: the stored weight and its scales."""
@@ -349,6 +350,29 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group {self.group}" if self.scheme != "plain" else ""
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}"
+
+
+def int8_worth(m: QLinear) -> bool:
+    """Whether int8 activations (W4A8) pay for this projection's decode GEMV: an int4 weight in
+    groups of 32 whose tile is ``qgemv``'s MANY (16 rows a program share each step's quantized x;
+    on the FEW tile, 4 rows, the quantization costs more than it saves: docs/benchmarks.md) and
+    that runs ``qgemv`` (not a tile of its own, as the shared expert's down does)."""
+    from edgerun.kernels.qlinear_triton import MANY, gemv_config
+
+    if m.scheme != "int4" or m.group != 32 or m.tile is not None or not m.gemv:
+        return False
+    return gemv_config("int4", m.out_features, m.in_features) == MANY["int4"]
+
+
+def int8_cases(mods: list[QLinear], norm: str) -> list[tuple]:
+    """What the start-up probe of int8 activations runs (``probe_cases`` with ``act`` int8): each
+    distinct column count at the MANY tile's least rows (its tile, as the projections run it),
+    with no epilogue and with the decoder's RMSNorm prologue (``norm``: unit / plain)."""
+    from edgerun.kernels.qlinear_triton import MANY, MIN_PROGRAMS
+
+    rows = MANY["int4"].block_r * MIN_PROGRAMS
+    cols = sorted({m.in_features for m in mods})
+    return [("int4", rows, c, 32, "none") for c in cols] + [("int4", rows, c, 32, "none", norm) for c in cols]
 
 
 def planes_cases(mods: list[QLinear]) -> list[tuple]:

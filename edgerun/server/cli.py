@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgerun.config import DEFAULT_PREFILL_LANES, default_prefill_lanes
-from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import (
     add_device_arguments,
@@ -52,6 +52,7 @@ _FLAGS = (
     "expert_kernel",
     "graphs",
     "dense_kernel",
+    "dense_act",
     "slot_pool",
     "tier_reads",
     "cpu_experts",
@@ -258,6 +259,13 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         help="decode norms and DeltaNet step (auto: fused Triton where its start-up probe passes)",
     )
     p.add_argument(
+        "--dense-act",
+        choices=DENSE_ACTS,
+        default=None if default is None else "bf16",
+        help="int8: the int4 projections of many rows take x quantized to int8 per 32 columns in their decode "
+        "GEMV (W4A8: faster; logits move by int8's rounding); needs the Triton dense kernels on CUDA",
+    )
+    p.add_argument(
         "--slot-pool",
         choices=SLOT_POOLS,
         default=None,
@@ -374,6 +382,7 @@ class EngineLoader:
             opts.dense_kernel,
             opts.graphs,
             opts.profile,
+            dense_act=opts.dense_act,
         )
         source = opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")

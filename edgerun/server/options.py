@@ -17,7 +17,7 @@ from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
 from edgerun.cache.policy import PREFETCH_AHEAD
 from edgerun.cache.reader import READERS
 from edgerun.config import SpeculativeConfig, parse_bytes
-from edgerun.engine.policy import DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import ConfigError
 from edgerun.flags import RENAMED_KEYS, TORCH_DEVICES, deprecated
@@ -58,6 +58,7 @@ class ServeOptions:
     expert_kernel: str = "auto"
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
+    dense_act: str = "bf16"  # int8: W4A8 in the decode GEMV of the int4 projections of many rows (CUDA)
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     tier_reads: str | None = None  # pinned host tier -> GPU: in-place | copy; None: in-place where it can
     cpu_experts: str | None = None  # far tier experts on the CPU: auto | off | on; None: off
@@ -153,6 +154,7 @@ class ServeOptions:
             ("expert_kernel", EXPERT_KERNELS),
             ("graphs", GRAPH_MODES),
             ("dense_kernel", DENSE_KERNELS),
+            ("dense_act", DENSE_ACTS),
             ("slot_pool", SLOT_POOLS),
             ("tier_reads", TIER_READS),
             ("cpu_experts", CPU_EXPERTS),

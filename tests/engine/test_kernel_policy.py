@@ -61,6 +61,7 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
         ("graphs", "sometimes", "graphs 'sometimes' is not one of auto, on, off"),
         ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
         ("window_rows", "some", "window rows 'some' is not one of auto, shared, alone"),
+        ("dense_act", "fp8", "dense activations 'fp8' are not one of bf16, int8"),
     ],
 )
 def test_policy_refuses_unknown_values(field, value, message):
@@ -80,11 +81,69 @@ def test_policy_refuses_unknown_values(field, value, message):
         ("slot_pool", "vram", "'slot_pool' must be one of device, mapped"),
         ("cpu_experts", "yes", "'cpu_experts' must be one of auto, off, on"),
         ("read_depth", 0, "'read_depth' must be at least 1"),
+        ("dense_act", "int4", "'dense_act' must be one of bf16, int8"),
     ],
 )
 def test_serve_options_refuse_bad_kernel_keys(key, value, message):
     with pytest.raises(ConfigError, match=message):
         ServeOptions(**{key: value})
+
+
+def test_int8_activations_are_refused_where_the_triton_gemv_does_not_run(bundles):
+    """--dense-act int8 asked for by name: refused with the torch dense kernel, on the CPU (both
+    at the options and at resolution), never fallen back from to bf16 x unnamed."""
+    from edgerun.engine.setup import runtime
+
+    with pytest.raises(
+        ConfigError, match="--dense-act int8 runs in the Triton GEMV: it does not combine with"
+    ):
+        KernelPolicy(dense="torch", dense_act="int8")
+    with pytest.raises(
+        ConfigError,
+        match=r"--dense-act int8: int8 activations run in the Triton GEMV on CUDA, and this runs on the cpu \(--device cpu\)",
+    ):
+        runtime("cpu", dense_act="int8")
+    assert runtime("cpu").kernels.dense_act == "bf16"
+    layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
+    with pytest.raises(
+        ConfigError,
+        match="--dense-act int8 runs in the Triton GEMV on CUDA; the dense kernels here are torch",
+    ):
+        resolve(KernelPolicy(dense_act="int8"), torch.device("cpu"), layouts)
+
+
+def test_int8_activations_go_to_the_int4_g32_projections_of_many_rows():
+    """``int8_worth``: int4 in groups of 32 on qgemv's MANY tile (8,448 rows or more at 2,048
+    columns) and running qgemv; not an int8 / plain / g64 weight, a FEW-tile one, one with a tile
+    of its own, or one off the GEMV; ``Model.use_int8_activations`` sets and clears ``act``."""
+    from types import SimpleNamespace
+
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.models.layers import QLinear, int8_cases, int8_worth
+
+    g = torch.Generator().manual_seed(0)
+
+    def lin(scheme, rows, cols=2048, group=32):
+        m = QLinear(random_qweight(scheme, rows, cols, group, g, "cpu", torch.bfloat16))
+        m.gemv = True
+        return m
+
+    big = lin("int4", 8448)
+    assert int8_worth(big) and int8_worth(lin("int4", 12352))
+    assert not int8_worth(lin("int4", 8432))  # 527 programs of 16 rows: the FEW tile
+    assert not int8_worth(lin("int4", 8448, group=64)) and not int8_worth(lin("int8", 8448))
+    off = lin("int4", 8448)
+    off.gemv = False
+    tiled = lin("int4", 8448)
+    tiled.tile = SimpleNamespace()
+    assert not int8_worth(off) and not int8_worth(tiled)
+    assert big.qweight().act == "bf16"
+    big.act = "int8"
+    assert big.qweight().act == "int8"
+    assert int8_cases([big], "unit") == [
+        ("int4", 8448, 2048, 32, "none"),
+        ("int4", 8448, 2048, 32, "none", "unit"),
+    ]
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

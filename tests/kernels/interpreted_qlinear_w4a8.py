@@ -110,3 +110,17 @@ def test_int8_activations_are_refused_where_they_do_not_run():
         qlinear_cpu.unsupported(_a8(w)),
     ):
         assert why == "int8 activations (W4A8) run on qgemv only"
+
+
+def test_the_start_up_probe_runs_int8_activations_against_their_reference():
+    """``probe_cases`` with ``act`` int8 (what ``--dense-act int8`` runs at load): each case's weight
+    takes int8 activations, against the reference that quantizes x the same way, norm prologue
+    included, within a quarter of the tolerance (fp32 sums and one rounding are all that differ);
+    a weight that cannot take int8 activations is refused by name."""
+    from edgerun.kernels.qlinear_reference import probe_cases
+
+    cases = [("int4", 48, 256, 32, "none"), ("int4", 48, 256, 32, "none", "unit")]
+    worst = probe_cases(cases, "cpu", torch.bfloat16, act="int8")
+    assert worst <= TOLERANCE[torch.bfloat16] / 4
+    with pytest.raises(ValueError, match="int8 activations need an int4 weight in groups of 32"):
+        probe_cases([("int4", 48, 256, 64, "none")], "cpu", torch.bfloat16, act="int8")
