@@ -119,7 +119,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def run_generate(ns: argparse.Namespace) -> int:
     from edgerun.engine.provenance import cache_line, provenance
     from edgerun.engine.sampler import SamplingParams
-    from edgerun.engine.setup import runtime
 
     if (ns.prompt is None) == (ns.token_ids is None):
         raise EdgerunError("give either a prompt or --token-ids (exactly one)")
@@ -137,16 +136,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         stop=tuple(ns.stop),
         ignore_eos=ns.ignore_eos,
     )
-    rt = runtime(
-        ns.device,
-        ns.dtype,
-        ns.threads,
-        ns.expert_kernel,
-        ns.dense_kernel,
-        ns.graphs,
-        ns.profile,
-        dense_act=ns.dense_act,
-    )
+    rt = _runtime(ns)
     providers = ProviderPolicy.from_namespace(ns)
     spec = speculative_config(ns)
     draft = spec.draft_tokens if spec is not None else 0
@@ -205,6 +195,16 @@ def run_generate(ns: argparse.Namespace) -> int:
         ran = stats.prompt_tokens + max(stats.generated_tokens - 1, 0)
         print(f"[{cache_line(runner.cache, ran)}]", file=sys.stderr)
     return 0
+
+
+def _runtime(ns: argparse.Namespace):
+    """The runtime of a command that loads a model here (``_add_engine_arguments``' flags)."""
+    from edgerun.engine.setup import runtime
+
+    return runtime(
+        ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile,
+        dense_act=ns.dense_act,
+    )  # fmt: skip
 
 
 # generate's flags that load and run a model here: a daemon (--socket) has its own, so they
@@ -353,7 +353,6 @@ def run_trace(ns: argparse.Namespace) -> int:
     import json
 
     from edgerun.engine.sampler import SamplingParams
-    from edgerun.engine.setup import runtime
     from edgerun.engine.trace import RouteRecorder
     from edgerun.tools.routes import read_trace
     from edgerun.tools.simulate import frequencies
@@ -367,16 +366,7 @@ def run_trace(ns: argparse.Namespace) -> int:
     for flag, out in (("--out", ns.out), ("--frequencies", ns.frequencies)):  # before the model runs
         if out is not None and not Path(out).resolve().parent.is_dir():
             raise EdgerunError(f"{flag} {out}: no directory {Path(out).resolve().parent} to write it in")
-    rt = runtime(
-        ns.device,
-        ns.dtype,
-        ns.threads,
-        ns.expert_kernel,
-        ns.dense_kernel,
-        ns.graphs,
-        ns.profile,
-        dense_act=ns.dense_act,
-    )
+    rt = _runtime(ns)
     providers = ProviderPolicy.from_namespace(ns)
     cache = _cache_config(ns, rt, providers).cache
     runner = rt.load(
