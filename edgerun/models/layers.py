@@ -356,10 +356,11 @@ def int8_worth(m: QLinear) -> bool:
     """Whether int8 activations (W4A8) pay for this projection's decode GEMV: an int4 weight in
     groups of 32 whose tile is ``qgemv``'s MANY (16 rows a program share each step's quantized x;
     on the FEW tile, 4 rows, the quantization costs more than it saves: docs/benchmarks.md) and
-    that runs ``qgemv`` (not a tile of its own, as the shared expert's down does)."""
+    that runs ``qgemv`` (not a tile of its own, as the shared expert's down does, nor the
+    tensor-core GEMV of a batch, which takes bf16 x only)."""
     from edgerun.kernels.qlinear_triton import MANY, gemv_config
 
-    if m.scheme != "int4" or m.group != 32 or m.tile is not None or not m.gemv:
+    if m.scheme != "int4" or m.group != 32 or m.tile is not None or not m.gemv or m.planes is not None:
         return False
     return gemv_config("int4", m.out_features, m.in_features) == MANY["int4"]
 

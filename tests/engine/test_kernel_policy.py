@@ -136,7 +136,9 @@ def test_int8_activations_go_to_the_int4_g32_projections_of_many_rows():
     off.gemv = False
     tiled = lin("int4", 8448)
     tiled.tile = SimpleNamespace()
-    assert not int8_worth(off) and not int8_worth(tiled)
+    planes = lin("int4", 8448)
+    planes.planes = object()  # on the batch's tensor-core GEMV
+    assert not int8_worth(off) and not int8_worth(tiled) and not int8_worth(planes)
     assert big.qweight().act == "bf16"
     big.act = "int8"
     assert big.qweight().act == "int8"
