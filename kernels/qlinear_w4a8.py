@@ -2,8 +2,8 @@
 to int8 per group of 32 columns. This module's kernel is the stand-alone one the benchmark times
 (benchmarks/bench_w4a8_gemv.py); ``qgemv`` runs the same arithmetic (its ``_quantize``, ``_lanes``
 and ``_dp4a``, QUANT 3) for a weight whose ``act`` is int8, with its norms, epilogues and rows.
-The engine does not select int8 activations yet (docs/benchmarks.md: +5-7% at 40 layers, the
-probe's error against the W4A16 reference 1.7e-2 of 2e-2).
+The engine gives it to the int4 projections of many rows under ``--dense-act int8``
+(``layers.int8_worth``; docs/gpu.md): +5-7% decode at 40 layers on an H100 (docs/benchmarks.md).
 
 Shape legend: R = weight rows, C = columns, W = BLOCK_K // 8 words of a step, NG = BLOCK_K // 32
 groups of a step.

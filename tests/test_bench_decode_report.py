@@ -87,11 +87,12 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
         return 8, "plan", SimpleNamespace(prediction=pred)
 
     monkeypatch.setattr(D, "planned_quota", planned_quota)
-    ran = []
+    ran, acts = [], []
 
     def run_config(name, bundle_dir, b, quota, capacity, prompt, decode, timed, warm_all, depth, host, cpu,
-                   pf, reader, staging, pieces):  # fmt: skip
+                   pf, reader, staging, pieces, dense_act):  # fmt: skip
         ran.append((name, depth, pieces, pf))
+        acts.append(dense_act)
         med = {"median": 4.0, "min": 4.0, "max": 4.0}
         return {
             "config": name, "quota": quota, "tokens_identical": True, "decode_tps": med, "ttft_s": med,
@@ -104,6 +105,7 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     assert calibrated == [1, 2]
     assert bursts == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert acts == ["bf16"] * 4  # --dense-act's default reaches every run
     assert [n for n, *_ in ran][1] == "8 GiB, prefetch off, depth 2, 2 piece(s)"
     # one plan a way of reading (the first also sizes the quota): its depth, a read alone at its
     # pieces' depth 1
