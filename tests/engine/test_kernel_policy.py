@@ -118,13 +118,25 @@ def test_int8_activations_go_to_the_int4_g32_projections_of_many_rows():
     of its own, or one off the GEMV; ``Model.use_int8_activations`` sets and clears ``act``."""
     from types import SimpleNamespace
 
-    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qweight import QWeight
     from edgerun.models.layers import QLinear, int8_cases, int8_worth
 
-    g = torch.Generator().manual_seed(0)
-
-    def lin(scheme, rows, cols=2048, group=32):
-        m = QLinear(random_qweight(scheme, rows, cols, group, g, "cpu", torch.bfloat16))
+    def lin(
+        scheme, rows, cols=2048, group=32
+    ):  # the stored tensors' shapes and dtypes; the values do not matter
+        if scheme == "int8":
+            w = QWeight(
+                "int8",
+                torch.zeros(rows, cols, dtype=torch.int8),
+                torch.ones(rows, cols // group),
+                group=group,
+            )
+        else:
+            packed = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+            w = QWeight(
+                "int4", packed, torch.zeros(rows, cols // group, dtype=torch.uint8), torch.ones(rows), group
+            )
+        m = QLinear(w)
         m.gemv = True
         return m
 
