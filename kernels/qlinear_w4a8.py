@@ -45,7 +45,7 @@ import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.qweight import QWeight
+from edgerun.kernels.qweight import QWeight, int4_values
 
 GROUP = 32  # columns of an x scale; the weight's scale group must be the same
 
@@ -253,11 +253,8 @@ def w4a8_terms(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """fp64 [R, C // 32]: each group's term of what the kernel computes, the group's dot product
     of q_w and q_x exactly, times its weight scale, x's scale and the row's row_scale."""
     q, sx = quantize_x_ref(x)
-    packed = w.weight.to(torch.int32)
-    lo = ((packed & 0xF) ^ 8) - 8  # two's complement nibbles
-    hi = (((packed >> 4) & 0xF) ^ 8) - 8
-    qw = torch.stack([lo, hi], dim=2).reshape(w.rows, w.cols)
-    dots = (qw.reshape(w.rows, -1, GROUP).long() * q.reshape(-1, GROUP).long()).sum(dim=2)  # exact
+    qw = int4_values(w).reshape(w.rows, -1, GROUP).long()
+    dots = (qw * q.reshape(-1, GROUP).long()).sum(dim=2)  # exact
     sw = w.scales.view(torch.float8_e4m3fn).double()
     return dots.double() * sw * sx.double() * w.row_scale.double()[:, None]
 

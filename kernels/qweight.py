@@ -85,6 +85,12 @@ class QWeight:
                 raise ValueError(f"{name}: row_scale must be fp32 [{R}], got {got}")
 
 
+def int4_values(w: QWeight) -> torch.Tensor:
+    """An int4 weight's stored values q, int16 [R, C] in [-8, 7] (column 2j: byte j's low nibble)."""
+    n = torch.stack([w.weight & 0xF, w.weight >> 4], dim=-1).reshape(w.rows, w.cols)
+    return (n.to(torch.int16) ^ 8) - 8
+
+
 def dequantize(w: QWeight) -> torch.Tensor:
     """The weight's exact values, fp32 [R, C] (plain: the stored values, upcast)."""
     if w.scheme == "plain":
@@ -94,8 +100,7 @@ def dequantize(w: QWeight) -> torch.Tensor:
         q = w.weight.float()
         step = w.scales
     else:
-        n = torch.stack([w.weight & 0xF, w.weight >> 4], dim=-1).reshape(R, C)
-        q = ((n.to(torch.int16) ^ 8) - 8).float()
+        q = int4_values(w).float()
         step = w.scales.view(torch.float8_e4m3fn).float() * w.row_scale[:, None]
     return (q.reshape(R, C // g, g) * step[..., None]).reshape(R, C)
 

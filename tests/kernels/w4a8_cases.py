@@ -31,8 +31,8 @@ A8_REL_ERR = 0.015
 
 def pack_bytes(q: torch.Tensor) -> torch.Tensor:
     """int32 [n, 4] values in [-127, 127] -> the int32 words holding them as bytes 0..3."""
-    u = (q.long() & 0xFF) << torch.tensor([0, 8, 16, 24], device=q.device)
-    return (u.sum(dim=1) - ((u.sum(dim=1) >> 31) << 32)).to(torch.int32)
+    word = ((q.long() & 0xFF) << torch.tensor([0, 8, 16, 24], device=q.device)).sum(dim=1)
+    return (word - ((word >> 31) << 32)).to(torch.int32)  # as a signed 32-bit word
 
 
 def make(R: int, C: int, device, seed: int):
