@@ -25,7 +25,7 @@
 #   vwin    benchmarks/bench_verify_window.py at VW_LAYERS (40) layers of Qwen3.6's geometry, quotas
 #           VW_QUOTA (256: every expert held), VW_CALLS (10) timed calls
 #   dec     edgerun bench decode at DEC_LAYERS (40) layers of Qwen3.6's geometry, resident, int4 dense,
-#           DEC_ENV set for it, files dec$DEC_TAG.*
+#           DEC_ENV set for it, more flags in DEC_ARGS (--dense-act int8), files dec$DEC_TAG.*
 #   stream  edgerun bench decode at 40 layers, experts streamed at STREAM_BUDGETS (16,8) GiB through the
 #           native reader, STREAM_ARGS more flags (--read-pieces 1,4 --prefetch off,on), files stream$STREAM_TAG.*
 #   tl      benchmarks/stream_timeline.py on the stream phase's bundle at TL_QUOTA (91) a layer: where a
@@ -92,7 +92,7 @@ for ph in ${PHASES:-}; do
     env ${DEC_ENV:-} timeout -s INT "$(lim "${DEC_TIMEOUT:-300}")" $ER bench decode --dir /tmp/bd \
       --out "$OUT/dec${DEC_TAG:-}" --prompt "${DEC_PROMPT:-64}" --decode "${DEC_DECODE:-128}" \
       --repeats "${DEC_REPEATS:-3}" --budgets resident --dense int4 --layers "${DEC_LAYERS:-40}" \
-      --calibrate-seconds 0.2 2>&1 | grep -v Warning | tee "$OUT/dec${DEC_TAG:-}.txt" | tail -25 ;;
+      --calibrate-seconds 0.2 ${DEC_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/dec${DEC_TAG:-}.txt" | tail -25 ;;
   stream)  # edgerun bench decode at 40 layers, experts streamed from /tmp/bd at STREAM_BUDGETS (16,8) GiB,
     # native reader, int4 dense, STREAM_DECODE (32) tokens; more flags in STREAM_ARGS ("--read-pieces 1,4
     # --prefetch off,on"); files stream$STREAM_TAG.*

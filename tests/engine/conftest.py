@@ -50,6 +50,26 @@ def dense_bundles(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dense32_bundles(tmp_path_factory):
+    """Tiny int4 bundles whose dense projections are int4 in groups of 32 (what int8
+    activations take), one per architecture."""
+    from hf_fixtures import build_hf
+
+    root = tmp_path_factory.mktemp("dense32-bundles")
+    out = {}
+    for arch in ARCHS:
+        src = root / arch
+        extra = {"shared_expert_intermediate_size": 32, "linear_value_head_dim": 16}
+        if arch != "qwen3_5_moe":
+            extra = {"intermediate_size": 96}  # every projection's columns whole groups of 32
+        build_hf(arch, src, seed=7, hidden_size=64, moe_intermediate_size=32, **extra)
+        _add_tokenizer(src)
+        convert(src, root / f"{arch}-dense32", ConvertOptions("int4", 32, dense="int4", dense_group=32))
+        out[arch] = root / f"{arch}-dense32"
+    return out
+
+
+@pytest.fixture(scope="session")
 def cpu_kernel_bundles(tmp_path_factory):
     """Tiny checkpoints (hidden 64, expert width 32) as the bundles the CPU expert kernels run:
     int4 groups of 32 and int8 per row, unrotated."""

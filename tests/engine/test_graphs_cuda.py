@@ -247,6 +247,38 @@ def test_int4_dense_graph_and_eager_decode_are_identical(dense_bundles, arch, se
     assert prompt_then == host
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_activations_graph_and_eager_decode_are_identical(dense32_bundles, arch):
+    """W4A8 (x quantized to int8 per 32 columns in the decode GEMV) on every int4 g32
+    projection, whatever its tile (``--dense-act int8`` gives it to weights of 16 rows a
+    program only, and a tiny model has none: here it is set on each, as ``use_int8_activations``
+    sets it): graph == eager bit for bit, the device-side greedy path gives the host's tokens,
+    and the logits are not bf16 activations' but near them."""
+    from edgerun.engine.sampler import SamplingParams
+    from edgerun.models.layers import QLinear
+
+    b = dense32_bundles[arch]
+    base, eager, graph = _load(b, "table", "on"), _load(b, "table", "off"), _load(b, "table", "on")
+    taken = 0
+    for r in (eager, graph):
+        assert r.decoder is None  # graphs are captured at the first step, after this
+        for m in r.model.modules():
+            eligible = isinstance(m, QLinear) and m.scheme == "int4" and m.group == 32 and m.gemv
+            if eligible and m.planes is None and m.tile is None:  # as ``int8_worth`` but the tile
+                m.act = "int8"
+                taken += 1
+    assert taken >= 2 * 4, taken  # in every layer, as many in both runners
+    ref, a, g = _decode(base), _decode(eager), _decode(graph)
+    for step, (x, y) in enumerate(zip(a, g)):
+        assert torch.equal(x, y), f"step {step}: max |graph - eager| {float((x - y).abs().max())}"
+    # int8 per 32 columns rounds each x value by at most 1/254 of its group's largest: the logits
+    # move by about a percent; a wrong scale, group or nibble order moves them by their own size
+    err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, ref))
+    assert 0 < err < 0.1, err
+    host = [int(x.argmax()) for x in _decode(graph)]
+    assert graph.generate_ids(PROMPT, SamplingParams(max_tokens=STEPS, ignore_eos=True)) == host
+
+
 @pytest.mark.parametrize("kind", ["int4", "dense-int4"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_graphs_equal_the_eager_prefill(bundles, dense_bundles, arch, kind):
