@@ -78,7 +78,7 @@ def weight_copies(w0: QWeight) -> list[QWeight]:
     them, so each call reads its weight from HBM, not L2."""
     tensors = (w0.weight, w0.scales, w0.row_scale)
     return [w0] + [
-        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in tensors), w0.group)
+        QWeight(w0.scheme, *(t.clone() if t is not None else None for t in tensors), w0.group, w0.act)
         for _ in range(copies_for(nbytes(w0)) - 1)
     ]
 

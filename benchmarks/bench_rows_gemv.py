@@ -23,6 +23,7 @@ evicted before each replay; per call, median and range.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -60,10 +61,10 @@ TILES = [
 ]
 
 
-def case(name, R, C, epilogue, tiles, tokens, reps, flush, save, kind=None) -> list[dict]:
+def case(name, R, C, epilogue, tiles, tokens, reps, flush, save, kind=None, act="bf16") -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(R + C)
     norm = random_norm(kind, C, g, "cuda", torch.bfloat16) if kind else None
-    w0 = random_qweight("int4", R, C, 32, g, "cuda", torch.bfloat16)
+    w0 = dataclasses.replace(random_qweight("int4", R, C, 32, g, "cuda", torch.bfloat16), act=act)
     ws = weight_copies(w0)
     width = R // 2 if epilogue == "silu_mul" else R
     xs = torch.randn(max(tokens), C, generator=g, device="cuda").bfloat16()
@@ -95,7 +96,7 @@ def case(name, R, C, epilogue, tiles, tokens, reps, flush, save, kind=None) -> l
                 same = all(torch.equal(y[j], alone[j][0]) for j in range(N))
                 med = statistics.median(t)
                 rows.append(
-                    dict(shape=name, R=R, C=C, epilogue=epilogue, tile=list(tile), tokens=N, rolled=rolled,
+                    dict(shape=name, R=R, C=C, epilogue=epilogue, act=act, tile=list(tile), tokens=N, rolled=rolled,
                          median_s=med, min_s=min(t), max_s=max(t), bytes=nbytes(w0), rows_equal_one_row=same)
                 )  # fmt: skip
                 print(
@@ -194,6 +195,7 @@ def main() -> None:
     )
     ap.add_argument("--only-planes", action="store_true", help="time qgemv_planes only")
     ap.add_argument("--plane-first", type=int, help="time only the first K of each shape's planes tiles")
+    ap.add_argument("--act", choices=["bf16", "int8"], default="bf16", help="int8: W4A8 (x quantized per 32)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     tokens = [int(n) for n in a.tokens.split(",")]
@@ -201,7 +203,9 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
-    print(f"{name}; torch {torch.__version__}; copy {copy_bw / 1e12:.2f} TB/s; int4 g32, bf16 x; us per call")
+    print(
+        f"{name}; torch {torch.__version__}; copy {copy_bw / 1e12:.2f} TB/s; int4 g32, {a.act} x; us per call"
+    )
     print(
         f"{'shape':<17}{'tile':<15}{'N':>3}{'steps':>10}{'median':>9}{'min':>8}{'max':>8}{'GB/s':>7}",
         flush=True,
@@ -219,7 +223,8 @@ def main() -> None:
         if s[0] not in a.shapes.split(","):
             continue
         if not a.only_planes:
-            out += case(*s[:4], tiles, tokens, a.reps, lambda _i: flush.zero_(), save, *s[4:])
+            kind = s[4] if len(s) > 4 else None
+            out += case(*s[:4], tiles, tokens, a.reps, lambda _i: flush.zero_(), save, kind, a.act)
         if a.planes or a.only_planes:
             ptokens = sorted(set(tokens) | {16})
             tiles_p = plane_tiles(s[1], s[2], a.plane_tiles)[: a.plane_first]
