@@ -122,6 +122,11 @@ FEW = {
     "int8": GemvConfig(8, 1024, 4, rolled_from=4),
     "plain": GemvConfig(8, 1024, 4, rolled_from=4),
 }
+# MANY's rows for an int4 weight that takes int8 activations (W4A8, ``QWeight.act``): 512 bytes
+# of each of 16 rows a step, 4 warps (x's int8 groups loaded once for 16 rows; no spill at 1-8
+# rows in the sm_90 build). Qwen3.6's 40-layer decode with W4A8 on the normed projections: 645.3
+# tok/s on this tile against 636.8 on MANY's (an H100, 2026-12-06; docs/benchmarks.md).
+MANY_A8 = GemvConfig(16, 512, 4)
 MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 # TINY: where FEW would leave SMs without a program (a router's 257 bf16 rows: 33 programs of 8
 # rows reading 32 KB each in turn), two rows a program and a row of up to 4 KB in one step, so
@@ -646,13 +651,13 @@ def unsupported(w: QWeight) -> str | None:
     return None
 
 
-def gemv_config(scheme: str, R: int, C: int) -> GemvConfig:
-    """The tile ``qgemv`` uses for a weight of this scheme and shape (C only decides whether a
-    weight of few rows is large enough for TINY: a step's columns are a fixed number of bytes).
-    A fixed function, so the bits repeat."""
+def gemv_config(scheme: str, R: int, C: int, act: str = "bf16") -> GemvConfig:
+    """The tile ``qgemv`` uses for a weight of this scheme, shape and activations (``QWeight.act``;
+    C only decides whether a weight of few rows is large enough for TINY: a step's columns are a
+    fixed number of bytes). A fixed function, so the bits repeat."""
     many, few = MANY[scheme], FEW[scheme]
     if triton.cdiv(R, many.block_r) >= MIN_PROGRAMS:
-        return many
+        return MANY_A8 if act == "int8" else many
     if triton.cdiv(R, few.block_r) >= SMS or R * C * VALUE_BITS[scheme] < 8 * TINY_BYTES:
         return few
     return TINY[scheme]
@@ -776,7 +781,7 @@ def qgemv(
     N, C = x.shape
     _check_norm(x, norm, norm_out)
     pair = _check_also(x, w, also, alone, config, rolled) if also is not None else None
-    cfg = config or gemv_config(w.scheme, w.rows, C)
+    cfg = config or gemv_config(w.scheme, w.rows, C, w.act)
     folded = _check_conv(x, epilogue, width, cfg, conv, topk, also) if conv is not None else _no_conv(x)
     if topk is not None:
         if epilogue != "none":
@@ -812,7 +817,10 @@ def pairs(w: QWeight, w2: QWeight, cols: int) -> bool:
     tiles run the same warps (a launch has one warp count, and a tile's bits follow it)."""
     if unsupported(w) or unsupported(w2) or w.cols != cols or w2.cols != cols:
         return False
-    return gemv_config(w.scheme, w.rows, cols).num_warps == gemv_config(w2.scheme, w2.rows, cols).num_warps
+    return (
+        gemv_config(w.scheme, w.rows, cols, w.act).num_warps
+        == gemv_config(w2.scheme, w2.rows, cols, w2.act).num_warps
+    )
 
 
 def _check_also(x, w, also, alone, config, rolled) -> dict:
@@ -828,7 +836,9 @@ def _check_also(x, w, also, alone, config, rolled) -> dict:
         raise ValueError(f"qgemv's also needs out2 [{N}, {width2}]")
     if not pairs(w, w2, C):
         raise ValueError(f"qgemv's also: {w2.scheme} [{w2.rows}, {w2.cols}] does not pair with {w.scheme} [{w.rows}, {w.cols}] (pairs())")  # fmt: skip
-    progs2, (wt, st, rs), tile = _weight_args(w2, x, epilogue2, width2, gemv_config(w2.scheme, w2.rows, C))
+    progs2, (wt, st, rs), tile = _weight_args(
+        w2, x, epilogue2, width2, gemv_config(w2.scheme, w2.rows, C, w2.act)
+    )
     args = dict(w2=wt, s2=st, row_scale2=rs, out2=out2, ROWS2=width2, out2_row=out2.stride(0), TWO=True)
     return {"progs2": progs2, "args": args | {f"{k}2": v for k, v in tile.items()}}
 
@@ -838,7 +848,7 @@ def folds_conv(w: QWeight, cols: int, channels: int) -> bool:
     in w's launch: w takes qgemv and its tile's programs split at the channels' end."""
     if unsupported(w) or w.cols != cols or not 0 < channels <= w.rows:
         return False
-    return channels % gemv_config(w.scheme, w.rows, cols).block_r == 0
+    return channels % gemv_config(w.scheme, w.rows, cols, w.act).block_r == 0
 
 
 def _check_conv(x, epilogue, width, cfg, conv, topk, also) -> dict:
