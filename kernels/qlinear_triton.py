@@ -124,9 +124,12 @@ FEW = {
 }
 # MANY's rows for an int4 weight that takes int8 activations (W4A8, ``QWeight.act``): 512 bytes
 # of each of 16 rows a step, 4 warps (x's int8 groups loaded once for 16 rows; no spill at 1-8
-# rows in the sm_90 build). Qwen3.6's 40-layer decode with W4A8 on the normed projections: 645.3
-# tok/s on this tile against 636.8 on MANY's (an H100, 2026-12-06; docs/benchmarks.md).
-MANY_A8 = GemvConfig(16, 512, 4)
+# rows in the sm_90 build), every row count unrolled. On an H100 (2026-12-06; docs/benchmarks.md):
+# Qwen3.6's in_proj with its norm 7.3 / 10.5 / 15.8 / 27.6 us at 1 / 2 / 4 / 8 rows, against 8.6 /
+# 10.0 / 14.4 / 27.7 on MANY's tile (best of unrolled and rolled) and 9.1 / 13.4 / 21.9 / 44.3
+# with bf16 x; rolled it loses at every row count (11.4 / 17.2 / 36.1); 40-layer decode with
+# ``--dense-act int8`` 644.5 tok/s against 607.1 with bf16 x in the same run.
+MANY_A8 = GemvConfig(16, 512, 4, rolled_from=MAX_TOKENS + 1)
 MIN_PROGRAMS = 4 * 132  # a few programs for each of an H200's 132 SMs
 # TINY: where FEW would leave SMs without a program (a router's 257 bf16 rows: 33 programs of 8
 # rows reading 32 KB each in turn), two rows a program and a row of up to 4 KB in one step, so

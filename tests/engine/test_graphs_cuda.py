@@ -43,13 +43,15 @@ def _load(bundle, setup, graphs):
     return Runner.load(bundle, cache=cache, **kw)
 
 
-def _decode(runner):
+def _decode(runner, tokens=None):
+    """The logits of the prompt and of STEPS - 1 decode steps, each step fed the greedy token of
+    the logits before it, or ``tokens[i]`` (another run's)."""
     state = runner.new_state(len(PROMPT) + STEPS)
     logits = runner.prefill(state, PROMPT)
     out = []
-    for _ in range(STEPS):
+    for i in range(STEPS):
         out.append(logits.clone())
-        logits = runner.decode_step(state, int(logits.argmax()))
+        logits = runner.decode_step(state, int(logits.argmax()) if tokens is None else tokens[i])
     return out
 
 
@@ -268,13 +270,16 @@ def test_int8_activations_graph_and_eager_decode_are_identical(dense32_bundles, 
                 m.act = "int8"
                 taken += 1
     assert taken >= 2 * 4, taken  # in every layer, as many in both runners
-    ref, a, g = _decode(base), _decode(eager), _decode(graph)
+    ref = _decode(base)
+    tokens = [int(x.argmax()) for x in ref]  # every runner fed bf16 x's greedy tokens
+    a, g = _decode(eager, tokens), _decode(graph, tokens)
     for step, (x, y) in enumerate(zip(a, g)):
         assert torch.equal(x, y), f"step {step}: max |graph - eager| {float((x - y).abs().max())}"
-    # int8 per 32 columns rounds each x value by at most 1/254 of its group's largest: the logits
-    # move by about a percent; a wrong scale, group or nibble order moves them by their own size
-    err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, ref))
-    assert 0 < err < 0.1, err
+    # int8 per 32 columns rounds each x value by at most 1/254 of its group's largest: a step's
+    # logits move by about a percent; a wrong scale, group or nibble order moves them by their own
+    # size. The median over the steps: a tiny random router's top-k may flip at a step or two
+    err = sorted(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a[1:], ref[1:]))
+    assert 0 < err[len(err) // 2] < 0.05, err
     host = [int(x.argmax()) for x in _decode(graph)]
     assert graph.generate_ids(PROMPT, SamplingParams(max_tokens=STEPS, ignore_eos=True)) == host
 
