@@ -13,7 +13,10 @@ blocks come from HBM. Rows:
 - triton eager: ``moe_gemv`` called from Python (launch overhead included);
 - grouped graph (``--grouped``): one captured ``moe_grouped`` (the prefill's grouped GEMM) on
   the same tokens, to place ``gemv_max_tokens``;
-- reference: ``moe_experts_ref`` (dequantize_block + torch matmul per expert), bf16.
+- reference: ``moe_experts_ref`` (dequantize_block + torch matmul per expert), bf16;
+- triton graph a8 (int4 g32 unrotated): the graph with x given quantized to int8 per 32 columns
+  (``moe_gemv``'s ``xq``, as the router's launch would store it): W4A8 gate_up products; its
+  error against the bf16 reference is int8 x's (about 0.5%), not the kernel's.
 
 Bandwidth = payload bytes of the distinct blocks the step must read (weights + scales; padding not
 counted; T = 4 tokens route to about 30.5 distinct experts) / median time, against a device-to-device copy measured in the same run (bytes read +
@@ -35,6 +38,7 @@ from moe_cases import fmt_id, layout_for, random_step, rel_err  # noqa: E402
 
 from edgerun.kernels import moe_triton as K  # noqa: E402
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool  # noqa: E402
+from edgerun.kernels.qlinear_w4a8 import quantize_rows_ref  # noqa: E402
 
 D, I, A, S = 2048, 512, 8, 256
 PEAK = 4.8e12
@@ -79,10 +83,16 @@ def bench_format(fmt, T: int, reps: int, configs: list, reference: bool, grouped
     x, _, slots, ids, w, _, _ = (t.clone() if torch.is_tensor(t) else t for t in steps[0])
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    a8 = K.a8_unsupported(layout) is None
+    xqs = [quantize_rows_ref(st[0].float()) for st in steps] if a8 else None
+    xq = [t.clone() for t in xqs[0]] if a8 else None
 
     def load(i):  # the next routing, into the static inputs the graph reads; then evict L2
         s = steps[i % len(steps)]
         x.copy_(s[0]), slots.copy_(s[2]), ids.copy_(s[3]), w.copy_(s[4])
+        if a8:
+            for t, v in zip(xq, xqs[i % len(steps)]):
+                t.copy_(v)
         flush.zero_()
 
     def gemv(cfg=K.DEFAULT_GEMV):
@@ -113,28 +123,42 @@ def bench_format(fmt, T: int, reps: int, configs: list, reference: bool, grouped
         rows["grouped graph"], _ = graph_times(
             None, lambda: K.moe_grouped(x, pool, slots, ids, w, layout, gscales)
         )
+    errs = {"triton graph": err}
+    if a8:
+        rows["triton graph a8"], errs["triton graph a8"] = graph_times(
+            None, lambda: K.moe_gemv(x, pool, slots, ids, w, layout, gscales, xq=tuple(xq))
+        )
     if reference:
         rows["reference"] = timed(
             lambda: moe_experts_ref(x, pool, slots, ids, w, layout, gscales), reps, load
         )
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(20):
-            load(i)
-            gemv()
-        torch.cuda.synchronize()
-    kernels = {
-        e.key: e.device_time_total / e.count
-        for e in prof.key_averages()
-        if e.device_time_total > 0 and e.count >= 20
-    }
+    kernels = profile(gemv, load)
+    if a8:
+        a8_kernels = profile(lambda: K.moe_gemv(x, pool, slots, ids, w, layout, gscales, xq=tuple(xq)), load)
+        kernels |= {f"{k} (a8)": v for k, v in a8_kernels.items()}
     sweep = {}
     for cfg in configs:
         sweep[f"r{cfg.block_r} b{cfg.row_bytes} w{cfg.num_warps} d{cfg.down_rows}"] = statistics.median(
             graph_times(cfg)[0]
         )
     return dict(
-        layout=layout, payload=payload, distinct=distinct, rows=rows, err=err, sweep=sweep, kernels=kernels
-    )
+        layout=layout, payload=payload, distinct=distinct, rows=rows, err=err, errs=errs, sweep=sweep,
+        kernels=kernels,
+    )  # fmt: skip
+
+
+def profile(step, load) -> dict:
+    """Device µs a kernel of one ``step`` (torch.profiler, mean of 20 calls, each after ``load``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(20):
+            load(i)
+            step()
+        torch.cuda.synchronize()
+    return {
+        e.key: e.device_time_total / e.count
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.count >= 20
+    }
 
 
 def main() -> None:
@@ -164,7 +188,7 @@ def main() -> None:
     report = dict(device=name, torch=torch.__version__, copy_bw=copy_bw, reps=a.reps, formats=[])
     print(f"\n{name}; torch {torch.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read+write)")
     print(f"A={A}, D={D}, I={I}, pool {S} slots, {a.reps} reps; default tile {K.DEFAULT_GEMV}")
-    hdr = f"{'format':<22}{'path':<14}{'median us':>10}{'min us':>9}{'max us':>9}{'GB/s':>8}{'% copy':>8}{'% 4.8T':>8}"
+    hdr = f"{'format':<22}{'path':<16}{'median us':>10}{'min us':>9}{'max us':>9}{'GB/s':>8}{'% copy':>8}{'% 4.8T':>8}"
     print(hdr)
     print("-" * len(hdr))
     for (fmt, T), r in results.items():
@@ -175,6 +199,7 @@ def main() -> None:
             payload_bytes=r["payload"],
             distinct_experts=r["distinct"],
             max_rel_err=r["err"],
+            max_rel_err_by_path=r["errs"],
             sweep=r["sweep"],
             paths={},
         )
@@ -184,11 +209,11 @@ def main() -> None:
             bw = r["payload"] / med
             entry["paths"][path] = dict(median_s=med, min_s=min(ts), max_s=max(ts), bytes_per_s=bw)
             print(
-                f"{label:<22}{path:<14}{med * 1e6:>10.1f}{min(ts) * 1e6:>9.1f}{max(ts) * 1e6:>9.1f}"
+                f"{label:<22}{path:<16}{med * 1e6:>10.1f}{min(ts) * 1e6:>9.1f}{max(ts) * 1e6:>9.1f}"
                 f"{bw / 1e9:>8.0f}{100 * bw / copy_bw:>7.1f}%{100 * bw / PEAK:>7.1f}%"
             )
         print(
-            f"{'':<22}(max error {r['err']:.1e} of the output's scale; {r['distinct']:.1f} experts, "
+            f"{'':<22}(max error {', '.join(f'{k} {v:.1e}' for k, v in r['errs'].items())} of the output's scale; {r['distinct']:.1f} experts, "
             f"{r['payload'] / 1e6:.1f} MB read)"
         )
         report["formats"].append(entry)

@@ -48,6 +48,7 @@ import triton.language as tl
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
+from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import (
@@ -63,6 +64,8 @@ from edgerun.kernels.qlinear_triton import (
 from edgerun.kernels.qlinear_triton import GemvConfig as GemvTile
 from edgerun.kernels.qlinear_triton import _check as check_gemv
 from edgerun.kernels.qlinear_triton import unsupported as gemv_unsupported
+from edgerun.kernels.qlinear_w4a8 import GROUP as A8_GROUP
+from edgerun.kernels.qlinear_w4a8 import _dot_given
 from edgerun.kernels.scratch import counters
 
 INTERPRETED = (
@@ -213,11 +216,19 @@ def _gate_up_kernel(
     SD_BLOCK_K: tl.constexpr,
     SD_SUM: tl.constexpr,
     SD_CODE: tl.constexpr,
+    xe,
+    xo,
+    xs,
+    xb,
+    XQ: tl.constexpr,
+    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
     [j BLOCK_R / 2, (j + 1) BLOCK_R / 2). RANGE: pairs whose expert is outside lo..hi do
-    nothing (their slot is not read).
+    nothing (their slot is not read). XQ (int4 g32): x given quantized to int8 per 32 columns
+    (``xe, xo, xs, xb``, a token's row each; ``moe_gemv``'s ``xq``), the products W4A8
+    (``qlinear_w4a8._dot_given``); x itself is not read.
 
     SD (one token; ``moe_gemv``'s ``shared_down``): the programs past the ``pairs`` rows of
     axis 0, in row-major order, are the shared expert's down projection, ``qgemv(sd_x, w, None,
@@ -244,14 +255,15 @@ def _gate_up_kernel(
         if run:
             _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, uses, w_block, s_block, w_off,
                           s_off, split, w_far, s_far, zero, p, D, I, A, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM,
-                          TABLE, FAR)  # fmt: skip
+                          TABLE, FAR, xe, xo, xs, xb, XQ, INTERPRET)  # fmt: skip
 
 
 @triton.jit
 def _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, uses, w_block, s_block, w_off, s_off,
                   split, w_far, s_far, zero, p, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                   QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SUM: tl.constexpr, TABLE: tl.constexpr, FAR: tl.constexpr):  # fmt: skip
+                  BLOCK_K: tl.constexpr, SUM: tl.constexpr, TABLE: tl.constexpr, FAR: tl.constexpr, xe, xo, xs, xb,
+                  XQ: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """Program (p, program_id(1)) of ``_gate_up_kernel``'s experts: its h columns of pair p."""
     slot = _slot(slots, table, ids, p, TABLE)
     if FAR:
@@ -266,9 +278,16 @@ def _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, use
     OUT_R: tl.constexpr = BLOCK_R // 2
     rows = (tl.program_id(1) * OUT_R + i // 2 + (i % 2) * I).to(tl.int64)
     wd0, scale0 = _rows_first(w, s, rows, D, QUANT, G, GROUPED, BLOCK_K)
-    y = _rows_dot(
-        x + (p // A) * D, w, s, rows, zero, wd0, scale0, D, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM
-    )
+    if XQ:
+        t = p // A
+        xw, xg = t * (D // 8), t * (D // 32)
+        y = _dot_given(
+            xe + xw, xo + xw, xs + xg, xb + xg, w, s, rows, wd0, scale0, D, BLOCK_R, BLOCK_K, INTERPRET
+        )
+    else:
+        y = _rows_dot(
+            x + (p // A) * D, w, s, rows, zero, wd0, scale0, D, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM
+        )
     if QUANT == 2:
         y *= tl.load(gscales + slot * 2)
     gate, up = tl.split(tl.reshape(y, [OUT_R, 2]))
@@ -789,6 +808,7 @@ def moe_gemv(
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
     shared_down: tuple | None = None,
+    xq: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Decode, and prompts of up to a few hundred tokens (``moe.GEMV_MAX_TOKENS``): fused
     dequant + GEMV from the pool, two launches (four with a rotation). Same contract as
@@ -808,7 +828,11 @@ def moe_gemv(
     shared output; ``folds_shared_down``): the shared expert's down projection, ``qgemv(mid, w,
     None, "gated", shared, gate, config=tile)``, runs in the gate_up launch (its programs after
     the experts', each bit for bit its own launch's) and the down launch adds its output as
-    ``shared``: two launches for the step, not three."""
+    ``shared``: two launches for the step, not three.
+
+    ``xq`` (xe, xo [T, D / 8] int32, xs [T, D / 32] fp32, xb [T, D / 32] int32: x quantized to
+    int8 per 32 columns, as ``qlinear_w4a8.quantize_x`` writes a row; int4 g32 experts, no
+    rotation): the gate_up products are W4A8 on it (``_dot_given``) and x is not read."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
@@ -841,6 +865,7 @@ def moe_gemv(
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
     tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
+    xe, xo, xs, xb = _check_xq(xq, layout, T, D, x.device) if xq is not None else (xin,) * 4
     h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     grouped = layout.quant == "int4" or (layout.quant == "int8" and G > 0)
     br = 2 * _pow2_divisor(I, config.block_r)  # a gate and an up row for each of block_r columns of h
@@ -854,6 +879,7 @@ def moe_gemv(
         split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
         TABLE=table is not None, FAR=count, RANGE=expert_range is not None, pairs=T * A, **sd,
+        xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED,
         num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
@@ -870,6 +896,30 @@ def moe_gemv(
         ACC=expert_range is not None, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+def a8_unsupported(layout: BlockLayout) -> str | None:
+    """Why the gate_up launch cannot take x quantized to int8 (``moe_gemv``'s ``xq``), or None."""
+    if layout.quant != "int4" or layout.group_size != A8_GROUP:
+        return f"int8 activations need int4 experts in groups of {A8_GROUP}, these are {layout.quant} group {layout.group_size}"
+    if layout.rotation != "none":
+        return f"int8 activations take x as the router's launch stores it; these experts' x is rotated ({layout.rotation})"
+    return None
+
+
+def _check_xq(xq, layout: BlockLayout, T: int, D: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """xq's four tensors, checked; errors name the one that does not fit."""
+    why = a8_unsupported(layout)
+    if why:
+        raise ValueError(f"moe_gemv's xq: {why}")
+    expected = {
+        "xq even words": (xq[0], (T, D // 8), (torch.int32,)),
+        "xq odd words": (xq[1], (T, D // 8), (torch.int32,)),
+        "xq scales": (xq[2], (T, D // A8_GROUP), (torch.float32,)),
+        "xq offsets": (xq[3], (T, D // A8_GROUP), (torch.int32,)),
+    }
+    check_tensors(expected, device)
+    return tuple(xq)
 
 
 # the gate_up kernel's shared-down constexprs when it runs none (``shared_down``)

@@ -59,7 +59,7 @@ from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.qlinear_w4a8 import _dp4a, _lanes, _quantize_groups
+from edgerun.kernels.qlinear_w4a8 import _quantize_groups, _terms
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
@@ -256,12 +256,9 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
         else:  # ... and loaded as its groups where there is no norm (3.2 SASS a value, not 4.8)
             x2 = tl.load(x + n * x_row + tl.reshape(cols, [NG, 32]), mask=n < NT, other=0.0).to(tl.float32)
             e, o, sx, off = _quantize_groups(x2, NG)
-        W: tl.constexpr = BLOCK_K // 8
-        d = _dp4a(_lanes(q, 0, _INTERP), tl.broadcast_to(e[None, :], [BLOCK_R, W]), tl.zeros([BLOCK_R, W], tl.int32),
-                  _INTERP)  # fmt: skip
-        d = _dp4a(_lanes(q, 4, _INTERP), tl.broadcast_to(o[None, :], [BLOCK_R, W]), d, _INTERP)
-        isum = tl.sum(tl.reshape(d, [BLOCK_R, NG, 4]), axis=2) + off[None, :]
-        part = isum.to(tl.float32) * (scale * sx[None, :])
+        part = _terms(
+            q, e[None, :], o[None, :], sx[None, :], off[None, :], scale, BLOCK_R, BLOCK_K // 8, NG, _INTERP
+        )
     else:
         part = tl.sum(tl.reshape(q * xn[None, :], [BLOCK_R, BLOCK_K // SUM, SUM]), axis=2)
         if GROUPED:

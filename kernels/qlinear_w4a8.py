@@ -97,6 +97,61 @@ def _lanes(w, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _terms(wd, e, o, sx, off, sw, BLOCK_R: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
+           INTERPRET: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_R, NG]: a step's group terms float(q_w . q_x + off) * (s_w * s_x) of the int4
+    words ``wd`` [BLOCK_R, W] (W = 4 NG) and x's even- and odd-column words ``e``, ``o`` (broadcast
+    to [BLOCK_R, W]), x's scales ``sx`` and offsets ``off`` and the weight scales ``sw`` [BLOCK_R,
+    NG]: the integer dot products exact, one fp32 product a group."""
+    d = _dp4a(
+        _lanes(wd, 0, INTERPRET),
+        tl.broadcast_to(e, [BLOCK_R, W]),
+        tl.zeros([BLOCK_R, W], tl.int32),
+        INTERPRET,
+    )
+    d = _dp4a(_lanes(wd, 4, INTERPRET), tl.broadcast_to(o, [BLOCK_R, W]), d, INTERPRET)
+    isum = tl.sum(tl.reshape(d, [BLOCK_R, NG, 4]), axis=2) + off
+    return isum.to(tl.float32) * (sw * sx)
+
+
+@triton.jit
+def _given(xe, xo, xs, xb, rows, k, W: tl.constexpr, NG: tl.constexpr):
+    """x's quantized words (even, odd columns), scales and offsets of the step at column k, loaded
+    in the weights' layout ([BLOCK_R, .], every row the same address): no conversion through
+    shared memory."""
+    z = rows[:, None] * 0
+    wi = k // 8 + tl.arange(0, W)
+    gi = k // 32 + tl.arange(0, NG)
+    e = tl.load(xe + z + wi[None, :])
+    o = tl.load(xo + z + wi[None, :])
+    return e, o, tl.load(xs + z + gi[None, :]), tl.load(xb + z + gi[None, :])
+
+
+@triton.jit
+def _dot_given(xe, xo, xs, xb, w, s, rows, wd0, sw0, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_R]: weight ``rows`` (int64) of an int4 g32 [R, C] component at w (its e4m3
+    scales at s) times one row of x given quantized (``xe, xo, xs, xb``, as ``quantize_x`` writes
+    them), weight scales applied (not a row's or a tensor's own); ``wd0``, ``sw0``: the first
+    step's words and decoded scales, read already (before a PDL wait). The experts' gate_up runs
+    it on x as the router's launch stored it quantized."""
+    W: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // 32
+    w32 = w.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_R, NG], tl.float32)
+    for k in tl.static_range(0, C, BLOCK_K):
+        if k == 0:
+            wd = wd0
+            sw = sw0
+        else:
+            wd = tl.load(w32 + rows[:, None] * (C // 8) + (k // 8 + tl.arange(0, W))[None, :])
+            sw = _e4m3(tl.load(s + rows[:, None] * (C // 32) + (k // 32 + tl.arange(0, NG))[None, :]))
+        e, o, sx, off = _given(xe, xo, xs, xb, rows, k, W, NG)
+        acc += _terms(wd, e, o, sx, off, sw, BLOCK_R, W, NG, INTERPRET)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _quantize(xf, NG: tl.constexpr):
     """fp32 [NG * 32] -> x's even-column words [NG * 4], odd-column words [NG * 4] (int32, four
     int8 a word, column 8i + 2j in byte j of even word i), scales [NG] fp32 and offsets [NG]
@@ -162,17 +217,8 @@ def _w4a8_kernel(x, xe, xo, xs, xb, w, s, row_scale, out, R, C: tl.constexpr, BL
             e, o, sx, off = _quantize(tl.load(x + k + tl.arange(0, BLOCK_K)).to(tl.float32), NG)
             e, o, sx, off = e[None, :], o[None, :], sx[None, :], off[None, :]
         else:
-            # loaded in the weights' layout ([BLOCK_R, .], every row the same address): no
-            # conversion through shared memory
-            z = rows[:, None] * 0
-            e, o = tl.load(xe + z + wi[None, :]), tl.load(xo + z + wi[None, :])
-            sx, off = tl.load(xs + z + gi[None, :]), tl.load(xb + z + gi[None, :])
-        lo = _lanes(wd, 0, INTERPRET)
-        hi = _lanes(wd, 4, INTERPRET)
-        d = _dp4a(lo, tl.broadcast_to(e, [BLOCK_R, W]), tl.zeros([BLOCK_R, W], tl.int32), INTERPRET)
-        d = _dp4a(hi, tl.broadcast_to(o, [BLOCK_R, W]), d, INTERPRET)
-        isum = tl.sum(tl.reshape(d, [BLOCK_R, NG, 4]), axis=2) + off
-        acc += isum.to(tl.float32) * (sw * sx)
+            e, o, sx, off = _given(xe, xo, xs, xb, rows, k, W, NG)
+        acc += _terms(wd, e, o, sx, off, sw, BLOCK_R, W, NG, INTERPRET)
     y = tl.sum(acc, axis=1) * tl.load(row_scale + rows)
     tl.store(out + r, y.to(out.dtype.element_ty), mask=r < R)
 
@@ -247,6 +293,25 @@ def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )  # not 127 * (1 / amax)
     q = torch.floor(xg * inv[:, None] + 0.5).clamp(-127, 127)
     return q.to(torch.int32).reshape(-1), amax * (1.0 / 127.0)
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [T, C] -> (xe, xo [T, C // 8] int32, xs [T, C // 32] fp32, xb [T, C // 32] int32), each
+    row as ``quantize_x`` writes it (by ``quantize_x_ref``'s operations): the even columns' int8
+    bytes four a word (column 8i + 2j in byte j of word i), the odd columns' likewise, the scales
+    and -8 x each group's sum."""
+    q, sx = zip(*(quantize_x_ref(row) for row in x))
+    q, sx = torch.stack(q), torch.stack(sx)
+    T, C = q.shape
+    b = (q.long() & 0xFF).reshape(T, C // 8, 4, 2)
+    shift = torch.tensor([0, 8, 16, 24], device=x.device)
+
+    def words(v: torch.Tensor) -> torch.Tensor:  # four bytes as the int32 of those bits
+        u = (v << shift).sum(dim=-1)
+        return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+
+    xb = (-8 * q.reshape(T, C // GROUP, GROUP).sum(dim=2)).to(torch.int32)
+    return words(b[..., 0]), words(b[..., 1]), sx, xb
 
 
 def w4a8_terms(x: torch.Tensor, w: QWeight) -> torch.Tensor:

@@ -12,7 +12,15 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from moe_cases import FORMATS, check_gemv_tokens_alone, fmt_id, layout_for, random_step, rel_err
+from moe_cases import (
+    FORMATS,
+    check_gemv_a8,
+    check_gemv_tokens_alone,
+    fmt_id,
+    layout_for,
+    random_step,
+    rel_err,
+)
 
 from edgerun.bundle.quant import dequantize_block, rotate_groups
 from edgerun.kernels import moe_triton as K
@@ -37,6 +45,19 @@ def test_gemv_matches_reference_and_repeats(fmt):
     assert torch.equal(out, K.moe_gemv(x, pool, slots[:, perm], ids[:, perm], w[:, perm], layout, gs))
     bf = K.moe_gemv(x.bfloat16(), pool, slots, ids, w, layout, gs)
     assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < TOLERANCE
+
+
+def test_gemv_takes_x_quantized_to_int8():
+    """``xq``: moe_cases.check_gemv_a8; refused for experts it does not fit, naming why."""
+    layout = layout_for(("int4", 32, "none"))
+    xq = check_gemv_a8(K, layout, 3, 3, 6, torch.Generator().manual_seed(3), "cpu", 1e-5)
+    for fmt, why in ((("int4", 16, "none"), "groups of 32"), (("int4", 32, "hadamard"), "rotated")):
+        step = random_step(layout_for(fmt), 3, 3, 6, torch.Generator().manual_seed(3))
+        with pytest.raises(ValueError, match=why):
+            K.moe_gemv(*step, xq=xq)
+    args = random_step(layout, 3, 3, 6, torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"xq scales must be \[3, 2\]"):
+        K.moe_gemv(*args, xq=(xq[0], xq[1], xq[2][:, :1], xq[3]))
 
 
 @pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("int8", None, "none")], ids=fmt_id)

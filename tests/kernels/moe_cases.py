@@ -60,6 +60,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def check_gemv_a8(K, layout, T, A, S, gen, device, tol: float) -> tuple:
+    """``moe_gemv``'s ``xq`` (x quantized to int8 per 32 columns, as the router's launch stores
+    it): within ``tol`` (the fp32 GEMV path's summation order) of the reference run on that x's
+    values (q s, fp64), not bf16 x's result, the same bits again, and x itself not read. Returns
+    the xq it ran."""
+    from edgerun.kernels.moe_reference import moe_experts_ref
+    from edgerun.kernels.qlinear_w4a8 import quantize_rows_ref, quantize_x_ref
+
+    args = random_step(layout, T, A, S, gen, device)
+    x = args[0]
+    xq = quantize_rows_ref(x)
+    seen = torch.stack(
+        [(q.reshape(-1, 32).double() * s.double()[:, None]).reshape(-1) for q, s in map(quantize_x_ref, x)]
+    )
+    ref = moe_experts_ref(seen, *args[1:])
+    out = K.moe_gemv(*args, xq=xq)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < tol
+    assert rel_err(K.moe_gemv(*args), ref) > 10 * tol  # x's own products are not these
+    assert torch.equal(out, K.moe_gemv(*args, xq=xq))
+    assert torch.equal(out, K.moe_gemv(torch.zeros_like(x), *args[1:], xq=xq))
+    return xq
+
+
 def check_gemv_tokens_alone(K, layout, T, A, S, gen, device) -> None:
     """``moe_gemv``'s rows of T tokens, each equal to the token's call alone (``torch.equal``),
     into a residual with a shared expert's output as the model calls it, three times over: the

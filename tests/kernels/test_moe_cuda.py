@@ -9,7 +9,16 @@ probe's TOLERANCE (its docstring says why).
 
 import pytest
 import torch
-from moe_cases import FORMATS, REAL_FORMATS, check_gemv_tokens_alone, fmt_id, layout_for, random_step, rel_err
+from moe_cases import (
+    FORMATS,
+    REAL_FORMATS,
+    check_gemv_a8,
+    check_gemv_tokens_alone,
+    fmt_id,
+    layout_for,
+    random_step,
+    rel_err,
+)
 
 from edgerun.kernels.moe import GEMV_MAX_TOKENS, MoeKernelPolicy, moe_experts
 from edgerun.kernels.moe_reference import moe_experts_ref, random_pool
@@ -47,6 +56,13 @@ def test_gemv_tiny(fmt, T):
 @pytest.mark.parametrize("fmt", REAL_FORMATS, ids=fmt_id)
 def test_gemv_real_geometry(fmt, T):
     check_gemv(layout_for(fmt, **REAL), T, 8, 12, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_gemv_int8_activations_real_geometry(T):
+    from edgerun.kernels import moe_triton as K
+
+    check_gemv_a8(K, layout_for(("int4", 32, "none"), **REAL), T, 8, 16, gen(T), "cuda", 1e-4)
 
 
 @pytest.mark.parametrize("fmt", REAL_FORMATS, ids=fmt_id)
