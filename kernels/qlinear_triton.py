@@ -241,6 +241,30 @@ def _store_normed(p, x, x_row, norm_w, norm_out, eps, NT, N: tl.constexpr, C: tl
 
 
 @triton.jit
+def _store_quantized(p, progs, x, x_row, norm_w, xe, xo, xs, xb, eps, NT, N: tl.constexpr, C: tl.constexpr,
+                     BLOCK_C: tl.constexpr, NORM: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+    """Groups p, p + progs, ... of 32 columns of the RMS-normalised rows of x (program p of
+    ``progs``), each row's values as ``_store_normed`` stores them, quantized to int8 by
+    ``_quantize_groups`` into ``xe, xo, xs, xb`` (a row's C / 8, C / 8, C / 32 and C / 32
+    entries; ``qlinear_w4a8.quantize_x``'s layout): x for the layer's int8-activation consumers
+    (the experts' gate_up), the bits ``quantize_x`` gives on ``norm_out``."""
+    g = p
+    while g < C // 32:  # a while: interpretable, and no pipelining of the next group's loads
+        c = g * 32 + tl.arange(0, 32)
+        wn = tl.load(norm_w + c).to(tl.float32)
+        for n in tl.static_range(N):
+            if n < NT:
+                xn = tl.load(x + n * x_row + c).to(tl.float32)
+                y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
+                e, o, sc, off = _quantize_groups(tl.reshape(y, [1, 32]), 1)
+                tl.store(xe + n * (C // 8) + g * 4 + tl.arange(0, 4), e)
+                tl.store(xo + n * (C // 8) + g * 4 + tl.arange(0, 4), o)
+                tl.store(xs + n * (C // 32) + g + tl.arange(0, 1), sc)
+                tl.store(xb + n * (C // 32) + g + tl.arange(0, 1), off)
+        g += progs
+
+
+@triton.jit
 def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
           CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
           QUANT: tl.constexpr = 0):  # fmt: skip
@@ -569,6 +593,11 @@ def _qgemv_kernel(
     CONV_C: tl.constexpr,
     CONV_K: tl.constexpr,
     CONV_KP2: tl.constexpr,
+    xq_e,
+    xq_o,
+    xq_s,
+    xq_b,
+    NORM_Q: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -591,7 +620,10 @@ def _qgemv_kernel(
     DeltaNet layer's conv input, and the programs that own them also run the causal conv + SiLU
     of their columns (``dense_triton._conv_silu_of`` on the rounded outputs, the values the conv
     launch would load) into ``conv_act`` (fp32) and shift their rows of ``conv_state`` [CONV_C,
-    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer."""
+    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer.
+
+    NORM_Q: the first GEMV's programs also store the normalised rows quantized to int8 per 32
+    columns into ``xq_e, xq_o, xq_s, xq_b`` (``_store_quantized``; ``qgemv``'s ``norm_q_out``)."""
     j = tl.program_id(1)
     x += j * x_row
     out += j * out_row
@@ -610,6 +642,11 @@ def _qgemv_kernel(
             N, C, QUANT, G, GROUPED, ROW_SCALED, HAS_BIAS, EPILOGUE, CODE, BLOCK_R, BLOCK_K, SUM, NORM, NORM_OUT,
             BLOCK_C, NO_BLOCK, ROLLED, PDL,
         )  # fmt: skip
+        if NORM_Q:  # after the program's grid sync (in _gemv_program): x is the previous launch's
+            _store_quantized(
+                p, progs if TWO else tl.num_programs(0), x, x_row, norm_w, xq_e + j * (C // 8), xq_o + j * (C // 8),
+                xq_s + j * (C // 32), xq_b + j * (C // 32), eps, NT, N, C, BLOCK_C, NORM, CODE,
+            )  # fmt: skip
         if CONV:
             if p * BLOCK_R < CONV_C:  # the whole program's branch (CONV_C is a multiple of BLOCK_R)
                 cm = ocol < CONV_C
@@ -748,6 +785,7 @@ def qgemv(
     topk: TopK | None = None,
     also: tuple[QWeight, str, torch.Tensor] | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    norm_q_out: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``qlinear_ref`` in one launch, for decode: x [N, C] (N <= MAX_TOKENS, rows may be strided,
     columns contiguous) in fp32, bf16 or fp16; every tensor on x's device; ``out`` must not
@@ -762,7 +800,9 @@ def qgemv(
 
     ``norm`` (weight [C] in x's dtype, eps, unit_offset): x is RMS-normalised on the way in, as
     ``rms_norm_ref`` would (one launch fewer than a separate norm); ``norm_out`` [N, C] then also
-    receives the normalised x.
+    receives the normalised x, and ``norm_q_out`` (xe, xo [N, C / 8] int32, xs [N, C / 32] fp32,
+    xb [N, C / 32] int32) the normalised x quantized to int8 per 32 columns, the bits
+    ``qlinear_w4a8.quantize_x`` gives on it (what the experts' gate_up takes as ``xq``).
 
     ``topk`` (the output being a router's logits, epilogue none): its weights and ids are also
     written, by the launch's last program, the bits ``router_topk`` gives on the output (one
@@ -780,6 +820,7 @@ def qgemv(
     width = _check(x, w, bias, epilogue, out, gate)
     N, C = x.shape
     _check_norm(x, norm, norm_out)
+    xq = _check_norm_q(x, norm, norm_q_out) if norm_q_out is not None else (x,) * 4
     pair = _check_also(x, w, also, alone, config, rolled) if also is not None else None
     cfg = config or gemv_config(w.scheme, w.rows, C, w.act)
     folded = _check_conv(x, epilogue, width, cfg, conv, topk, also) if conv is not None else _no_conv(x)
@@ -807,6 +848,7 @@ def qgemv(
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, progs)),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
         **_topk_args(topk, x), **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
+        xq_e=xq[0], xq_o=xq[1], xq_s=xq[2], xq_b=xq[3], NORM_Q=norm_q_out is not None,
         num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
@@ -907,6 +949,23 @@ def _topk_args(topk: TopK | None, x: torch.Tensor) -> dict:
     if topk is None:  # placeholder pointers, never read
         return dict(topk_w=x, topk_ids=x, topk_count=x, **NO_TOPK)
     return dict(topk_w=topk.weights, topk_ids=topk.ids, topk_count=topk.count, **topk.kwargs())
+
+
+def _check_norm_q(x: torch.Tensor, norm, norm_q_out) -> tuple[torch.Tensor, ...]:
+    """norm_q_out's four tensors, checked; errors name the one that does not fit."""
+    N, C = x.shape
+    if norm is None:
+        raise ValueError("norm_q_out is the normalised x quantized: it needs norm")
+    if C % 32:
+        raise ValueError(f"norm_q_out quantizes groups of 32 columns; x has {C}")
+    expected = {
+        "norm_q_out even words": (norm_q_out[0], (N, C // 8), (torch.int32,)),
+        "norm_q_out odd words": (norm_q_out[1], (N, C // 8), (torch.int32,)),
+        "norm_q_out scales": (norm_q_out[2], (N, C // 32), (torch.float32,)),
+        "norm_q_out offsets": (norm_q_out[3], (N, C // 32), (torch.int32,)),
+    }
+    check_tensors(expected, x.device)
+    return tuple(norm_q_out)
 
 
 def _check_norm(x: torch.Tensor, norm, norm_out: torch.Tensor | None) -> None:

@@ -177,16 +177,17 @@ def _quantize_groups(xg, NG: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x_kernel(x, xe, xo, xs, xb, BLOCK: tl.constexpr):
-    """Program p quantizes x's columns [p BLOCK, (p + 1) BLOCK) (``_quantize``)."""
+def _quantize_x_kernel(x, x_row, xe, xo, xs, xb, C: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (p, n) quantizes columns [p BLOCK, (p + 1) BLOCK) of row n of x (``_quantize``)."""
     p = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
     NG: tl.constexpr = BLOCK // 32
-    xf = tl.load(x + p * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    xf = tl.load(x + n * x_row + p * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
     e, o, sc, off = _quantize(xf, NG)
-    wi = p * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    wi = n * (C // 8) + p * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     tl.store(xe + wi, e)
     tl.store(xo + wi, o)
-    gi = p * NG + tl.arange(0, NG)
+    gi = n * (C // 32) + p * NG + tl.arange(0, NG)
     tl.store(xs + gi, sc)
     tl.store(xb + gi, off)
 
@@ -242,17 +243,31 @@ def _check(x: torch.Tensor, w: QWeight) -> None:
         raise ValueError(f"w4a8: x must be one row of {w.cols} columns, got {list(x.shape)}")
 
 
-def quantize_x(x: torch.Tensor, block: int = 512) -> tuple[torch.Tensor, ...]:
-    """x [C] (C a multiple of ``block``) -> (xe, xo, xs, xb), one launch."""
-    C = x.shape[0]
-    if C % block:
+def quantize_x(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, ...]:
+    """x [C] or [T, C] (rows may be strided, columns contiguous; C a multiple of 32) -> (xe, xo,
+    xs, xb), each [C / 8], [C / 8], [C / 32], [C / 32] a row (a leading T for [T, C]), one launch.
+    ``block``: columns a program (a multiple of 32 dividing C; default the largest power of two up
+    to 512 that does): the values do not depend on it."""
+    rows = x if x.dim() == 2 else x[None]
+    T, C = rows.shape
+    if C % GROUP or rows.stride(-1) != 1:
+        raise ValueError(
+            f"w4a8: x's rows must be contiguous runs of whole groups of {GROUP}, got {list(x.shape)}"
+        )
+    if block is None:
+        block = next(b for b in (512, 256, 128, 64, 32) if C % b == 0)
+    if C % block or block % GROUP:
         raise ValueError(f"w4a8: x's {C} columns are not a multiple of the quantize block {block}")
-    xe = torch.empty(C // 8, dtype=torch.int32, device=x.device)
+    xe = torch.empty(T, C // 8, dtype=torch.int32, device=x.device)
     xo = torch.empty_like(xe)
-    xs = torch.empty(C // GROUP, dtype=torch.float32, device=x.device)
-    xb = torch.empty(C // GROUP, dtype=torch.int32, device=x.device)
-    _quantize_x_kernel[(C // block,)](x, xe, xo, xs, xb, BLOCK=block, num_warps=4, enable_fp_fusion=False)
-    return xe, xo, xs, xb
+    xs = torch.empty(T, C // GROUP, dtype=torch.float32, device=x.device)
+    xb = torch.empty(T, C // GROUP, dtype=torch.int32, device=x.device)
+    if T:
+        _quantize_x_kernel[(C // block, T)](
+            rows, rows.stride(0), xe, xo, xs, xb, C=C, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        )
+    out = (xe, xo, xs, xb)
+    return out if x.dim() == 2 else tuple(t[0] for t in out)
 
 
 def w4a8_gemv(

@@ -125,3 +125,34 @@ def test_the_start_up_probe_runs_int8_activations_against_their_reference():
     assert worst <= TOLERANCE[torch.bfloat16] / 4
     with pytest.raises(ValueError, match="int8 activations need an int4 weight in groups of 32"):
         probe_cases([("int4", 48, 256, 64, "none")], "cpu", torch.bfloat16, act="int8")
+
+
+@pytest.mark.parametrize("rows, alone", [(1, False), (3, False), (3, True)])
+def test_norm_q_out_is_the_normalised_x_quantized(rows, alone):
+    """``qgemv``'s ``norm_q_out`` (the router's launch storing its normalised x quantized for the
+    experts' gate_up): the bits ``quantize_x`` gives on ``norm_out`` and ``quantize_rows_ref`` on
+    it (torch.equal), a router-sized plain weight's outputs unchanged by it, and with a paired
+    second GEMV (the shared expert's gate_up: ``also``) too; refused without a norm, naming it."""
+    g = torch.Generator().manual_seed(rows)
+    w = random_qweight("plain", 20, 256, 0, g, "cpu", torch.bfloat16)
+    x = (torch.randn(rows, w.cols, generator=g) * 3).bfloat16()
+    norm = random_norm("unit", w.cols, g, "cpu", torch.bfloat16)
+
+    def run(**kw):
+        normed, q = torch.empty_like(x), M.quantize_x(torch.zeros_like(x))
+        y = qgemv(x, w, norm=norm, norm_out=normed, norm_q_out=q, alone=alone, **kw)
+        return y, normed, q
+
+    y, normed, q = run()
+    assert torch.equal(y, qgemv(x, w, norm=norm, alone=alone))
+    for got, want, ref in zip(q, M.quantize_x(normed), M.quantize_rows_ref(normed)):
+        assert torch.equal(got, want) and torch.equal(got, ref)
+    if rows == 1:
+        w2 = random_qweight("int4", 32, 256, 32, g, "cpu", torch.bfloat16)
+        mid = torch.empty(1, 16, dtype=torch.bfloat16)
+        _, normed2, q2 = run(also=(w2, "silu_mul", mid))
+        assert torch.equal(normed2, normed) and all(torch.equal(a, b) for a, b in zip(q2, q))
+    with pytest.raises(ValueError, match="norm_q_out is the normalised x quantized: it needs norm"):
+        qgemv(x, w, norm_q_out=q)
+    with pytest.raises(ValueError, match=rf"norm_q_out scales must be \[{rows}, 8\]"):
+        qgemv(x, w, norm=norm, norm_q_out=(q[0], q[1], q[2][:, :1], q[3]))
