@@ -256,7 +256,7 @@ def _store_quantized(p, progs, x, x_row, norm_w, xe, xo, xs, xb, eps, NT, N: tl.
             if n < NT:
                 xn = tl.load(x + n * x_row + c).to(tl.float32)
                 y = _normed(xn, _inv_rms(x, x_row, n, NT, eps, C, BLOCK_C), wn, NORM, CODE)
-                e, o, sc, off = _quantize_groups(tl.reshape(y, [1, 32]), 1)
+                e, o, sc, off = _quantize_groups(tl.reshape(y, [1, 32]), 1, _INTERP)
                 tl.store(xe + n * (C // 8) + g * 4 + tl.arange(0, 4), e)
                 tl.store(xo + n * (C // 8) + g * 4 + tl.arange(0, 4), o)
                 tl.store(xs + n * (C // 32) + g + tl.arange(0, 1), sc)
@@ -276,10 +276,10 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
     if QUANT == 3:  # W4A8 (SUM = G = 32): x's slice quantized, dp4a over the words' lanes
         NG: tl.constexpr = BLOCK_K // 32
         if NORM:  # x's slice as the norm gave it (this layout measured fewer instructions here) ...
-            e, o, sx, off = _quantize_groups(tl.reshape(xn, [NG, 32]), NG)
+            e, o, sx, off = _quantize_groups(tl.reshape(xn, [NG, 32]), NG, _INTERP)
         else:  # ... and loaded as its groups where there is no norm (3.2 SASS a value, not 4.8)
             x2 = tl.load(x + n * x_row + tl.reshape(cols, [NG, 32]), mask=n < NT, other=0.0).to(tl.float32)
-            e, o, sx, off = _quantize_groups(x2, NG)
+            e, o, sx, off = _quantize_groups(x2, NG, _INTERP)
         part = _terms(
             q, e[None, :], o[None, :], sx[None, :], off[None, :], scale, BLOCK_R, BLOCK_K // 8, NG, _INTERP
         )

@@ -25,10 +25,11 @@ the weight scale and x's scale: (u - 8) s_w . q_x s_x summed exactly, then one r
 
 x's quantization (``quantize_x``, one row): per group of 32 columns, s = max|x| / 127 and
 q = floor(x * (127 / max|x|) + 0.5) (0 where the group is all zeros), every step an fp32 op
-``quantize_x_ref`` repeats (launched without FMA contraction, which would round x * inv + 0.5
-once instead of twice). The kernel takes x quantized (``xq`` from ``quantize_x``: a launch of
-its own, or the producer of x writing it) or quantizes its slice of x itself each step
-(``QUANT_X``), the same values.
+``quantize_x_ref`` repeats (the product x * inv by ``mul.rn``, which no launch's fp fusion
+contracts with the + 0.5 into one rounding), so every launch that quantizes x gives the same
+bits: ``quantize_x``, ``qgemv``'s QUANT 3 and its ``norm_q_out``. The kernel takes x quantized
+(``xq`` from ``quantize_x``: a launch of its own, or the producer of x writing it) or quantizes
+its slice of x itself each step (``QUANT_X``), the same values.
 
 On the CPU (Triton's interpreter runs no inline assembly) ``dp4a`` is its four products in
 integer operations, the same value. The integer sums are exact; the fp32 group products and
@@ -152,22 +153,41 @@ def _dot_given(xe, xo, xs, xb, w, s, rows, wd0, sw0, C: tl.constexpr, BLOCK_R: t
 
 
 @triton.jit
-def _quantize(xf, NG: tl.constexpr):
-    """fp32 [NG * 32] -> x's even-column words [NG * 4], odd-column words [NG * 4] (int32, four
-    int8 a word, column 8i + 2j in byte j of even word i), scales [NG] fp32 and offsets [NG]
-    (-8 x the group's sum of its int8 values)."""
-    return _quantize_groups(tl.reshape(xf, [NG, 32]), NG)
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """fp32 a * b rounded by itself: an explicit rounding mode keeps ptxas from contracting it
+    with a later add into an FMA (which rounds once), whatever the launch's fp fusion, so x's
+    quantization has the same bits in every launch that runs it (``quantize_x_ref``'s)."""
+    if INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise(
+        asm="mul.rn.f32 $0, $1, $2;",
+        constraints="=f,f,f",
+        args=[a, b],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
-def _quantize_groups(xg, NG: tl.constexpr):
+def _quantize(xf, NG: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 [NG * 32] -> x's even-column words [NG * 4], odd-column words [NG * 4] (int32, four
+    int8 a word, column 8i + 2j in byte j of even word i), scales [NG] fp32 and offsets [NG]
+    (-8 x the group's sum of its int8 values)."""
+    return _quantize_groups(tl.reshape(xf, [NG, 32]), NG, INTERPRET)
+
+
+@triton.jit
+def _quantize_groups(xg, NG: tl.constexpr, INTERPRET: tl.constexpr):
     """``_quantize`` of x given as its groups, fp32 [NG, 32] (loaded in that shape, the compiler
     keeps a group's values in few threads: fewer shuffles for its max and sum)."""
     amax = tl.max(tl.abs(xg), axis=1)
     inv = tl.where(
         amax > 0, tl.math.div_rn(tl.full([NG], 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0
     )
-    q = tl.minimum(tl.maximum(tl.floor(xg * inv[:, None] + 0.5), -127.0), 127.0).to(tl.int32)
+    q = tl.minimum(tl.maximum(tl.floor(_mul_rn(xg, inv[:, None], INTERPRET) + 0.5), -127.0), 127.0).to(
+        tl.int32
+    )
     offset = -8 * tl.sum(q, axis=1)
     even, odd = tl.split(tl.reshape(q & 0xFF, [NG * 4, 4, 2]))
     shift = 8 * tl.arange(0, 4)
@@ -177,13 +197,15 @@ def _quantize_groups(xg, NG: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x_kernel(x, x_row, xe, xo, xs, xb, C: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_x_kernel(
+    x, x_row, xe, xo, xs, xb, C: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr
+):
     """Program (p, n) quantizes columns [p BLOCK, (p + 1) BLOCK) of row n of x (``_quantize``)."""
     p = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     NG: tl.constexpr = BLOCK // 32
     xf = tl.load(x + n * x_row + p * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
-    e, o, sc, off = _quantize(xf, NG)
+    e, o, sc, off = _quantize(xf, NG, INTERPRET)
     wi = n * (C // 8) + p * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     tl.store(xe + wi, e)
     tl.store(xo + wi, o)
@@ -215,7 +237,7 @@ def _w4a8_kernel(x, xe, xo, xs, xb, w, s, row_scale, out, R, C: tl.constexpr, BL
         if k == 0:
             _grid_sync(PDL)
         if QUANT_X:
-            e, o, sx, off = _quantize(tl.load(x + k + tl.arange(0, BLOCK_K)).to(tl.float32), NG)
+            e, o, sx, off = _quantize(tl.load(x + k + tl.arange(0, BLOCK_K)).to(tl.float32), NG, INTERPRET)
             e, o, sx, off = e[None, :], o[None, :], sx[None, :], off[None, :]
         else:
             e, o, sx, off = _given(xe, xo, xs, xb, rows, k, W, NG)
@@ -264,7 +286,17 @@ def quantize_x(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor,
     xb = torch.empty(T, C // GROUP, dtype=torch.int32, device=x.device)
     if T:
         _quantize_x_kernel[(C // block, T)](
-            rows, rows.stride(0), xe, xo, xs, xb, C=C, BLOCK=block, num_warps=4, enable_fp_fusion=False
+            rows,
+            rows.stride(0),
+            xe,
+            xo,
+            xs,
+            xb,
+            C=C,
+            BLOCK=block,
+            INTERPRET=_interpret(),
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     out = (xe, xo, xs, xb)
     return out if x.dim() == 2 else tuple(t[0] for t in out)
