@@ -203,7 +203,7 @@ def _runtime(ns: argparse.Namespace):
 
     return runtime(
         ns.device, ns.dtype, ns.threads, ns.expert_kernel, ns.dense_kernel, ns.graphs, ns.profile,
-        dense_act=ns.dense_act,
+        dense_act=ns.dense_act, expert_act=ns.expert_act,
     )  # fmt: skip
 
 
@@ -211,7 +211,7 @@ def _runtime(ns: argparse.Namespace):
 # would be ignored
 _LOCAL_FLAGS = (
     "model", "device", "dtype", "context", "prefill_chunk", "threads", "quota", "profile", "read_mode",
-    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "prefetch_ahead", "expert_kernel", "graphs", "dense_kernel", "dense_act", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
+    "host_quota", "read_depth", "reader", "read_pieces", "prefetch", "prefetch_ahead", "expert_kernel", "graphs", "dense_kernel", "dense_act", "expert_act", "slot_pool", "tier_reads", "cpu_experts", "warm", "trace",
     "allow_provider", "provider", "allow_override", "speculative", "draft_tokens", "speculative_sampled",
 )  # fmt: skip
 

@@ -25,6 +25,7 @@ IMPLS = ("reference", "triton", "cpu", "cpu_grouped")
 # 0.84x at 128 and 1.07x at 192, bf16 0.90x at 96 and 1.05x at 128. Every decode step (a batch
 # of at most 8 rows, a verify window) is below all three.
 GEMV_MAX_TOKENS = {"int4": 256, "int8": 128, "bf16": 96}
+ACTS = ("bf16", "int8")  # the GEMV's gate_up on x as it is, or quantized to int8 per 32 (W4A8)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,18 @@ class MoeKernelPolicy:
     # cpu_grouped: one C call per layer from the slots' own bytes (kernels/moe_cpu_grouped.py)
     # triton, T at or below: fused dequant+GEMV; above: the grouped GEMM (None: GEMV_MAX_TOKENS)
     gemv_max_tokens: int | None = None
+    # int8 (triton; int4 g32 experts, unrotated): the GEMV's gate_up products W4A8 on x quantized
+    # to int8 per 32 columns (``moe_triton.moe_gemv``'s ``xq``): given by the router's launch in a
+    # decode graph, else quantized by ``moe_experts`` (``qlinear_w4a8.quantize_x``), the same bits
+    act: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ConfigError(f"expert kernel {self.impl!r} is not one of {', '.join(IMPLS)}")
+        if self.act not in ACTS:
+            raise ConfigError(f"expert activations {self.act!r} are not one of {', '.join(ACTS)}")
+        if self.act == "int8" and self.impl != "triton":
+            raise ConfigError(f"int8 expert activations run in the Triton expert kernel, not {self.impl}")
         if self.gemv_max_tokens is not None and self.gemv_max_tokens < 0:
             raise ConfigError(f"gemv_max_tokens must be >= 0, got {self.gemv_max_tokens}")
 
@@ -65,6 +74,7 @@ def moe_experts(
     packed: dict | None = None,
     far: FarTier | None = None,
     shared_down: tuple | None = None,
+    xq: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -84,16 +94,27 @@ def moe_experts(
     ``far`` (:class:`FarTier`): slots from S = pool.shape[0] on are its rows, pinned host memory
     the GPU reads in place (global scales then cover both: [S + R, 2]). ``shared_down``: the
     shared expert's down projection into ``into``'s shared output, in the decode kernel's gate_up
-    launch (``moe_triton.moe_gemv``'s); only where that kernel runs the step."""
+    launch (``moe_triton.moe_gemv``'s); only where that kernel runs the step. ``xq``: x quantized
+    to int8 per 32 columns, where the policy's ``act`` is int8 and something stored it already
+    (the router's launch: ``qgemv``'s ``norm_q_out``); else the GEMV step quantizes x itself.
+    Steps past the GEMV (the grouped GEMM of a long prompt) take x as it is."""
+    if xq is not None and policy.act != "int8":
+        raise ValueError(
+            f"xq is x quantized to int8 for int8 expert activations; this policy's are {policy.act}"
+        )
     part = dict(acc=acc, expert_range=expert_range) if expert_range is not None else {}
     if part and (table is not None or into is not None):
         raise ValueError("a step run in parts takes neither a slot table nor a residual")
     if policy.impl == "triton" and x.shape[0] <= policy.gemv_tokens(layout):
         from edgerun.kernels import moe_triton
 
+        if policy.act == "int8" and xq is None:
+            from edgerun.kernels.qlinear_w4a8 import quantize_x
+
+            xq = quantize_x(x)
         return moe_triton.moe_gemv(
             x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
-            far=far, shared_down=shared_down, **part,
+            far=far, shared_down=shared_down, xq=xq, **part,
         )  # fmt: skip
     if shared_down is not None:
         raise ValueError(

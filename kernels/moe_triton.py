@@ -48,7 +48,6 @@ import triton.language as tl
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
-from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import (
@@ -65,7 +64,7 @@ from edgerun.kernels.qlinear_triton import GemvConfig as GemvTile
 from edgerun.kernels.qlinear_triton import _check as check_gemv
 from edgerun.kernels.qlinear_triton import unsupported as gemv_unsupported
 from edgerun.kernels.qlinear_w4a8 import GROUP as A8_GROUP
-from edgerun.kernels.qlinear_w4a8 import _dot_given
+from edgerun.kernels.qlinear_w4a8 import _dot_given, check_xq
 from edgerun.kernels.scratch import counters
 
 INTERPRETED = (
@@ -912,14 +911,7 @@ def _check_xq(xq, layout: BlockLayout, T: int, D: int, device: torch.device) -> 
     why = a8_unsupported(layout)
     if why:
         raise ValueError(f"moe_gemv's xq: {why}")
-    expected = {
-        "xq even words": (xq[0], (T, D // 8), (torch.int32,)),
-        "xq odd words": (xq[1], (T, D // 8), (torch.int32,)),
-        "xq scales": (xq[2], (T, D // A8_GROUP), (torch.float32,)),
-        "xq offsets": (xq[3], (T, D // A8_GROUP), (torch.int32,)),
-    }
-    check_tensors(expected, device)
-    return tuple(xq)
+    return check_xq(xq, T, D, device)
 
 
 # the gate_up kernel's shared-down constexprs when it runs none (``shared_down``)

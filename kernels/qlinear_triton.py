@@ -59,7 +59,7 @@ from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.qlinear_w4a8 import _quantize_groups, _terms
+from edgerun.kernels.qlinear_w4a8 import _quantize_groups, _terms, check_xq
 from edgerun.kernels.qweight import SCHEMES, QWeight
 
 QUANT_CODE = {"plain": 0, "int8": 1, "int4": 2}
@@ -958,14 +958,7 @@ def _check_norm_q(x: torch.Tensor, norm, norm_q_out) -> tuple[torch.Tensor, ...]
         raise ValueError("norm_q_out is the normalised x quantized: it needs norm")
     if C % 32:
         raise ValueError(f"norm_q_out quantizes groups of 32 columns; x has {C}")
-    expected = {
-        "norm_q_out even words": (norm_q_out[0], (N, C // 8), (torch.int32,)),
-        "norm_q_out odd words": (norm_q_out[1], (N, C // 8), (torch.int32,)),
-        "norm_q_out scales": (norm_q_out[2], (N, C // 32), (torch.float32,)),
-        "norm_q_out offsets": (norm_q_out[3], (N, C // 32), (torch.int32,)),
-    }
-    check_tensors(expected, x.device)
-    return tuple(norm_q_out)
+    return check_xq(norm_q_out, N, C, x.device, "norm_q_out")
 
 
 def _check_norm(x: torch.Tensor, norm, norm_out: torch.Tensor | None) -> None:

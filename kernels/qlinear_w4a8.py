@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3
+from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qweight import QWeight, int4_values
 
@@ -265,11 +266,36 @@ def _check(x: torch.Tensor, w: QWeight) -> None:
         raise ValueError(f"w4a8: x must be one row of {w.cols} columns, got {list(x.shape)}")
 
 
-def quantize_x(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, ...]:
+def xq_buffers(T: int, C: int, device) -> tuple[torch.Tensor, ...]:
+    """Empty (xe, xo, xs, xb) for T rows of C columns: what ``quantize_x`` writes."""
+    words = torch.empty(2, T, C // 8, dtype=torch.int32, device=device)
+    return (
+        words[0],
+        words[1],
+        torch.empty(T, C // GROUP, dtype=torch.float32, device=device),
+        torch.empty(T, C // GROUP, dtype=torch.int32, device=device),
+    )
+
+
+def check_xq(xq, T: int, C: int, device, name: str = "xq") -> tuple[torch.Tensor, ...]:
+    """``xq`` (xe, xo, xs, xb) checked as x quantized for T rows of C columns on ``device``;
+    errors name the tensor (``name`` and its part)."""
+    if len(xq) != 4:
+        raise ValueError(f"{name} must be (even words, odd words, scales, offsets), got {len(xq)} tensors")
+    parts = (("even words", C // 8, torch.int32), ("odd words", C // 8, torch.int32))
+    parts += (("scales", C // GROUP, torch.float32), ("offsets", C // GROUP, torch.int32))
+    check_tensors({f"{name} {n}": (t, (T, w), (d,)) for (n, w, d), t in zip(parts, xq)}, device)
+    return tuple(xq)
+
+
+def quantize_x(
+    x: torch.Tensor, block: int | None = None, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
     """x [C] or [T, C] (rows may be strided, columns contiguous; C a multiple of 32) -> (xe, xo,
-    xs, xb), each [C / 8], [C / 8], [C / 32], [C / 32] a row (a leading T for [T, C]), one launch.
-    ``block``: columns a program (a multiple of 32 dividing C; default the largest power of two up
-    to 512 that does): the values do not depend on it."""
+    xs, xb), each [C / 8], [C / 8], [C / 32], [C / 32] a row (a leading T for [T, C]), one launch;
+    into ``out`` (``xq_buffers``' for [T, C]) when given. ``block``: columns a program (a multiple
+    of 32 dividing C; default the largest power of two up to 512 that does): the values do not
+    depend on it."""
     rows = x if x.dim() == 2 else x[None]
     T, C = rows.shape
     if C % GROUP or rows.stride(-1) != 1:
@@ -280,26 +306,19 @@ def quantize_x(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor,
         block = next(b for b in (512, 256, 128, 64, 32) if C % b == 0)
     if C % block or block % GROUP:
         raise ValueError(f"w4a8: x's {C} columns are not a multiple of the quantize block {block}")
-    xe = torch.empty(T, C // 8, dtype=torch.int32, device=x.device)
-    xo = torch.empty_like(xe)
-    xs = torch.empty(T, C // GROUP, dtype=torch.float32, device=x.device)
-    xb = torch.empty(T, C // GROUP, dtype=torch.int32, device=x.device)
+    xq = xq_buffers(T, C, x.device) if out is None else check_xq(out, T, C, x.device, "out")
     if T:
         _quantize_x_kernel[(C // block, T)](
             rows,
             rows.stride(0),
-            xe,
-            xo,
-            xs,
-            xb,
+            *xq,
             C=C,
             BLOCK=block,
             INTERPRET=_interpret(),
             num_warps=4,
             enable_fp_fusion=False,
         )
-    out = (xe, xo, xs, xb)
-    return out if x.dim() == 2 else tuple(t[0] for t in out)
+    return xq if x.dim() == 2 else tuple(t[0] for t in xq)
 
 
 def w4a8_gemv(
@@ -340,6 +359,13 @@ def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )  # not 127 * (1 / amax)
     q = torch.floor(xg * inv[:, None] + 0.5).clamp(-127, 127)
     return q.to(torch.int32).reshape(-1), amax * (1.0 / 127.0)
+
+
+def quantized_values_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, C] -> fp64 [T, C]: the values x quantized to int8 per 32 columns stands for, q s,
+    exactly (what a W4A8 product multiplies the weights by)."""
+    rows = [q.reshape(-1, GROUP).double() * s.double()[:, None] for q, s in map(quantize_x_ref, x)]
+    return torch.stack([r.reshape(-1) for r in rows])
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ from edgerun.bundle.reader import Bundle
 from edgerun.cache.expert_cache import read_shape
 from edgerun.cache.reader import disk_of
 from edgerun.config import CacheConfig
-from edgerun.engine.policy import DENSE_ACTS, KernelPolicy
+from edgerun.engine.policy import DENSE_ACTS, EXPERT_ACTS, KernelPolicy
 from edgerun.engine.runner import Runner
 from edgerun.engine.sampler import SamplingParams
 from edgerun.engine.setup import cache_config
@@ -275,7 +275,7 @@ def med(values: list[float]) -> dict:
 
 def run_config(
     name, bundle_dir, bundle, quota, capacity, prompt, decode, timed, warm_all, depth, host_quota=None,
-    cpu_experts=None, prefetch=None, reader=None, staging=None, pieces=1, dense_act="bf16",
+    cpu_experts=None, prefetch=None, reader=None, staging=None, pieces=1, dense_act="bf16", expert_act="bf16",
 ) -> dict:  # fmt: skip
     """One configuration: an eager run of ``prompt``, the same with graphs (their tokens must be
     identical), then a timed graph run of each of the ``timed`` prompts: a prompt of its own each,
@@ -301,7 +301,7 @@ def run_config(
         dtype=torch.bfloat16,
         cache=cache,
         max_context=capacity,
-        kernels=KernelPolicy(graphs="off", dense_act=dense_act),
+        kernels=KernelPolicy(graphs="off", dense_act=dense_act, expert_act=expert_act),
         prefill_chunk=len(prompt),
     )
     rec = {"config": name, "quota": quota, "load_s": time.perf_counter() - t0}
@@ -312,7 +312,7 @@ def run_config(
     if runner.cache is not None and runner.cache.cpu_split_text:  # --cpu-experts auto's choice (far tier)
         rec["cpu_experts"] = runner.cache.cpu_split_text
     eager = one_run(runner, prompt, decode)
-    runner.set_kernels(KernelPolicy(graphs="on", dense_act=dense_act))
+    runner.set_kernels(KernelPolicy(graphs="on", dense_act=dense_act, expert_act=expert_act))
     state = runner.new_state(capacity)  # the decoder at the runs' size: warm-up step + capture, untimed
     for _ in range(2):
         runner.decode_step(state, 0)
@@ -429,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=DENSE_ACTS,
         default="bf16",
         help="int8: the int4 projections of many rows take x quantized to int8 per 32 columns in decode (W4A8)",
+    )
+    ap.add_argument(
+        "--expert-act",
+        choices=EXPERT_ACTS,
+        default="bf16",
+        help="int8: the routed experts' gate_up takes x quantized to int8 per 32 columns (W4A8)",
     )
     ns = ap.parse_args(argv)
     # 0: off; 1: on (one layer ahead); 2: on, two layers ahead
@@ -639,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
             budget is None and host is None, depth, host, cpu or None, pf, reader, staging, pieces, ns.dense_act,
+            ns.expert_act,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how

@@ -196,6 +196,11 @@ class DecodeGraphs:
         self.token = self.indices[2].view(N, 1)
         self.x = torch.zeros(N, D, dtype=self.dtype, **kw)
         self.h = torch.zeros_like(self.x)
+        self.hq = None  # h quantized to int8 per 32 columns by the router's launch (int8 expert activations)
+        if policy.moe.act == "int8":
+            from edgerun.kernels.qlinear_w4a8 import xq_buffers
+
+            self.hq = xq_buffers(N, D, self.device)
         self.shared = torch.zeros_like(self.x)
         R = args.rotary_dim
         self.static = StaticStep(
@@ -413,7 +418,8 @@ class DecodeGraphs:
             buf.mid,
             buf.logits,
             i in self.fold_down,
-        )  # MLP input in h
+            self.hq,
+        )  # MLP input in h (and hq)
         if i in self.predict:  # the next layer's router on this residual stream (see __init__)
             nxt = self.layers[self.predict[i]]
             guess = (buf.predicted_weights, buf.predicted)
@@ -454,15 +460,16 @@ class DecodeGraphs:
             shared_down = self.layers[i].mlp.shared_down(buf.mid, buf.logits)
         if isinstance(experts, HeldExperts):  # the MTP head's, held outside the cache
             experts.run(
-                self.h, buf.ids, buf.weights, self.policy.moe, into=self._into(i), shared_down=shared_down
-            )
+                self.h, buf.ids, buf.weights, self.policy.moe, into=self._into(i), shared_down=shared_down,
+                xq=self.hq,
+            )  # fmt: skip
             return
         # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
         # this segment (captured: checked at capture, and at replay nothing runs between the
         # lookup and the kernel)
         run_experts(
             self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs,
-            table=buf.table, into=self._into(i), shared_down=shared_down,
+            table=buf.table, into=self._into(i), shared_down=shared_down, xq=self.hq,
         )  # fmt: skip
 
     def _experts_eager(self, i: int) -> None:
@@ -481,7 +488,7 @@ class DecodeGraphs:
         for r in [slice(j, j + 1) for j in range(self.rows)] if self.is_window else [slice(None)]:
             run_experts(
                 self.cache, i, self.h[r], slots[r], buf.ids[r], buf.weights[r], self.policy.moe, refs,
-                into=(x[r], None if shared is None else shared[r]),
+                into=(x[r], None if shared is None else shared[r]), xq=None if self.hq is None else tuple(t[r] for t in self.hq),
             )  # fmt: skip
 
     def _count_window(self, i: int, rows: list[list[int]]) -> None:

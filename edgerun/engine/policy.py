@@ -60,6 +60,7 @@ DENSE_KERNELS = ("auto", "torch", "triton")
 GRAPH_MODES = ("auto", "on", "off")
 WINDOW_ROWS = ("auto", "shared", "alone")
 DENSE_ACTS = ("bf16", "int8")  # the activations of int4 projections of many rows: as they are, or int8 (W4A8)
+EXPERT_ACTS = ("bf16", "int8")  # the routed experts' gate_up in the GEMV: x as it is, or int8 (W4A8)
 # auto on the CPU tries the grouped C kernel first: with an expert's tokens run together it
 # measured at or above torch's kernels at 1 and 2 threads, decode and prefill (docs/benchmarks.md,
 # "Grouped CPU expert kernel, an expert's tokens together"); a refused probe runs torch's, named
@@ -83,6 +84,9 @@ class KernelPolicy:
     # quantized to int8 per 32 columns in their decode GEMV (W4A8, kernels/qlinear_w4a8.py): fewer
     # instructions a weight value; a model's logits move by int8's rounding (docs/gpu.md)
     dense_act: str = "bf16"
+    # int8: the routed experts' gate_up in the expert GEMV (int4 g32 experts, unrotated) on x
+    # quantized to int8 per 32 columns, stored by the router's launch (``MoeKernelPolicy.act``)
+    expert_act: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_KERNELS:
@@ -96,6 +100,14 @@ class KernelPolicy:
         if self.dense_act == "int8" and self.dense == "torch":
             raise ConfigError(
                 "--dense-act int8 runs in the Triton GEMV: it does not combine with --dense-kernel torch"
+            )
+        if self.expert_act not in EXPERT_ACTS:
+            raise ConfigError(
+                f"expert activations {self.expert_act!r} are not one of {', '.join(EXPERT_ACTS)}"
+            )
+        if self.expert_act == "int8" and self.experts not in ("auto", "triton"):
+            raise ConfigError(
+                f"--expert-act int8 runs in the Triton expert kernel: it does not combine with --expert-kernel {self.experts}"
             )
         if self.window_rows not in WINDOW_ROWS:
             raise ConfigError(f"window rows {self.window_rows!r} is not one of {', '.join(WINDOW_ROWS)}")
@@ -168,6 +180,8 @@ def resolve(
                 f"--dense-act int8 runs in the Triton GEMV on CUDA; the dense kernels here are {why}"
             )
         out.dense_act = "int8"
+    if policy.expert_act == "int8":
+        _resolve_expert_act(policy, device, layouts, top_k, out)
     _resolve_delta_chunk(policy, device, args, dtype, out)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
@@ -186,6 +200,36 @@ def resolve(
         name = str(dtype or torch.float32).removeprefix("torch.")
         out.cpu = cpu_features.read().describe(name)
     return out
+
+
+def _resolve_expert_act(policy: KernelPolicy, device, layouts, top_k: int, out: Resolved) -> None:
+    """``--expert-act int8``, asked for by name: the Triton expert kernel with int8 activations
+    where every layout takes them and their probe (against the reference on the quantized x's
+    values) passes; refused by name otherwise, never fallen back from."""
+    from edgerun.kernels.moe import MoeKernelPolicy
+    from edgerun.kernels.probe import probe
+
+    if out.moe.impl != "triton":
+        why = out.fallbacks.get("expert_kernel") or out.choices.get("experts", "")
+        raise ConfigError(
+            f"--expert-act int8 runs in the Triton expert kernel on CUDA; the experts here run {why}"
+        )
+    from edgerun.kernels.moe_triton import a8_unsupported
+
+    for layout in layouts:
+        why = a8_unsupported(layout)
+        if why:
+            raise ConfigError(f"--expert-act int8: {why}")
+    a8 = MoeKernelPolicy("triton", *_sizes(policy), act="int8")
+    results = [probe(layout, device, top_k=top_k, policy=a8) for layout in layouts]
+    refused = [r for r in results if not r.selected]
+    if refused:
+        raise ConfigError(f"--expert-act int8 refused on {device}: {refused[0].reason}")
+    out.moe = a8
+    out.choices["expert activations"] = (
+        f"int8 per 32 columns (W4A8) in the expert GEMV's gate_up ({results[0].reason}); x as it is in "
+        "the down projection and in prompts past the GEMV"
+    )
 
 
 def cpu_expert_kernel(asked: str) -> str:

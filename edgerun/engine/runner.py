@@ -454,6 +454,12 @@ class Runner:
             dtype,
             self.model.gemv_cases(),
         )
+        split = any(getattr(m, "split", None) is not None for m in self.model.modules())
+        if self.kernels.moe.act == "int8" and split:  # asked for by name: refused, not fallen back from
+            raise ConfigError(
+                "--expert-act int8 does not combine with --cpu-experts: the CPU's share of a split step "
+                "takes x as it is, so a step's experts would see two different x"
+            )
         if hold is not None and self.kernels.moe.impl == "triton":
             n = hold_resident_experts(self.model, hold, self.kernels.moe, self.device)
             self.load_summary += (

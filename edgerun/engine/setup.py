@@ -87,6 +87,7 @@ def runtime(
     profile: Path | None = None,
     window_rows: str = "auto",
     dense_act: str = "bf16",
+    expert_act: str = "bf16",
 ) -> Runtime:
     """Resolve the device (cuda when available), the compute dtype (``auto``: on the cpu by this
     CPU's bf16 hardware, :func:`default_dtype`; on cuda the checkpoint's), torch's CPU threads (set
@@ -113,10 +114,11 @@ def runtime(
                 )
         if graphs == "on":
             raise ConfigError(f"--graphs on: CUDA graphs need CUDA, and this runs on the cpu ({why})")
-        if dense_act == "int8":
-            raise ConfigError(
-                f"--dense-act int8: int8 activations run in the Triton GEMV on CUDA, and this runs on the cpu ({why})"
-            )
+        for flag, value in (("--dense-act", dense_act), ("--expert-act", expert_act)):
+            if value == "int8":
+                raise ConfigError(
+                    f"{flag} int8: int8 activations run in the Triton kernels on CUDA, and this runs on the cpu ({why})"
+                )
     if profile is not None:
         from edgerun.config import load_device_profile
 
@@ -143,6 +145,7 @@ def runtime(
         graphs=graphs or "auto",
         window_rows=window_rows,
         dense_act=dense_act or "bf16",
+        expert_act=expert_act or "bf16",
     )
     return Runtime(device, None if dtype == "auto" else getattr(torch, dtype), kernels, threads)
 

@@ -46,12 +46,14 @@ def run_experts(
     into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     out_dtype: torch.dtype | None = None,
     shared_down: tuple | None = None,
+    xq: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
     slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
     step run in parts; ``table``: slots looked up from the layer's device slot table; ``into``:
     added into a residual in place; ``out_dtype``: the result's, default x's; ``shared_down``: the
-    shared expert's down projection in the step's launch; see ``moe_experts``).
+    shared expert's down projection in the step's launch; ``xq``: x quantized to int8 for int8
+    expert activations; see ``moe_experts``).
 
     ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
     against the slot table first, so a slot refilled since its lookup is refused
@@ -63,7 +65,7 @@ def run_experts(
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy, out_dtype,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
-        far=cache.far.get(layer), shared_down=shared_down,
+        far=cache.far.get(layer), shared_down=shared_down, xq=xq,
     )  # fmt: skip
 
 
@@ -267,12 +269,14 @@ class HeldExperts(nn.Module):
         policy: MoeKernelPolicy | None = None,
         into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         shared_down: tuple | None = None,
+        xq: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """x [N, D], ids / weights [N, A] -> [N, D] (or added into ``into``; ``shared_down``: the
-        shared expert's down projection in the step's launch; see ``moe_experts``)."""
+        shared expert's down projection in the step's launch; ``xq``: x quantized to int8; see
+        ``moe_experts``)."""
         return moe_experts(
             x, self.pool, ids, ids, weights, self.layout, self.scales, policy or self.policy,
-            table=self.table, into=into, packed=self.packed, shared_down=shared_down,
+            table=self.table, into=into, packed=self.packed, shared_down=shared_down, xq=xq,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

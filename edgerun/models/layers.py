@@ -195,9 +195,12 @@ class QLinear(nn.Module):
         topk: TopK | None = None,
         also: tuple[QLinear, str, torch.Tensor] | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        norm_q_out: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
-        written into ``norm_out`` when given. x [N, C] for the epilogues, the norm and ``out``.
+        written into ``norm_out`` when given, and quantized to int8 per 32 columns into
+        ``norm_q_out`` (``qlinear_w4a8.xq_buffers``; the experts' int8 x) when given: by the GEMV's
+        launch where it runs ``qgemv``, else by ``quantize_x`` on ``norm_out`` after it. x [N, C] for the epilogues, the norm and ``out``.
         ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
         the output, in the GEMV's launch. ``also`` (other, its epilogue, its out; where
         :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
@@ -207,6 +210,15 @@ class QLinear(nn.Module):
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
         exact, draft = EXACT_ROWS.get(), DRAFT_ROWS.get()
         limit = self._gemv_limit()
+        on_qgemv = self.gemv and x.dim() == 2 and x.shape[0] <= limit and self.planes is None
+        if norm_q_out is not None and not on_qgemv:
+            if norm_out is None:
+                raise ValueError(f"{self.extra_repr()}: norm_q_out quantizes norm_out: give both")
+            from edgerun.kernels.qlinear_w4a8 import quantize_x
+
+            y = self(x, epilogue, out, gate, norm, norm_out, topk, also, conv)
+            quantize_x(norm_out, out=norm_q_out)
+            return y
         if topk is not None and not self.takes_qgemv(x):
             raise ValueError(
                 f"{self.extra_repr()}: topk runs in qgemv, which this input {list(x.shape)} does not take"
@@ -253,6 +265,7 @@ class QLinear(nn.Module):
                 topk=topk,
                 also=None if also is None else (also[0].qweight(), also[1], also[2]),
                 conv=conv,
+                norm_q_out=norm_q_out,
             )
         w, matmul = self.qweight(), None
         if self.cpu is not None and not x.is_cuda:
@@ -978,17 +991,19 @@ class Router(nn.Module):
         norm_out: torch.Tensor | None = None,
         also: tuple[QLinear, str, torch.Tensor] | None = None,
         logits: torch.Tensor | None = None,
+        norm_q_out: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits
         (written into ``logits`` [N, E + extra] when given: a decode step's static buffer).
         ``fused`` where the projection runs on ``qgemv``: one launch, the GEMV's last program
         routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls.
         ``also``: another projection of the normalised x in the same launch (QLinear's), where
-        fused and it pairs; else the caller runs it."""
+        fused and it pairs; else the caller runs it. ``norm_q_out``: the normalised x quantized to
+        int8 for the experts (:meth:`QLinear.forward`)."""
         if not (fused and self.proj.takes_qgemv(x)):
             if also is not None:
                 raise ValueError("Router.route runs another projection in its launch only where fused")
-            logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out)
+            logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out, norm_q_out=norm_q_out)
             self.select(logits, out, fused)
             return logits
         from edgerun.kernels.decode_triton import TopK
@@ -997,7 +1012,9 @@ class Router(nn.Module):
         # their own; in one stream each kernel leaves its counters at 0 before the next starts)
         count = counters(x.device, 1)[:1]
         topk = TopK(self.num_experts, self.top_k, self.normalize, *out, count)
-        return self.proj(x, out=logits, norm=norm, norm_out=norm_out, topk=topk, also=also)
+        return self.proj(
+            x, out=logits, norm=norm, norm_out=norm_out, topk=topk, also=also, norm_q_out=norm_q_out
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
@@ -1099,6 +1116,7 @@ class SparseMoe(nn.Module):
         mid: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
         defer: bool = False,
+        hq: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """The decode step's router and shared expert on norm(x), x [N, D]: the router into
         ``out`` (weights, ids) as :meth:`Router.route` (the normalised x into ``h``), the gated
@@ -1109,18 +1127,20 @@ class SparseMoe(nn.Module):
         expert, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static buffers for the
         shared expert's SiLU(gate) * up and the router's logits. ``defer`` (where
         :meth:`defers_down`): the shared expert's down projection is left to the expert step's
-        launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``)."""
+        launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``). ``hq``: h
+        quantized to int8 per 32 columns too, for int8 expert activations (``Router.route``'s
+        ``norm_q_out``)."""
         gate_up = self.shared_expert.gate_up if self.has_shared else None
         paired = gate_up is not None and fused and self.gate.proj.pairs_with(gate_up, x)
         if defer and not (paired and self.shared_expert.down_proj.tile is not None):  # (defers_down, cheaply)
             raise ValueError("the shared expert's down projection cannot wait for the expert step here")
         if not paired:
-            logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits)
+            logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits, norm_q_out=hq)
             self.shared_output(h, logits, out=shared)
             return logits
         mid = mid if mid is not None else x.new_empty(x.shape[0], gate_up.out_features // 2)
         logits = self.gate.route(
-            x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid), logits=logits
+            x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid), logits=logits, norm_q_out=hq
         )
         if not defer:
             self.shared_expert.down_proj(mid, "gated", shared, logits[:, self.gate.num_experts :])

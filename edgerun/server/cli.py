@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgerun.config import DEFAULT_PREFILL_LANES, default_prefill_lanes
-from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_ACTS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.flags import (
     add_device_arguments,
@@ -53,6 +53,7 @@ _FLAGS = (
     "graphs",
     "dense_kernel",
     "dense_act",
+    "expert_act",
     "slot_pool",
     "tier_reads",
     "cpu_experts",
@@ -266,6 +267,13 @@ def add_kernel_arguments(p: argparse.ArgumentParser, default: str | None = "auto
         "GEMV (W4A8: faster; logits move by int8's rounding); needs the Triton dense kernels on CUDA",
     )
     p.add_argument(
+        "--expert-act",
+        choices=EXPERT_ACTS,
+        default=None if default is None else "bf16",
+        help="int8: the routed experts' gate_up takes x quantized to int8 per 32 columns (W4A8), stored by the "
+        "router's launch; needs the Triton expert kernel on CUDA and int4 experts in groups of 32, unrotated",
+    )
+    p.add_argument(
         "--slot-pool",
         choices=SLOT_POOLS,
         default=None,
@@ -383,6 +391,7 @@ class EngineLoader:
             opts.graphs,
             opts.profile,
             dense_act=opts.dense_act,
+            expert_act=opts.expert_act,
         )
         source = opts.model
         name = opts.served_model_name or (source.resolve().name if source else "demo")

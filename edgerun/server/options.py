@@ -17,7 +17,7 @@ from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
 from edgerun.cache.policy import PREFETCH_AHEAD
 from edgerun.cache.reader import READERS
 from edgerun.config import SpeculativeConfig, parse_bytes
-from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_KERNELS, GRAPH_MODES
+from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_ACTS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
 from edgerun.errors import ConfigError
 from edgerun.flags import RENAMED_KEYS, TORCH_DEVICES, deprecated
@@ -59,6 +59,7 @@ class ServeOptions:
     graphs: str = "auto"  # CUDA graph capture of the decode step: auto | on | off (same step, eager)
     dense_kernel: str = "auto"  # decode norms + DeltaNet step: auto (fused where probed) | torch | triton
     dense_act: str = "bf16"  # int8: W4A8 in the decode GEMV of the int4 projections of many rows (CUDA)
+    expert_act: str = "bf16"  # int8: W4A8 in the routed experts' gate_up (CUDA, int4 g32 experts)
     slot_pool: str | None = None  # CUDA slots: device | mapped; None: mapped on unified profiles
     tier_reads: str | None = None  # pinned host tier -> GPU: in-place | copy; None: in-place where it can
     cpu_experts: str | None = None  # far tier experts on the CPU: auto | off | on; None: off
@@ -155,6 +156,7 @@ class ServeOptions:
             ("graphs", GRAPH_MODES),
             ("dense_kernel", DENSE_KERNELS),
             ("dense_act", DENSE_ACTS),
+            ("expert_act", EXPERT_ACTS),
             ("slot_pool", SLOT_POOLS),
             ("tier_reads", TIER_READS),
             ("cpu_experts", CPU_EXPERTS),

@@ -62,6 +62,7 @@ def test_cpu_resolves_to_the_cpu_kernels_or_a_named_fallback_and_names_asked_for
         ("dense", "fast", "dense kernel 'fast' is not one of auto, torch, triton"),
         ("window_rows", "some", "window rows 'some' is not one of auto, shared, alone"),
         ("dense_act", "fp8", "dense activations 'fp8' are not one of bf16, int8"),
+        ("expert_act", "fp8", "expert activations 'fp8' are not one of bf16, int8"),
     ],
 )
 def test_policy_refuses_unknown_values(field, value, message):
@@ -82,6 +83,7 @@ def test_policy_refuses_unknown_values(field, value, message):
         ("cpu_experts", "yes", "'cpu_experts' must be one of auto, off, on"),
         ("read_depth", 0, "'read_depth' must be at least 1"),
         ("dense_act", "int4", "'dense_act' must be one of bf16, int8"),
+        ("expert_act", "int4", "'expert_act' must be one of bf16, int8"),
     ],
 )
 def test_serve_options_refuse_bad_kernel_keys(key, value, message):
@@ -100,7 +102,7 @@ def test_int8_activations_are_refused_where_the_triton_gemv_does_not_run(bundles
         KernelPolicy(dense="torch", dense_act="int8")
     with pytest.raises(
         ConfigError,
-        match=r"--dense-act int8: int8 activations run in the Triton GEMV on CUDA, and this runs on the cpu \(--device cpu\)",
+        match=r"--dense-act int8: int8 activations run in the Triton kernels on CUDA, and this runs on the cpu \(--device cpu\)",
     ):
         runtime("cpu", dense_act="int8")
     assert runtime("cpu").kernels.dense_act == "bf16"
@@ -276,3 +278,28 @@ def test_set_kernels_holds_resident_experts_only_where_the_expert_kernel_is_sele
     else:
         assert runner.kernels.choices["experts"] == "torch (stacked resident weights)"
         assert "expert_kernel" in runner.fallbacks()
+
+
+def test_int8_expert_activations_are_refused_where_the_triton_expert_kernel_does_not_run(bundles):
+    """--expert-act int8 asked for by name: refused with another expert kernel, on the CPU (at the
+    options and at resolution), and by the policy the kernels take; never fallen back from."""
+    from edgerun.engine.setup import runtime
+    from edgerun.kernels.moe import MoeKernelPolicy
+
+    with pytest.raises(
+        ConfigError, match="--expert-act int8 runs in the Triton expert kernel: it does not combine"
+    ):
+        KernelPolicy(experts="reference", expert_act="int8")
+    with pytest.raises(
+        ConfigError,
+        match=r"--expert-act int8: int8 activations run in the Triton kernels on CUDA, and this runs on the cpu \(--device cpu\)",
+    ):
+        runtime("cpu", expert_act="int8")
+    assert runtime("cpu").kernels.expert_act == "bf16"
+    with pytest.raises(ConfigError, match="int8 expert activations run in the Triton expert kernel, not cpu"):
+        MoeKernelPolicy("cpu", act="int8")
+    layouts = list(dict.fromkeys(Bundle.open(bundles[("qwen3_moe", "int4")]).layouts.values()))
+    with pytest.raises(
+        ConfigError, match="--expert-act int8 runs in the Triton expert kernel on CUDA; the experts here run"
+    ):
+        resolve(KernelPolicy(expert_act="int8"), torch.device("cpu"), layouts)

@@ -60,6 +60,24 @@ def test_gemv_takes_x_quantized_to_int8():
         K.moe_gemv(*args, xq=(xq[0], xq[1], xq[2][:, :1], xq[3]))
 
 
+def test_int8_expert_activations_policy_quantizes_x_itself():
+    """``moe_experts`` with a policy of int8 activations and no ``xq`` quantizes x itself
+    (``quantize_x``): the bits of the GEMV given the reference quantization; ``xq`` with a bf16
+    policy is refused by name."""
+    from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
+    from edgerun.kernels.qlinear_w4a8 import quantize_rows_ref
+
+    layout = layout_for(("int4", 32, "none"))
+    args = random_step(layout, 3, 3, 6, torch.Generator().manual_seed(5), x_dtype=torch.bfloat16)
+    a8 = MoeKernelPolicy("triton", act="int8")
+    out = moe_experts(*args, policy=a8)
+    assert torch.equal(out, K.moe_gemv(*args, xq=quantize_rows_ref(args[0])))
+    with pytest.raises(
+        ValueError, match="xq is x quantized to int8 for int8 expert activations; this policy's are bf16"
+    ):
+        moe_experts(*args, policy=MoeKernelPolicy("triton"), xq=quantize_rows_ref(args[0]))
+
+
 @pytest.mark.parametrize("fmt", [("int4", 16, "none"), ("int8", None, "none")], ids=fmt_id)
 def test_gemv_tokens_are_their_calls_alone(fmt):
     check_gemv_tokens_alone(K, layout_for(fmt), 4, 3, 5, torch.Generator().manual_seed(7), "cpu")

@@ -66,15 +66,12 @@ def check_gemv_a8(K, layout, T, A, S, gen, device, tol: float) -> tuple:
     values (q s, fp64), not bf16 x's result, the same bits again, and x itself not read. Returns
     the xq it ran."""
     from edgerun.kernels.moe_reference import moe_experts_ref
-    from edgerun.kernels.qlinear_w4a8 import quantize_rows_ref, quantize_x_ref
+    from edgerun.kernels.qlinear_w4a8 import quantize_rows_ref, quantized_values_ref
 
     args = random_step(layout, T, A, S, gen, device)
     x = args[0]
     xq = quantize_rows_ref(x)
-    seen = torch.stack(
-        [(q.reshape(-1, 32).double() * s.double()[:, None]).reshape(-1) for q, s in map(quantize_x_ref, x)]
-    )
-    ref = moe_experts_ref(seen, *args[1:])
+    ref = moe_experts_ref(quantized_values_ref(x), *args[1:])
     out = K.moe_gemv(*args, xq=xq)
     assert out.dtype == torch.float32 and rel_err(out, ref) < tol
     assert rel_err(K.moe_gemv(*args), ref) > 10 * tol  # x's own products are not these
