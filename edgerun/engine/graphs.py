@@ -486,9 +486,10 @@ class DecodeGraphs:
         # a verify window's rows one at a time: the reference multiplies an expert's rows together,
         # and a product's bits may depend on how many rows it takes
         for r in [slice(j, j + 1) for j in range(self.rows)] if self.is_window else [slice(None)]:
+            xq = None if self.hq is None else tuple(t[r] for t in self.hq)
             run_experts(
                 self.cache, i, self.h[r], slots[r], buf.ids[r], buf.weights[r], self.policy.moe, refs,
-                into=(x[r], None if shared is None else shared[r]), xq=None if self.hq is None else tuple(t[r] for t in self.hq),
+                into=(x[r], None if shared is None else shared[r]), xq=xq,
             )  # fmt: skip
 
     def _count_window(self, i: int, rows: list[list[int]]) -> None:

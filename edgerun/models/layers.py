@@ -199,8 +199,9 @@ class QLinear(nn.Module):
     ) -> torch.Tensor:
         """``norm``: x is that RMSNorm of x (in the GEMV's prologue: one launch, not two), also
         written into ``norm_out`` when given, and quantized to int8 per 32 columns into
-        ``norm_q_out`` (``qlinear_w4a8.xq_buffers``; the experts' int8 x) when given: by the GEMV's
-        launch where it runs ``qgemv``, else by ``quantize_x`` on ``norm_out`` after it. x [N, C] for the epilogues, the norm and ``out``.
+        ``norm_q_out`` (``qlinear_w4a8.xq_buffers``; the experts' int8 x) when given: by the
+        GEMV's launch where it runs ``qgemv``, else by ``quantize_x`` on ``norm_out`` after it.
+        x [N, C] for the epilogues, the norm and ``out``.
         ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
         the output, in the GEMV's launch. ``also`` (other, its epilogue, its out; where
         :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
