@@ -6,7 +6,9 @@
 #   - er_bench.py loads as `edgerun generate` does today: Runner.load(path, cache=cache_config(path,
 #     quota=q)) and runner.generate(runner.request(ids, params)) (the kit's calls predate both);
 #   - PEERKIT_HF=0 skips the bf16 HF-checkpoint runs and PEERKIT_STREAM=0 the streaming rows, so the
-#     llama.cpp build, the resident rows and bench decode fit one device call.
+#     llama.cpp build, the resident rows and bench decode fit one device call;
+#   - PEERKIT_ACT=int8 runs every edgerun row with --dense-act int8 --expert-act int8 (W4A8; unset or
+#     bf16: as they are).
 #
 #   bash scripts/peer_kit.sh [KIT]      # then: PEERKIT_HF=0 PEERKIT_STREAM=0 bash .devout/peers-gpu/run.sh DIR
 set -eu
@@ -32,7 +34,11 @@ def edit(name, old, new, count=1):
 
 edit("run.sh", '"$BUNDLE" --quant int4 && mark bundle', '"$BUNDLE" --quant int4 --dense int4 && mark bundle', 2)
 edit("run.sh", '--decode "$DECODE" --repeats "$REPS" --budgets "$BUDGETS"',
-     '--decode "$DECODE" --repeats "$REPS" --budgets "$BUDGETS" --dense int4')
+     '--decode "$DECODE" --repeats "$REPS" --budgets "$BUDGETS" --dense int4'
+     ' --dense-act "${PEERKIT_ACT:-bf16}" --expert-act "${PEERKIT_ACT:-bf16}"')
+edit("run.sh", '--max-tokens "$DECODE" --ignore-eos --token-ids "$(cat "$IDS")" "$@"',
+     '--max-tokens "$DECODE" --ignore-eos --token-ids "$(cat "$IDS")" --dense-act "${PEERKIT_ACT:-bf16}" '
+     '--expert-act "${PEERKIT_ACT:-bf16}" "$@"')
 edit("run.sh", '    er_cli hf-resident "$HF"\n    er_runs hf-resident "$HF"\n',
      '    if [ "${PEERKIT_HF:-1}" != 0 ]; then er_cli hf-resident "$HF"; er_runs hf-resident "$HF"; fi\n')
 edit("run.sh", '        for q in $QUOTAS; do er_cli "int4-q$q" "$BUNDLE" --quota "$q"; done',
@@ -44,7 +50,8 @@ edit("er_bench.py",
      "    pool = slot_pool(ns.device, None, None) if ns.quota is not None else None\n"
      "    runner = Runner.load(ns.model, device=ns.device, quota=ns.quota, kernels=KernelPolicy(), pool=pool)\n",
      "    cache = cache_config(ns.model, quota=ns.quota) if ns.quota is not None else None\n"
-     "    runner = Runner.load(ns.model, device=ns.device, cache=cache, kernels=KernelPolicy())\n")
+     "    act = __import__('os').environ.get('PEERKIT_ACT', 'bf16')\n"
+     "    runner = Runner.load(ns.model, device=ns.device, cache=cache, kernels=KernelPolicy(dense_act=act, expert_act=act))\n")
 edit("er_bench.py", "runner.generate(ids, params)", "runner.generate(runner.request(ids, params))")
 print(f"peer kit in {d}, edited")
 PYEOF
