@@ -90,9 +90,9 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     ran, acts = [], []
 
     def run_config(name, bundle_dir, b, quota, capacity, prompt, decode, timed, warm_all, depth, host, cpu,
-                   pf, reader, staging, pieces, dense_act):  # fmt: skip
+                   pf, reader, staging, pieces, dense_act, expert_act):  # fmt: skip
         ran.append((name, depth, pieces, pf))
-        acts.append(dense_act)
+        acts.append((dense_act, expert_act))
         med = {"median": 4.0, "min": 4.0, "max": 4.0}
         return {
             "config": name, "quota": quota, "tokens_identical": True, "decode_tps": med, "ttft_s": med,
@@ -105,7 +105,7 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     assert calibrated == [1, 2]
     assert bursts == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
-    assert acts == ["bf16"] * 4  # --dense-act's default reaches every run
+    assert acts == [("bf16", "bf16")] * 4  # --dense-act's and --expert-act's defaults reach every run
     assert [n for n, *_ in ran][1] == "8 GiB, prefetch off, depth 2, 2 piece(s)"
     # one plan a way of reading (the first also sizes the quota): its depth, a read alone at its
     # pieces' depth 1
@@ -114,3 +114,7 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     ]  # fmt: skip
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [round(c["predicted"]["tok_s_layered"], 2) for c in result["configs"]] == [4.7, 4.7, 4.9, 4.9]
+    acts.clear()
+    quick = ["--read-pieces", "1", "--prompt", "4", "--decode", "4", "--repeats", "1"]
+    assert D.main(argv + quick + ["--dense-act", "int8", "--expert-act", "int8"]) == 0
+    assert acts == [("int8", "int8")] * 2  # both reach every run (one a depth)
