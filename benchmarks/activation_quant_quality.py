@@ -1,15 +1,18 @@
-"""What int8 activations would cost in quality: perplexity of a bundle whose int4 products take x
-quantized to int8 per group of G columns (symmetric, round to nearest, fp32 scale), as a W4A8
-integer dot-product kernel would compute them (exact integer sums, one scale per group).
+"""What int8 activations cost in quality: perplexity of a bundle whose int4 products take x
+quantized to int8 per group of 32 columns, as the W4A8 kernels quantize it
+(``qlinear_w4a8.quantized_values_ref``: s = max|x| / 127, q = floor(x * 127 / max|x| + 0.5); the
+products then exact), or per ``--group`` G columns by the same rule.
 
     python benchmarks/activation_quant_quality.py BUNDLE --text tests/data/kjv_heldout.txt \
-        [--max-tokens 8192] [--group 32] [--mode none|dense|all]
+        [--max-tokens 8192] [--group 32] [--mode none|experts|dense|all]
 
-A measurement of numerics only (no such kernel exists in edgerun): the bundle runs on the CPU in
-fp32 through the torch reference paths (``KernelPolicy(experts="reference", dense="torch")``),
-with ``qlinear_ref`` (every int4 projection) and, for ``all``, the reference expert FFN (both of
-an int4 expert's products) wrapped to quantize their input first. ``none`` is the bundle as it
-runs (the quality probe's figure, ``edgerun.tools.quality``).
+The bundle runs on the CPU in fp32 through the torch reference paths (``KernelPolicy(experts=
+"reference", dense="torch")``; the W4A8 kernels run on CUDA only), with ``qlinear_ref`` and the
+reference expert FFN wrapped to quantize their input first: ``experts``, the input of the
+experts' gate_up (what ``--expert-act int8`` quantizes); ``dense``, every int4 projection's (a
+superset of ``--dense-act int8``'s, which takes the projections of 16 rows a program only: none
+on the demo); ``all``, both and the experts' down input h too. ``none`` is the bundle as it runs
+(the quality probe's figure, ``edgerun.tools.quality``).
 """
 
 from __future__ import annotations
@@ -23,17 +26,21 @@ import torch.nn.functional as F
 
 
 def quantize_rows(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x with each group of ``group`` columns replaced by its int8 quantization, dequantized."""
-    shape = x.shape
-    g = x.float().reshape(*shape[:-1], shape[-1] // group, group)
-    scale = g.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(g / torch.where(scale > 0, scale, 1)), 0) * scale
-    return q.reshape(shape).to(x.dtype)
+    """x with each group of ``group`` columns replaced by its int8 quantization, dequantized (the
+    kernels' rule; exact at 32, their group)."""
+    from edgerun.kernels.qlinear_w4a8 import GROUP, quantized_values_ref
+
+    if group == GROUP:
+        return quantized_values_ref(x).to(x.dtype)
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.floor(g * torch.where(amax > 0, 127.0 / amax, 0.0) + 0.5).clamp(-127, 127)
+    return (q * (amax / 127)).reshape(x.shape).to(x.dtype)
 
 
 def patch(mode: str, group: int, counts: dict) -> None:
-    """Wraps the reference paths so that int4 products see quantized inputs (``mode`` dense: the
-    projections; all: the experts' too)."""
+    """Wraps the reference paths so that int4 products see quantized inputs (``mode``: see the
+    module's docstring)."""
     import edgerun.kernels.moe_reference as M
     import edgerun.kernels.qlinear_reference as R
 
@@ -55,11 +62,12 @@ def patch(mode: str, group: int, counts: dict) -> None:
         if n % M.ROW_TILE:
             x = F.pad(x, (0, 0, 0, M.ROW_TILE - n % M.ROW_TILE))
         g, u = F.linear(quantize_rows(x, group), gate_up.to(x.dtype)).chunk(2, dim=-1)
-        return F.linear(quantize_rows(F.silu(g) * u, group), down.to(x.dtype))[:n]
+        h = F.silu(g) * u
+        return F.linear(quantize_rows(h, group) if mode == "all" else h, down.to(x.dtype))[:n]
 
     if mode in ("dense", "all"):
         R.qlinear_ref = qlinear
-    if mode == "all":  # combine_experts binds its ffn as a default argument
+    if mode in ("experts", "all"):  # combine_experts binds its ffn as a default argument
         defaults = list(M.combine_experts.__defaults__)
         defaults[-1] = ffn
         M.combine_experts.__defaults__ = tuple(defaults)
@@ -71,7 +79,7 @@ def main() -> int:
     ap.add_argument("--text", type=Path, required=True)
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--group", type=int, default=32)
-    ap.add_argument("--mode", choices=("none", "dense", "all"), default="all")
+    ap.add_argument("--mode", choices=("none", "experts", "dense", "all"), default="all")
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -92,7 +100,7 @@ def main() -> int:
     ppl = perplexity(run.model, ids, context=256)
     print(
         f"{args.bundle}: x int8 per {args.group} before int4 products ({args.mode}): {len(ids)} tokens, "
-        f"perplexity {ppl:.3f}; calls with x quantized: {counts}"
+        f"perplexity {ppl:.4f}; calls with x quantized: {counts}"
     )
     return 0
 

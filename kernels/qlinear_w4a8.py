@@ -351,7 +351,8 @@ def w4a8_gemv(
 
 
 def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [C] -> (q int32 [C], scales fp32 [C // 32]), by ``_quantize``'s fp32 operations."""
+    """x [C] -> (q int32 [C], scales fp32 [C // 32]), by ``_quantize``'s fp32 operations (x of
+    more rows, C a multiple of 32: every row's, flattened)."""
     xg = x.float().reshape(-1, GROUP)
     amax = xg.abs().amax(dim=1)
     inv = torch.where(
@@ -362,10 +363,11 @@ def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized_values_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [T, C] -> fp64 [T, C]: the values x quantized to int8 per 32 columns stands for, q s,
-    exactly (what a W4A8 product multiplies the weights by)."""
-    rows = [q.reshape(-1, GROUP).double() * s.double()[:, None] for q, s in map(quantize_x_ref, x)]
-    return torch.stack([r.reshape(-1) for r in rows])
+    """x [..., C] -> fp64 [..., C]: the values x quantized to int8 per 32 columns stands for, q s,
+    exactly (what a W4A8 product multiplies the weights by); ``quantize_x_ref`` takes a row's
+    groups in order, so it quantizes every row at once."""
+    q, s = quantize_x_ref(x)
+    return (q.reshape(-1, GROUP).double() * s.double()[:, None]).reshape(x.shape)
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
