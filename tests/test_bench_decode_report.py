@@ -17,6 +17,16 @@ def test_the_report_names_a_resident_steps_kernels_and_rate():
     assert "kernels a step" not in markdown(result)
 
 
+def test_a_kernels_chain_cost_is_what_the_step_waits_for_it():
+    """With PDL a kernel starts before the one before it ends: each is charged only how far its
+    end lies past the latest end before it, so the costs add up to the span."""
+    from edgerun.bench.decode import chain_costs
+
+    got = chain_costs([("a", 0.0, 5.0), ("b", 2.0, 9.0), ("a", 8.0, 10.0), ("c", 9.5, 9.8), ("b", 9.9, 12.0)])
+    assert got == {"span_us": 12.0, "chain_us": {"a": 6.0, "b": 6.0, "c": 0.0}}
+    assert chain_costs([]) == {"span_us": 0.0, "chain_us": {}}
+
+
 STREAMED = Path(__file__).parents[1] / "docs/bench/stream_2026-12-06/run4.json"
 
 

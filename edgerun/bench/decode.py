@@ -266,7 +266,24 @@ def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
         "gpu_us_per_step": sum(r[1] for r in rows),
         "top": [{"kernel": k[:80], "us_per_step": round(t, 1), "per_step": c} for k, t, c in rows[:15]],
         "last_step": [[e.name[:40], round(e.time_range.elapsed_us(), 2)] for e in last],
+        **chain_costs([(e.name, e.time_range.start, e.time_range.end) for e in last]),
     }
+
+
+def chain_costs(kernels: list[tuple[str, float, float]]) -> dict:
+    """What each kernel adds to a step's span: (name, start, end) in launch order -> the span
+    (first start to last end, us) and, per kernel name, the sum over its launches of how far
+    its end lies past the latest end before it. With PDL a kernel starts before its
+    predecessor ends, so its duration double counts the overlap; these increments add up to
+    the span, each kernel charged with what the step waits for it."""
+    span = max(e for _, _, e in kernels) - kernels[0][1] if kernels else 0.0
+    costs: dict[str, float] = {}
+    done = kernels[0][1] if kernels else 0.0
+    for name, _, end in kernels:
+        costs[name[:40]] = costs.get(name[:40], 0.0) + max(end - done, 0.0)
+        done = max(done, end)
+    order = sorted(costs.items(), key=lambda kv: -kv[1])
+    return {"span_us": round(span, 1), "chain_us": {k: round(v, 1) for k, v in order}}
 
 
 def med(values: list[float]) -> dict:
@@ -755,6 +772,13 @@ def markdown(result: dict) -> str:
         f"\n{r['config']}: {p['kernels_per_step']:.0f} kernels a step, {p['gpu_us_per_step']:,.0f} GPU us a step "
         "(torch.profiler over replayed steps; with programmatic dependent launch a kernel's time includes its "
         "wait for the one before)"
+        + (
+            f"; the last step spans {p['span_us']:,.0f} us, of which "
+            + ", ".join(f"{k} {v:,.1f}" for k, v in list(p["chain_us"].items())[:8])
+            + " (what each kernel adds past the end before it)"
+            if p.get("chain_us")
+            else ""
+        )
         for r in result["configs"]
         if (p := r.get("profile"))
     ]
