@@ -1,14 +1,13 @@
-"""Micro-benchmark: a MoE layer's router launch as the one-row decode step runs it, and its parts.
+"""Micro-benchmark: a MoE layer's router launches as the one-row decode step runs them, and their parts.
 
     PYTHONPATH=... python3 benchmarks/bench_route.py [--reps 50] [--tiles 8,1024 2,1024 ...] [--json out.json]
 
 At Qwen3.6-35B-A3B's geometry (hidden 2048, 256 experts, top 8, shared expert 512) with its
 int4-dense bundle's weights: the router and the shared expert's gate, plain bf16 [257, 2048], in
-one ``qgemv`` with the layer's RMSNorm on the way in (``norm_out`` written), the routing by the
-launch's last program (``topk``) and the shared expert's gate_up, int4 g32 [1024, 2048] with
-silu_mul, in the same launch (``also``): ``SparseMoe.route_shared``'s call. Then the same launch
-without the top-k, without the shared gate_up, the router GEMV alone, and ``router_topk`` alone
-on its logits, so the launch's time splits into its parts.
+one ``qgemv`` with the layer's RMSNorm on the way in (``norm_out`` written) and the shared
+expert's gate_up, int4 g32 [1024, 2048] with silu_mul, in the same launch (``also``), then
+``router_topk`` on its logits: ``SparseMoe.route_shared``'s calls. Then the GEMV's launch alone,
+without the shared gate_up, and ``router_topk`` alone, so the time splits into its parts.
 
 ``--tiles``: router tiles (block_r,row_bytes; the warps stay the shared gate_up tile's, which the
 launch needs) timed in place of ``gemv_config``'s, each over every variant. Each row times
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from edgerun.kernels import qlinear_triton as K  # noqa: E402
-from edgerun.kernels.decode_triton import TopK, router_topk  # noqa: E402
+from edgerun.kernels.decode_triton import router_topk  # noqa: E402
 from edgerun.kernels.qlinear_reference import random_qweight  # noqa: E402
 
 D, E, TOP, SHARED = 2048, 256, 8, 512
@@ -47,13 +46,14 @@ def variants(x, router, shared, bufs):
         b = bufs[i % len(bufs)]
         K.qgemv(
             x, router[i % len(router)], out=b["logits"], norm=(b["norm_w"], 1e-6, True), norm_out=b["normed"],
-            topk=TopK(E, TOP, True, b["weights"], b["ids"], b["count"]) if topk else None,
             also=(shared[i % len(shared)], "silu_mul", b["mid"]) if also else None,
         )  # fmt: skip
+        if topk:
+            router_topk(b["logits"], E, TOP, True, b["weights"], b["ids"])
 
     return {
-        "launch (router + top-k + shared gate_up)": launch,
-        "without the top-k": lambda i: launch(i, topk=False),
+        "the step's (GEMV + shared gate_up, then top-k)": launch,
+        "the GEMV's launch alone": lambda i: launch(i, topk=False),
         "without the shared gate_up": lambda i: launch(i, also=False),
         "router GEMV alone": lambda i: launch(i, topk=False, also=False),
         "router_topk alone": lambda i: router_topk(
@@ -67,8 +67,8 @@ def with_tile(tile):
     """Within: ``gemv_config`` gives the router's shape ``tile`` (block_r, row_bytes; None: its own)."""
     original = K.gemv_config
 
-    def patched(scheme, R, C):
-        cfg = original(scheme, R, C)
+    def patched(scheme, R, C, act="bf16"):
+        cfg = original(scheme, R, C, act)
         if scheme == "plain" and R == E + 1:
             return K.GemvConfig(tile[0], tile[1], cfg.num_warps, cfg.rolled_from)
         return cfg
@@ -105,7 +105,6 @@ def main() -> None:
             norm_w=torch.randn(D, generator=g, device=dev).bfloat16() * 0.1,
             weights=torch.empty(1, TOP, dtype=torch.bfloat16, device=dev),
             ids=torch.empty(1, TOP, dtype=torch.long, device=dev),
-            count=torch.zeros(1, dtype=torch.int32, device=dev),
             mid=torch.empty(1, SHARED, dtype=torch.bfloat16, device=dev),
         )
         for _ in range(max(len(router), len(shared)))
@@ -135,12 +134,6 @@ def main() -> None:
                 med = statistics.median(t)
                 rows.append(dict(tile=label, variant=what, median_us=med * 1e6, min_us=min(t) * 1e6, max_us=max(t) * 1e6))  # fmt: skip
                 print(f"{label:<28} {what:<42} {med * 1e6:6.2f} us ({min(t) * 1e6:.2f}-{max(t) * 1e6:.2f})")
-    b = bufs[0]
-    variants(x, router, shared, bufs)["launch (router + top-k + shared gate_up)"](0)
-    w, ids = torch.empty_like(b["weights"]), torch.empty_like(b["ids"])
-    router_topk(b["logits"], E, TOP, True, w, ids)
-    same = torch.equal(b["ids"], ids) and torch.equal(b["weights"], w)
-    print(f"the launch's routing == router_topk's on its logits: {same}")
     if a.json:
         a.json.write_text(json.dumps(dict(device=name, torch=torch.__version__, rows=rows), indent=1))
 

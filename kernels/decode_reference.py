@@ -418,53 +418,12 @@ def random_router(
     return w, random_norm("unit" if unit_offset else "plain", D, gen, device, dtype)
 
 
-def run_fused_router(
-    args, n: int, gen: torch.Generator, device, dtype: torch.dtype
-) -> tuple[list[dict], dict]:
-    """The router as the decode step runs it (``Router.route``): ``qgemv`` with its top-k
-    (``topk``) on n rows of random x through a random RMSNorm of the decoder's kind, over a
-    random router weight [E + X, D] (X = 1 with a shared expert: its gate's column), twice; the
-    reference on the first run's logits. (runs, ref) for check_router, after checking what holds
-    by construction: each run's weights and ids are ``router_topk``'s bits on its logits, and the
-    arrival counter is back at 0. The logits, a GEMV like the others, within ``TOLERANCE``."""
-    from edgerun.kernels.decode_triton import TopK, router_topk
-    from edgerun.kernels.qlinear_reference import qlinear_ref
-    from edgerun.kernels.qlinear_triton import qgemv
-
-    E, A, D = args.num_experts, args.num_experts_per_tok, args.hidden_size
-    extra = 1 if getattr(args, "shared_expert_intermediate_size", 0) > 0 else 0
-    what = f"qgemv's router top-k (E {E}, X {extra}, D {D}, k {A}, {n} rows)"
-    w, norm = random_router(E, extra, D, gen, device, dtype, args.norm_unit_offset)
-    x = (torch.randn(n, D, generator=gen, device=device) * 3).to(dtype)
-    count = torch.zeros(1, dtype=torch.int32, device=device)
-    runs = []
-    for _ in range(2):
-        r = random_router_inputs(n, E, A, 0, gen, device, dtype, args.norm_topk_prob)
-        topk = TopK(E, A, args.norm_topk_prob, r["weights_out"], r["ids_out"], count)
-        r["logits"] = qgemv(x, w, norm=norm, norm_out=torch.empty_like(x), topk=topk)
-        if int(count.item()) != 0:
-            raise Mismatch(f"{what}: the arrival counter is left at {int(count.item())}, not 0")
-        apart = clone_inputs(r)
-        router_topk(**apart)
-        if not (
-            same_bits(r["weights_out"], apart["weights_out"]) and same_bits(r["ids_out"], apart["ids_out"])
-        ):
-            raise Mismatch(f"{what}: weights or ids differ from router_topk's on the same logits")
-        runs.append(r)
-    within(f"{what} logits", runs[0]["logits"], qlinear_ref(x, w, norm=norm), TOLERANCE[dtype])
-    ref = clone_inputs(runs[0])
-    router_topk_ref(**ref)
-    return runs, ref
-
-
 def probe_cases(args, device: torch.device | str, dtype: torch.dtype) -> float:
     """Run ``router_topk`` and ``attention_decode`` at ``args``' geometry (a ModelArgs, or
     anything with its attention, rope, norm and expert attributes) on ``device`` (CUDA; CPU
     under Triton's interpreter) in ``dtype``, twice each, against the references on random
     inputs: four router rows (with the shared-expert gate column when the model has a shared
-    expert), the same through the router GEMV that routes them itself (``run_fused_router``,
-    the decode step's path: with ``hidden_size``), and one attention step at PROBE_POS over a
-    random history in a PROBE_S_MAX buffer.
+    expert), and one attention step at PROBE_POS over a random history in a PROBE_S_MAX buffer.
     Returns the worst error relative to an output's scale; Mismatch names the case that was over
     TOLERANCE (the module docstring says why those limits) or did not repeat bit for bit. A
     geometry the kernels cannot run is a Mismatch too. Skips attention without attention heads
@@ -485,8 +444,6 @@ def probe_cases(args, device: torch.device | str, dtype: torch.dtype) -> float:
         extra = 1 if getattr(args, "shared_expert_intermediate_size", 0) > 0 else 0
         inputs = random_router_inputs(4, E, A, extra, gen, device, dtype, args.norm_topk_prob)
         worst = max(worst, check_router(*run_router(inputs, K.router_topk), tol))
-        if getattr(args, "hidden_size", 0) > 0:
-            worst = max(worst, check_router(*run_fused_router(args, 4, gen, device, dtype), tol))
     if args.num_attention_heads > 0:
         dims = AttnDims.from_args(args)
         why = K.unsupported_attention(dims.n_heads, dims.n_kv, dims.head_dim, dims.rotary_dim)

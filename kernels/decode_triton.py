@@ -11,9 +11,11 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   Experts are picked by their logit as stored: softmax is monotone, so this is the reference's
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
   logits (-0.0 and +0.0 among them) go lowest id first. The softmax denominator and the renormalisation are summed in
-  64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits),
-  which lets the router GEMV route its own logits in its last program with these bits
-  (``qlinear_triton.qgemv``'s ``topk``, ``TopK``: the decode step's router, one launch fewer).
+  64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits).
+  The decode step runs it as a launch of its own after the router GEMV's: in the GEMV's launch
+  (its last program to arrive routing, as an earlier version did) each program's arrival and the
+  serial tail cost the step 5 µs a MoE layer on an H100, where this launch costs about 2
+  (docs/benchmarks.md, 2026-12-06).
 - ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
   launches, each with a grid axis over rows (a row's programs are the one-row call's, offset to
   its qkv row, position and cache entry). ``_attend_kernel``, a program per (kv head, split): q/k
@@ -77,8 +79,7 @@ LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 def _fixed_sum(v):
     """The sum of fp32 v [BLOCK] (values in [0, 1], at most MAX_EXPERTS of them) in 64-bit fixed
     point, units of 2^-52: integer adds are exact, so the result is the same whatever order the
-    compiled reduction takes (it follows the layout, so the warp count: ``_route_row`` runs in
-    kernels of other warp counts). Each term is truncated by under 2^-52, the total (< 2^62)
+    compiled reduction takes (it follows the layout, so the warp count). Each term is truncated by under 2^-52, the total (< 2^62)
     rounded to fp32 once."""
     q = (v * 4503599627370496.0).to(tl.int64)  # 2^52: exact, then truncated
     return tl.sum(q, axis=0).to(tl.float32) * 2.220446049250313e-16  # 2^-52: exact
@@ -89,15 +90,14 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
                HAS_GATE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
     """Row n of logits [N, E + X] to weights / ids [N, A] (and the gate [N, 1]): ``router_topk``'s
-    program, and ``qgemv``'s last program for each row of its call (``route``), so both give the
-    same bits: each pick is one integer max of ``bits_triton._order_key``s (exact, the value
-    and the lowest id among equals at once) and the sums ``_fixed_sum``'s, so no value depends on
-    the kernel's warps. Loads bypass L1 (.cg): in the GEMV, other programs stored the row."""
+    program. Each pick is one integer max of ``bits_triton._order_key``s (exact, the value and
+    the lowest id among equals at once) and the sums are ``_fixed_sum``'s, so no value depends on
+    the kernel's warps."""
     n = n.to(tl.int64)
     row = logits + n * row_stride
     e = tl.arange(0, BLOCK_E)
     valid = e < E
-    x = tl.load(row + e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
     key = tl.where(valid, _order_key(x, e), KEY_EMPTY)
 
     j = tl.arange(0, BLOCK_K)
@@ -119,7 +119,7 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
     tl.store(weights + out, _round(top, CODE).to(weights.dtype.element_ty), mask=j < K)
     tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
     if HAS_GATE:
-        g = tl.load(row + E, cache_modifier=".cg").to(tl.float32)
+        g = tl.load(row + E).to(tl.float32)
         tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
 
 
@@ -385,39 +385,6 @@ def unsupported_attention(n_heads: int, n_kv: int, head_dim: int, rotary_dim: in
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
         return f"rotary dim {rotary_dim} is not even and in 2..{head_dim} (the head dim)"
     return None
-
-
-@dataclass(frozen=True)
-class TopK:
-    """What ``qlinear_triton.qgemv`` (``topk``) routes from the logits it computes, in the same
-    launch: the program that stores the call's last logits computes ``router_topk``'s weights
-    [N, A] and ids [N, A] int64 of every row (no gate: the shared expert reads its logit).
-    ``count``: an int32 arrival counter of the caller's, 0 between calls (each call's last
-    program resets it); calls that may overlap (other streams) need counters of their own."""
-
-    num_experts: int
-    top_k: int
-    normalize: bool
-    weights: torch.Tensor
-    ids: torch.Tensor
-    count: torch.Tensor
-
-    def check(self, n: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Errors name the tensor, for logits [n, width] of ``dtype`` on ``device``."""
-        _check_route(
-            "qgemv's topk", n, width, dtype, device, self.num_experts, self.top_k, self.weights, self.ids
-        )
-        c = self.count
-        if c.dtype != torch.int32 or c.numel() < 1 or c.device != device:
-            raise ValueError(f"topk count must be an int32 counter on {device}, got {c.dtype} {list(c.shape)} on {c.device}")  # fmt: skip
-
-    def kwargs(self) -> dict:
-        """The GEMV kernel's top-k constexprs."""
-        return dict(
-            TOPK=True, TOPK_E=self.num_experts, TOPK_K=self.top_k,
-            TOPK_BLOCK_E=triton.next_power_of_2(self.num_experts),
-            TOPK_BLOCK_K=triton.next_power_of_2(self.top_k), TOPK_NORMALIZE=self.normalize,
-        )  # fmt: skip
 
 
 def _check_route(

@@ -5,8 +5,7 @@ A kernel is selected only after it ran on the device and matched its torch refer
 because a symbol imports. ``probe_dense`` runs the model's own geometry on random inputs in the
 model dtype, twice each: for a model with DeltaNet layers, ``delta_decode`` from a random
 history and recurrent state; then the model's projection GEMVs (every scheme and shape, each
-epilogue, the RMSNorm prologue), the router top-k (alone, and in the router GEMV's launch as
-the decode step runs it: ``decode_reference.run_fused_router``) and attention kernels, the
+epilogue, the RMSNorm prologue), the router top-k and attention kernels, the
 DeltaNet conv in the in_proj GEMV's launch against the conv's own launch (``conv_fold_cases``:
 bit for bit), and the greedy pick (argmax and its logit: exact, so equal to torch's).
 

@@ -32,7 +32,7 @@ rows) more than W4A16 (8.1 against 6.1 at 2,048 x 4,096), a slice's quantization
 bits still do not depend on the call's other rows.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic but ``topk``'s arrival count: the bits repeat. Each token has accumulators of
+nothing is atomic: the bits repeat. Each token has accumulators of
 its own, updated and summed by
 the operations a one-token call runs, so a token's row is the one-token call's bit for bit
 whatever the call's token count (a batch's step; checked on an H200 at Qwen3.6's shapes for
@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from edgerun.kernels.bits_triton import _e4m3, _field
-from edgerun.kernels.decode_triton import TopK, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
@@ -71,8 +70,6 @@ PER_WORD = {"int8": 4, "int4": 8}  # values in one 32-bit word of the weight
 VALUE_BITS = {"int4": 4, "int8": 8, "plain": 16}  # a tile's sizing counts plain weights as 16-bit
 MAX_TOKENS = 8  # rows of x a call takes; above, a GEMM (cuBLAS) is the better tool
 SUB = 32  # columns summed before they join an accumulator, where no scale group decides it
-# the kernel's top-k constexprs when it routes nothing (``TopK.kwargs`` when it does)
-NO_TOPK = dict(TOPK=False, TOPK_E=1, TOPK_K=1, TOPK_BLOCK_E=1, TOPK_BLOCK_K=1, TOPK_NORMALIZE=False)
 # its constexprs when it runs no conv epilogue (``conv``)
 NO_CONV = dict(CONV=False, CONV_C=1, CONV_K=2, CONV_KP2=2)
 # its constexprs for a second GEMV when it runs none (``also``)
@@ -561,15 +558,6 @@ def _qgemv_kernel(
     BLOCK_C: tl.constexpr,
     NO_BLOCK: tl.constexpr,
     ROLLED: tl.constexpr,
-    topk_w,
-    topk_ids,
-    topk_count,
-    TOPK: tl.constexpr,
-    TOPK_E: tl.constexpr,
-    TOPK_K: tl.constexpr,
-    TOPK_BLOCK_E: tl.constexpr,
-    TOPK_BLOCK_K: tl.constexpr,
-    TOPK_NORMALIZE: tl.constexpr,
     w2,
     s2,
     row_scale2,
@@ -607,9 +595,7 @@ def _qgemv_kernel(
     rows into ``norm_out`` for the layer's other consumers. PDL: see kernels/launch.py.
     NT: the rows of x this program computes (its tokens), N: NT rounded up to a power of two
     (the compiled token slots). Grid axis 1: rows of the call computed alone (``qgemv``'s ``alone``): program (p, j) is
-    program p of the one-row call on row j, its pointers offset to that row. TOPK: the program
-    that arrives last at ``topk_count`` (every program's logits stored) routes each row of the
-    call from them, as ``router_topk`` does (``decode_triton._route_row``), and resets it.
+    program p of the one-row call on row j, its pointers offset to that row.
 
     TWO: programs ``progs`` and on are a second GEMV's on the same x and norm (``qgemv``'s
     ``also``: weight w2, its constexprs the ...2 ones, no bias, gate, norm_out nor top-k, into
@@ -653,16 +639,6 @@ def _qgemv_kernel(
                 y = _conv_silu_of(tl.reshape(linear, [BLOCK_R]), conv_state, conv_state, conv_w, ocol, cm,
                                   CONV_K, CONV_KP2, CODE)  # fmt: skip
                 tl.store(conv_act + ocol, y, mask=cm)
-        if TOPK:
-            tl.debug_barrier()  # every thread's logits stored before the arrival is released
-            last = (progs if TWO else tl.num_programs(0)) * tl.num_programs(1) - 1
-            if tl.atomic_add(topk_count, 1, sem="acq_rel") == last:
-                n = 0
-                while n < NT * tl.num_programs(1):  # the call's rows (alone: NT is 1); a while: interpretable
-                    _route_row(out - j * out_row, out_row, n, topk_w, topk_ids, topk_w, TOPK_E, TOPK_K,
-                               TOPK_BLOCK_E, TOPK_BLOCK_K, TOPK_NORMALIZE, False, CODE)  # fmt: skip
-                    n += 1
-                tl.store(topk_count, 0)  # ready for the next call
 
 
 # --------------------------------------------------------------------------------------------
@@ -782,7 +758,6 @@ def qgemv(
     norm_out: torch.Tensor | None = None,
     alone: bool = False,
     rolled: bool | None = None,
-    topk: TopK | None = None,
     also: tuple[QWeight, str, torch.Tensor] | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     norm_q_out: tuple[torch.Tensor, ...] | None = None,
@@ -804,10 +779,6 @@ def qgemv(
     xb [N, C / 32] int32) the normalised x quantized to int8 per 32 columns, the bits
     ``qlinear_w4a8.quantize_x`` gives on it (what the experts' gate_up takes as ``xq``).
 
-    ``topk`` (the output being a router's logits, epilogue none): its weights and ids are also
-    written, by the launch's last program, the bits ``router_topk`` gives on the output (one
-    launch fewer a MoE layer).
-
     ``also`` (w2, epilogue2 'none' or 'silu_mul', out2): a second GEMV of the same x (and norm)
     in the same launch, into out2, where ``pairs(w, w2, C)``: its programs are those its own
     call would run (the same tile, so the same bits), after this one's.
@@ -823,13 +794,7 @@ def qgemv(
     xq = _check_norm_q(x, norm, norm_q_out) if norm_q_out is not None else (x,) * 4
     pair = _check_also(x, w, also, alone, config, rolled) if also is not None else None
     cfg = config or gemv_config(w.scheme, w.rows, C, w.act)
-    folded = _check_conv(x, epilogue, width, cfg, conv, topk, also) if conv is not None else _no_conv(x)
-    if topk is not None:
-        if epilogue != "none":
-            raise ValueError(
-                f"qgemv's topk routes a router's logits: epilogue must be 'none', got {epilogue!r}"
-            )
-        topk.check(N, width, x.dtype, x.device)
+    folded = _check_conv(x, epilogue, width, cfg, conv, also) if conv is not None else _no_conv(x)
     if out is None:
         out = torch.empty(N, width, dtype=x.dtype, device=x.device)
     if N == 0:
@@ -847,7 +812,7 @@ def qgemv(
         NORM=0 if norm is None else (1 if norm[2] else 2), NORM_OUT=norm_out is not None,
         BLOCK_C=triton.next_power_of_2(C), NO_BLOCK=triton.next_power_of_2(triton.cdiv(C, progs)),
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
-        **_topk_args(topk, x), **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
+        **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
         xq_e=xq[0], xq_o=xq[1], xq_s=xq[2], xq_b=xq[3], NORM_Q=norm_q_out is not None,
         num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
@@ -893,11 +858,11 @@ def folds_conv(w: QWeight, cols: int, channels: int) -> bool:
     return channels % gemv_config(w.scheme, w.rows, cols, w.act).block_r == 0
 
 
-def _check_conv(x, epilogue, width, cfg, conv, topk, also) -> dict:
+def _check_conv(x, epilogue, width, cfg, conv, also) -> dict:
     """The conv epilogue's kernel arguments; errors name what does not fit."""
     conv_state, conv_weight, act = conv
-    if x.shape[0] != 1 or epilogue != "none" or topk is not None or also is not None:
-        raise ValueError("qgemv's conv takes one row of x, epilogue 'none', and neither topk nor also")
+    if x.shape[0] != 1 or epilogue != "none" or also is not None:
+        raise ValueError("qgemv's conv takes one row of x, epilogue 'none', and no also")
     if conv_weight.dim() != 2:
         raise ValueError(f"conv weight must be [CC, K], got {_where(conv_weight)}")
     CC, K = conv_weight.shape
@@ -943,12 +908,6 @@ def _weight_args(w: QWeight, x: torch.Tensor, epilogue: str, width: int, cfg: Ge
 def _no_also(x: torch.Tensor) -> dict:
     """The second GEMV's arguments when there is none: placeholders, never read."""
     return dict(w2=x, s2=x, row_scale2=x, out2=x, ROWS2=0, out2_row=0, **NO_ALSO)
-
-
-def _topk_args(topk: TopK | None, x: torch.Tensor) -> dict:
-    if topk is None:  # placeholder pointers, never read
-        return dict(topk_w=x, topk_ids=x, topk_count=x, **NO_TOPK)
-    return dict(topk_w=topk.weights, topk_ids=topk.ids, topk_count=topk.count, **topk.kwargs())
 
 
 def _check_norm_q(x: torch.Tensor, norm, norm_q_out) -> tuple[torch.Tensor, ...]:

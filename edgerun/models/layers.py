@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +22,8 @@ from edgerun.kernels.decode_reference import rope_inv_freq, rotary_ref
 from edgerun.kernels.dense_reference import delta_rule_chunked, delta_rule_recurrent, l2norm, rms_norm_ref
 from edgerun.kernels.moe_reference import combine_experts
 from edgerun.kernels.qweight import QWeight, concat_rows
-from edgerun.kernels.scratch import SCRATCH_SET, counters
+from edgerun.kernels.scratch import SCRATCH_SET
 from edgerun.models.args import ModelArgs
-
-if TYPE_CHECKING:
-    from edgerun.kernels.decode_triton import TopK
 
 # set within a speculative verify window or a batch's step (``exact_rows``): every row computed
 # as a one-row step
@@ -192,7 +188,6 @@ class QLinear(nn.Module):
         gate: torch.Tensor | None = None,
         norm: RMSNorm | None = None,
         norm_out: torch.Tensor | None = None,
-        topk: TopK | None = None,
         also: tuple[QLinear, str, torch.Tensor] | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         norm_q_out: tuple[torch.Tensor, ...] | None = None,
@@ -202,8 +197,7 @@ class QLinear(nn.Module):
         ``norm_q_out`` (``qlinear_w4a8.xq_buffers``; the experts' int8 x) when given: by the
         GEMV's launch where it runs ``qgemv``, else by ``quantize_x`` on ``norm_out`` after it.
         x [N, C] for the epilogues, the norm and ``out``.
-        ``topk`` (a ``decode_triton.TopK``, where :meth:`takes_qgemv`): the router's top-k of
-        the output, in the GEMV's launch. ``also`` (other, its epilogue, its out; where
+        ``also`` (other, its epilogue, its out; where
         :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
         its bits those of its own. ``conv`` (conv_state, conv_weight, act; where
         :meth:`folds_conv`): a DeltaNet layer's conv + SiLU of the output's first channels in the
@@ -217,13 +211,9 @@ class QLinear(nn.Module):
                 raise ValueError(f"{self.extra_repr()}: norm_q_out quantizes norm_out: give both")
             from edgerun.kernels.qlinear_w4a8 import quantize_x
 
-            y = self(x, epilogue, out, gate, norm, norm_out, topk, also, conv)
+            y = self(x, epilogue, out, gate, norm, norm_out, also, conv)
             quantize_x(norm_out, out=norm_q_out)
             return y
-        if topk is not None and not self.takes_qgemv(x):
-            raise ValueError(
-                f"{self.extra_repr()}: topk runs in qgemv, which this input {list(x.shape)} does not take"
-            )
         if also is not None and not self.pairs_with(also[0], x):
             raise ValueError(f"{self.extra_repr()} and {also[0].extra_repr()} do not run in one launch here")
         if conv is not None and not self.folds_conv(x, conv[1].shape[0]):
@@ -263,7 +253,6 @@ class QLinear(nn.Module):
                 norm_out=norm_out,
                 alone=(exact or draft) and not self.shared_rows and also is None,  # also: one row
                 config=self.tile,
-                topk=topk,
                 also=None if also is None else (also[0].qweight(), also[1], also[2]),
                 conv=conv,
                 norm_q_out=norm_q_out,
@@ -996,32 +985,21 @@ class Router(nn.Module):
     ) -> torch.Tensor:
         """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits
         (written into ``logits`` [N, E + extra] when given: a decode step's static buffer).
-        ``fused`` where the projection runs on ``qgemv``: one launch, the GEMV's last program
-        routing (``qgemv``'s topk, the bits of ``router_topk`` on its logits); else as two calls.
-        ``also``: another projection of the normalised x in the same launch (QLinear's), where
-        fused and it pairs; else the caller runs it. ``norm_q_out``: the normalised x quantized to
-        int8 for the experts (:meth:`QLinear.forward`)."""
-        if not (fused and self.proj.takes_qgemv(x)):
-            if also is not None:
-                raise ValueError("Router.route runs another projection in its launch only where fused")
-            logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out, norm_q_out=norm_q_out)
-            self.select(logits, out, fused)
-            return logits
-        from edgerun.kernels.decode_triton import TopK
-
-        # the arrival counter: the scratch set's first (kernels/scratch.py: a lane's calls use
-        # their own; in one stream each kernel leaves its counters at 0 before the next starts)
-        count = counters(x.device, 1)[:1]
-        topk = TopK(self.num_experts, self.top_k, self.normalize, *out, count)
-        return self.proj(
-            x, out=logits, norm=norm, norm_out=norm_out, topk=topk, also=also, norm_q_out=norm_q_out
-        )
+        ``fused``: the selection in ``router_topk``'s one launch (the GEMV's launch routed its
+        own logits once: slower with PDL, docs/benchmarks.md 2026-12-06). ``also``: another
+        projection of the normalised x in the GEMV's launch (QLinear's), where fused and it runs
+        ``qgemv``; else the caller runs it. ``norm_q_out``: the normalised x quantized to int8 for
+        the experts (:meth:`QLinear.forward`)."""
+        if also is not None and not (fused and self.proj.takes_qgemv(x)):
+            raise ValueError("Router.route runs another projection in its launch only where fused")
+        logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out, also=also, norm_q_out=norm_q_out)
+        self.select(logits, out, fused)
+        return logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> weights [N, A] (x.dtype), ids [N, A] (int64), and the logits [N, E + extra]
         (their extra columns feed the shared expert's gate). Where the engine selected the
-        Triton kernels (the projection's ``gemv``), the top-k is in the GEMV's launch, or the
-        step's one launch after it."""
+        Triton kernels (the projection's ``gemv``), the top-k is one launch after the GEMV's."""
         N = x.shape[0]
         out = (x.new_empty(N, self.top_k), torch.empty(N, self.top_k, dtype=torch.long, device=x.device))
         logits = self.route(x, out, fused=self.proj.gemv and x.is_cuda)
@@ -1124,8 +1102,8 @@ class SparseMoe(nn.Module):
         shared expert into ``shared`` (when the layer has one) as :meth:`shared_output`; returns
         the logits. With the fused kernels and one row, the shared expert's gate_up runs in the
         router's launch (``QLinear.pairs_with``: its programs normalise x themselves, its bits
-        those of its own launch on h): two launches for the router, its top-k and the shared
-        expert, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static buffers for the
+        those of its own launch on h), then the top-k's: two launches for the router, its top-k
+        and the shared gate_up, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static buffers for the
         shared expert's SiLU(gate) * up and the router's logits. ``defer`` (where
         :meth:`defers_down`): the shared expert's down projection is left to the expert step's
         launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``). ``hq``: h

@@ -21,7 +21,6 @@ are):
   tie test checks the lower-id rule directly.
 """
 
-import dataclasses
 import os
 from contextlib import nullcontext
 
@@ -29,7 +28,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from router_cases import both_ways, router, with_shared
+from router_cases import router, with_shared
 from test_decode_reference import qwen3_30b_args, qwen36_args, tiny_args
 from torch import nn
 
@@ -49,15 +48,13 @@ from edgerun.kernels.decode_reference import (
     run_router,
     window_mismatch,
 )
-from edgerun.kernels.decode_triton import TopK
 from edgerun.kernels.qlinear_reference import random_qweight
-from edgerun.kernels.qlinear_triton import GemvConfig, pairs, qgemv
+from edgerun.kernels.qlinear_triton import pairs, qgemv
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_interpret.py")
 TOL = {**TOLERANCE, torch.float32: 1e-5}
 WEIGHT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 DTYPES = [torch.float32, torch.bfloat16]
-FEW_ROWS = GemvConfig(block_r=2, row_bytes=64, num_warps=4)  # a program per 2 of the router's rows
 
 
 def mostly_equal(got: torch.Tensor, ref: torch.Tensor, share: float) -> None:
@@ -343,77 +340,14 @@ def test_probe_cases_pass_at_the_real_geometries(args, dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# The router GEMV's own top-k (qgemv's topk)
-
-
-@pytest.mark.parametrize("alone", [False, True])
-@pytest.mark.parametrize("N", [1, 3, 5])
-@pytest.mark.parametrize("E, extra, A, normalize", [(24, 1, 3, True), (16, 0, 2, False)])
-@pytest.mark.parametrize("config", [None, FEW_ROWS], ids=["default", "2-rows"])
-def test_gemv_topk_is_gemv_then_router_topk(config, E, extra, A, normalize, N, alone):
-    """Bit for bit the two launches, whatever the rows and programs. The outputs start as NaN and
-    the programs run in order here: routing in any program but the last (13 of them with
-    FEW_ROWS) would read logits not yet stored; a counter not reset would route nothing on the
-    next call."""
-    w, norm = router(E, extra, 64, torch.bfloat16, seed=E + N)
-    x = (torch.randn(N, 64, generator=torch.Generator().manual_seed(N)) * 3).bfloat16()
-    count = torch.zeros(1, dtype=torch.int32)
-    for _ in range(2):  # the second call finds the counter as the first left it
-        one, two = both_ways(w, norm, x, E, A, normalize, count, config=config, alone=alone)
-        for a, b in zip(one, two, strict=True):
-            assert torch.equal(a, b)
-        assert int(count) == 0
-
-
-@pytest.mark.parametrize("alone", [False, True])
-def test_gemv_topk_routes_in_the_last_program_alone(alone, monkeypatch):
-    """Once a row, by the program that arrives last (the interpreter runs them in order, so the
-    last of the grid): a program that routed and reset the counter before the others arrived
-    would leave right bits here, every program routing in turn, and race on a GPU."""
-    from triton.runtime.interpreter import interpreter_builder
-
-    from edgerun.kernels import qlinear_triton as Q
-
-    calls = []
-
-    def recording(*args):
-        calls.append(tuple(interpreter_builder.grid_idx[:2]))
-        return K._route_row(*args)
-
-    monkeypatch.setattr(Q, "_route_row", recording)
-    w, norm = router(24, 1, 64, torch.bfloat16, seed=1)
-    x = (torch.randn(3, 64) * 3).bfloat16()
-    one, two = both_ways(
-        w, norm, x, 24, 3, True, torch.zeros(1, dtype=torch.int32), config=FEW_ROWS, alone=alone
-    )
-    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
-    assert calls == [(12, 2 if alone else 0)] * 3  # 13 programs of 2 rows for 25 logits (x 3 rows alone)
-
-
-def test_gemv_topk_refusals_name_the_tensor():
-    w, norm = router(16, 1, 64, torch.bfloat16, seed=0)
-    x = torch.randn(2, 64).bfloat16()
-    weights, ids = torch.empty(2, 4, dtype=torch.bfloat16), torch.empty(2, 4, dtype=torch.long)
-    good = TopK(16, 4, True, weights, ids, torch.zeros(1, dtype=torch.int32))
-    bad = {
-        "count": dataclasses.replace(good, count=torch.zeros(1, dtype=torch.int64)),
-        "weights_out": dataclasses.replace(good, weights=weights[:1]),
-        "ids_out": dataclasses.replace(good, ids=ids.int()),
-        "needs 20": dataclasses.replace(good, num_experts=20),
-    }
-    for name, topk in bad.items():
-        with pytest.raises(ValueError, match=name):
-            qgemv(x, w, norm=norm, topk=topk)
-    with pytest.raises(ValueError, match="epilogue must be 'none'"):
-        qgemv(x, w, epilogue="residual", out=torch.zeros(2, 17, dtype=torch.bfloat16), topk=good)
+# The router's launches (Router.route)
 
 
 def test_router_route_is_logits_then_select():
-    """``Router.route`` on qgemv (one launch) is :meth:`logits` then :meth:`select` (fused), its
-    counter one per scratch set; without ``fused``, or on more rows than a plain GEMV takes
-    (outside exact_rows), it is the two calls, as before."""
-    from edgerun.kernels.scratch import counters, scratch_set
-    from edgerun.models.layers import RMSNorm, Router, exact_rows
+    """``Router.route`` is :meth:`logits` then :meth:`select` (``fused``: ``router_topk``'s one
+    launch after the GEMV's), on qgemv or not, within exact_rows or not; the shared expert's
+    gate_up rides in the router's launch only where fused on qgemv."""
+    from edgerun.models.layers import QLinear, RMSNorm, Router, exact_rows
 
     args = tiny_args("qwen3_5_moe")
     torch.manual_seed(0)
@@ -437,36 +371,27 @@ def test_router_route_is_logits_then_select():
             r.select(want, two, fused)
         assert torch.equal(logits, want) and torch.equal(normed, normed_apart)
         assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
-    cpu = torch.device("cpu")
-    main = counters(cpu, 1)
-    assert int(main[0]) == 0  # the folded calls' counter (the scratch set's first), back at 0
-    with scratch_set(1):  # a lane's calls: a counter of their own, also left at 0
-        assert counters(cpu, 1) is not main
-        r.route(torch.randn(1, args.hidden_size), outs(1), True, norm)
-        assert int(counters(cpu, 1)[0]) == 0
-    r.proj.gemv = False  # torch's GEMM: topk cannot ride along
-    with pytest.raises(ValueError, match="topk runs in qgemv"):
-        x = torch.randn(1, args.hidden_size)
-        r.proj(x, topk=TopK(args.num_experts, A, True, *outs(1), counters(cpu, 1)[:1]))
+    shared = QLinear(random_qweight("int4", 32, args.hidden_size, 16, torch.Generator().manual_seed(2)))
+    shared.gemv = True
+    x = torch.randn(1, args.hidden_size)
+    with pytest.raises(ValueError, match="only where fused"):
+        r.route(x, outs(1), False, norm, torch.empty_like(x), also=(shared, "silu_mul", torch.empty(1, 16)))
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8", "plain"])
 def test_gemv_with_a_second_weight_is_each_ones_launch(scheme):
     """The router GEMV with the shared expert's gate_up in its launch (``also``, the decode
-    step's): logits, top-k, the normalised x it stores and the gate_up's SiLU(gate) * up (its
-    programs normalising x themselves) each bit for bit the launch it replaces, over two calls
-    (the top-k counter counts the router's programs alone, and is back at 0)."""
-    E, extra, A, D, inter = 24, 1, 3, 64, 40
+    step's): logits, the normalised x it stores and the gate_up's SiLU(gate) * up (its programs
+    normalising x themselves) each bit for bit the launch it replaces."""
+    E, extra, D, inter = 24, 1, 64, 40
     w, norm = router(E, extra, D, torch.bfloat16, seed=5)
     shared = random_qweight(scheme, 2 * inter, D, 16, torch.Generator().manual_seed(6), dtype=torch.bfloat16)
     assert pairs(w, shared, D)
-    count = torch.zeros(1, dtype=torch.int32)
     for seed in (1, 2):
         x = (torch.randn(1, D, generator=torch.Generator().manual_seed(seed)) * 3).bfloat16()
-        one, two = with_shared(w, norm, shared, x, E, A, count)
+        one, two = with_shared(w, norm, shared, x)
         for a, b in zip(one, two, strict=True):
             assert torch.equal(a, b)
-        assert int(count) == 0
 
 
 def test_gemv_second_weight_refusals():
