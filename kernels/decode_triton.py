@@ -14,8 +14,8 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits).
   The decode step runs it as a launch of its own after the router GEMV's: in the GEMV's launch
   (its last program to arrive routing, as an earlier version did) each program's arrival and the
-  serial tail cost the step 5 µs a MoE layer on an H100, where this launch costs about 2
-  (docs/benchmarks.md, 2026-12-06).
+  serial tail cost the step 5 µs a MoE layer on an H100, where this launch alone took 2.9 µs
+  (docs/benchmarks.md, 2026-12-06, thirty-third session).
 - ``attention_decode``: ``Attention.decode_static`` between the projections and o_proj, in two
   launches, each with a grid axis over rows (a row's programs are the one-row call's, offset to
   its qkv row, position and cache entry). ``_attend_kernel``, a program per (kv head, split): q/k
