@@ -405,19 +405,6 @@ def run_router(inputs: dict, kernel) -> tuple[list[dict], dict]:
     return runs, ref
 
 
-def random_router(
-    E: int, extra: int, D: int, gen: torch.Generator, device, dtype: torch.dtype, unit_offset: bool
-):
-    """A random plain router weight [E + X, D] (logits of normalised rows a few units wide) and a
-    trained-like RMSNorm (weight, eps, unit_offset) of the decoder's kind, as the decode step's
-    router GEMV takes them."""
-    from edgerun.kernels.qlinear_reference import random_norm
-    from edgerun.kernels.qweight import QWeight
-
-    w = QWeight("plain", (torch.randn(E + extra, D, generator=gen, device=device) * 2 * D**-0.5).to(dtype))
-    return w, random_norm("unit" if unit_offset else "plain", D, gen, device, dtype)
-
-
 def probe_cases(args, device: torch.device | str, dtype: torch.dtype) -> float:
     """Run ``router_topk`` and ``attention_decode`` at ``args``' geometry (a ModelArgs, or
     anything with its attention, rope, norm and expert attributes) on ``device`` (CUDA; CPU

@@ -32,9 +32,8 @@ rows) more than W4A16 (8.1 against 6.1 at 2,048 x 4,096), a slice's quantization
 bits still do not depend on the call's other rows.
 
 Tile shapes are a fixed function of (scheme, R, C) (``gemv_config``), never autotuned, and
-nothing is atomic: the bits repeat. Each token has accumulators of
-its own, updated and summed by
-the operations a one-token call runs, so a token's row is the one-token call's bit for bit
+nothing is atomic: the bits repeat. Each token has accumulators of its own, updated and summed
+by the operations a one-token call runs, so a token's row is the one-token call's bit for bit
 whatever the call's token count (a batch's step; checked on an H200 at Qwen3.6's shapes for
 N = 1..8, and by the batch's start-up probe on the device it runs on). An earlier tile that held
 all tokens in one [rows, groups, tokens] accumulator summed a row in an order that depended on

@@ -196,10 +196,9 @@ class QLinear(nn.Module):
         written into ``norm_out`` when given, and quantized to int8 per 32 columns into
         ``norm_q_out`` (``qlinear_w4a8.xq_buffers``; the experts' int8 x) when given: by the
         GEMV's launch where it runs ``qgemv``, else by ``quantize_x`` on ``norm_out`` after it.
-        x [N, C] for the epilogues, the norm and ``out``.
-        ``also`` (other, its epilogue, its out; where
-        :meth:`pairs_with`): the other projection of the same (normalised) x in the same launch,
-        its bits those of its own. ``conv`` (conv_state, conv_weight, act; where
+        x [N, C] for the epilogues, the norm and ``out``. ``also`` (other, its epilogue, its
+        out; where :meth:`pairs_with`): the other projection of the same (normalised) x in the
+        same launch, its bits those of its own. ``conv`` (conv_state, conv_weight, act; where
         :meth:`folds_conv`): a DeltaNet layer's conv + SiLU of the output's first channels in the
         launch's epilogue (``qgemv``'s ``conv``)."""
         nrm = None if norm is None else (norm.weight, norm.eps, norm.unit_offset)
@@ -1103,8 +1102,8 @@ class SparseMoe(nn.Module):
         the logits. With the fused kernels and one row, the shared expert's gate_up runs in the
         router's launch (``QLinear.pairs_with``: its programs normalise x themselves, its bits
         those of its own launch on h), then the top-k's: two launches for the router, its top-k
-        and the shared gate_up, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static buffers for the
-        shared expert's SiLU(gate) * up and the router's logits. ``defer`` (where
+        and the shared gate_up, not three. ``mid`` [N, S] and ``logits`` [N, E + 1]: static
+        buffers for the shared expert's SiLU(gate) * up and the router's logits. ``defer`` (where
         :meth:`defers_down`): the shared expert's down projection is left to the expert step's
         launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``). ``hq``: h
         quantized to int8 per 32 columns too, for int8 expert activations (``Router.route``'s

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from edgerun.kernels.decode_reference import random_router
+from edgerun.kernels.qlinear_reference import random_norm
 from edgerun.kernels.qlinear_triton import qgemv
 from edgerun.kernels.qweight import QWeight
 
 
 def router(E: int, extra: int, D: int, dtype, seed: int, device="cpu") -> tuple:
-    """``random_router`` with a unit-offset norm (Qwen3.5's), from ``seed``."""
-    return random_router(E, extra, D, torch.Generator(device=device).manual_seed(seed), device, dtype, True)
+    """A random plain router weight [E + X, D] (logits of normalised rows a few units wide) and
+    a trained-like RMSNorm (weight, eps, unit_offset) with a unit offset (Qwen3.5's), as the
+    decode step's router GEMV takes them, from ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = QWeight("plain", (torch.randn(E + extra, D, generator=gen, device=device) * 2 * D**-0.5).to(dtype))
+    return w, random_norm("unit", D, gen, device, dtype)
 
 
 def with_shared(w, norm, shared: QWeight, x) -> tuple[tuple, tuple]:
