@@ -101,7 +101,8 @@ def report_experts() -> None:
     POINTERS.update(count="*i32")
     cfg = MT.DEFAULT_GEMV
     common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, RANGE=False, PDL=True)
-    gate_up = MT.NO_SD  # the shared expert's down projection not in the launch
+    # the shared expert's down projection not in the launch, x not given in int8
+    gate_up = MT.NO_SD | dict(XQ=False, INTERPRET=False)
     rows = 2 * cfg.block_r
     const = common | gate_up | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
     ops = sass_ops(MT._gate_up_kernel, const, cfg.num_warps)
@@ -130,7 +131,7 @@ def main() -> None:
             SUM=32,
             BLOCK_C=C,
             ROLLED=False,
-            **K.NO_TOPK,
+            NORM_Q=False,
             **K.NO_ALSO,
             **K.NO_CONV,
         )  # unrolled: static count = dynamic
