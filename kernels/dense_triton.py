@@ -4,18 +4,21 @@ Shape legend: B = batch (optional leading dim), N = rows, D = width, C = conv ch
 (2·Hk·Dk + Hv·Dv), K = conv taps, Hk / Hv = key / value heads, R = Hv / Hk, Dk / Dv = head dims.
 
 - ``delta_decode``: a Gated DeltaNet layer's whole T = 1 step between the projections and
-  out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm) in two launches. A
+  out_proj (causal conv + SiLU, l2norms, decay, delta rule, gated RMSNorm) in three launches. A
   key head's q/k channels are shared by its R value heads, and their conv state must be read
   before it is shifted, so the conv runs first, a program per block of channels (each owns its
   channels' state), into an fp32 scratch; then a program per (batch, value head) runs the delta
   rule on a [Dk, Dv / S] slice of its fp32 state tile (Hv x S programs, S = ``delta_slices``:
-  a value column's update reads only its own column, so a head's columns split among programs;
-  its gated RMSNorm over all Dv is run by the head's program that arrives last at an atomic
-  counter, from the outputs the S programs stored: 128 programs for Qwen3.6, where a program per
-  value head left most SMs idle, and one per key head more so). With ``trail``, a verify window: N
-  consecutive tokens of one sequence in the same two launches, each program stepping the rows in
+  a value column's update reads only its own column, so a head's columns split among programs:
+  256 programs for Qwen3.6, where a program per value head left most SMs idle, and one per key
+  head more so). A split head's gated RMSNorm over all Dv then runs in a small launch of its own,
+  a program per (row, value head), on the outputs the S programs stored (with one slice the
+  delta rule's program runs it). The head's last program to arrive at an atomic counter ran it
+  before: every program's arrival and the serial tail cost the step more than the launch (1.6-1.9%
+  at 40 layers on an H100, docs/benchmarks.md, 2026-12-07). With ``trail``, a verify window: N
+  consecutive tokens of one sequence in the same launches, each program stepping the rows in
   order (the per-row arithmetic the one-row kernels' own helpers), so each row, and the states
-  it leaves in the trail, are the one-row call's bits. With ``act``, one launch: the conv ran in
+  it leaves in the trail, are the one-row call's bits. With ``act``, no conv launch: the conv ran in
   the in_proj GEMV's launch (``qgemv``'s ``conv``: the same helper, ``_conv_silu_of``, whose taps
   are summed one at a time in order, so its bits do not depend on the program's layout).
 
@@ -23,10 +26,9 @@ Math is fp32, rounded to the model dtype at every point the modules round (conv 
 sum, SiLU, sigmoid(b), the delta-rule output, the normalised value), so a kernel differs from
 its reference (kernels/dense_reference.py) only by fp32 summation order and transcendental ulps,
 and through those by an occasional one-ulp flip of a rounded value. Tile shapes and warps are a
-fixed function of the geometry (never autotuned, never of the row count), and the one atomic
-(the norm's arrival count) decides only which program runs the norm, not its arithmetic: the
-bits repeat.
-No host syncs and no data-dependent allocation: both calls can be captured in a CUDA graph.
+fixed function of the geometry (never autotuned, never of the row count), nothing is atomic
+and every reduction has a fixed order: the bits repeat.
+No host syncs and no data-dependent allocation: every call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import triton.language as tl
 
 from edgerun.kernels.dense_reference import DeltaDims
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.scratch import counters
 
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -140,7 +141,6 @@ def _delta_rule(
     dt_bias,
     norm_w,
     out,
-    count,
     h,
     sv,
     eps,
@@ -160,10 +160,8 @@ def _delta_rule(
     output (fp32 [C]), z, a, b and out its rows of those; returns the slice's state after the
     row. The head's gated RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this
     program runs it; else each program stores its columns' output (rounded as the module
-    rounds: exact in out's dtype) and the last of the head's programs to arrive at ``count``
-    (an int32, 0 before and after) reads them all back and runs it, so its arithmetic is the
-    same whichever program arrives last. The R value heads of a key head each normalise its q
-    and k."""
+    rounds: exact in out's dtype) and ``_gated_norm_kernel``'s launch runs it. The R value
+    heads of a key head each normalise its q and k."""
     j = h // R  # the key head
     ik = tl.arange(0, BLOCK_DK)
     mk = ik < DK
@@ -189,14 +187,8 @@ def _delta_rule(
     o = _round(tl.sum(S * q[:, None], axis=0), ACT)
     if SLICE == BLOCK_DV:
         _gated_norm(o, iv, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
-    else:
+    else:  # the output as the module rounds it (exact in out's dtype); the norm's launch follows
         tl.store(out + h * DV + iv, o.to(out.dtype.element_ty), mask=mv)
-        tl.debug_barrier()  # every thread's columns stored before the arrival is released
-        if tl.atomic_add(count + h, 1, sem="acq_rel") == BLOCK_DV // SLICE - 1:
-            every = tl.arange(0, BLOCK_DV)
-            head = tl.load(out + h * DV + every, mask=every < DV, other=0.0, cache_modifier=".cg")
-            _gated_norm(head.to(tl.float32), every, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
-            tl.store(count + h, 0)  # ready for the next row and call
     return S
 
 
@@ -210,6 +202,20 @@ def _state_row(slots, bi, SLOTS: tl.constexpr):
     if SLOTS:
         return tl.load(slots + bi)
     return bi
+
+
+@triton.jit
+def _gated_norm_kernel(out, z, z_row, norm_w, eps, HVDV: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       ACT: tl.constexpr, ROUND_NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """The last launch of a step whose heads split among programs: program (row, value head)
+    runs the head's gated RMSNorm on the delta rule's output in ``out`` (its stored, rounded
+    values), in place."""
+    bi = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    _grid_sync(PDL)
+    every = tl.arange(0, BLOCK_DV)
+    o = tl.load(out + bi * HVDV + h * DV + every, mask=every < DV, other=0.0).to(tl.float32)
+    _gated_norm(o, every, z + bi * z_row, norm_w, out + bi * HVDV, h, eps, DV, ACT, ROUND_NORM)
 
 
 @triton.jit
@@ -294,7 +300,6 @@ def _delta_decode_kernel(
     slots,
     norm_w,
     out,
-    count,
     eps,
     q_scale,
     SLOTS: tl.constexpr,
@@ -323,7 +328,7 @@ def _delta_decode_kernel(
     _grid_sync(PDL)
     S = _delta_rule(
         S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, A_log, dt_bias, norm_w,
-        out + bi * (HV * DV), count + bi * HV, h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
+        out + bi * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
         ACT, ROUND_NORM,
     )  # fmt: skip
     tl.store(s_ptr, S, mask=tmask)
@@ -344,7 +349,6 @@ def _delta_decode_window_kernel(
     trail,
     norm_w,
     out,
-    count,
     eps,
     q_scale,
     N,
@@ -362,7 +366,7 @@ def _delta_decode_window_kernel(
     """Launch 2 of a verify window: a program per (value head, slice of its value columns)
     steps the N rows in order from state entry 0, the fp32 state slice carried in registers (the
     one-row launches store and reload it in fp32: the same values), stored after row r in trail
-    entry r and after the last row in the state; row r's norm by its own arrival count."""
+    entry r and after the last row in the state (a split head's norms: the launch after)."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     h = tl.program_id(0)  # value head
@@ -374,7 +378,7 @@ def _delta_decode_window_kernel(
     while r < N:  # (Triton's interpreter cannot range over a runtime int)
         S = _delta_rule(
             S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, A_log, dt_bias, norm_w,
-            out + r * (HV * DV), count + r * HV, h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
+            out + r * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
             ACT, ROUND_NORM,
         )  # fmt: skip
         tl.store(trail + (r * HV + h) * (DK * DV) + tile, S, mask=tmask)
@@ -451,9 +455,11 @@ def delta_decode(
     trail: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``delta_decode_ref`` in two launches (same arguments, same in-place updates of conv_state
-    and state). mixed_qkv, z, a, b, conv_state and conv_weight share the model dtype (fp32,
-    bf16 or fp16); A_log, dt_bias and norm_weight may be any of those; state is fp32.
+    """``delta_decode_ref`` in three launches: the conv, the delta rule and, where a value head
+    splits among programs (``delta_slices``), the heads' gated norms (same arguments, same
+    in-place updates of conv_state and state). mixed_qkv, z, a, b, conv_state and conv_weight
+    share the model dtype (fp32, bf16 or fp16); A_log, dt_bias and norm_weight may be any of
+    those; state is fp32.
 
     Rows: mixed_qkv [C] or [N, C] (z, a, b alike), each row a sequence of its own; its states
     are entry n of conv_state [N, C, K - 1] and state [N, Hv, Dk, Dv], or, with ``slots`` (int64
@@ -463,13 +469,13 @@ def delta_decode(
 
     ``trail`` (conv_trail [N, C, K - 1] in the model dtype, recurrent_trail [N, Hv, Dk, Dv]
     fp32): a verify window instead, the N rows one sequence's consecutive tokens on conv_state
-    [1, C, K - 1] and state [1, Hv, Dk, Dv], still two launches. Row n's output and the states
+    [1, C, K - 1] and state [1, Hv, Dk, Dv], still three launches. Row n's output and the states
     after it (in trail entry n; the last row's also in the states) are bit for bit those of N
     one-row calls in order, each followed by copies of the states into the trail.
 
     ``act`` (fp32 [N, C], one row without slots or trail): the conv + SiLU of mixed_qkv, already
     computed, and conv_state already shifted, by the projection's launch (``qgemv``'s ``conv``,
-    whose bits are the conv launch's): only the delta rule's launch runs."""
+    whose bits are the conv launch's): no conv launch."""
     if conv_weight.dim() != 2:
         raise ValueError(f"conv_weight must be [C, K], got {list(conv_weight.shape)}")
     dims = DeltaDims(n_k, n_v, dk, dv, conv_weight.shape[1])
@@ -533,7 +539,6 @@ def delta_decode(
     blocks, kp2 = triton.cdiv(C, CONV_BLOCK), triton.next_power_of_2(K)
     bdk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     slices = delta_slices(Hv, dv)
-    count = counters(mixed_qkv.device, batch * Hv)  # the norms' arrivals (unused with one slice)
     # no FMA contraction (Triton's and ptxas's): contracted or not is the compiler's choice per
     # kernel, and a window's rows must be its one-row launches' bits (test_dense_cuda.py)
     pdl = pdl_kwargs(mixed_qkv.device) | {"enable_fp_fusion": False}
@@ -549,9 +554,9 @@ def delta_decode(
         )  # fmt: skip
         _delta_decode_window_kernel[(Hv, slices)](
             scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, trail[1], norm_weight, out,
-            count, eps, dk**-0.5, batch, **delta,
+            eps, dk**-0.5, batch, **delta,
         )  # fmt: skip
-        return out
+        return _split_norms(out, z, row[1], norm_weight, eps, batch, slices, dims, dtype, pdl)
     idx = slots if slots is not None else state  # placeholder when unused (never read)
     if act is None:  # conv + SiLU, rounded, into the fp32 scratch
         _delta_conv_kernel[(batch, blocks)](
@@ -560,6 +565,17 @@ def delta_decode(
         )  # fmt: skip
     _delta_decode_kernel[(batch, Hv, slices)](
         scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
-        count, eps, dk**-0.5, SLOTS=slots is not None, **delta,
+        eps, dk**-0.5, SLOTS=slots is not None, **delta,
     )  # fmt: skip
+    return _split_norms(out, z, row[1], norm_weight, eps, batch, slices, dims, dtype, pdl)
+
+
+def _split_norms(out, z, z_row, norm_weight, eps, rows, slices, dims, dtype, pdl) -> torch.Tensor:
+    """The gated RMSNorms of heads whose delta rule split among programs: one launch after it."""
+    if slices > 1:
+        bdv = triton.next_power_of_2(dims.dv)
+        _gated_norm_kernel[(rows, dims.n_v)](
+            out, z, z_row, norm_weight, eps, HVDV=dims.n_v * dims.dv, DV=dims.dv, BLOCK_DV=bdv,
+            ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdv, 2), **pdl,
+        )  # fmt: skip
     return out

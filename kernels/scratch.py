@@ -1,7 +1,7 @@
 """Which set of a kernel's mutable scratch (arrival counters) the calls in a context use.
 
 Kernels keep state between calls: arrival counters (``counters``: the expert GEMV's down
-kernel, the DeltaNet step's norms) and the tensor-core GEMV's (``QLinear.planes_count``). Each call leaves
+kernel) and the tensor-core GEMV's (``QLinear.planes_count``). Each call leaves
 its counters at 0, so calls in one stream share a set; calls that may run at the same time on
 different streams (the prompts of a batch prefilled in lanes, ``engine/graphs.PrefillLanes``)
 must not. Lane 0 is the main stream's set; a context that runs on lane k's stream (and every
