@@ -97,18 +97,30 @@ def report_experts() -> None:
     from edgerun.kernels import moe_triton as MT
 
     POINTERS.update(wpool="*u8", spool="*u8", slots="*i64", table="*i64", ids="*i64", gscales="*fp32")
-    POINTERS.update(h="*fp32", far_reads="*i64", uses="*i64", rw="*bf16", shared="*bf16", part="*fp32")
+    POINTERS.update(
+        h="*fp32", far_reads="*i64", uses="*i64", rw="*bf16", shared="*bf16", part="*fp32", logits="*bf16"
+    )
     POINTERS.update(count="*i32")
     cfg = MT.DEFAULT_GEMV
     common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, RANGE=False, PDL=True)
     # the shared expert's down projection not in the launch, x not given in int8
-    gate_up = MT.NO_SD | dict(XQ=False, INTERPRET=False)
+    gate_up = MT.NO_SD | dict(
+        XQ=False, INTERPRET=False, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0
+    )
     rows = 2 * cfg.block_r
     const = common | gate_up | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
     ops = sass_ops(MT._gate_up_kernel, const, cfg.num_warps)
     report(f"experts gate_up r{rows} w{cfg.num_warps}", ops, rows, cfg.num_warps, cols=2048)
     const = common | dict(
-        D=2048, A_P2=8, BLOCK_R=cfg.down_rows, BLOCK_K=512, SHARED=True, INTO=True, CODE=1, ACC=False
+        D=2048,
+        A_P2=8,
+        BLOCK_R=cfg.down_rows,
+        BLOCK_K=512,
+        SHARED=True,
+        INTO=True,
+        CODE=1,
+        ACC=False,
+        LATE=False,
     )
     ops = sass_ops(MT._down_kernel, const, cfg.num_warps)
     report(f"experts down r{cfg.down_rows} w{cfg.num_warps}", ops, cfg.down_rows, cfg.num_warps, cols=512)

@@ -12,7 +12,9 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   order wherever its fp32 probabilities differ, and an ulp of exp cannot reorder them. Equal
   logits (-0.0 and +0.0 among them) go lowest id first. The softmax denominator and the renormalisation are summed in
   64-bit fixed point (``_fixed_sum``: exact adds, so no order or warp count shows in the bits).
-  The decode step runs it as a launch of its own after the router GEMV's: in the GEMV's launch
+  A decode step over a slot table runs it in the expert gate_up launch instead (``_route_row``
+  and ``_pick``, the same keys and sums: ``moe_triton.moe_gemv``'s ``route``), one launch fewer
+  a MoE layer; elsewhere it is a launch of its own after the router GEMV's. In the GEMV's launch
   (its last program to arrive routing, as an earlier version did) each program's arrival and the
   serial tail cost the step 5 µs a MoE layer on an H100, where this launch alone took 2.9 µs
   (docs/benchmarks.md, 2026-12-06, thirty-third session).
@@ -95,11 +97,32 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
     the kernel's warps."""
     n = n.to(tl.int64)
     row = logits + n * row_stride
+    top, top_id = _route_vals(row, E, K, BLOCK_E, BLOCK_K, NORMALIZE, CODE)
+    j = tl.arange(0, BLOCK_K)
+    out = n * K + j
+    tl.store(weights + out, top.to(weights.dtype.element_ty), mask=j < K)
+    tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
+    if HAS_GATE:
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
+
+
+@triton.jit
+def _route_keys(row, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A logit row's values (fp32) and their ``_order_key``s (padding: -inf and KEY_EMPTY)."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
-    key = tl.where(valid, _order_key(x, e), KEY_EMPTY)
+    return x, tl.where(valid, _order_key(x, e), KEY_EMPTY)
 
+
+@triton.jit
+def _route_vals(row, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                NORMALIZE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+    """A logit row's routing: (weights [BLOCK_K] fp32, rounded to the model dtype as stored;
+    ids [BLOCK_K] int32), entries past K 0."""
+    x, key = _route_keys(row, E, BLOCK_E)
+    valid = tl.arange(0, BLOCK_E) < E
     j = tl.arange(0, BLOCK_K)
     top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -115,12 +138,20 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
     top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
     if NORMALIZE:
         top = top / _fixed_sum(tl.where(j < K, top, 0.0))
-    out = n * K + j
-    tl.store(weights + out, _round(top, CODE).to(weights.dtype.element_ty), mask=j < K)
-    tl.store(ids + out, top_id.to(tl.int64), mask=j < K)
-    if HAS_GATE:
-        g = tl.load(row + E).to(tl.float32)
-        tl.store(gate + n, _round(1.0 / (1.0 + tl.exp(-g)), CODE).to(gate.dtype.element_ty))
+    return tl.where(j < K, _round(top, CODE), 0.0), tl.where(j < K, top_id, 0)
+
+
+@triton.jit
+def _pick(row, a, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The id of a logit row's pick ``a`` (0-based, a < K; a runtime value): ``_route_vals``'s
+    picks on the same keys, a + 1 maxima."""
+    _, key = _route_keys(row, E, BLOCK_E)
+    best = tl.max(key, axis=0)
+    for i in tl.static_range(K - 1):
+        if i < a:
+            key = tl.where(key == best, KEY_EMPTY, key)  # keys are unique: exactly the pick
+            best = tl.max(key, axis=0)
+    return _key_index(best)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.errors import ConfigError
-from edgerun.kernels.moe_reference import FarTier, moe_experts_ref
+from edgerun.kernels.moe_reference import FarTier, RouterLogits, moe_experts_ref
 
 IMPLS = ("reference", "triton", "cpu", "cpu_grouped")
 # tokens of a step at or below which the fused dequant+GEMV (``moe_gemv``) runs rather than the
@@ -57,6 +57,12 @@ class MoeKernelPolicy:
         return GEMV_MAX_TOKENS[layout.quant]
 
 
+def folds_route(policy: MoeKernelPolicy, layout: BlockLayout, rows: int, table: bool) -> bool:
+    """Whether a step of ``rows`` tokens can leave its top-k to the expert launch (``moe_experts``'
+    ``route``): the decode kernel runs it, over a slot table (every expert held)."""
+    return table and policy.impl == "triton" and 0 < rows <= policy.gemv_tokens(layout)
+
+
 def moe_experts(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -75,6 +81,7 @@ def moe_experts(
     far: FarTier | None = None,
     shared_down: tuple | None = None,
     xq: tuple[torch.Tensor, ...] | None = None,
+    route: RouterLogits | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool uint8 [S, block_bytes], slot_idx / expert_ids int64 [T, A], weights [T, A],
     global_scales fp32 [S, 2] (int4) -> [T, D] in ``out_dtype`` (default x's dtype). A token's
@@ -97,7 +104,9 @@ def moe_experts(
     launch (``moe_triton.moe_gemv``'s); only where that kernel runs the step. ``xq``: x quantized
     to int8 per 32 columns, where the policy's ``act`` is int8 and something stored it already
     (the router's launch: ``qgemv``'s ``norm_q_out``); else the GEMV step quantizes x itself.
-    Steps past the GEMV (the grouped GEMM of a long prompt) take x as it is."""
+    Steps past the GEMV (the grouped GEMM of a long prompt) take x as it is. ``route``: the
+    router's logits, routed into ``expert_ids`` and ``weights`` by the decode kernel's launch
+    (``moe_triton.moe_gemv``'s; :func:`folds_route` says where it runs)."""
     if xq is not None and policy.act != "int8":
         raise ValueError(
             f"xq is x quantized to int8 for int8 expert activations; this policy's are {policy.act}"
@@ -114,8 +123,12 @@ def moe_experts(
             xq = quantize_x(x)
         return moe_triton.moe_gemv(
             x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
-            far=far, shared_down=shared_down, xq=xq, **part,
+            far=far, shared_down=shared_down, xq=xq, route=route, **part,
         )  # fmt: skip
+    if route is not None:
+        raise ValueError(
+            f"route runs in the decode kernel's launch; this step runs {policy.impl} on {x.shape[0]} token(s)"
+        )
     if shared_down is not None:
         raise ValueError(
             f"shared_down runs in the decode kernel's launch; this step runs {policy.impl} on {x.shape[0]} token(s)"

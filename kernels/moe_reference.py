@@ -105,6 +105,18 @@ class FarTier:
     uses: torch.Tensor | None = None  # int32 [E] on the device: the decode kernel's pairs per expert id
 
 
+@dataclass(frozen=True)
+class RouterLogits:
+    """A MoE layer's router output not yet routed (``moe_triton.moe_gemv``'s ``route``): logits
+    [T, E + X] in the model dtype (columns contiguous), their first E the experts'. The decode
+    kernel routes them itself (``router_topk``'s softmax, top-k and renormalisation, the same
+    bits) into the step's ids and weights, where a launch of its own did it before."""
+
+    logits: torch.Tensor
+    num_experts: int
+    normalize: bool
+
+
 def slot_block(pool: torch.Tensor, far: FarTier | None, slot: int) -> torch.Tensor:
     """Slot ``slot``'s block: a device row below the pool's size, else row slot - S of the far
     tier (the pinned host tier a discrete GPU reads in place)."""

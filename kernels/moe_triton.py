@@ -14,6 +14,9 @@ Decode (few tokens, ``moe_gemv``), two launches; no weight is written back dequa
      program came last.
 At one token the shared expert's down projection can ride in launch 1 as programs after the
 pairs' (``shared_down``: each qgemv's own program on its tile, so its bits are its launch's).
+Over a slot table, launch 1 can also route the router's logits itself (``route``: a pair's
+programs pick its expert, ``router_topk``'s program stores the ids and weights), and launch 2
+then reads them after its wait: the router's top-k without a launch of its own.
 Both run the dense GEMV's step (``qgemv``'s ``_accumulate``: 32-bit words decoded without
 conversions, a scale group summed in registers): 5.0 and 7.3 SASS instructions a weight value at
 the default tile, against 9.5 and 11.6 for the per-byte decode with shuffled group sums they
@@ -47,9 +50,10 @@ import triton.language as tl
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
+from edgerun.kernels.decode_triton import _check_route, _pick, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
-from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
+from edgerun.kernels.moe_reference import FarTier, RouterLogits, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import (
     MANY,
     _accumulate,
@@ -221,6 +225,15 @@ def _gate_up_kernel(
     xb,
     XQ: tl.constexpr,
     INTERPRET: tl.constexpr,
+    logits,
+    logit_row,
+    rw,
+    ROUTE: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    A_P2: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    RCODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
@@ -233,7 +246,13 @@ def _gate_up_kernel(
     axis 0, in row-major order, are the shared expert's down projection, ``qgemv(sd_x, w, None,
     "gated", sd_out, sd_gate)`` on its tile (the ``SD_`` constexprs, ``sd_progs`` programs): each
     the program that GEMV's own launch runs, so its bits are that launch's (the launch's warps
-    are its tile's); the down launch reads its output as ``shared``. One launch fewer a layer."""
+    are its tile's); the down launch reads its output as ``shared``. One launch fewer a layer.
+
+    ROUTE (``moe_gemv``'s ``route``): ids and the router weights ``rw`` are not written yet; a
+    pair's programs find its expert from token t's row of ``logits`` themselves (``_pick``: the
+    top-k's pick a = p % A, after the wait, the router's launch being the one before), and the
+    program (t A, 0) stores the token's ids and weights as ``router_topk`` would (its program,
+    ``_route_row``) for the down launch and the host. One launch fewer a MoE layer."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
         q = (p - pairs) * tl.num_programs(1) + tl.program_id(1)
@@ -252,9 +271,16 @@ def _gate_up_kernel(
             e = tl.load(ids + p)
             run = (e >= lo) & (e <= hi)
         if run:
+            eid = 0
+            if ROUTE:
+                row = logits + (p // A).to(tl.int64) * logit_row
+                eid = _pick(row, p % A, E, A, BLOCK_E)
+                if (p % A == 0) & (tl.program_id(1) == 0):
+                    _route_row(logits, logit_row, p // A, rw, ids, rw, E, A, BLOCK_E, A_P2, NORMALIZE, False,
+                               RCODE)  # fmt: skip
             _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, uses, w_block, s_block, w_off,
                           s_off, split, w_far, s_far, zero, p, D, I, A, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM,
-                          TABLE, FAR, xe, xo, xs, xb, XQ, INTERPRET)  # fmt: skip
+                          TABLE, FAR, xe, xo, xs, xb, XQ, INTERPRET, eid, ROUTE)  # fmt: skip
 
 
 @triton.jit
@@ -262,13 +288,20 @@ def _gate_up_pair(x, wpool, spool, slots, table, ids, gscales, h, far_reads, use
                   split, w_far, s_far, zero, p, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                   QUANT: tl.constexpr, G: tl.constexpr, GROUPED: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_K: tl.constexpr, SUM: tl.constexpr, TABLE: tl.constexpr, FAR: tl.constexpr, xe, xo, xs, xb,
-                  XQ: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """Program (p, program_id(1)) of ``_gate_up_kernel``'s experts: its h columns of pair p."""
-    slot = _slot(slots, table, ids, p, TABLE)
+                  XQ: tl.constexpr, INTERPRET: tl.constexpr, eid, ROUTE: tl.constexpr):  # fmt: skip
+    """Program (p, program_id(1)) of ``_gate_up_kernel``'s experts: its h columns of pair p
+    (ROUTE: of expert ``eid``, found by the program; else ids[p]'s)."""
+    if ROUTE:  # (a table: every expert held)
+        slot = tl.load(table + eid, cache_modifier=".cg").to(tl.int64)
+    else:
+        slot = _slot(slots, table, ids, p, TABLE)
     if FAR:
         if tl.program_id(1) == 0:  # one count a pair whose expert is read from the far tier
             tl.atomic_add(far_reads, (slot >= split).to(tl.int64))
-            tl.atomic_add(uses + tl.load(ids + p), 1)  # and every pair by its expert
+            if ROUTE:  # and every pair by its expert
+                tl.atomic_add(uses + eid, 1)
+            else:
+                tl.atomic_add(uses + tl.load(ids + p), 1)
     w = wpool + _at(slot, split, w_block, w_far) + w_off
     s = spool + _at(slot, split, s_block, s_far) + s_off
     # row i of the tile: the gate row (i even) or the up row (odd) of h column i // 2, so one
@@ -333,6 +366,7 @@ def _down_kernel(
     CODE: tl.constexpr,
     RANGE: tl.constexpr,
     ACC: tl.constexpr,
+    LATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
@@ -349,15 +383,19 @@ def _down_kernel(
     RANGE (a step in parts, ``moe_gemv``'s ``expert_range``): pairs whose expert is outside
     lo..hi compute nothing but still arrive, and only the experts in lo..hi are summed; with ACC
     the sum starts from ``out`` (fp32) rather than 0 and is stored unrounded, so consecutive
-    ranges in ascending order add exactly what one call adds, in the same order."""
+    ranges in ascending order add exactly what one call adds, in the same order.
+
+    LATE (the gate_up launch routed, ``moe_gemv``'s ``route``): ids and rw were written by the
+    launch just before, so nothing is read before the wait."""
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
     r0 = j * BLOCK_R
     rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     run = True
-    if RANGE:  # a step in parts: a pair outside lo..hi reads no slot, so nothing before the wait
+    if RANGE or LATE:  # a step in parts: a pair outside lo..hi reads no slot, so nothing before the wait
         _grid_sync(PDL)
+    if RANGE:
         e = tl.load(ids + p)
         run = (e >= lo) & (e <= hi)
     if run:
@@ -368,7 +406,7 @@ def _down_kernel(
         w = wpool + _at(slot, split, w_block, w_far) + w_off
         s = spool + _at(slot, split, s_block, s_far) + s_off
         wd0, scale0 = _rows_first(w, s, rows, I, QUANT, G, GROUPED, BLOCK_K)
-        if not RANGE:
+        if not (RANGE or LATE):
             _grid_sync(PDL)
         y = _rows_dot(h + p * I, w, s, rows, zero, wd0, scale0, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
         if QUANT == 2:
@@ -808,6 +846,7 @@ def moe_gemv(
     expert_range: tuple[int, int] | None = None,
     shared_down: tuple | None = None,
     xq: tuple[torch.Tensor, ...] | None = None,
+    route: RouterLogits | None = None,
 ) -> torch.Tensor:
     """Decode, and prompts of up to a few hundred tokens (``moe.GEMV_MAX_TOKENS``): fused
     dequant + GEMV from the pool, two launches (four with a rotation). Same contract as
@@ -831,7 +870,12 @@ def moe_gemv(
 
     ``xq`` (xe, xo [T, D / 8] int32, xs [T, D / 32] fp32, xb [T, D / 32] int32: x quantized to
     int8 per 32 columns, as ``qlinear_w4a8.quantize_x`` writes a row; int4 g32 experts, no
-    rotation): the gate_up products are W4A8 on it (``_dot_given``) and x is not read."""
+    rotation): the gate_up products are W4A8 on it (``_dot_given``) and x is not read.
+
+    ``route`` (with ``table``, no ``expert_range``): the router's logits, not yet routed; the
+    gate_up launch routes them (``router_topk``'s program and bits) into ``expert_ids`` and
+    ``weights`` (contiguous: written in place) on its way, where ``router_topk`` took a launch
+    of its own before it: a MoE layer's decode step in one launch fewer."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     D, I = layout_dims(layout)
     T, A = slot_idx.shape
@@ -852,6 +896,8 @@ def moe_gemv(
     lo, hi = expert_range if expert_range is not None else (0, 0)
     if shared_down is not None and (T != 1 or shared is None):
         raise ValueError("shared_down runs with one token, into a residual and a shared output")
+    if route is not None:
+        _check_fold(route, table, expert_range, expert_ids, weights, T, A)
     if T == 0:
         return out
     slots = slot_idx.to(torch.int64).contiguous()  # no copy (and no launch) when already so
@@ -878,7 +924,7 @@ def moe_gemv(
         split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
         TABLE=table is not None, FAR=count, RANGE=expert_range is not None, pairs=T * A, **sd,
-        xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED,
+        xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED, **_route_args(route, rw, A),
         num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
@@ -892,9 +938,42 @@ def moe_gemv(
         lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
         BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
         INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
-        ACC=expert_range is not None, num_warps=config.num_warps, **pdl_kwargs(x.device),
+        ACC=expert_range is not None, LATE=route is not None, num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
+
+
+def _check_fold(route: RouterLogits, table, expert_range, ids: torch.Tensor, weights: torch.Tensor, T: int,
+                A: int) -> None:  # fmt: skip
+    """``moe_gemv``'s ``route``, checked: errors name what does not fit."""
+    if table is None or expert_range is not None:
+        raise ValueError("route (the top-k in the expert launch) needs a slot table and no expert_range")
+    logits = route.logits
+    if logits.dim() != 2 or logits.shape[0] != T or logits.stride(1) != 1:
+        raise ValueError(
+            f"route's logits must be [T={T}, E + X] with contiguous rows, got {list(logits.shape)}"
+        )
+    if table.shape != (route.num_experts,):
+        raise ValueError(f"route has {route.num_experts} experts, the slot table {list(table.shape)}")
+    if not (ids.is_contiguous() and weights.is_contiguous()):
+        raise ValueError("route writes expert_ids and weights in place: both must be contiguous")
+    _check_route("moe_gemv's route", T, logits.shape[1], logits.dtype, logits.device, route.num_experts, A,
+                 weights, ids)  # fmt: skip
+
+
+def _route_args(route: RouterLogits | None, rw: torch.Tensor, A: int) -> dict:
+    """The gate_up kernel's routing arguments (placeholders without ``route``)."""
+    if route is None:
+        return dict(
+            logits=rw, logit_row=0, rw=rw, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0
+        )
+    logits = route.logits
+    return dict(
+        logits=logits, logit_row=logits.stride(0), rw=rw, ROUTE=True, E=route.num_experts,
+        BLOCK_E=triton.next_power_of_2(route.num_experts), A_P2=triton.next_power_of_2(A),
+        NORMALIZE=route.normalize, RCODE=DTYPE_CODE[logits.dtype],
+    )  # fmt: skip
 
 
 def a8_unsupported(layout: BlockLayout) -> str | None:

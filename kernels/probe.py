@@ -25,7 +25,7 @@ import torch
 
 from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
-from edgerun.kernels.moe_reference import layout_dims, moe_experts_ref, random_pool
+from edgerun.kernels.moe_reference import RouterLogits, layout_dims, moe_experts_ref, random_pool
 
 TOLERANCE = 2e-2
 TRITON = MoeKernelPolicy(impl="triton")
@@ -84,6 +84,9 @@ def _probe(
     ok, worst = _cases(layout, device, top_k, policy, tokens, torch.bfloat16)
     if not ok:
         return False, worst
+    why = _route_case(layout, device, top_k, policy)
+    if why:
+        return False, why
     torch.cuda.synchronize(device)
     return True, (
         f"matched the reference on {torch.cuda.get_device_name(device)} (max error {worst:.1e} of the "
@@ -164,6 +167,34 @@ def _probe_cpu_grouped(layout: BlockLayout, top_k: int) -> tuple[bool, str]:
         f"matched the reference (max error {worst:.1e} of the output's scale, limit {TOLERANCE:g}), "
         "the same bits on 1 and 2 threads"
     )
+
+
+def _route_case(layout: BlockLayout, device: torch.device, top_k: int, policy: MoeKernelPolicy) -> str | None:
+    """A decode step that leaves its top-k to the expert launch (``moe_experts``' ``route``, over
+    a slot table), at one token and a batch's eight: the ids, weights and output must be those
+    of ``router_topk``'s launch followed by the step on its ids, bit for bit. None, or why not."""
+    from edgerun.kernels.decode_triton import router_topk
+
+    D, _ = layout_dims(layout)
+    E = top_k + 2
+    gen = torch.Generator(device=device).manual_seed(1)
+    pool, gscales = random_pool(layout, E, generator=gen, device=device)
+    table = torch.randperm(E, generator=gen, device=device)
+    for T in (t for t in (1, 8) if t <= policy.gemv_tokens(layout)):
+        x = torch.randn(T, D, generator=gen, device=device).bfloat16()
+        logits = torch.randn(T, E + 1, generator=gen, device=device).bfloat16()
+        w, ids = (
+            torch.empty(T, top_k, dtype=x.dtype, device=device),
+            torch.empty(T, top_k, dtype=torch.long, device=device),
+        )
+        router_topk(logits, E, top_k, True, w, ids)
+        want = moe_experts(x, pool, table[ids], ids, w, layout, gscales, policy=policy, table=table)
+        got_w, got_ids = torch.full_like(w, float("nan")), torch.full_like(ids, -1)
+        got = moe_experts(x, pool, table[ids], got_ids, got_w, layout, gscales, policy=policy, table=table,
+                          route=RouterLogits(logits, E, True))  # fmt: skip
+        if not (torch.equal(got_ids, ids) and torch.equal(got_w, w) and torch.equal(got, want)):
+            return f"T={T}: the top-k in the expert launch differs from router_topk's launch"
+    return None
 
 
 def _cases(

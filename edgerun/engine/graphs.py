@@ -48,7 +48,8 @@ from edgerun.cache.slots import SlotRef
 from edgerun.engine.sampler import NonFiniteLogits
 from edgerun.engine.streaming import HeldExperts, StreamingExperts, lookup, run_experts
 from edgerun.errors import EdgerunError
-from edgerun.kernels.moe import add_into
+from edgerun.kernels.moe import add_into, folds_route
+from edgerun.kernels.moe_reference import RouterLogits
 from edgerun.kernels.scratch import scratch_set
 from edgerun.models.layers import (
     DecodeState,
@@ -300,7 +301,14 @@ class DecodeGraphs:
         for i in self.fold_down:
             mlp, buf = self.layers[i].mlp, self.moe[i]
             buf.mid = torch.zeros(N, mlp.shared_expert.down_proj.in_features, dtype=self.dtype, **kw)
-            buf.logits = torch.zeros(N, mlp.gate.proj.out_features, dtype=self.dtype, **kw)
+        # each MoE layer whose expert step runs the decode kernel over a slot table routes there:
+        # the router's launch leaves its logits, the expert launch picks and stores the top-k
+        # (``moe_experts``' ``route``; router_topk's bits, one launch fewer a layer)
+        self.fold_topk = {i for i in self.modes if self._folds_topk(i)}
+        for i in self.fold_down | self.fold_topk:
+            self.moe[i].logits = torch.zeros(
+                N, self.layers[i].mlp.gate.proj.out_features, dtype=self.dtype, **kw
+            )
         self.ops = self._plan()
         if head is not None and self.rows > 1:  # the MTP head's windows: every projection a GEMV
             self.ops = [(kind, _in_draft_rows(fn)) for kind, fn in self.ops]
@@ -336,6 +344,13 @@ class DecodeGraphs:
         if self.rows != 1 or self.is_window or self.modes[i] not in ("routed", "table"):
             return False
         return self.policy.moe.impl == "triton" and mlp.defers_down(self.x, self.static.fused)
+
+    def _folds_topk(self, i: int) -> bool:
+        """Whether layer i's expert step routes the router's logits itself (see __init__)."""
+        experts = self.layers[i].mlp.experts
+        if not (self.static.fused and self.modes[i] == "table" and isinstance(experts, StreamingExperts)):
+            return False
+        return folds_route(self.policy.moe, experts.cache.bundle.layouts[i], self.rows, True)
 
     def _next_moe(self, i: int) -> int | None:
         return next((j for j in sorted(self.modes) if j > i), None)
@@ -407,7 +422,7 @@ class DecodeGraphs:
             mlp(self.x, "residual", self.x, norm=norm)
             return
         buf = self.moe[i]
-        fused = self.static.fused  # the top-k (and shared gate_up) in the router GEMV's launch
+        fused = self.static.fused  # the fused kernels (the shared gate_up in the router GEMV's launch)
         mlp.route_shared(
             self.x,
             (buf.weights, buf.ids),
@@ -419,6 +434,7 @@ class DecodeGraphs:
             buf.logits,
             i in self.fold_down,
             self.hq,
+            topk=i not in self.fold_topk,
         )  # MLP input in h (and hq)
         if i in self.predict:  # the next layer's router on this residual stream (see __init__)
             nxt = self.layers[self.predict[i]]
@@ -467,9 +483,13 @@ class DecodeGraphs:
         # table: the kernel looks every slot up itself; routed: the refs of the lookup just before
         # this segment (captured: checked at capture, and at replay nothing runs between the
         # lookup and the kernel)
+        route = None
+        if i in self.fold_topk:  # the router's launch left its logits: this launch routes them
+            gate = self.layers[i].mlp.gate
+            route = RouterLogits(buf.logits, gate.num_experts, gate.normalize)
         run_experts(
             self.cache, i, self.h, buf.slots, buf.ids, buf.weights, self.policy.moe, buf.refs,
-            table=buf.table, into=self._into(i), shared_down=shared_down, xq=self.hq,
+            table=buf.table, into=self._into(i), shared_down=shared_down, xq=self.hq, route=route,
         )  # fmt: skip
 
     def _experts_eager(self, i: int) -> None:

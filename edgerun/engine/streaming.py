@@ -26,6 +26,7 @@ from edgerun.cache.policy import fetches
 from edgerun.cache.slots import SlotRef
 from edgerun.config import CacheConfig
 from edgerun.kernels.moe import MoeKernelPolicy, accumulator, moe_experts
+from edgerun.kernels.moe_reference import RouterLogits
 from edgerun.models.layers import MAX_GEMV_ROWS, VERIFY_WINDOW, Experts, SparseMoe
 
 REFERENCE = MoeKernelPolicy()
@@ -47,13 +48,15 @@ def run_experts(
     out_dtype: torch.dtype | None = None,
     shared_down: tuple | None = None,
     xq: tuple[torch.Tensor, ...] | None = None,
+    route: RouterLogits | None = None,
 ) -> torch.Tensor:
     """Layer ``layer``'s routed experts over its slot pool: x [N, D], slots / ids [N, A] (the
     slot of each entry), weights [N, A] -> [N, D] (``acc`` and ``expert_range``: one part of a
     step run in parts; ``table``: slots looked up from the layer's device slot table; ``into``:
     added into a residual in place; ``out_dtype``: the result's, default x's; ``shared_down``: the
     shared expert's down projection in the step's launch; ``xq``: x quantized to int8 for int8
-    expert activations; see ``moe_experts``).
+    expert activations; ``route``: the router's logits, routed by the step's launch into ids and
+    weights; see ``moe_experts``).
 
     ``refs`` are the slot references the lookup handed out for ``slots``; each is checked
     against the slot table first, so a slot refilled since its lookup is refused
@@ -65,7 +68,7 @@ def run_experts(
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy, out_dtype,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
-        far=cache.far.get(layer), shared_down=shared_down, xq=xq,
+        far=cache.far.get(layer), shared_down=shared_down, xq=xq, route=route,
     )  # fmt: skip
 
 

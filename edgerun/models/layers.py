@@ -981,6 +981,7 @@ class Router(nn.Module):
         also: tuple[QLinear, str, torch.Tensor] | None = None,
         logits: torch.Tensor | None = None,
         norm_q_out: tuple[torch.Tensor, ...] | None = None,
+        topk: bool = True,
     ) -> torch.Tensor:
         """:meth:`logits` then :meth:`select` into ``out`` (weights, ids); returns the logits
         (written into ``logits`` [N, E + extra] when given: a decode step's static buffer).
@@ -988,11 +989,13 @@ class Router(nn.Module):
         own logits once: slower with PDL, docs/benchmarks.md 2026-12-06). ``also``: another
         projection of the normalised x in the GEMV's launch (QLinear's), where fused and it runs
         ``qgemv``; else the caller runs it. ``norm_q_out``: the normalised x quantized to int8 for
-        the experts (:meth:`QLinear.forward`)."""
+        the experts (:meth:`QLinear.forward`). ``topk`` False: no selection; ``out`` is left to
+        the expert step, whose launch routes the logits (``moe_experts``' ``route``)."""
         if also is not None and not (fused and self.proj.takes_qgemv(x)):
             raise ValueError("Router.route runs another projection in its launch only where fused")
         logits = self.proj(x, out=logits, norm=norm, norm_out=norm_out, also=also, norm_q_out=norm_q_out)
-        self.select(logits, out, fused)
+        if topk:
+            self.select(logits, out, fused)
         return logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1095,6 +1098,7 @@ class SparseMoe(nn.Module):
         logits: torch.Tensor | None = None,
         defer: bool = False,
         hq: tuple[torch.Tensor, ...] | None = None,
+        topk: bool = True,
     ) -> torch.Tensor:
         """The decode step's router and shared expert on norm(x), x [N, D]: the router into
         ``out`` (weights, ids) as :meth:`Router.route` (the normalised x into ``h``), the gated
@@ -1107,19 +1111,20 @@ class SparseMoe(nn.Module):
         :meth:`defers_down`): the shared expert's down projection is left to the expert step's
         launch (:meth:`shared_down`, ``moe_triton.moe_gemv``'s ``shared_down``). ``hq``: h
         quantized to int8 per 32 columns too, for int8 expert activations (``Router.route``'s
-        ``norm_q_out``)."""
+        ``norm_q_out``). ``topk`` False: the top-k is left to the expert step (``Router.route``)."""
         gate_up = self.shared_expert.gate_up if self.has_shared else None
         paired = gate_up is not None and fused and self.gate.proj.pairs_with(gate_up, x)
         if defer and not (paired and self.shared_expert.down_proj.tile is not None):  # (defers_down, cheaply)
             raise ValueError("the shared expert's down projection cannot wait for the expert step here")
         if not paired:
-            logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits, norm_q_out=hq)
+            logits = self.gate.route(x, out, fused, norm, norm_out=h, logits=logits, norm_q_out=hq, topk=topk)
             self.shared_output(h, logits, out=shared)
             return logits
         mid = mid if mid is not None else x.new_empty(x.shape[0], gate_up.out_features // 2)
         logits = self.gate.route(
-            x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid), logits=logits, norm_q_out=hq
-        )
+            x, out, fused, norm, norm_out=h, also=(gate_up, "silu_mul", mid), logits=logits, norm_q_out=hq,
+            topk=topk,
+        )  # fmt: skip
         if not defer:
             self.shared_expert.down_proj(mid, "gated", shared, logits[:, self.gate.num_experts :])
         return logits

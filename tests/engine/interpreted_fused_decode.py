@@ -112,8 +112,14 @@ def test_fused_decode_step_matches_torch(sources, tmp_path, arch, dense, monkeyp
     )
     assert torch_calls > 0  # the count sees the reference when it runs
     fused = Resolved(MoeKernelPolicy("triton"), graphs=False, dense="triton")
+    from edgerun.kernels import decode_triton
+
+    topk, routed = decode_triton.router_topk, []
+    monkeypatch.setattr(decode_triton, "router_topk", lambda *a, **k: routed.append(1) or topk(*a, **k))
     got_tokens, got, fused_ref_calls, paired, convs = decode(runner, fused, monkeypatch)
     assert fused_ref_calls == 0  # every projection of a fused decode step ran the GEMV
+    # every MoE layer's top-k in its expert launch (``route``), none in a launch of its own
+    assert runner.decoder.fold_topk == set(runner.args.moe_layers) and not routed
     # Qwen3.5's shared expert: its gate_up in each MoE layer's router launch, its down in the
     # expert step's gate_up launch; each DeltaNet layer's conv in its in_proj's launch, every step
     qwen35 = arch == "qwen3_5_moe"

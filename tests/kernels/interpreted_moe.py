@@ -302,3 +302,91 @@ def test_shared_down_refusals_name_what_does_not_fit():
         K.moe_gemv(*one, into=(resid[:1], shared[:1]), shared_down=(down, mid, logit, FEW["int4"]))
     with pytest.raises(ValueError, match="columns"):
         K.moe_gemv(*one, into=(resid[:1], shared[:1]), shared_down=(down, mid[:, :32], logit, MANY["int4"]))
+
+
+@pytest.mark.parametrize(
+    "fmt, T, extra",
+    [(("int4", 32, "none"), 1, "shared_xq"), (("int4", 16, "hadamard"), 3, "far"), (("bf16", None, "none"), 2, "")],
+    ids=["int4-1-shared-xq", "int4-rot-3-far", "bf16-2"],
+)
+def test_gemv_routes_the_router_logits_itself(fmt, T, extra):
+    """``route``: the gate_up launch routes the router's logits (a pair's programs pick its
+    expert, one program a token stores the token's ids and weights) and the down launch reads
+    them after its wait. The ids, weights and output equal router_topk's launch followed by the
+    call on its ids, bit for bit (ties among the logits, the softmax's renormalisation, a
+    rotation, the shared down and int8 x in the launch, a far tier's counts), twice."""
+    from edgerun.kernels.decode_triton import router_topk
+    from edgerun.kernels.moe_reference import FarTier, RouterLogits
+    from edgerun.kernels.qlinear_w4a8 import quantize_x
+
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(13)
+    E, A = 16, 8
+    x, pool, _, _, _, _, gs = random_step(layout, T, A, E, gen, x_dtype=torch.bfloat16)
+    D = x.shape[1]
+    table = torch.randperm(E, generator=gen)
+    logits = torch.randn(T, E + 1, generator=gen).bfloat16()
+    logits[0, 3] = logits[0, 11] = logits[0, :E].max() + 1  # a tie at the top: the lower id first
+    resid = torch.randn(T, D, generator=gen).bfloat16()
+    want_w, want_ids = torch.empty(T, A, dtype=torch.bfloat16), torch.empty(T, A, dtype=torch.int64)
+    router_topk(logits, E, A, True, want_w, want_ids)
+    assert want_ids[0, 0] == 3 and want_ids[0, 1] == 11
+    kw, far_args = {}, None
+    if extra == "shared_xq":
+        from edgerun.kernels.qlinear_reference import random_qweight
+
+        down = random_qweight("int4", D, 48, 16, gen, dtype=torch.bfloat16)
+        mid = torch.randn(1, 48, generator=gen).bfloat16()
+        kw = dict(xq=quantize_x(x))
+        shared_down = (down, mid, logits[:, E:], K.shared_down_tile(down))
+    if extra == "far":
+        near, rows = pool[:5].clone(), pool[5:].clone()
+        far_args = (near, rows)
+
+    def run(route):
+        ids = torch.full((T, A), -1, dtype=torch.int64) if route else want_ids.clone()
+        w = torch.full((T, A), float("nan"), dtype=torch.bfloat16) if route else want_w.clone()
+        r = RouterLogits(logits, E, True) if route else None
+        shared = torch.zeros(T, D, dtype=torch.bfloat16)
+        call = dict(kw, table=table, into=(resid.clone(), shared), route=r)
+        if extra == "shared_xq":
+            call["shared_down"] = shared_down
+        p = pool
+        if far_args is not None:
+            uses = torch.zeros(E, dtype=torch.int32)
+            call["far"] = FarTier(far_args[1], torch.zeros(1, dtype=torch.int64), uses)
+            p = far_args[0]
+        out = K.moe_gemv(x, p, table[ids.clamp(min=0)], ids, w, layout, gs, **call)
+        counted = call["far"].uses.clone() if far_args is not None else None
+        return out, ids, w, shared, counted
+
+    want = run(False)
+    for _ in range(2):
+        got = run(True)
+        assert torch.equal(got[1], want_ids) and torch.equal(got[2], want_w)
+        assert all(torch.equal(g, h) for g, h in zip(got[:4], want[:4]))
+        if far_args is not None:
+            assert torch.equal(got[4], want[4]) and int(got[4].sum()) == T * A
+
+
+def test_gemv_route_refusals_name_what_does_not_fit():
+    """route without a table, with expert_range, with ids not contiguous, with another expert
+    count than the table's, with logits of other rows: refused, naming it."""
+    from edgerun.kernels.moe_reference import RouterLogits
+
+    layout = layout_for(("int4", 32, "none"))
+    gen = torch.Generator().manual_seed(2)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 2, 2, 6, gen)
+    table = torch.arange(6)
+    route = RouterLogits(torch.randn(2, 7), 6, True)
+    cases = [
+        (dict(route=route), "needs a slot table"),
+        (dict(route=route, table=table, expert_range=(0, 5), acc=torch.zeros(2, x.shape[1])), "table"),
+        (dict(route=RouterLogits(torch.randn(2, 9), 8, True), table=table), "8 experts, the slot table"),
+        (dict(route=RouterLogits(torch.randn(3, 7), 6, True), table=table), r"\[T=2, E \+ X\]"),
+    ]
+    for kw, why in cases:
+        with pytest.raises(ValueError, match=why):
+            K.moe_gemv(x, pool, slots, ids, w, layout, gs, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.moe_gemv(x, pool, slots, ids.t().contiguous().t(), w, layout, gs, route=route, table=table)

@@ -37,7 +37,7 @@ FLAGS = {
     "G",
     "FAR",
     "SLOTS",
-    "SLICE",  # the DeltaNet step's: a head's columns in one program, or split (its norm by the last)
+    "SLICE",  # the DeltaNet step's: a head's columns in one program, or split (its norm a launch after)
 }  # constexprs that pick code paths, not sizes
 
 
