@@ -181,3 +181,30 @@ def test_shared_down_in_the_gate_up_launch_at_the_real_geometry(scheme):
             shared_down=(down, mid, logit, tile),
         )
         assert torch.equal(got_shared, shared) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_gemv_routes_the_router_logits_at_the_real_geometry(T):
+    """``route`` at Qwen3.6's router (256 experts, top 8, renormalised) over a slot table: the
+    ids, weights and the residual after the step are router_topk's launch followed by the step
+    on its ids, bit for bit."""
+    from edgerun.kernels import moe_triton as K
+    from edgerun.kernels.decode_triton import router_topk
+    from edgerun.kernels.moe_reference import RouterLogits
+
+    layout = layout_for(("int4", 32, "none"), **REAL)
+    g = gen(40 + T)
+    x, pool, _, _, _, _, gs = random_step(layout, T, 8, 256, g, device="cuda", x_dtype=torch.bfloat16)
+    table = torch.randperm(256, generator=g, device="cuda")
+    logits = torch.randn(T, 257, generator=g, device="cuda").bfloat16()
+    w = torch.empty(T, 8, dtype=torch.bfloat16, device="cuda")
+    ids = torch.empty(T, 8, dtype=torch.long, device="cuda")
+    router_topk(logits, 256, 8, True, w, ids)
+    resid = torch.randn(T, 2048, generator=g, device="cuda").bfloat16()
+    want = K.moe_gemv(x, pool, table[ids], ids, w, layout, gs, table=table, into=(resid.clone(), None))
+    got_w, got_ids = torch.full_like(w, float("nan")), torch.full_like(ids, -1)
+    route = RouterLogits(logits, 256, True)
+    got = K.moe_gemv(
+        x, pool, table[ids], got_ids, got_w, layout, gs, table=table, into=(resid.clone(), None), route=route
+    )
+    assert torch.equal(got_ids, ids) and torch.equal(got_w, w) and torch.equal(got, want)
