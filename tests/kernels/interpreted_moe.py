@@ -306,7 +306,11 @@ def test_shared_down_refusals_name_what_does_not_fit():
 
 @pytest.mark.parametrize(
     "fmt, T, extra",
-    [(("int4", 32, "none"), 1, "shared_xq"), (("int4", 16, "hadamard"), 3, "far"), (("bf16", None, "none"), 2, "")],
+    [
+        (("int4", 32, "none"), 1, "shared_xq"),
+        (("int4", 16, "hadamard"), 3, "far"),
+        (("bf16", None, "none"), 2, ""),
+    ],
     ids=["int4-1-shared-xq", "int4-rot-3-far", "bf16-2"],
 )
 def test_gemv_routes_the_router_logits_itself(fmt, T, extra):
