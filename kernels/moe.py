@@ -57,10 +57,10 @@ class MoeKernelPolicy:
         return GEMV_MAX_TOKENS[layout.quant]
 
 
-def folds_route(policy: MoeKernelPolicy, layout: BlockLayout, rows: int, table: bool) -> bool:
-    """Whether a step of ``rows`` tokens can leave its top-k to the expert launch (``moe_experts``'
-    ``route``): the decode kernel runs it, over a slot table (every expert held)."""
-    return table and policy.impl == "triton" and 0 < rows <= policy.gemv_tokens(layout)
+def folds_route(policy: MoeKernelPolicy, layout: BlockLayout, rows: int) -> bool:
+    """Whether a step of ``rows`` tokens over a slot table (every expert held) can leave its top-k
+    to the expert launch (``moe_experts``' ``route``): the decode kernel runs it."""
+    return policy.impl == "triton" and 0 < rows <= policy.gemv_tokens(layout)
 
 
 def moe_experts(

@@ -350,7 +350,7 @@ class DecodeGraphs:
         experts = self.layers[i].mlp.experts
         if not (self.static.fused and self.modes[i] == "table" and isinstance(experts, StreamingExperts)):
             return False
-        return folds_route(self.policy.moe, experts.cache.bundle.layouts[i], self.rows, True)
+        return folds_route(self.policy.moe, experts.cache.bundle.layouts[i], self.rows)
 
     def _next_moe(self, i: int) -> int | None:
         return next((j for j in sorted(self.modes) if j > i), None)
