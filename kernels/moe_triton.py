@@ -393,14 +393,14 @@ def _down_kernel(
     r0 = j * BLOCK_R
     rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     run = True
-    if RANGE or LATE:  # a step in parts: a pair outside lo..hi reads no slot, so nothing before the wait
-        _grid_sync(PDL)
+    if RANGE or LATE:  # nothing before the wait: a step in parts' pair outside lo..hi reads no slot,
+        _grid_sync(PDL)  # and a routing gate_up launch (LATE) wrote ids just before
     if RANGE:
         e = tl.load(ids + p)
         run = (e >= lo) & (e <= hi)
     if run:
-        # the pair's slot and first step of weights before the wait (kernels/launch.py): the
-        # router wrote ids (the slots: the cache, before the step's expert launches) two
+        # otherwise the pair's slot and first step of weights before the wait (kernels/launch.py):
+        # the router wrote ids (the slots: the cache, before the step's expert launches) two
         # launches back, the gate_up launch between them writes neither
         slot = _slot(slots, table, ids, p, TABLE)
         w = wpool + _at(slot, split, w_block, w_far) + w_off
