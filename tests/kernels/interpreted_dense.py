@@ -189,10 +189,8 @@ def test_unsupported_geometries():
 
 def test_a_heads_columns_split_among_programs():
     """Qwen3.6's 32 value heads of 128 columns take 8 programs each (256 a row); a geometry with
-    many heads or narrow ones keeps fewer, or one a head. After a call of split heads the norms' arrival
-    counters are back at 0 (each last arrival resets its own), ready for the next call."""
-    from edgerun.kernels.scratch import counters
-
+    many heads or narrow ones keeps fewer, or one a head. Split heads (their norms in the launch
+    after the delta rule) match the reference."""
     assert K.delta_slices(REAL.n_v, REAL.dv) == 8
     assert K.delta_slices(64, 128) == 4 and K.delta_slices(4, 16) == 1 and K.delta_slices(2, 64) == 4
     dims = GEOMETRIES[3]
@@ -200,7 +198,6 @@ def test_a_heads_columns_split_among_programs():
     inputs = random_delta_inputs(dims, 2, torch.Generator().manual_seed(3), dtype=torch.bfloat16)
     ref_in = clone_inputs(inputs)
     assert_matches(K.delta_decode(**inputs), delta_decode_ref(**ref_in))
-    assert not counters(torch.device("cpu"), 2 * dims.n_v)[: 2 * dims.n_v].any()
 
 
 # --------------------------------------------------------------------------------------------
