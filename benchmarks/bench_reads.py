@@ -2,11 +2,19 @@
 blocks of Qwen3.6-35B-A3B's int4 expert (hidden 2048, width 512, groups of 32: the block size the
 bundle layout gives, 1,671,168 bytes), O_DIRECT (the page cache plays no part), queue depths 1..64.
 
-Backends (each a closed loop keeping exactly ``depth`` reads in flight):
+Backends (each a closed loop keeping exactly ``depth`` blocks in flight):
   preadv        the engine's BlockReader, reader preadv: a thread per read in flight
   io_uring      the engine's BlockReader, reader io_uring: the same threads, one shared ring
   io_uring-raw  one thread, one ring, ``depth`` reads submitted and reaped in batches, no pool:
                 what a reader built around the ring alone could reach (not an engine path)
+  native        the engine's BlockReader, reader native (the C pool), whole blocks into staging
+                (a prefetch's read: the buffer handed back once the block is there)
+  native-xN     the same, each block read as N pieces at once (read_pieces N: depth x N requests)
+  native-sum    native, each block's xxh3-64 checked in C and copied to host memory (fetch)
+  native-dev    native, checked and copied to device memory on a stream (CUDA): the engine's
+                demand read, end to end
+The native rows also give the requests the disk had in flight on average while busy (the pool's
+own clock), which shows whether a closed loop at a depth really kept that many.
 
 ``--idle-ms 0,2,10`` runs another study instead: one read at a time, each after the disk idled
 that long (the engine's pattern without prefetch: a layer's reads start after its router, the
@@ -65,7 +73,7 @@ def make_file(path: Path, nbytes: int) -> None:
         print(f"reusing {path} ({nbytes / 2**30:.2f} GiB)", flush=True)
     else:
         t0 = time.perf_counter()
-        chunk = os.urandom(64 << 20)
+        chunk = pattern()
         with open(path, "wb") as f:
             left = nbytes
             while left:
@@ -79,19 +87,88 @@ def make_file(path: Path, nbytes: int) -> None:
     os.close(fd)
 
 
-def run_reader(backend: str, path: Path, bb: int, n_blocks: int, depth: int, seconds: float, rng) -> dict:
-    """The engine's BlockReader with ``depth`` reads in flight (a completion submits the next)."""
-    r = BlockReader(bb, staging=depth, mode="direct", depth=depth, reader=backend)
+def pattern() -> bytes:
+    """The test file's 64 MiB pattern (repeated): the same every run, so blocks' sums can be
+    computed without reading the file."""
+    return random.Random(64).randbytes(64 << 20)
+
+
+def block_sums(bb: int, n_blocks: int) -> list[int]:
+    """Each block's xxh3-64 (what a bundle's manifest holds), from the pattern."""
+    import xxhash
+
+    chunk = pattern()
+    P = len(chunk)
+    twice = chunk + chunk[: bb + 1]
+    return [xxhash.xxh3_64(twice[(k * bb) % P : (k * bb) % P + bb]).intdigest() for k in range(n_blocks)]
+
+
+def reader_for(backend: str, bb: int, depth: int, n_blocks: int, sums: list[int] | None, queue: int = 1):
+    """(BlockReader, submit(path, index) -> Future) of a backend of :func:`run_reader`; a native
+    reader has ``queue`` x ``depth`` staging buffers (as many reads may be queued at it)."""
+    if not backend.startswith("native"):
+        r = BlockReader(bb, staging=depth, mode="direct", depth=depth, reader=backend)
+        return r, lambda path, k: r.submit(path, k, None, n_blocks)
+    kind = backend.split("-", 1)[1] if "-" in backend else ""
+    pieces = int(kind[1:]) if kind.startswith("x") else 1
+    r = BlockReader(bb, staging=queue * depth, mode="direct", depth=depth, reader="native", pieces=pieces)
+    depth *= queue
+    if kind not in ("sum", "dev"):
+        return r, lambda path, k: r.submit(path, k, None, n_blocks)
+    import torch
+
+    from edgerun.cache.reader import Target
+
+    if kind == "dev":
+        r.pin("cuda")
+        stream = torch.cuda.Stream("cuda")
+        rows = torch.empty(depth, bb, dtype=torch.uint8, device="cuda")
+        to = [Target("device", rows[i], stream) for i in range(depth)]
+    else:
+        rows = torch.empty(depth, bb, dtype=torch.uint8)
+        to = [Target("host", rows[i]) for i in range(depth)]
+    turn = iter(range(1 << 62))  # rows in turn: at most depth reads are in flight
+    return r, lambda path, k: r.fetch(path, k, n_blocks, to[next(turn) % depth], None, sums[k])
+
+
+def release(got) -> None:
+    """A staged block (a native read into staging, a prefetch's): its buffer handed back."""
+    if hasattr(got, "release"):
+        got.release()
+
+
+def run_reader(
+    backend: str, path: Path, bb: int, n_blocks: int, depth: int, seconds: float, rng, sums=None, queue=1
+) -> dict:
+    """The engine's BlockReader with ``depth`` reads in flight (a completion submits the next); a
+    native reader is kept ``queue`` x ``depth`` reads deep (its pool reads ``depth`` at a time, the
+    rest wait queued, as a streamed layer's misses and prefetches do)."""
+    r, submit = reader_for(backend, bb, depth, n_blocks, sums, queue)
     lat: list[float] = []
     lock = threading.Lock()
     done = threading.Event()
     state = {"stop": False, "inflight": 0, "reads": 0, "error": None}
-    r.read_into(path, 0, None, n_blocks)  # open the file and start the pool outside the timing
+    release(submit(path, 0).result())  # open the file and start the pool outside the timing
 
     def issue() -> None:
         t = time.perf_counter()
-        fut = r.submit(path, rng.randrange(n_blocks), None, n_blocks)
+        with lock:
+            k = rng.randrange(n_blocks)
+        fut = submit(path, k)
         fut.add_done_callback(lambda f, t=t: finished(f, t))
+
+    def loop() -> None:  # the native reader's futures take no callbacks: a thread per read in flight
+        while not state["stop"] and (t := time.perf_counter()) < deadline:
+            with lock:
+                k = rng.randrange(n_blocks)
+            try:
+                release(submit(path, k).result())
+            except Exception as exc:  # noqa: BLE001 - reported after the run
+                state["error"], state["stop"] = exc, True
+                return
+            with lock:
+                lat.append(time.perf_counter() - t)
+                state["reads"] += 1
 
     def finished(fut, t) -> None:
         now = time.perf_counter()
@@ -111,17 +188,35 @@ def run_reader(backend: str, path: Path, bb: int, n_blocks: int, depth: int, sec
             issue()
 
     c0, t0 = time.process_time(), time.perf_counter()
+    before = r.stats
     deadline = t0 + seconds
-    with lock:
-        state["inflight"] = depth
-    for _ in range(depth):
-        issue()
-    done.wait()
+    if backend.startswith("native"):
+        threads = [threading.Thread(target=loop) for _ in range(depth * queue)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    else:
+        with lock:
+            state["inflight"] = depth
+        for _ in range(depth):
+            issue()
+        done.wait()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    after = r.stats
     r.close()
     if state["error"] is not None:
         raise state["error"]
-    return {"reads": state["reads"], "bytes": state["reads"] * bb, "wall": wall, "cpu": cpu, "lat": lat}
+    busy = after.wall_seconds - before.wall_seconds
+    return {
+        "reads": state["reads"],
+        "bytes": state["reads"] * bb,
+        "wall": wall,
+        "cpu": cpu,
+        "lat": lat,
+        # requests at the disk on average while one was (the native pool's clock; None for others)
+        "busy_depth": (after.depth_seconds - before.depth_seconds) / busy if busy and r._native else None,
+    }
 
 
 def run_raw_uring(path: Path, bb: int, n_blocks: int, depth: int, seconds: float, rng) -> dict:
@@ -227,6 +322,9 @@ def main() -> int:
     p.add_argument(
         "--backends", default="preadv,io_uring,io_uring-raw", help="(with --idle-ms: preadv,native)"
     )
+    p.add_argument(
+        "--queue", type=int, default=1, help="native backends: reads kept queued, x depth (default 1)"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the test file for another run")
     p.add_argument("--idle-ms", default=None, help="instead: single reads after these idle gaps (0,2,10)")
@@ -274,6 +372,7 @@ def main() -> int:
             )
         return 0
     cells: dict[tuple[str, int], list[dict]] = {}
+    sums = block_sums(bb, n_blocks) if any(b in ("native-sum", "native-dev") for b in backends) else None
     try:
         for k in range(ns.rounds):
             for depth in depths:
@@ -282,7 +381,7 @@ def main() -> int:
                     res = (
                         run(path, bb, n_blocks, depth, ns.seconds, rng)
                         if run
-                        else run_reader(backend, path, bb, n_blocks, depth, ns.seconds, rng)
+                        else run_reader(backend, path, bb, n_blocks, depth, ns.seconds, rng, sums, ns.queue)
                     )
                     cells.setdefault((backend, depth), []).append(res)
     finally:
@@ -291,7 +390,7 @@ def main() -> int:
     rows = []
     print(
         f"\n{'depth':>5} {'backend':<13} {'GB/s median (range)':<22} {'lat med ms':>10} {'p99 ms':>8} "
-        f"{'CPU s/GB':>8}"
+        f"{'CPU s/GB':>8} {'in flight':>9}"
     )
     for depth in depths:
         for backend in backends:
@@ -308,11 +407,15 @@ def main() -> int:
                 "reads": sum(r["reads"] for r in runs),
                 # CPU time of this process (every thread) per GB read: what the reads cost the cores
                 "cpu_s_per_gb": sum(r["cpu"] for r in runs) / (sum(r["bytes"] for r in runs) / 1e9),
+                "busy_depth": None,
             }
+            if all(r["busy_depth"] is not None for r in runs):
+                row["busy_depth"] = statistics.median(r["busy_depth"] for r in runs)
             rows.append(row)
+            inflight = "-" if row["busy_depth"] is None else f"{row['busy_depth']:.2f}"
             print(
                 f"{depth:>5} {backend:<13} {row['gb_per_s']:6.2f} ({min(gbs):.2f}-{max(gbs):.2f}){'':<8} "
-                f"{row['lat_median_ms']:10.2f} {row['lat_p99_ms']:8.2f} {row['cpu_s_per_gb']:8.3f}",
+                f"{row['lat_median_ms']:10.2f} {row['lat_p99_ms']:8.2f} {row['cpu_s_per_gb']:8.3f} {inflight:>9}",
                 flush=True,
             )
     if ns.json:

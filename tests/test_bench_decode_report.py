@@ -107,6 +107,7 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
         return {
             "config": name, "quota": quota, "tokens_identical": True, "decode_tps": med, "ttft_s": med,
             "misses_per_token": {"median": 10.0}, "read_gbs": med, "disk_busy": med, "busy_gbs": med,
+            "busy_depth": {"median": 2.0 * depth * pieces - 0.25},
         }  # fmt: skip
 
     monkeypatch.setattr(D, "run_config", run_config)
@@ -124,6 +125,9 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     ]  # fmt: skip
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [round(c["predicted"]["tok_s_layered"], 2) for c in result["configs"]] == [4.7, 4.7, 4.9, 4.9]
+    # each streamed row says how many requests the disk had while busy (its own, not another row's)
+    rows = [ln for ln in (tmp_path / "bench_decode.md").read_text().splitlines() if "| 400% |" in ln]
+    assert [ln.split(" | ")[3] for ln in rows] == ["3.75", "7.75", "7.75", "15.75"]
     acts.clear()
     quick = ["--read-pieces", "1", "--prompt", "4", "--decode", "4", "--repeats", "1"]
     assert D.main(argv + quick + ["--dense-act", "int8", "--expert-act", "int8"]) == 0

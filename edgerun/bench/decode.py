@@ -222,18 +222,25 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         out["far_per_token"] = (after.far_reads - before.far_reads) / steps
         for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
             out[f"{key}_per_token"] = (getattr(after, key) - getattr(before, key)) / steps
-        busy, read = (b - a for a, b in zip(disk, disk_counters(cache), strict=True))
-        # the disk's side: the share of decode time with a read in flight (demand or prefetch), and
-        # what it read while busy (every block, wasted prefetches included)
+        busy, read, depth = (b - a for a, b in zip(disk, disk_counters(cache), strict=True))
+        # the disk's side: the share of decode time with a read in flight (demand or prefetch), what
+        # it read while busy (every block, wasted prefetches included), and how many requests (a
+        # piece each) it had on average while busy (the native reader's count; 0 for others)
         out["disk_busy"] = busy / stats.decode_s if stats.decode_s else 0.0
         out["busy_gbs"] = read / busy / 1e9 if busy else 0.0
+        out["busy_depth"] = depth / busy if busy else 0.0
     return out
 
 
-def disk_counters(cache) -> tuple[float, int]:
-    """(seconds with at least one read in flight, bytes read) over the cache's readers so far."""
+def disk_counters(cache) -> tuple[float, int, float]:
+    """(seconds with at least one read in flight, bytes read, requests in flight integrated over
+    time: the native reader's, 0 for others) over the cache's readers so far."""
     stats = [r.stats for r in cache.readers.values()]
-    return sum(s.wall_seconds for s in stats), sum(s.bytes for s in stats)
+    return (
+        sum(s.wall_seconds for s in stats),
+        sum(s.bytes for s in stats),
+        sum(s.depth_seconds for s in stats),
+    )
 
 
 def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
@@ -350,7 +357,8 @@ def run_config(
     rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
     rec["decode_tps"] = med([r["decode_tps"] for r in graph_runs])
     if runner.cache is not None:
-        for key in ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token", "disk_busy", "busy_gbs"):
+        keys = ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token")
+        for key in keys + ("disk_busy", "busy_gbs", "busy_depth"):
             rec[key] = med([r[key] for r in graph_runs])
         for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
             rec[f"{key}_per_token"] = med([r[f"{key}_per_token"] for r in graph_runs])
@@ -745,10 +753,11 @@ def markdown(result: dict) -> str:
     if streamed:
         lines += [
             "",
-            "| config | disk busy | read GB/s while busy | prefetch issued / useful / wasted a token | "
+            "| config | disk busy | read GB/s while busy | requests in flight while busy | "
+            "prefetch issued / useful / wasted a token | "
             "planned misses/token (error) | planned tok/s, storage bound (error) | "
             "planned tok/s, each layer's reads after its router (error) |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in streamed:
             pf = "off"
@@ -759,7 +768,9 @@ def markdown(result: dict) -> str:
             pr = r.get("predicted") or {}
             m_err, t_err, l_err = pr.get("misses_error"), pr.get("tok_s_error"), pr.get("tok_s_layered_error")
             lines.append(
-                f"| {r['config']} | {100 * r['disk_busy']['median']:.0f}% | {r['busy_gbs']['median']:.2f} | {pf} | "
+                f"| {r['config']} | {100 * r['disk_busy']['median']:.0f}% | {r['busy_gbs']['median']:.2f} | "
+                + (f"{r['busy_depth']['median']:.2f}" if "busy_depth" in r else "-")
+                + f" | {pf} | "
                 + (f"{pr['misses_per_token']:.1f} ({100 * m_err:+.0f}%)" if m_err is not None else "-")
                 + " | "
                 + (f"{pr['tok_s']:.2f} ({100 * t_err:+.0f}%)" if t_err is not None else "-")

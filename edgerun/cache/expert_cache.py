@@ -726,6 +726,16 @@ class ExpertCache:
             out[r.backend] = out.get(r.backend, 0) + r.stats.reads
         return out
 
+    def disk_time(self) -> dict[str, float]:
+        """Over every reader: ``busy``, the seconds with an expert read in flight; ``requests``,
+        the reads in flight integrated over time (a piece each where blocks are read in pieces).
+        Their ratio is the disk's mean queue while busy: what its rate depends on."""
+        stats = [r.stats for r in self.readers.values()]
+        return {
+            "busy": sum(s.wall_seconds for s in stats),
+            "requests": sum(s.depth_seconds for s in stats),
+        }
+
     def fallback_reads(self) -> dict[str, int]:
         """Reads served under each read fallback (buffered reads, pageable staging)."""
         out: dict[str, int] = {"unchecked_blocks": self.unchecked_reads} if self.unchecked_reads else {}

@@ -49,7 +49,7 @@ def library() -> ctypes.CDLL:
     p, i64, u64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
     pi64, pd = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
     sig = {
-        "er_open": ([i32, u64, i32, i32, ctypes.POINTER(u64), p, ctypes.POINTER(_CudaApi)], p),
+        "er_open": ([i32, i32, u64, i32, i32, ctypes.POINTER(u64), p, ctypes.POINTER(_CudaApi)], p),
         "er_submit": ([p, i32, u64, i32, u64, u64, i32, u64, i32], i64),
         "er_wait": ([p, i64, pi64, pd, i32], i32),
         "er_done": ([p, i64], i32),
@@ -125,21 +125,24 @@ class NativePool:
     calling thread's current CUDA context is the one the pool copies in). ``pieces``: each block
     read as that many parts at once, by as many threads (``threads`` counts them all: reads in
     flight x pieces); the pool rounds a part up to whole 4 KiB pages, so a small block may take
-    fewer (``self.pieces``)."""
+    fewer (``self.pieces``). ``spare``: threads more than that, which check and hand on a
+    finished block while the others read (never more than ``threads`` requests at the disk)."""
 
-    def __init__(self, threads: int, block: int, buffers: list[int], cuda: bool, pieces: int = 1) -> None:
+    def __init__(
+        self, threads: int, block: int, buffers: list[int], cuda: bool, pieces: int = 1, spare: int = 0
+    ) -> None:
         lib = library()
         addrs = (ctypes.c_uint64 * len(buffers))(*buffers)
         api = ctypes.byref(cuda_api()) if cuda else None
         self._lib = lib
-        self._p = lib.er_open(threads, block, pieces, len(buffers), addrs, xxh3_64(), api)
+        self._p = lib.er_open(threads, spare, block, pieces, len(buffers), addrs, xxh3_64(), api)
         self.pieces = parts(block, pieces)
         if not self._p:
             raise NativeUnavailable(
                 "the native pool did not start (threads, memory, or with CUDA: no current context)"
             )
         self.cuda = cuda
-        self._last = (0, 0, 0, 0, 0.0, 0.0)  # the counters at close, what stats() says after it
+        self._last = (0, 0, 0, 0, 0.0, 0.0, 0.0)  # the counters at close, what stats() says after it
 
     def _open(self):
         """The pool's handle; after close, an error naming it (never a call into freed memory)."""
@@ -193,13 +196,22 @@ class NativePool:
         """Cancelled before it started (True); else freed when it ends. A closed pool: nothing to do."""
         return bool(self._p) and bool(self._lib.er_drop(self._p, ticket))
 
-    def stats(self) -> tuple[int, int, int, int, float, float]:
-        """(reads, bytes, failed dropped reads, reads in flight, summed read seconds, busy wall seconds)."""
+    def stats(self) -> tuple[int, int, int, int, float, float, float]:
+        """(reads, bytes, failed dropped reads, requests in flight, summed read seconds, busy wall
+        seconds, requests in flight integrated over time); a piece is a request."""
         if not self._p:
             return self._last
-        out, secs = (ctypes.c_int64 * 4)(), (ctypes.c_double * 2)()
+        out, secs = (ctypes.c_int64 * 5)(), (ctypes.c_double * 3)()
         self._lib.er_stats(self._p, out, secs)
-        return out[0], out[1], out[2], out[3], secs[0], secs[1]
+        return out[0], out[1], out[2], out[3], secs[0], secs[1], secs[2]
+
+    def peak(self) -> int:
+        """The most requests the pool ever had at the disk at once (0 once closed)."""
+        if not self._p:
+            return 0
+        out, secs = (ctypes.c_int64 * 5)(), (ctypes.c_double * 3)()
+        self._lib.er_stats(self._p, out, secs)
+        return out[4]
 
     def close(self) -> None:
         """Stop the threads (queued reads are dropped, running ones end), wait for the copies out

@@ -68,6 +68,8 @@ typedef struct {
     pthread_cond_t work, done, bufs;
     pthread_t *threads;
     int nthreads, stop;
+    int reading, max_reading; /* threads taking or reading a piece, and how many may (the rest check
+                               * and hand on finished blocks while these read) */
     uint64_t block, piece; /* a block's bytes; a piece's (a multiple of 4096, the last may be less) */
     int npieces;
     int nbuf, nfree;
@@ -82,8 +84,9 @@ typedef struct {
     int64_t next, head; /* next ticket to hand out; lowest ticket not yet taken by a thread */
     int64_t buf_tickets, buf_serving; /* the staging buffers' queue: turns handed out, turn served */
     /* counters (ReadStats) */
-    int64_t reads, bytes, faults_dropped, inflight;
+    int64_t reads, bytes, faults_dropped, inflight, peak; /* peak: the most requests ever in flight */
     double seconds, wall, busy_since;
+    double depth_area, depth_since; /* the integral of requests in flight over time, since its last change */
 } pool_t;
 
 static double now(void) {
@@ -205,12 +208,13 @@ static void *worker(void *arg) {
     if (p->ctx && p->cu.ctx_set) p->cu.ctx_set(p->ctx);
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        job_t *j = next_piece(p);
+        job_t *j = p->reading < p->max_reading ? next_piece(p) : NULL;
         if (p->stop) break;
         if (!j) {
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
+        p->reading++;
         int k = j->taken++;
         if (k == 0) {
             j->state = RUNNING;
@@ -248,13 +252,22 @@ static void *worker(void *arg) {
         uint64_t n = p->block - at < p->piece ? p->block - at : p->piece;
         int fd = j->fd, err = 0;
         uint64_t offset = j->offset + at;
-        if (p->inflight++ == 0) p->busy_since = now();
+        double t = now();
+        p->depth_area += (double)p->inflight * (t - p->depth_since);
+        p->depth_since = t;
+        if (p->inflight++ == 0) p->busy_since = t;
+        if (p->inflight > p->peak) p->peak = p->inflight;
         pthread_mutex_unlock(&p->mu);
 
         int64_t got = read_all(fd, to + at, n, offset, &err);
 
         pthread_mutex_lock(&p->mu);
-        if (--p->inflight == 0) p->wall += now() - p->busy_since;
+        t = now();
+        p->depth_area += (double)p->inflight * (t - p->depth_since);
+        p->depth_since = t;
+        if (--p->inflight == 0) p->wall += t - p->busy_since;
+        p->reading--; /* another thread may read while this one checks and hands the block on */
+        pthread_cond_signal(&p->work);
         if (got < 0) {
             if (!j->err) j->err = err ? err : EIO;
         } else {
@@ -274,9 +287,11 @@ static void *worker(void *arg) {
 void er_close(pool_t *p);
 
 /* ``pieces``: the parts a block is read in at once (each a multiple of 4096 bytes; 1: whole
- * blocks); ``nthreads`` should be reads in flight x pieces. */
-pool_t *er_open(int nthreads, uint64_t block, int pieces, int nbuf, const uint64_t *buffers, hash_fn hash,
-                const cuda_api *cu) {
+ * blocks); ``nthreads`` should be reads in flight x pieces: at most that many requests are at the
+ * disk. ``spare`` more threads let a finished block's check and copy run while the next read
+ * starts (0: the thread that read a block's last piece checks it before it reads again). */
+pool_t *er_open(int nthreads, int spare, uint64_t block, int pieces, int nbuf, const uint64_t *buffers,
+                hash_fn hash, const cuda_api *cu) {
     pool_t *p = calloc(1, sizeof(pool_t));
     if (!p) return NULL;
     pthread_mutex_init(&p->mu, NULL);
@@ -295,6 +310,8 @@ pool_t *er_open(int nthreads, uint64_t block, int pieces, int nbuf, const uint64
     p->free_list = calloc(nbuf, sizeof(int));
     p->events = calloc(nbuf, sizeof(void *));
     p->fenced = calloc(nbuf, sizeof(int));
+    p->max_reading = nthreads;
+    if (spare > 0) nthreads += spare;
     p->threads = calloc(nthreads, sizeof(pthread_t));
     if (!p->buffers || !p->free_list || !p->events || !p->fenced || !p->threads) {
         er_close(p);
@@ -436,15 +453,20 @@ int er_drop(pool_t *p, int64_t ticket) {
     return cancelled;
 }
 
-/* out = {reads, bytes, faults of dropped jobs, reads in flight}, secs = {summed read seconds, wall}. */
+/* out = {reads, bytes, faults of dropped jobs, requests in flight, the most ever in flight},
+ * secs = {summed read seconds, wall, requests in flight integrated over time (their mean while
+ * busy: this over wall)}. */
 void er_stats(pool_t *p, int64_t *out, double *secs) {
     pthread_mutex_lock(&p->mu);
     out[0] = p->reads;
     out[1] = p->bytes;
     out[2] = p->faults_dropped;
     out[3] = p->inflight;
+    out[4] = p->peak;
     secs[0] = p->seconds;
-    secs[1] = p->wall + (p->inflight ? now() - p->busy_since : 0.0);
+    double t = now();
+    secs[1] = p->wall + (p->inflight ? t - p->busy_since : 0.0);
+    secs[2] = p->depth_area + (double)p->inflight * (t - p->depth_since);
     pthread_mutex_unlock(&p->mu);
 }
 

@@ -153,6 +153,7 @@ class ReadStats:
     bytes: int = 0
     seconds: float = 0.0  # summed per-read wall time (reads overlap: see wall_seconds)
     wall_seconds: float = 0.0  # time with at least one read in flight
+    depth_seconds: float = 0.0  # requests at the disk integrated over time (native reader; pieces count)
     rereads: int = 0  # blocks read again after failing their check
     wasted_faults: int = 0  # staged reads dropped unclaimed that failed (nothing used their bytes)
     fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> reason
@@ -260,6 +261,7 @@ class BlockReader:
         self._lock = threading.Lock()
         self._inflight = 0
         self._busy_since = 0.0
+        self._depth_since = 0.0  # the last change of _inflight (reads in flight x time: ReadStats)
         self.staged = 0  # staged reads submitted and not yet released (see ``stage``)
         # a reader dropped without close() still unregisters its page-locked buffers before they
         # are unmapped (else a later mapping at the same address could not be registered) and
@@ -336,7 +338,7 @@ class BlockReader:
         """The reads' counters (with the native reader: its C pool's, plus this side's re-reads)."""
         if self._native is None:
             return self._stats
-        reads, nbytes, faults, _, seconds, wall = self._native.stats()
+        reads, nbytes, faults, _, seconds, wall, depth = self._native.stats()
         st = self._stats
         return replace(
             st,
@@ -344,6 +346,7 @@ class BlockReader:
             bytes=nbytes,
             seconds=seconds,
             wall_seconds=st.wall_seconds + wall,
+            depth_seconds=st.depth_seconds + depth,
             wasted_faults=st.wasted_faults + faults,
         )
 
@@ -387,12 +390,14 @@ class BlockReader:
                     with torch.cuda.device(self._cuda_device):  # the pool copies in this device's context,
                         torch.cuda.synchronize()  # current on this thread from here (the runtime makes it so)
                         self._native = N.NativePool(
-                            self.depth * self.pieces, self.block_bytes, addrs, cuda=True, pieces=self.pieces
-                        )
+                            self.depth * self.pieces, self.block_bytes, addrs, cuda=True, pieces=self.pieces,
+                            spare=self.depth,
+                        )  # fmt: skip
                 else:
                     self._native = N.NativePool(
-                        self.depth * self.pieces, self.block_bytes, addrs, cuda=False, pieces=self.pieces
-                    )
+                        self.depth * self.pieces, self.block_bytes, addrs, cuda=False, pieces=self.pieces,
+                        spare=self.depth,
+                    )  # fmt: skip
             except N.NativeUnavailable as exc:
                 raise ReadError(f"reader native: {exc} (set reader: preadv)") from exc
             self._natives.append(self._native)
@@ -688,15 +693,24 @@ class BlockReader:
 
     def _begin(self) -> None:
         with self._lock:
+            now = self._depth_tick()
             if self._inflight == 0:
-                self._busy_since = time.perf_counter()
+                self._busy_since = now
             self._inflight += 1
 
     def _end(self) -> None:
         with self._lock:
+            now = self._depth_tick()
             self._inflight -= 1
             if self._inflight == 0:
-                self._stats.wall_seconds += time.perf_counter() - self._busy_since
+                self._stats.wall_seconds += now - self._busy_since
+
+    def _depth_tick(self) -> float:
+        """(lock held) The reads in flight so far integrated over time, up to now (returned)."""
+        now = time.perf_counter()
+        self._stats.depth_seconds += self._inflight * (now - self._depth_since)
+        self._depth_since = now
+        return now
 
     def pin(self, device=None) -> str | None:
         """Page-lock the staging buffers for the CUDA driver (cudaHostRegister), so copies from

@@ -211,6 +211,7 @@ class RunnerEngine:
             "batch_steps": self.runner.batch.stats.sizes if self.runner.batch is not None else {},
             "read_faults": cache.read_faults() if cache else {},
             "reads": cache.reads_by_backend() if cache else {},
+            "disk": cache.disk_time() if cache else {},
             "nonfinite_logits": self.runner.nonfinite_logits,
             "sampled_tokens": dict(self.runner.sampled),
             "resident_memory_bytes": resident,

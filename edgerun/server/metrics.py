@@ -220,6 +220,20 @@ def render(
         "native_reader fallback).",
         [({"reader": k}, n) for k, n in sorted(stats.get("reads", {}).items())],
     )
+    disk = stats.get("disk", {})
+    t.one(
+        "edgerun_disk_busy_seconds_total",
+        "counter",
+        "Seconds with at least one expert read in flight (demand or prefetch).",
+        disk.get("busy", 0.0),
+    )
+    t.one(
+        "edgerun_disk_request_seconds_total",
+        "counter",
+        "Expert read requests in flight integrated over time (a piece each where blocks are read in "
+        "pieces); its rate over edgerun_disk_busy_seconds_total's is the mean queue while busy.",
+        disk.get("requests", 0.0),
+    )
     t.family(
         "edgerun_expert_read_faults_total",
         "counter",

@@ -4,6 +4,7 @@ name, its buffer given back), staged reads placed or dropped without losing a bu
 kinds, and auto's counted fallback to preadv where it cannot be built."""
 
 import ctypes
+import os
 import time
 
 import pytest
@@ -210,4 +211,28 @@ def test_a_read_a_lookup_waits_for_goes_before_queued_prefetches(expert_file):
     assert needed.result() == BB and bytes(row.numpy()) == data[3 * BB : 4 * BB]
     assert bytes(guess.result().view) == data[2 * BB : 3 * BB]  # then the prefetch runs
     guess.result().release()
+    r.close()
+
+
+def test_spare_threads_check_blocks_but_never_add_requests_at_the_disk(tmp_path):
+    """The pool's threads beyond depth x pieces (one spare a read in flight) check and copy a
+    finished block while the next read starts; they never put more requests at the disk: 24
+    checked reads queued at once (depth 2, 2 pieces: 4 requests at most) all land with their own
+    bytes, counted once each, and the pool's peak of requests in flight stays 4 (with its 2 spare
+    threads free to read, a broken gate shows 6 where reads wait for a disk: O_DIRECT, which
+    ``auto`` takes where the filesystem has it), its mean while busy at most 4."""
+    bb, n = 1 << 20, 24  # blocks big enough that reads overlap
+    data = os.urandom(bb * n)
+    path = tmp_path / "L00.bin"
+    path.write_bytes(data)
+    want = [int(block_checksum(data[i * bb : (i + 1) * bb]), 16) for i in range(n)]
+    r = BlockReader(bb, staging=n, mode="auto", depth=2, reader="native", pieces=2)
+    rows = torch.zeros(n, bb, dtype=torch.uint8)
+    futures = [r.fetch(path, i, n, Target("host", rows[i]), None, want[i]) for i in range(n)]
+    assert [f.result() for f in futures] == [bb] * n
+    assert all(bytes(rows[i].numpy()) == data[i * bb : (i + 1) * bb] for i in range(n))
+    assert r._native.stats()[0] == n
+    assert 1 <= r._native.peak() <= 4
+    st = r.stats
+    assert 0 < st.depth_seconds <= 4 * st.wall_seconds * (1 + 1e-9)
     r.close()

@@ -54,6 +54,12 @@ def test_streamed_bundle_serves_the_same_tokens(bundle, tmp_path, capsys):
         assert _metric_sum(metrics, "edgerun_expert_bytes_read_total") > 0
         reads = re.findall(r'^edgerun_expert_reads_total\{reader="(\w+)"\} (\d+)$', metrics, re.M)
         assert [r for r, _ in reads] == [reader] and int(reads[0][1]) > 0, reads
+        # the disk's busy time and its queue: every busy second had at least one read in flight
+        busy, requests = (
+            float(re.search(rf"^{name} ([0-9.e+-]+)$", metrics, re.M).group(1))
+            for name in ("edgerun_disk_busy_seconds_total", "edgerun_disk_request_seconds_total")
+        )
+        assert 0 < busy <= requests * (1 + 1e-9), (busy, requests)
         assert "experts streamed (quota 2 per layer" in d.log() and f" via {reader} depth" in d.log()
         from edgerun.cli import main  # the socket client: `edgerun generate --socket`
 
