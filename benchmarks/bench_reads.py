@@ -13,8 +13,8 @@ Backends (each a closed loop keeping exactly ``depth`` blocks in flight):
   native-sum    native, each block's xxh3-64 checked in C and copied to host memory (fetch)
   native-dev    native, checked and copied to device memory on a stream (CUDA): the engine's
                 demand read, end to end
-The native rows also give the requests the disk had in flight on average while busy (the pool's
-own clock), which shows whether a closed loop at a depth really kept that many.
+Each row also gives the requests the disk had in flight on average while busy (the reader's own
+clock), which shows whether a closed loop at a depth really kept that many.
 
 ``--idle-ms 0,2,10`` runs another study instead: one read at a time, each after the disk idled
 that long (the engine's pattern without prefetch: a layer's reads start after its router, the
@@ -39,6 +39,7 @@ standard library and edgerun on PYTHONPATH (no torch).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -188,7 +189,7 @@ def run_reader(
             issue()
 
     c0, t0 = time.process_time(), time.perf_counter()
-    before = r.stats
+    before = dataclasses.replace(r.stats)  # a copy: a Python reader's stats object is its live one
     deadline = t0 + seconds
     if backend.startswith("native"):
         threads = [threading.Thread(target=loop) for _ in range(depth * queue)]
@@ -214,8 +215,8 @@ def run_reader(
         "wall": wall,
         "cpu": cpu,
         "lat": lat,
-        # requests at the disk on average while one was (the native pool's clock; None for others)
-        "busy_depth": (after.depth_seconds - before.depth_seconds) / busy if busy and r._native else None,
+        # requests at the disk on average while one was (the reader's own clock)
+        "busy_depth": (after.depth_seconds - before.depth_seconds) / busy if busy else None,
     }
 
 
@@ -409,7 +410,7 @@ def main() -> int:
                 "cpu_s_per_gb": sum(r["cpu"] for r in runs) / (sum(r["bytes"] for r in runs) / 1e9),
                 "busy_depth": None,
             }
-            if all(r["busy_depth"] is not None for r in runs):
+            if all(r.get("busy_depth") is not None for r in runs):
                 row["busy_depth"] = statistics.median(r["busy_depth"] for r in runs)
             rows.append(row)
             inflight = "-" if row["busy_depth"] is None else f"{row['busy_depth']:.2f}"

@@ -225,7 +225,7 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         busy, read, depth = (b - a for a, b in zip(disk, disk_counters(cache), strict=True))
         # the disk's side: the share of decode time with a read in flight (demand or prefetch), what
         # it read while busy (every block, wasted prefetches included), and how many requests (a
-        # piece each) it had on average while busy (the native reader's count; 0 for others)
+        # piece each) it had on average while busy
         out["disk_busy"] = busy / stats.decode_s if stats.decode_s else 0.0
         out["busy_gbs"] = read / busy / 1e9 if busy else 0.0
         out["busy_depth"] = depth / busy if busy else 0.0
@@ -234,13 +234,9 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
 
 def disk_counters(cache) -> tuple[float, int, float]:
     """(seconds with at least one read in flight, bytes read, requests in flight integrated over
-    time: the native reader's, 0 for others) over the cache's readers so far."""
-    stats = [r.stats for r in cache.readers.values()]
-    return (
-        sum(s.wall_seconds for s in stats),
-        sum(s.bytes for s in stats),
-        sum(s.depth_seconds for s in stats),
-    )
+    time) over the cache's readers so far."""
+    disk = cache.disk_time()
+    return disk["busy"], sum(r.stats.bytes for r in cache.readers.values()), disk["requests"]
 
 
 def profile_steps(runner: Runner, capacity: int, steps: int = 3) -> dict:
