@@ -201,17 +201,18 @@ class NativePool:
         seconds, requests in flight integrated over time); a piece is a request."""
         if not self._p:
             return self._last
-        out, secs = (ctypes.c_int64 * 5)(), (ctypes.c_double * 3)()
-        self._lib.er_stats(self._p, out, secs)
+        out, secs = self._counters()
         return out[0], out[1], out[2], out[3], secs[0], secs[1], secs[2]
 
     def peak(self) -> int:
         """The most requests the pool ever had at the disk at once (0 once closed)."""
-        if not self._p:
-            return 0
+        return self._counters()[0][4] if self._p else 0
+
+    def _counters(self):
+        """er_stats' two arrays: 5 counts, 3 clocks (see native_reads.c)."""
         out, secs = (ctypes.c_int64 * 5)(), (ctypes.c_double * 3)()
         self._lib.er_stats(self._p, out, secs)
-        return out[4]
+        return out, secs
 
     def close(self) -> None:
         """Stop the threads (queued reads are dropped, running ones end), wait for the copies out

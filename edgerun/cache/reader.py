@@ -153,7 +153,7 @@ class ReadStats:
     bytes: int = 0
     seconds: float = 0.0  # summed per-read wall time (reads overlap: see wall_seconds)
     wall_seconds: float = 0.0  # time with at least one read in flight
-    depth_seconds: float = 0.0  # requests at the disk integrated over time (native reader; pieces count)
+    depth_seconds: float = 0.0  # requests at the disk integrated over time (a piece each)
     rereads: int = 0  # blocks read again after failing their check
     wasted_faults: int = 0  # staged reads dropped unclaimed that failed (nothing used their bytes)
     fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> reason
