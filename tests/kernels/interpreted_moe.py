@@ -394,3 +394,95 @@ def test_gemv_route_refusals_name_what_does_not_fit():
             K.moe_gemv(x, pool, slots, ids, w, layout, gs, **kw)
     with pytest.raises(ValueError, match="contiguous"):
         K.moe_gemv(x, pool, slots, ids.t().contiguous().t(), w, layout, gs, route=route, table=table)
+
+
+@pytest.mark.parametrize(
+    "fmt, how",
+    [
+        (("int4", 32, "none"), "route_shared_xq"),
+        (("int8", 16, "none"), "table"),
+        (("bf16", None, "none"), "slots"),
+    ],
+    ids=["int4-route-shared-xq", "int8-table", "bf16-slots"],
+)
+def test_fused_launch_is_the_two_launches(fmt, how):
+    """``fused``: one token's gate_up and down as one launch (the interpreter makes it as its two
+    phases) gives the output, the routing and the shared output of the two launches bit for bit,
+    and leaves its counters at 0: a second call gives the same again."""
+    from edgerun.kernels.moe_reference import RouterLogits
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_w4a8 import quantize_x
+    from edgerun.kernels.scratch import counters
+
+    layout = layout_for(fmt)
+    gen = torch.Generator().manual_seed(17)
+    E, A = 16, 8
+    x, pool, slots, ids0, w0, _, gs = random_step(layout, 1, A, E, gen, x_dtype=torch.bfloat16)
+    D = x.shape[1]
+    table = torch.randperm(E, generator=gen)
+    logits = torch.randn(1, E + 1, generator=gen).bfloat16()
+    resid = torch.randn(1, D, generator=gen).bfloat16()
+    down = random_qweight("int4", D, 48, 16, gen, dtype=torch.bfloat16)
+    mid = torch.randn(1, 48, generator=gen).bfloat16()
+
+    def run(fused):
+        ids, w = ids0.clone(), w0.clone()
+        call = dict(into=(resid.clone(), torch.zeros(1, D, dtype=torch.bfloat16)), fused=fused)
+        if how == "route_shared_xq":
+            ids.fill_(-1)
+            w = torch.full(w.shape, float("nan"), dtype=torch.bfloat16)
+            call |= dict(table=table, route=RouterLogits(logits, E, True), xq=quantize_x(x))
+            call["shared_down"] = (down, mid, logits[:, E:], K.shared_down_tile(down))
+            s = table[ids.clamp(min=0)]
+        elif how == "table":
+            call["table"] = table
+            s = table[ids]
+        else:
+            s = slots
+        out = K.moe_gemv(x, pool, s, ids, w, layout, gs, **call)
+        return out, ids, w, call["into"][1]
+
+    want = run(False)
+    for _ in range(2):
+        got = run(True)
+        assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))
+        assert not counters(x.device, 64).any()
+
+
+def test_fused_launch_refusals_name_what_does_not_fit():
+    layout = layout_for(("int4", 16, "none"))
+    gen = torch.Generator().manual_seed(18)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 2, 2, 6, gen, x_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one token"):
+        K.moe_gemv(x, pool, slots, ids, w, layout, gs, fused=True)
+    rotated = layout_for(("int4", 16, "hadamard"))
+    x, pool, slots, ids, w, _, gs = random_step(rotated, 1, 2, 6, gen, x_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unrotated"):
+        K.moe_gemv(x, pool, slots, ids, w, rotated, gs, fused=True)
+
+
+def test_policy_fuses_one_token_steps_only():
+    """``MoeKernelPolicy(fused=True)``: ``moe_experts`` runs a one-token step as one launch (the
+    two launches' bits) and a step of more tokens as two, without refusing it."""
+    from edgerun.kernels.moe import MoeKernelPolicy, moe_experts
+
+    layout = layout_for(("int4", 32, "none"))
+    gen = torch.Generator().manual_seed(19)
+    x, pool, slots, ids, w, _, gs = random_step(layout, 3, 2, 6, gen, x_dtype=torch.bfloat16)
+    two, one = MoeKernelPolicy("triton"), MoeKernelPolicy("triton", fused=True)
+    launches = []
+    real = K._moe_step_kernel.run
+
+    def counted(*a, **kw):
+        launches.append(kw.get("PHASE"))
+        return real(*a, **kw)
+
+    K._moe_step_kernel.run = counted
+    try:
+        for T in (1, 3):
+            want = moe_experts(x[:T], pool, slots[:T], ids[:T], w[:T], layout, gs, policy=two)
+            got = moe_experts(x[:T], pool, slots[:T], ids[:T], w[:T], layout, gs, policy=one)
+            assert torch.equal(got, want)
+    finally:
+        K._moe_step_kernel.run = real
+    assert launches == [1, 2]  # the one-token step's launch (as its two halves here), not the three-token one

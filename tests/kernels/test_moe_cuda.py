@@ -208,3 +208,45 @@ def test_gemv_routes_the_router_logits_at_the_real_geometry(T):
         x, pool, table[ids], got_ids, got_w, layout, gs, table=table, into=(resid.clone(), None), route=route
     )
     assert torch.equal(got_ids, ids) and torch.equal(got_w, w) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("inter", [512, 768], ids=["qwen3.6", "qwen3-30b"])
+@pytest.mark.parametrize("fmt", [("int4", 32, "none"), ("bf16", None, "none")], ids=["int4", "bf16"])
+def test_fused_launch_is_the_two_launches_at_the_real_geometry(fmt, inter):
+    """``fused`` (one launch, programs waiting for each other's arrivals) at 256 experts, top 8,
+    hidden 2,048 and either model's expert width (512: as many gate_up as down programs a pair;
+    768: more): routed by the launch, the shared down and int8 x with int4, the output, ids,
+    weights and shared output equal the two launches' bit for bit, five calls in a row (the
+    counters back at 0 each time), and every program fit the device at once (one launch ran)."""
+    from edgerun.kernels import moe_triton as K
+    from edgerun.kernels.moe_reference import RouterLogits
+    from edgerun.kernels.qlinear_reference import random_qweight
+    from edgerun.kernels.qlinear_w4a8 import quantize_x
+
+    layout = layout_for(fmt, hidden=2048, inter=inter)
+    g = gen(60 + inter)
+    x, pool, _, _, _, _, gs = random_step(layout, 1, 8, 256, g, device="cuda", x_dtype=torch.bfloat16)
+    table = torch.randperm(256, generator=g, device="cuda")
+    logits = torch.randn(1, 257, generator=g, device="cuda").bfloat16()
+    resid = torch.randn(1, 2048, generator=g, device="cuda").bfloat16()
+    kw = {}
+    if fmt[0] == "int4":
+        down = random_qweight("int4", 2048, 512, 32, g, device="cuda", dtype=torch.bfloat16)
+        mid = torch.randn(1, 512, generator=g, device="cuda").bfloat16()
+        kw = dict(xq=quantize_x(x), shared_down=(down, mid, logits[:, 256:], K.shared_down_tile(down)))
+
+    def run(fused):
+        ids = torch.full((1, 8), -1, dtype=torch.long, device="cuda")
+        w = torch.full((1, 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+        shared = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
+        out = K.moe_gemv(x, pool, table[ids.clamp(min=0)], ids, w, layout, gs, table=table,
+                         into=(resid.clone(), shared), route=RouterLogits(logits, 256, True), fused=fused, **kw)  # fmt: skip
+        return out, ids, w, shared
+
+    want = run(False)
+    for _ in range(5):
+        got = run(True)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not K.fused_misfits(), K.fused_misfits()  # one launch ran, not the two
+    print(*(seen for _, seen in K._FITS.values()), sep="\n")
