@@ -34,6 +34,9 @@
 #           tiles "block_r,row_bytes ..." timed too), files route.*
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
+#   ab      benchmarks/ab_decode.py at 40 layers (the dec phase's bundle in /tmp/bd): AB_VARIANTS, a
+#           ;-free list of --variant arguments ("base: fused:edgerun.engine.policy.FUSED_EXPERTS=True"),
+#           AB_ROUNDS (3) rounds, --profile; files ab$AB_TAG.*
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
 #           GT_TIMEOUT (300) s (then interrupted: the summary says where), -k GT_K when set; -v output
 #           to $OUT/gtests-NAME.txt, its failures and durations printed
@@ -112,6 +115,11 @@ for ph in ${PHASES:-}; do
     timeout "$(lim "${SB_TIMEOUT:-150}")" python3 benchmarks/bench_sampling.py --repeats "${SB_REPEATS:-5}" \
       --vocab "${SB_VOCAB-4096,151936,248320}" --out "$OUT/sampling.json" 2>&1 | grep -v Warning \
       | tee "$OUT/sampling.txt" ;;
+  ab)  # benchmarks/ab_decode.py: variants of module switches in one load of the 40-layer bundle
+    V=""; for v in ${AB_VARIANTS:-base:}; do V="$V --variant $v"; done
+    timeout -s INT -k 5 "$(lim "${AB_TIMEOUT:-400}")" python3 -P benchmarks/ab_decode.py --dir /tmp/bd $V \
+      --rounds "${AB_ROUNDS:-3}" --profile --json "$OUT/ab${AB_TAG:-}.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/ab${AB_TAG:-}.txt" | tail -12 ;;
   gtests)
     for f in ${GT:-tests/engine/test_speculative_cuda.py}; do
       n=$(basename "$f" .py)
