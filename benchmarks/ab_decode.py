@@ -62,7 +62,12 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
         except (ValueError, SyntaxError):
             value = raw.strip()
         if len(rest) == 2:  # a field of a dataclass attribute: a copy with it replaced
-            value = dataclasses.replace(getattr(module, rest[0]), **{rest[1]: value})
+            try:
+                value = dataclasses.replace(getattr(module, rest[0]), **{rest[1]: value})
+            except TypeError as e:
+                raise SystemExit(
+                    f"--variant {text!r}: {item!r} is not module.attr[.field]=value ({e})"
+                ) from None
         sets.append((module, rest[0], value))
     return name or "base", sets
 
