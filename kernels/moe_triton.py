@@ -165,6 +165,25 @@ def _expert_ranks(ids, t, A: tl.constexpr, A_P2: tl.constexpr):
     return ar, eid, tl.where(valid, rank, A_P2)
 
 
+@triton.jit
+def _shared_down_program(row, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C: tl.constexpr,
+                         SD_QUANT: tl.constexpr, SD_G: tl.constexpr, SD_GROUPED: tl.constexpr,
+                         SD_ROW_SCALED: tl.constexpr, SD_EPILOGUE: tl.constexpr, SD_BLOCK_R: tl.constexpr,
+                         SD_BLOCK_K: tl.constexpr, SD_SUM: tl.constexpr, SD_CODE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """A program in the shared expert's down rows of an expert launch (``row`` of them along axis
+    0): ``qgemv(sd_x, w, None, "gated", sd_out, sd_gate)``'s program q on its tile, or (q past
+    its programs) only the wait."""
+    q = row * tl.num_programs(1) + tl.program_id(1)
+    if q < sd_progs:
+        _gemv_program(
+            q, sd_x, sd_w, sd_s, sd_rs, sd_x, sd_gate, sd_out, sd_x, sd_x, 0.0, sd_rows, 0, 0, 0, zero, 1,
+            1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, SD_EPILOGUE, SD_CODE, SD_BLOCK_R, SD_BLOCK_K,
+            SD_SUM, 0, False, 1, 1, False, PDL,
+        )  # fmt: skip
+    else:
+        _grid_sync(PDL)
+
+
 @triton.jit(do_not_specialize=["zero", "lo", "hi"])  # a runtime 0 (see bits_triton._field); any range
 def _gate_up_kernel(
     x,
@@ -255,15 +274,9 @@ def _gate_up_kernel(
     ``_route_row``) for the down launch and the host. One launch fewer a MoE layer."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
-        q = (p - pairs) * tl.num_programs(1) + tl.program_id(1)
-        if q < sd_progs:
-            _gemv_program(
-                q, sd_x, sd_w, sd_s, sd_rs, sd_x, sd_gate, sd_out, sd_x, sd_x, 0.0, sd_rows, 0, 0, 0, zero, 1,
-                1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, SD_EPILOGUE, SD_CODE, SD_BLOCK_R, SD_BLOCK_K,
-                SD_SUM, 0, False, 1, 1, False, PDL,
-            )  # fmt: skip
-        else:
-            _grid_sync(PDL)
+        _shared_down_program(p - pairs, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
+                             SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, SD_EPILOGUE, SD_BLOCK_R, SD_BLOCK_K, SD_SUM,
+                             SD_CODE, PDL)  # fmt: skip
     else:
         _grid_sync(PDL)
         run = True
@@ -537,6 +550,7 @@ def _moe_step_kernel(
     D_SUM: tl.constexpr,
     D_COLS: tl.constexpr,
     SYNC0: tl.constexpr,
+    PAD: tl.constexpr,
     TABLE: tl.constexpr,
     SHARED: tl.constexpr,
     INTO: tl.constexpr,
@@ -591,22 +605,16 @@ def _moe_step_kernel(
     (``fused_fits``); the interpreter runs programs one by one, so there the launch is made twice,
     PHASE 1 (everything before the waits) and PHASE 2 (the down programs), the same code. ``sync``:
     int32 counters, the down's arrival count of each slice at [0, D_COLS), then from SYNC0 each
-    pair's, the shared expert's and the slices' own, SYNC_PAD apart."""
+    pair's, the shared expert's and the slices' own, PAD (``SYNC_PAD``) apart."""
     p = tl.program_id(0)
     j = tl.program_id(1)
     pc = sync + SYNC0
     if SD and p >= A:
         if PHASE != 2:
-            q = (p - A) * tl.num_programs(1) + j
-            if q < sd_progs:
-                _gemv_program(
-                    q, sd_x, sd_w, sd_s, sd_rs, sd_x, sd_gate, sd_out, sd_x, sd_x, 0.0, sd_rows, 0, 0, 0, zero, 1,
-                    1, SD_C, SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, False, SD_EPILOGUE, SD_CODE, SD_BLOCK_R,
-                    SD_BLOCK_K, SD_SUM, 0, False, 1, 1, False, PDL,
-                )  # fmt: skip
-            else:
-                _grid_sync(PDL)
-            _arrive(pc + A * 32)
+            _shared_down_program(p - A, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
+                                 SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, SD_EPILOGUE, SD_BLOCK_R, SD_BLOCK_K,
+                                 SD_SUM, SD_CODE, PDL)  # fmt: skip
+            _arrive(pc + A * PAD)
     else:
         if PHASE != 2:
             _grid_sync(PDL)
@@ -630,10 +638,10 @@ def _moe_step_kernel(
                 _gate_up_pair(x, wpool, spool, slot, ids, gscales, h, sync, sync, w_block, s_block, g_w_off,
                               g_s_off, split, 0, 0, zero, p, D, I, A, QUANT, G, GROUPED, G_BLOCK_R, G_BLOCK_K,
                               G_SUM, False, xe, xo, xs, xb, XQ, INTERPRET, eid, ROUTE)  # fmt: skip
-                _arrive(pc + p * 32)
+                _arrive(pc + p * PAD)
         if PHASE != 1:
             if j < D_COLS:
-                _wait_count(pc + p * 32, G_COLS, INTERPRET)
+                _wait_count(pc + p * PAD, G_COLS, INTERPRET)
                 if ROUTE:
                     _wait_count(
                         pc, G_COLS, INTERPRET
@@ -644,14 +652,14 @@ def _moe_step_kernel(
                 if tl.atomic_add(sync + j, 1, sem="acq_rel") == A - 1:
                     tl.store(sync + j, 0)
                     if SD:
-                        _wait_count(pc + A * 32, sd_n, INTERPRET)  # the shared expert's down, in ``shared``
+                        _wait_count(pc + A * PAD, sd_n, INTERPRET)  # the shared expert's down, in ``shared``
                     _down_finish(out, part, ids, shared, 0, rows, 0, 0, D, A, A_P2, D_BLOCK_R, SHARED, INTO, CODE,
                                  False, False)  # fmt: skip
                     tl.debug_barrier()
-                    if tl.atomic_add(pc + (A + 1) * 32, 1, sem="acq_rel") == D_COLS - 1:
+                    if tl.atomic_add(pc + (A + 1) * PAD, 1, sem="acq_rel") == D_COLS - 1:
                         # every down program is past its waits: the counters back to 0 for the next call
                         for a in tl.static_range(A + 2):
-                            tl.store(pc + a * 32, 0)
+                            tl.store(pc + a * PAD, 0)
 
 
 @triton.jit
@@ -1156,7 +1164,7 @@ def moe_gemv(
         kw = dict(
             D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, G_BLOCK_R=br,
             G_BLOCK_K=bk, G_SUM=step_sum(bk, G, grouped), G_COLS=cols, D_BLOCK_R=dbr, D_BLOCK_K=dbk,
-            D_SUM=step_sum(dbk, G, grouped), D_COLS=D // dbr, SYNC0=sync0, TABLE=table is not None,
+            D_SUM=step_sum(dbk, G, grouped), D_COLS=D // dbr, SYNC0=sync0, PAD=SYNC_PAD, TABLE=table is not None,
             SHARED=shared is not None, INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), **sd,
             xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED,
             **{k: v for k, v in _route_args(route, rw, A).items() if k not in ("rw", "A_P2")},
