@@ -39,9 +39,6 @@ class MoeKernelPolicy:
     # to int8 per 32 columns (``moe_triton.moe_gemv``'s ``xq``): given by the router's launch in a
     # decode graph, else quantized by ``moe_experts`` (``qlinear_w4a8.quantize_x``), the same bits
     act: str = "bf16"
-    # triton: a one-token step's gate_up and down as one launch (``moe_triton.moe_gemv``'s
-    # ``fused``), where ``probe.probe_fused`` found it the two launches' bits on the device
-    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -50,8 +47,6 @@ class MoeKernelPolicy:
             raise ConfigError(f"expert activations {self.act!r} are not one of {', '.join(ACTS)}")
         if self.act == "int8" and self.impl != "triton":
             raise ConfigError(f"int8 expert activations run in the Triton expert kernel, not {self.impl}")
-        if self.fused and self.impl != "triton":
-            raise ConfigError(f"the fused expert launch is the Triton expert kernel's, not {self.impl}'s")
         if self.gemv_max_tokens is not None and self.gemv_max_tokens < 0:
             raise ConfigError(f"gemv_max_tokens must be >= 0, got {self.gemv_max_tokens}")
 
@@ -126,10 +121,9 @@ def moe_experts(
             from edgerun.kernels.qlinear_w4a8 import quantize_x
 
             xq = quantize_x(x)
-        fused = policy.fused and moe_triton.fused_unsupported(layout, x.shape[0], expert_range, far) is None
         return moe_triton.moe_gemv(
             x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype, table=table, into=into,
-            far=far, shared_down=shared_down, xq=xq, route=route, fused=fused, **part,
+            far=far, shared_down=shared_down, xq=xq, route=route, **part,
         )  # fmt: skip
     if route is not None:
         raise ValueError(

@@ -481,188 +481,6 @@ def _down_finish(out, part, ids, shared, t, rows, lo, hi, D: tl.constexpr, A: tl
 
 
 @triton.jit
-def _wait_count(c, target, INTERPRET: tl.constexpr):
-    """Spins until the counter at ``c`` reaches ``target``, each thread loading it with acquire
-    semantics, so whatever the arrivals released before it is visible to every thread after."""
-    v = _load_acquire(c, INTERPRET)
-    while v < target:
-        v = _load_acquire(c, INTERPRET)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire(c, INTERPRET: tl.constexpr):
-    """The int32 at ``c``, loaded with acquire semantics at GPU scope (every thread its own)."""
-    if INTERPRET:
-        return tl.load(c, volatile=True)
-    return tl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [c], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _arrive(c):
-    """Every thread's stores so far released, then one arrival at the counter at ``c``."""
-    tl.debug_barrier()
-    tl.atomic_add(c, 1, sem="release")
-
-
-SYNC_PAD = 32  # int32 counters apart (128 B): the counters programs poll sit on lines of their own
-
-
-@triton.jit(do_not_specialize=["zero"])
-def _moe_step_kernel(
-    x,
-    wpool,
-    spool,
-    slots,
-    table,
-    ids,
-    gscales,
-    h,
-    split,
-    w_block,
-    s_block,
-    g_w_off,
-    g_s_off,
-    d_w_off,
-    d_s_off,
-    rw,
-    shared,
-    out,
-    part,
-    sync,
-    sd_n,
-    zero,
-    D: tl.constexpr,
-    I: tl.constexpr,
-    A: tl.constexpr,
-    A_P2: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    GROUPED: tl.constexpr,
-    G_BLOCK_R: tl.constexpr,
-    G_BLOCK_K: tl.constexpr,
-    G_SUM: tl.constexpr,
-    G_COLS: tl.constexpr,
-    D_BLOCK_R: tl.constexpr,
-    D_BLOCK_K: tl.constexpr,
-    D_SUM: tl.constexpr,
-    D_COLS: tl.constexpr,
-    SYNC0: tl.constexpr,
-    PAD: tl.constexpr,
-    TABLE: tl.constexpr,
-    SHARED: tl.constexpr,
-    INTO: tl.constexpr,
-    CODE: tl.constexpr,
-    sd_x,
-    sd_w,
-    sd_s,
-    sd_rs,
-    sd_gate,
-    sd_out,
-    sd_rows,
-    sd_progs,
-    SD: tl.constexpr,
-    SD_C: tl.constexpr,
-    SD_QUANT: tl.constexpr,
-    SD_G: tl.constexpr,
-    SD_GROUPED: tl.constexpr,
-    SD_ROW_SCALED: tl.constexpr,
-    SD_EPILOGUE: tl.constexpr,
-    SD_BLOCK_R: tl.constexpr,
-    SD_BLOCK_K: tl.constexpr,
-    SD_SUM: tl.constexpr,
-    SD_CODE: tl.constexpr,
-    xe,
-    xo,
-    xs,
-    xb,
-    XQ: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    logits,
-    logit_row,
-    ROUTE: tl.constexpr,
-    E: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-    RCODE: tl.constexpr,
-    PHASE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One token's routed experts in one launch (``moe_gemv``'s ``fused``): the gate_up launch's
-    programs and the down launch's in one grid, each program (p, j) of an expert pair p the
-    gate_up program (p, j) (j < G_COLS) and the down program (p, j) (j < D_COLS), each its own
-    launch's arithmetic, so the bits are the two launches'. The down program loads its rows' first
-    step as soon as it knows pair p's slot (its own pick with ROUTE), waits until the G_COLS
-    gate_up programs of pair p have arrived at the pair's counter (and, with ROUTE, pair 0's:
-    program (0, 0) routes the token before its own arrival), then finishes as the down kernel
-    does; the program that ends the last of the D_COLS slices sets the counters back to 0. Rows of
-    axis 0 past A: the shared expert's down (``SD``, as in ``_gate_up_kernel``), which arrive at
-    their own counter, awaited before ``shared`` is read.
-
-    Programs wait for others of the launch, so every program must be resident at once
-    (``fused_fits``); the interpreter runs programs one by one, so there the launch is made twice,
-    PHASE 1 (everything before the waits) and PHASE 2 (the down programs), the same code. ``sync``:
-    int32 counters, the down's arrival count of each slice at [0, D_COLS), then from SYNC0 each
-    pair's, the shared expert's and the slices' own, PAD (``SYNC_PAD``) apart."""
-    p = tl.program_id(0)
-    j = tl.program_id(1)
-    pc = sync + SYNC0
-    if SD and p >= A:
-        if PHASE != 2:
-            _shared_down_program(p - A, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
-                                 SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, SD_EPILOGUE, SD_BLOCK_R, SD_BLOCK_K,
-                                 SD_SUM, SD_CODE, PDL)  # fmt: skip
-            _arrive(pc + A * PAD)
-    else:
-        if PHASE != 2:
-            _grid_sync(PDL)
-        eid = 0
-        if ROUTE:
-            eid = _pick(logits, p, E, A, BLOCK_E)
-            if PHASE != 2:
-                if (p == 0) & (j == 0):
-                    _route_row(
-                        logits, logit_row, p, rw, ids, rw, E, A, BLOCK_E, A_P2, NORMALIZE, False, RCODE
-                    )
-        slot = _pair_slot(slots, table, ids, p, eid, TABLE, ROUTE)
-        # the down rows' first step as soon as the slot is known (a program past D_COLS loads the
-        # last slice's, and computes nothing with them)
-        rows = (tl.minimum(j, D_COLS - 1) * D_BLOCK_R + tl.arange(0, D_BLOCK_R)).to(tl.int64)
-        wd = wpool + slot * w_block + d_w_off
-        sdn = spool + slot * s_block + d_s_off
-        wd0, scale0 = _rows_first(wd, sdn, rows, I, QUANT, G, GROUPED, D_BLOCK_K)
-        if PHASE != 2:
-            if j < G_COLS:
-                _gate_up_pair(x, wpool, spool, slot, ids, gscales, h, sync, sync, w_block, s_block, g_w_off,
-                              g_s_off, split, 0, 0, zero, p, D, I, A, QUANT, G, GROUPED, G_BLOCK_R, G_BLOCK_K,
-                              G_SUM, False, xe, xo, xs, xb, XQ, INTERPRET, eid, ROUTE)  # fmt: skip
-                _arrive(pc + p * PAD)
-        if PHASE != 1:
-            if j < D_COLS:
-                _wait_count(pc + p * PAD, G_COLS, INTERPRET)
-                if ROUTE:
-                    _wait_count(
-                        pc, G_COLS, INTERPRET
-                    )  # ids and rw: routed by program (0, 0) before it arrived
-                _down_part(h, wd, sdn, rows, zero, wd0, scale0, gscales, slot, rw, part, p, D, I, QUANT, G,
-                           GROUPED, D_BLOCK_R, D_BLOCK_K, D_SUM)  # fmt: skip
-                tl.debug_barrier()  # every thread's part stored before the arrival is released
-                if tl.atomic_add(sync + j, 1, sem="acq_rel") == A - 1:
-                    tl.store(sync + j, 0)
-                    if SD:
-                        _wait_count(pc + A * PAD, sd_n, INTERPRET)  # the shared expert's down, in ``shared``
-                    _down_finish(out, part, ids, shared, 0, rows, 0, 0, D, A, A_P2, D_BLOCK_R, SHARED, INTO, CODE,
-                                 False, False)  # fmt: skip
-                    tl.debug_barrier()
-                    if tl.atomic_add(pc + (A + 1) * PAD, 1, sem="acq_rel") == D_COLS - 1:
-                        # every down program is past its waits: the counters back to 0 for the next call
-                        for a in tl.static_range(A + 2):
-                            tl.store(pc + a * PAD, 0)
-
-
-@triton.jit
 def _rotate_kernel(
     v,
     out,
@@ -1069,7 +887,6 @@ def moe_gemv(
     shared_down: tuple | None = None,
     xq: tuple[torch.Tensor, ...] | None = None,
     route: RouterLogits | None = None,
-    fused: bool = False,
 ) -> torch.Tensor:
     """Decode, and prompts of up to a few hundred tokens (``moe.GEMV_MAX_TOKENS``): fused
     dequant + GEMV from the pool, two launches (four with a rotation). Same contract as
@@ -1098,12 +915,7 @@ def moe_gemv(
     ``route`` (with ``table``, no ``expert_range``): the router's logits, not yet routed; the
     gate_up launch routes them (``router_topk``'s program and bits) into ``expert_ids`` and
     ``weights`` (contiguous: written in place) on its way, where ``router_topk`` took a launch
-    of its own before it: a MoE layer's decode step in one launch fewer.
-
-    ``fused`` (one token; no expert_range, far tier nor rotation; ``fused_unsupported``): the
-    gate_up and the down launches as one (``_moe_step_kernel``), the same bits; where its
-    programs cannot all be resident at once on the device (``fused_fits``), the two launches,
-    listed by ``fused_misfits``."""
+    of its own before it: a MoE layer's decode step in one launch fewer."""
     _check(x, pool, slot_idx, expert_ids, weights, layout, global_scales, far)
     config = config or DEFAULT_GEMV  # (read at the call: benchmarks/ab_decode.py may replace it)
     D, I = layout_dims(layout)
@@ -1145,43 +957,6 @@ def moe_gemv(
     br = 2 * _pow2_divisor(I, config.block_r)  # a gate and an up row for each of block_r columns of h
     bk = _block_k(D, layout, config.row_bytes)
     cols = 2 * I // br  # programs a pair (grid axis 1)
-    dbr, dbk = _pow2_divisor(D, config.down_rows), _block_k(I, layout, config.row_bytes)
-    if fused:
-        why = fused_unsupported(layout, T, expert_range, far)
-        if why:
-            raise ValueError(f"the fused expert launch {why}")
-        C = max(cols, D // dbr)
-        sd, extra = (
-            _shared_down_args(shared_down, shared, config, C) if shared_down is not None else (_no_sd(x), 0)
-        )
-        sync0 = triton.cdiv(D // dbr, SYNC_PAD) * SYNC_PAD
-        args = (
-            xin, wv, sv, slots, tab, ids, gs, h, split, *_component_args(layout, "gate_up", wv, sv),
-            *_component_args(layout, "down", wv, sv)[2:], rw, shared if shared is not None else out, out,
-            torch.empty(A, D, dtype=torch.float32, device=x.device), counters(x.device, sync0 + (A + 2) * SYNC_PAD),
-            extra * C, 0,
-        )  # fmt: skip
-        kw = dict(
-            D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, G_BLOCK_R=br,
-            G_BLOCK_K=bk, G_SUM=step_sum(bk, G, grouped), G_COLS=cols, D_BLOCK_R=dbr, D_BLOCK_K=dbk,
-            D_SUM=step_sum(dbk, G, grouped), D_COLS=D // dbr, SYNC0=sync0, PAD=SYNC_PAD, TABLE=table is not None,
-            SHARED=shared is not None, INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), **sd,
-            xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED,
-            **{k: v for k, v in _route_args(route, rw, A).items() if k not in ("rw", "A_P2")},
-            num_warps=config.num_warps,
-        )  # fmt: skip
-        grid = (A + extra, C)
-        if INTERPRETED:  # programs run one by one: the waits' two sides as two launches
-            for phase in (1, 2):
-                _moe_step_kernel[grid](*args, **kw, PHASE=phase, PDL=False)
-            return out
-        kw |= pdl_kwargs(x.device)
-        fits, seen = fused_fits(_moe_step_kernel, grid, args, kw, x.device)
-        if fits:
-            _moe_step_kernel[grid](*args, **kw, PHASE=0)
-            return out
-        # its programs would wait for programs that cannot start: the two launches (the same
-        # bits), said where the runner lists its fallbacks (``fused_misfits``)
     sd, extra = (
         _shared_down_args(shared_down, shared, config, cols) if shared_down is not None else (_no_sd(x), 0)
     )
@@ -1195,7 +970,8 @@ def moe_gemv(
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
-    br, bk = dbr, dbk
+    br = _pow2_divisor(D, config.down_rows)
+    bk = _block_k(I, layout, config.row_bytes)
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     _down_kernel[(T * A, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
@@ -1207,57 +983,6 @@ def moe_gemv(
         **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
-
-
-def fused_unsupported(
-    layout: BlockLayout, T: int = 1, expert_range=None, far: FarTier | None = None
-) -> str | None:
-    """Why ``moe_gemv`` cannot run a step as one launch (``fused``), or None. (Whether its
-    programs fit the device at once is ``fused_fits``', at the launch.)"""
-    if T != 1 or expert_range is not None or far is not None:
-        return "takes one token, and neither an expert_range nor a far tier"
-    if layout.rotation != "none":
-        return f"takes unrotated experts, these are {layout.rotation}"
-    return None
-
-
-_FITS: dict[tuple, tuple[bool, str]] = {}
-
-
-def fused_misfits() -> list[str]:
-    """What each fused launch asked for and not made (its programs not all resident at once)
-    saw: those steps ran as two launches."""
-    return [seen for fits, seen in _FITS.values() if not fits]
-
-
-def fused_fits(
-    kernel, grid: tuple[int, int], args: tuple, kw: dict, device: torch.device
-) -> tuple[bool, str]:
-    """(whether every program of ``kernel``'s launch on ``grid`` can be resident at once on
-    ``device`` (its programs wait for each other): the compiled kernel's registers, shared memory
-    and warps against the SMs' (compiled here if not yet, never launched), what it saw)."""
-    key = (device, grid, tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, (bool, int, str)))))
-    if key not in _FITS:
-        k = kernel.warmup(*args, grid=grid, **kw, PHASE=0)
-        if hasattr(k, "_init_handles"):
-            k._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warps = kw["num_warps"]
-        per_warp = -(-max(k.n_regs, 1) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // per_warp // warps
-        by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // 32 // warps
-        smem = k.metadata.shared
-        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (smem + 1024) if smem else 32
-        per_sm = min(32, by_regs, by_warps, by_smem)
-        n = grid[0] * grid[1]
-        _FITS[key] = (
-            n <= per_sm * props.multi_processor_count,
-            (
-                f"{n} programs of {warps} warps, {k.n_regs} registers, {smem} B shared: {per_sm} a multiprocessor, "
-                f"{per_sm * props.multi_processor_count} on {props.multi_processor_count}"
-            ),
-        )
-    return _FITS[key]
 
 
 def _check_fold(route: RouterLogits, table, expert_range, ids: torch.Tensor, weights: torch.Tensor, T: int,

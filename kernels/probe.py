@@ -197,69 +197,6 @@ def _route_case(layout: BlockLayout, device: torch.device, top_k: int, policy: M
     return None
 
 
-def probe_fused(layout: BlockLayout, device: torch.device | str, top_k: int = 8,
-                policy: MoeKernelPolicy = TRITON) -> ProbeResult:  # fmt: skip
-    """The one-launch decode step (``moe_triton.moe_gemv``'s ``fused``) on ``layout``: a routed
-    token over a slot table, and one over slots, each the two launches' output (and routing) bit
-    for bit, three calls in a row (its counters back at 0 each time), with every one of its
-    programs resident at once on the device."""
-    return _guarded(kernel_name(layout) + " one launch a token", _probe_fused, layout, torch.device(device),
-                    top_k, policy)  # fmt: skip
-
-
-def _probe_fused(
-    layout: BlockLayout, device: torch.device, top_k: int, policy: MoeKernelPolicy
-) -> tuple[bool, str]:
-    from edgerun.kernels import moe_triton
-
-    why = moe_triton.fused_unsupported(layout)
-    if why:
-        return False, f"the fused launch {why}"
-    D, _ = layout_dims(layout)
-    E = top_k + 2
-    gen = torch.Generator(device=device).manual_seed(2)
-    pool, gscales = random_pool(layout, E, generator=gen, device=device)
-    table = torch.randperm(E, generator=gen, device=device)
-    x = torch.randn(1, D, generator=gen, device=device).bfloat16()
-    logits = torch.randn(1, E + 1, generator=gen, device=device).bfloat16()
-    resid = torch.randn(1, D, generator=gen, device=device).bfloat16()
-    xq = None
-    if policy.act == "int8":
-        from edgerun.kernels.qlinear_w4a8 import quantize_x
-
-        xq = quantize_x(x)
-    for routed in (True, False):
-        want = _fused_step(False, routed, x, pool, table, logits, resid, xq, layout, gscales, top_k)
-        for _ in range(3):
-            got = _fused_step(True, routed, x, pool, table, logits, resid, xq, layout, gscales, top_k)
-            if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
-                how = "routed, over a table" if routed else "over slots"
-                return False, f"the fused launch ({how}) differs from the two launches"
-    torch.cuda.synchronize(device)
-    misfits = moe_triton.fused_misfits()
-    if misfits:
-        return False, f"its programs are not all resident at once: {misfits[-1]}"
-    return True, f"the two launches' bits on {torch.cuda.get_device_name(device)}"
-
-
-def _fused_step(fused, routed, x, pool, table, logits, resid, xq, layout, gscales, top_k):
-    """``_probe_fused``'s step: (output, ids, weights) of one token, routed by the expert launch
-    over a table or routed beforehand over slots."""
-    from edgerun.kernels import moe_triton
-    from edgerun.kernels.decode_triton import router_topk
-
-    E = table.numel()
-    ids = torch.full((1, top_k), -1, dtype=torch.long, device=x.device)
-    w = torch.full((1, top_k), float("nan"), dtype=x.dtype, device=x.device)
-    if not routed:
-        router_topk(logits, E, top_k, True, w, ids)
-    out = moe_triton.moe_gemv(
-        x, pool, table[ids.clamp(min=0)], ids, w, layout, gscales, table=table if routed else None,
-        into=(resid.clone(), None), route=RouterLogits(logits, E, True) if routed else None, xq=xq, fused=fused,
-    )  # fmt: skip
-    return out, ids, w
-
-
 def _cases(
     layout: BlockLayout,
     device: torch.device,

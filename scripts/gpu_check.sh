@@ -35,7 +35,7 @@
 #   sbench  benchmarks/bench_sampling.py: the host sampler against the device draw (SB_VOCAB,
 #           "" for none), the demo's decode rate greedy and sampled
 #   ab      benchmarks/ab_decode.py at 40 layers (the dec phase's bundle in /tmp/bd): AB_VARIANTS, a
-#           ;-free list of --variant arguments ("base: fused:edgerun.engine.policy.FUSED_EXPERTS=True"),
+#           ;-free list of --variant arguments ("base: b8:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r=8"),
 #           AB_ROUNDS (3) rounds, --profile; files ab$AB_TAG.*
 #   gtests  pytest of each file of GT (tests/engine/test_speculative_cuda.py) in turn, each within
 #           GT_TIMEOUT (300) s (then interrupted: the summary says where), -k GT_K when set; -v output

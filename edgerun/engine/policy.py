@@ -45,8 +45,6 @@ Fields and what they decide:
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -184,8 +182,6 @@ def resolve(
         out.dense_act = "int8"
     if policy.expert_act == "int8":
         _resolve_expert_act(policy, device, layouts, top_k, out)
-    if out.moe.impl == "triton":
-        _resolve_fused(device, layouts, top_k, out)
     _resolve_delta_chunk(policy, device, args, dtype, out)
     if device.type != "cuda":
         out.choices["graphs"] = f"off (no CUDA graphs on {device.type})"
@@ -204,30 +200,6 @@ def resolve(
         name = str(dtype or torch.float32).removeprefix("torch.")
         out.cpu = cpu_features.read().describe(name)
     return out
-
-
-# one token's experts in one launch where the probe passes (``_resolve_fused``), with
-# EDGERUN_FUSED_EXPERTS=1: off by default until measured on a GPU (docs/benchmarks.md, "the
-# experts' gate_up and down in one launch"); the bits are the same either way
-FUSED_EXPERTS = os.environ.get("EDGERUN_FUSED_EXPERTS") == "1"
-
-
-def _resolve_fused(device, layouts, top_k: int, out: Resolved) -> None:
-    """A decode step's routed experts as one launch (``moe_triton.moe_gemv``'s ``fused``) where
-    ``probe_fused`` finds it the two launches' bits on every layout, its programs all resident
-    at once; else two launches, and the provenance line says why."""
-    from edgerun.kernels.probe import probe_fused
-
-    if not FUSED_EXPERTS:
-        out.choices["expert launches"] = "two a token (one: EDGERUN_FUSED_EXPERTS=1, not yet measured)"
-        return
-    results = [probe_fused(layout, device, top_k, out.moe) for layout in layouts]
-    refused = [r for r in results if not r.selected]
-    if refused:
-        out.choices["expert launches"] = f"two a token ({refused[0].name}: {refused[0].reason})"
-        return
-    out.moe = dataclasses.replace(out.moe, fused=True)
-    out.choices["expert launches"] = f"one a token, gate_up and down fused ({results[0].reason})"
 
 
 def _resolve_expert_act(policy: KernelPolicy, device, layouts, top_k: int, out: Resolved) -> None:

@@ -517,11 +517,6 @@ class Runner:
                 out.update({f"mtp_{k}": v for k, v in self.decoder.head_step.fallbacks.items()})
         if self.row_steps is not None:
             out.update(self.row_steps.fallbacks)
-        if self.kernels.moe.fused:  # a fused expert launch its device could not hold at once
-            from edgerun.kernels.moe_triton import fused_misfits
-
-            for seen in fused_misfits():
-                out["expert_launch"] = f"two launches a token where one was probed: {seen}"
         return out | self.window_fallbacks
 
     def fallback_counts(self) -> dict[str, int]:

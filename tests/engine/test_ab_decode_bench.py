@@ -14,27 +14,27 @@ def test_a_variant_sets_module_attributes_and_dataclass_fields(ab):
     from edgerun.kernels import moe_triton
 
     name, sets = ab.parse_variant(
-        "b8:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r=8;edgerun.engine.policy.FUSED_EXPERTS=True"
+        "b8:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r=8;edgerun.engine.policy.GROUPED_DEFAULT=False"
     )
     assert name == "b8"
     (m1, a1, v1), (m2, a2, v2) = sets
-    assert (m1, a1) == (moe_triton, "DEFAULT_GEMV") and (m2, a2, v2) == (policy, "FUSED_EXPERTS", True)
+    assert (m1, a1) == (moe_triton, "DEFAULT_GEMV") and (m2, a2, v2) == (policy, "GROUPED_DEFAULT", False)
     # a copy with the one field replaced; the module's own tile is untouched until the run sets it
     assert v1.block_r == 8 and v1.down_rows == moe_triton.DEFAULT_GEMV.down_rows
     assert moe_triton.DEFAULT_GEMV.block_r != 8
     assert ab.parse_variant("base:") == ("base", [])
-    assert ab.parse_variant("s:edgerun.engine.policy.FUSED_EXPERTS=on")[1][0][2] == "on"  # not a literal
+    assert ab.parse_variant("s:edgerun.engine.policy.GROUPED_DEFAULT=on")[1][0][2] == "on"  # not a literal
 
 
 @pytest.mark.parametrize(
     "text",
     [
         "x:edgerun.kernels.moe_triton.NO_SUCH=1",
-        "x:edgerun.kernels.moe_triton.FUSED_EXPERTS",
+        "x:edgerun.kernels.moe_triton.DEFAULT_GEMV",
         "x:no_such_module.attr=1",
         "x:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r.more=1",
         "x:edgerun.kernels.moe_triton.DEFAULT_GEMV.no_field=1",
-        "x:edgerun.engine.policy.FUSED_EXPERTS.field=1",
+        "x:edgerun.engine.policy.GROUPED_DEFAULT.field=1",
     ],
 )
 def test_a_variant_that_names_nothing_is_refused(ab, text):

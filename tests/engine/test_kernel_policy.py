@@ -303,38 +303,3 @@ def test_int8_expert_activations_are_refused_where_the_triton_expert_kernel_does
         ConfigError, match="--expert-act int8 runs in the Triton expert kernel on CUDA; the experts here run"
     ):
         resolve(KernelPolicy(expert_act="int8"), torch.device("cpu"), layouts)
-
-
-@pytest.mark.parametrize("switch, selected", [(False, True), (True, True), (True, False)])
-def test_fused_expert_launch_is_chosen_only_where_its_probe_passed(monkeypatch, switch, selected):
-    """The one-launch expert step (``_resolve_fused``): used only with the switch on and every
-    layout's ``probe_fused`` passed; otherwise two launches, and the provenance says why."""
-    from edgerun.engine import policy as P
-    from edgerun.kernels import probe as K
-    from edgerun.kernels.moe import MoeKernelPolicy
-
-    calls = []
-
-    def fake_probe(layout, device, top_k, moe):
-        calls.append(layout)
-        return K.ProbeResult("moe_triton[int4 g32] one launch a token", selected, "the reason")
-
-    monkeypatch.setattr(K, "probe_fused", fake_probe)
-    monkeypatch.setattr(P, "FUSED_EXPERTS", switch)
-    out = P.Resolved(MoeKernelPolicy("triton"), graphs=True)
-    P._resolve_fused(torch.device("cuda"), ["a", "b"], 8, out)
-    assert out.moe.fused == (switch and selected)
-    choice = out.choices["expert launches"]
-    if not switch:
-        assert calls == [] and "EDGERUN_FUSED_EXPERTS=1" in choice
-    elif selected:
-        assert calls == ["a", "b"] and choice.startswith("one a token") and "the reason" in choice
-    else:
-        assert choice.startswith("two a token") and "the reason" in choice
-
-
-def test_fused_expert_launch_is_the_triton_kernels():
-    from edgerun.kernels.moe import MoeKernelPolicy
-
-    with pytest.raises(ConfigError, match="fused expert launch"):
-        MoeKernelPolicy("reference", fused=True)

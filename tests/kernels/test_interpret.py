@@ -189,9 +189,7 @@ def _compile_for_sm90(launches: list[dict]) -> int:
         if not row["module"].startswith("edgerun.kernels"):
             continue  # a test's own kernel
         fn = getattr(importlib.import_module(module), name)
-        # as the GPU launches it (PHASE: the fused expert launch's one launch, where the
-        # interpreter makes its two halves as two)
-        gpu = {"PDL": True, "INTERPRET": False, "PHASE": 0}
+        gpu = {"PDL": True, "INTERPRET": False}  # as the GPU launches it
         const = {(fn.arg_names.index(k),): gpu.get(k, v) for k, v in row["const"].items()}
         src = ASTSource(fn=fn, signature=row["sig"], constexprs=const)
         try:
