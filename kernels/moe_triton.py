@@ -75,6 +75,11 @@ INTERPRETED = (
     os.environ.get("TRITON_INTERPRET") == "1"
 )  # Triton's CPU interpreter (read at import, as Triton does)
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
+# a routing gate_up launch tells the down launch's programs when its ids are stored, so they read
+# their slot and first weights before their wait (``_down_kernel``'s READY); False: they read them
+# after it (an A/B switch for benchmarks/ab_decode.py, read at the call)
+DOWN_READY = True
+READY_PAD = 32  # int32s apart (128 B): a token's ready flag, polled, on a line of its own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
 VIEWS = {
@@ -89,12 +94,14 @@ class GemvConfig:
     """Fixed tile shape of the decode kernels (fixed: it decides the reduction order, so one
     tile serves every token count). The default was the fastest at 4 tokens and within 0.4 us of
     the fastest at 1 in the sweep of benchmarks/bench_moe_kernel.py on an H200, int4 g32
-    (docs/benchmarks.md, 2026-12-04)."""
+    (docs/benchmarks.md, 2026-12-04); the down's 32 rows a program (16 before) with the down
+    reading its weights before its wait in a routed step (``DOWN_READY``) gave 40-layer decode
+    +1.2% on an H100, and the step alone the same or less time at 1-8 tokens (2026-12-07)."""
 
     block_r: int = 4  # columns of h per program of launch 1 (each a gate and an up row)
     row_bytes: int = 512  # weight bytes of each row loaded per step
     num_warps: int = 2
-    down_rows: int = 16  # rows of an expert's down projection per program of launch 2
+    down_rows: int = 32  # rows of an expert's down projection per program of launch 2
 
 
 DEFAULT_GEMV = GemvConfig()
@@ -253,6 +260,9 @@ def _gate_up_kernel(
     A_P2: tl.constexpr,
     NORMALIZE: tl.constexpr,
     RCODE: tl.constexpr,
+    ready,
+    ready_n,
+    READY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
@@ -271,7 +281,10 @@ def _gate_up_kernel(
     pair's programs find its expert from token t's row of ``logits`` themselves (``_pick``: the
     top-k's pick a = p % A, after the wait, the router's launch being the one before), and the
     program (t A, 0) stores the token's ids and weights as ``router_topk`` would (its program,
-    ``_route_row``) for the down launch and the host. One launch fewer a MoE layer."""
+    ``_route_row``) for the down launch and the host. One launch fewer a MoE layer. READY: that
+    program then sets ``ready[t]`` to ``ready_n`` (the down launch's programs of the token), a
+    release after its stores, so the down programs may read the ids before their wait
+    (``_down_kernel``'s READY)."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
         _shared_down_program(p - pairs, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
@@ -291,6 +304,9 @@ def _gate_up_kernel(
                 if (p % A == 0) & (tl.program_id(1) == 0):
                     _route_row(logits, logit_row, p // A, rw, ids, rw, E, A, BLOCK_E, A_P2, NORMALIZE, False,
                                RCODE)  # fmt: skip
+                    if READY:
+                        tl.debug_barrier()  # every thread's ids and weights stored, then released
+                        tl.atomic_xchg(ready + p // A, ready_n, sem="release")
             slot = _pair_slot(slots, table, ids, p, eid, TABLE, ROUTE)
             _gate_up_pair(x, wpool, spool, slot, ids, gscales, h, far_reads, uses, w_block, s_block, w_off, s_off,
                           split, w_far, s_far, zero, p, D, I, A, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM, FAR, xe,
@@ -386,6 +402,9 @@ def _down_kernel(
     RANGE: tl.constexpr,
     ACC: tl.constexpr,
     LATE: tl.constexpr,
+    ready,
+    READY: tl.constexpr,
+    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
@@ -404,15 +423,21 @@ def _down_kernel(
     the sum starts from ``out`` (fp32) rather than 0 and is stored unrounded, so consecutive
     ranges in ascending order add exactly what one call adds, in the same order.
 
-    LATE (the gate_up launch routed, ``moe_gemv``'s ``route``): ids and rw were written by the
-    launch just before, so nothing is read before the wait."""
+    LATE (the gate_up launch routed, ``moe_gemv``'s ``route``): ids and rw are written by the
+    launch just before: without READY nothing is read before the wait. READY (with LATE): the
+    routing program of that launch sets ``ready[t]`` to the token's count of down programs once
+    its ids are stored; each program waits for it to be set (thread 0 polling with acquire loads),
+    takes one off (the last leaves it 0 for the next call), then reads its slot and first step of
+    weights before the wait, as without LATE. The routing program has started before any down
+    program can (PDL launches this kernel only once every gate_up program has), so the wait ends."""
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
     r0 = j * BLOCK_R
     rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     run = True
-    if RANGE or LATE:  # nothing before the wait: a step in parts' pair outside lo..hi reads no slot,
+    EARLY: tl.constexpr = not RANGE and (READY or not LATE)
+    if not EARLY:  # nothing before the wait: a step in parts' pair outside lo..hi reads no slot,
         _grid_sync(PDL)  # and a routing gate_up launch (LATE) wrote ids just before
     if RANGE:
         e = tl.load(ids + p)
@@ -420,12 +445,16 @@ def _down_kernel(
     if run:
         # otherwise the pair's slot and first step of weights before the wait (kernels/launch.py):
         # the router wrote ids (the slots: the cache, before the step's expert launches) two
-        # launches back, the gate_up launch between them writes neither
+        # launches back, the gate_up launch between them writes neither; or (READY) the gate_up
+        # launch's routing program has said its ids are stored
+        if READY:
+            _wait_set(ready + t, INTERPRET)
+            tl.atomic_add(ready + t, -1, sem="relaxed")
         slot = _slot(slots, table, ids, p, TABLE)
         w = wpool + _at(slot, split, w_block, w_far) + w_off
         s = spool + _at(slot, split, s_block, s_far) + s_off
         wd0, scale0 = _rows_first(w, s, rows, I, QUANT, G, GROUPED, BLOCK_K)
-        if not (RANGE or LATE):
+        if EARLY:
             _grid_sync(PDL)
         _down_part(h, w, s, rows, zero, wd0, scale0, gscales, slot, rw, part, p, D, I, QUANT, G, GROUPED, BLOCK_R,
                    BLOCK_K, SUM)  # fmt: skip
@@ -435,6 +464,34 @@ def _down_kernel(
         _down_finish(
             out, part, ids, shared, t, rows, lo, hi, D, A, A_P2, BLOCK_R, SHARED, INTO, CODE, RANGE, ACC
         )
+
+
+@triton.jit
+def _wait_set(c, INTERPRET: tl.constexpr):
+    """Returns once the int32 at ``c`` is non-zero: thread 0 polls it with acquire loads at GPU
+    scope; the others wait at the CTA barrier after the loop, which orders their later loads
+    after its acquire. (One poller a program: every thread polling one line cost a grid barrier
+    2.4x more in ``benchmarks/launch_floor.py``'s persistent variants.) Under the interpreter a
+    launch's programs run after the launch before it has ended: the flag is set already."""
+    if not INTERPRET:
+        v = _load_acquire_t0(c)
+        while v == 0:
+            v = _load_acquire_t0(c)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _load_acquire_t0(c):
+    """The int32 at ``c`` loaded by thread 0 with acquire semantics at GPU scope; 1 elsewhere."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 1; "
+        "@p ld.global.acquire.gpu.b32 $0, [$1]; }",
+        "=r,l",
+        [c],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -946,8 +1003,8 @@ def moe_gemv(
     q, G = QUANT_CODE[layout.quant], layout.group_size
     rotated = layout.rotation == "hadamard"
     wv, sv = _views(pool, layout)
-    reads, split, w_far, s_far, count = _far_args(pool, far, wv, sv)
-    uses = far.uses if count else reads
+    reads, split, w_far, s_far, count_far = _far_args(pool, far, wv, sv)
+    uses = far.uses if count_far else reads
     gs = global_scales.contiguous() if layout.quant == "int4" else rw  # unused placeholder otherwise
     tab = table if table is not None else slots  # placeholder when unused
     xin = rotate_activations(x, G) if rotated else x.contiguous()
@@ -960,27 +1017,33 @@ def moe_gemv(
     sd, extra = (
         _shared_down_args(shared_down, shared, config, cols) if shared_down is not None else (_no_sd(x), 0)
     )
+    dbr = _pow2_divisor(D, config.down_rows)
+    # the down's arrival counters, then (READY) a ready flag a token on a line of its own
+    ready_at = -(-T * (D // dbr) // READY_PAD) * READY_PAD
+    early = route is not None and DOWN_READY
+    count = counters(x.device, ready_at + T * READY_PAD if early else T * (D // dbr))
+    ready = count[ready_at:] if early else count
     _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0, lo, hi,
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
-        TABLE=table is not None, FAR=count, RANGE=expert_range is not None, pairs=T * A, **sd,
+        TABLE=table is not None, FAR=count_far, RANGE=expert_range is not None, pairs=T * A, **sd,
         xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED, **_route_args(route, rw, A),
-        num_warps=config.num_warps, **pdl_kwargs(x.device),
+        ready=ready, ready_n=A * (D // dbr), READY=early, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     if rotated:
         h = rotate_activations(h, G)
-    br = _pow2_divisor(D, config.down_rows)
+    br = dbr
     bk = _block_k(I, layout, config.row_bytes)
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     _down_kernel[(T * A, D // br)](
         h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
-        counters(x.device, T * (D // br)), *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
+        count, *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
         lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
         BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
         INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
-        ACC=expert_range is not None, LATE=route is not None, num_warps=config.num_warps,
-        **pdl_kwargs(x.device),
+        ACC=expert_range is not None, LATE=route is not None, ready=ready, READY=early, INTERPRET=INTERPRETED,
+        num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

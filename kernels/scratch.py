@@ -33,7 +33,7 @@ def scratch_set(k: int) -> Iterator[None]:
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 # smaller sets a larger one replaced: graphs captured on them still read them
 _RETIRED: list[torch.Tensor] = []
-COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model at 16 rows a tile
+COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model at 16 rows a tile (or more)
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:

@@ -313,15 +313,18 @@ def test_shared_down_refusals_name_what_does_not_fit():
     ],
     ids=["int4-1-shared-xq", "int4-rot-3-far", "bf16-2"],
 )
-def test_gemv_routes_the_router_logits_itself(fmt, T, extra):
+def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
     """``route``: the gate_up launch routes the router's logits (a pair's programs pick its
     expert, one program a token stores the token's ids and weights) and the down launch reads
-    them after its wait. The ids, weights and output equal router_topk's launch followed by the
-    call on its ids, bit for bit (ties among the logits, the softmax's renormalisation, a
-    rotation, the shared down and int8 x in the launch, a far tier's counts), twice."""
+    them once that program says they are stored (``DOWN_READY``), or after its wait. The ids,
+    weights and output equal router_topk's launch followed by the call on its ids, bit for bit
+    (ties among the logits, the softmax's renormalisation, a rotation, the shared down and int8 x
+    in the launch, a far tier's counts), either way, repeated; every arrival counter and ready
+    flag is back at 0 after each call (each down program takes one off its token's flag)."""
     from edgerun.kernels.decode_triton import router_topk
     from edgerun.kernels.moe_reference import FarTier, RouterLogits
     from edgerun.kernels.qlinear_w4a8 import quantize_x
+    from edgerun.kernels.scratch import counters
 
     layout = layout_for(fmt)
     gen = torch.Generator().manual_seed(13)
@@ -365,12 +368,14 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra):
         return out, ids, w, shared, counted
 
     want = run(False)
-    for _ in range(2):
+    for ready in (True, False, True):
+        monkeypatch.setattr(K, "DOWN_READY", ready)
         got = run(True)
         assert torch.equal(got[1], want_ids) and torch.equal(got[2], want_w)
         assert all(torch.equal(g, h) for g, h in zip(got[:4], want[:4]))
         if far_args is not None:
             assert torch.equal(got[4], want[4]) and int(got[4].sum()) == T * A
+        assert not counters(x.device, 1).any(), "a ready flag or arrival counter left set"
 
 
 def test_gemv_route_refusals_name_what_does_not_fit():
