@@ -314,36 +314,45 @@ PERSIST = {"persist-first": (1, False, True), "persist-all": (-1, False, True), 
            "persist-s32": (1, False, True), "persist-all-s8": (-1, False, True)}  # fmt: skip
 
 
+def persist_plan(variant: str, prog: int, step: int) -> tuple[int, bool, int, bool, bool, int] | None:
+    """A persistent variant's ``Chain.run_persistent`` arguments after the tile's: (before, dep,
+    per_sm, wait, one, split); None for a variant that is not persistent."""
+    name, _, per_sm = variant.partition("/")
+    if name not in PERSIST:
+        return None
+    before, dep, wait = PERSIST[name]
+    split = int(name.rpartition("-s")[2]) if "-s" in name else 1
+    return (
+        (prog // step if before < 0 else before),
+        dep,
+        int(per_sm or 4),
+        wait,
+        name != "persist-every",
+        split,
+    )
+
+
 def time_variant(chain: Chain, tile: tuple[int, int, int], variant: str, reps: int) -> list[float] | None:
     """Seconds per replay of the chain's graph, its launches on ``tile`` (program bytes, step
     bytes, warps) as ``variant`` (``VARIANTS``) reads. None: a persistent variant whose programs
     were not all resident (a barrier gave up; its time would mean nothing)."""
     prog, step, warps = tile
-    name, _, per_sm = variant.partition("/")
-    if name in PERSIST:
-        before, dep, wait = PERSIST[name]
-        before = prog // step if before < 0 else before
-        split = int(name.rpartition("-s")[2]) if "-s" in name else 1
-        how = (int(per_sm or 4), wait, name != "persist-every", split)
+    plan = persist_plan(variant, prog, step)
+    if plan is not None:
         chain.err.zero_()
         for b in (*chain.bufs, chain.xbuf):  # both start from the same x: their outputs are then equal
             b.zero_()
         chain.run(prog, step, warps, 0, False)
-        chain.run_persistent(prog, step, warps, before, dep, *how)
+        chain.run_persistent(prog, step, warps, *plan)
         torch.cuda.synchronize()
         if int(chain.err.item()):
             return None
         # the one launch did the chain's work: its last operation's outputs are the launches'
         n, last = len(chain.launches), chain.launches[-1][1]
         got = chain.xbuf[(n % 2) * chain.xmax :][:last]
-        if wait and not torch.equal(got, chain.bufs[n % 2][:last]):
+        if plan[3] and not torch.equal(got, chain.bufs[n % 2][:last]):
             raise SystemExit(f"{variant}: the persistent chain's last outputs differ from the launches'")
-        t = graph_time(
-            lambda: chain.run_persistent(
-                prog, step, warps, before, dep, int(per_sm or 4), wait, name != "persist-every"
-            ),
-            reps,
-        )
+        t = graph_time(lambda: chain.run_persistent(prog, step, warps, *plan), reps)  # the same arguments
         return None if int(chain.err.item()) else t
     if variant in AHEAD:
         ahead, dep = AHEAD[variant]

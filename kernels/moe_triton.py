@@ -79,7 +79,7 @@ QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 # their slot and first weights before their wait (``_down_kernel``'s READY); False: they read them
 # after it (an A/B switch for benchmarks/ab_decode.py, read at the call)
 DOWN_READY = True
-READY_PAD = 32  # int32s apart (128 B): a token's ready flag, polled, on a line of its own
+READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
 VIEWS = {
@@ -471,7 +471,7 @@ def _wait_set(c, INTERPRET: tl.constexpr):
     """Returns once the int32 at ``c`` is non-zero: thread 0 polls it with acquire loads at GPU
     scope; the others wait at the CTA barrier after the loop, which orders their later loads
     after its acquire. (One poller a program: every thread polling one line cost a grid barrier
-    2.4x more in ``benchmarks/launch_floor.py``'s persistent variants.) Under the interpreter a
+    2.5x more in ``benchmarks/launch_floor.py``'s persistent variants.) Under the interpreter a
     launch's programs run after the launch before it has ended: the flag is set already."""
     if not INTERPRET:
         v = _load_acquire_t0(c)
@@ -1018,10 +1018,10 @@ def moe_gemv(
         _shared_down_args(shared_down, shared, config, cols) if shared_down is not None else (_no_sd(x), 0)
     )
     dbr = _pow2_divisor(D, config.down_rows)
-    # the down's arrival counters, then (READY) a ready flag a token on a line of its own
+    # the down's arrival counters, then (READY) the tokens' ready flags, on lines of their own
     ready_at = -(-T * (D // dbr) // READY_PAD) * READY_PAD
     early = route is not None and DOWN_READY
-    count = counters(x.device, ready_at + T * READY_PAD if early else T * (D // dbr))
+    count = counters(x.device, ready_at + -(-T // READY_PAD) * READY_PAD if early else T * (D // dbr))
     ready = count[ready_at:] if early else count
     _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
