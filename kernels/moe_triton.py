@@ -1023,6 +1023,8 @@ def moe_gemv(
     early = route is not None and DOWN_READY
     count = counters(x.device, ready_at + -(-T // READY_PAD) * READY_PAD if early else T * (D // dbr))
     ready = count[ready_at:] if early else count
+    dbk = _block_k(I, layout, config.row_bytes)
+    part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)  # before the gate_up launch (READY)
     _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
         split, w_far, s_far, 0, lo, hi,
@@ -1031,20 +1033,22 @@ def moe_gemv(
         xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED, **_route_args(route, rw, A),
         ready=ready, ready_n=A * (D // dbr), READY=early, num_warps=config.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
-    if rotated:
-        h = rotate_activations(h, G)
-    br = dbr
-    bk = _block_k(I, layout, config.row_bytes)
-    part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
-    _down_kernel[(T * A, D // br)](
-        h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
-        count, *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
-        lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br,
-        BLOCK_K=bk, SUM=step_sum(bk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
-        INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
-        ACC=expert_range is not None, LATE=route is not None, ready=ready, READY=early, INTERPRET=INTERPRETED,
-        num_warps=config.num_warps, **pdl_kwargs(x.device),
-    )  # fmt: skip
+    try:
+        if rotated:
+            h = rotate_activations(h, G)
+        _down_kernel[(T * A, D // dbr)](
+            h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
+            count, *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
+            lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=dbr,
+            BLOCK_K=dbk, SUM=step_sum(dbk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
+            INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
+            ACC=expert_range is not None, LATE=route is not None, ready=ready, READY=early,
+            INTERPRET=INTERPRETED, num_warps=config.num_warps, **pdl_kwargs(x.device),
+        )  # fmt: skip
+    except BaseException:
+        if early:  # flags no down program took off: the next call's down would read stale ids, and
+            ready[:T].zero_()  # the counters (shared by every call) would not be 0 between calls
+        raise
     return out
 
 

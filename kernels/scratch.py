@@ -38,7 +38,8 @@ COUNTERS = 1 << 15  # counters first allocated: 256 tokens of a 2048-wide model 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
     """Arrival counters on ``device`` for a kernel whose last program to arrive finishes the
-    work (``moe_triton``'s down kernel, ``dense_triton``'s DeltaNet step): int32, at least ``n``,
+    work (``moe_triton``'s down kernel), or whose programs wait for a flag another launch sets
+    and take it down (the down kernel's READY): int32, at least ``n``,
     all 0 between calls (each call's last arrivals reset theirs, before the call completes, so
     calls in one stream share them). Kept for the process, one set a device and scratch set
     (calls that may overlap on different streams, prompts prefilled in lanes, use sets of their

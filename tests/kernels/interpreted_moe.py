@@ -378,6 +378,46 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
         assert not counters(x.device, 1).any(), "a ready flag or arrival counter left set"
 
 
+def test_a_down_launch_that_fails_leaves_no_ready_flag(monkeypatch):
+    """The gate_up launch has set its tokens' ready flags when the down launch fails (here: it
+    raises at the launch): the call raises, the flags go back to 0 (else the next call's down
+    programs would find them set before their gate_up launch routed, and read stale ids), and
+    the next call gives router_topk + the step's bits."""
+    from edgerun.kernels.decode_triton import router_topk
+    from edgerun.kernels.moe_reference import RouterLogits
+    from edgerun.kernels.scratch import counters
+
+    layout = layout_for(("bf16", None, "none"))
+    gen = torch.Generator().manual_seed(5)
+    T, E, A = 2, 16, 8
+    x, pool, _, _, _, _, gs = random_step(layout, T, A, E, gen, x_dtype=torch.bfloat16)
+    table = torch.randperm(E, generator=gen)
+    logits = torch.randn(T, E, generator=gen).bfloat16()
+    want_w, want_ids = torch.empty(T, A, dtype=torch.bfloat16), torch.empty(T, A, dtype=torch.int64)
+    router_topk(logits, E, A, True, want_w, want_ids)
+    want = K.moe_gemv(x, pool, table[want_ids], want_ids.clone(), want_w.clone(), layout, gs, table=table)
+
+    def routed():
+        ids, w = torch.full((T, A), -1, dtype=torch.int64), torch.zeros(T, A, dtype=torch.bfloat16)
+        return K.moe_gemv(x, pool, table[ids.clamp(min=0)], ids, w, layout, gs, table=table,
+                          route=RouterLogits(logits, E, True))  # fmt: skip
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("the down launch failed")
+
+            return launch
+
+    real = K._down_kernel
+    monkeypatch.setattr(K, "_down_kernel", Failing())
+    with pytest.raises(RuntimeError, match="down launch failed"):
+        routed()
+    assert not counters(x.device, 1).any(), "a ready flag left set by a failed call"
+    monkeypatch.setattr(K, "_down_kernel", real)
+    assert torch.equal(routed(), want)
+
+
 def test_gemv_route_refusals_name_what_does_not_fit():
     """route without a table, with expert_range, with ids not contiguous, with another expert
     count than the table's, with logits of other rows: refused, naming it."""
