@@ -100,17 +100,29 @@ def report_experts() -> None:
     POINTERS.update(
         h="*fp32", far_reads="*i64", uses="*i64", rw="*bf16", shared="*bf16", part="*fp32", logits="*bf16"
     )
-    POINTERS.update(count="*i32")
+    POINTERS.update(count="*i32", ready="*i32")
     cfg = MT.DEFAULT_GEMV
     common = dict(I=512, A=8, QUANT=2, G=32, GROUPED=True, SUM=32, TABLE=True, RANGE=False, PDL=True)
     # the shared expert's down projection not in the launch, x not given in int8
     gate_up = MT.NO_SD | dict(
-        XQ=False, INTERPRET=False, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0
-    )
+        XQ=False, INTERPRET=False, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0, PICK32=False,
+        READY=False,
+    )  # fmt: skip
     rows = 2 * cfg.block_r
     const = common | gate_up | dict(D=2048, BLOCK_R=rows, BLOCK_K=2 * cfg.row_bytes, FAR=False)
     ops = sass_ops(MT._gate_up_kernel, const, cfg.num_warps)
     report(f"experts gate_up r{rows} w{cfg.num_warps}", ops, rows, cfg.num_warps, cols=2048)
+    # routed over Qwen3.6's 256 bf16 logits (a program picks its expert: a + 1 maxima; the
+    # routing program's branch counted too), the picks on int64 or int32 keys
+    for pick32 in (False, True):
+        routed = const | dict(ROUTE=True, E=256, BLOCK_E=256, A_P2=8, NORMALIZE=True, RCODE=1, PICK32=pick32,
+                              READY=True)  # fmt: skip
+        ops = sass_ops(MT._gate_up_kernel, routed, cfg.num_warps)
+        keys = "int32" if pick32 else "int64"
+        report(f"experts gate_up routed, {keys} keys", ops, rows, cfg.num_warps, cols=2048)
+        print(
+            f"    shuffles {ops['SHFL']}, barriers {ops['BAR']}, compares {ops['ISETP']}, selects {ops['SEL']}"
+        )
     const = common | dict(
         D=2048,
         A_P2=8,
@@ -121,9 +133,19 @@ def report_experts() -> None:
         CODE=1,
         ACC=False,
         LATE=False,
+        READY=False,
+        INTERPRET=False,
     )
     ops = sass_ops(MT._down_kernel, const, cfg.num_warps)
     report(f"experts down r{cfg.down_rows} w{cfg.num_warps}", ops, cfg.down_rows, cfg.num_warps, cols=512)
+    ops = sass_ops(MT._down_kernel, const | dict(LATE=True, READY=True), cfg.num_warps)
+    report(
+        f"experts down r{cfg.down_rows} w{cfg.num_warps}, ready flag",
+        ops,
+        cfg.down_rows,
+        cfg.num_warps,
+        cols=512,
+    )
 
 
 def main() -> None:

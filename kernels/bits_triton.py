@@ -58,6 +58,29 @@ def _order_key(x, index):
     return (order - 2147483648) * 4294967296 + (4294967295 - index.to(tl.int64))
 
 
+KEY32_EMPTY = tl.constexpr(-(2**31))  # below every key ``_order_key32`` makes
+
+
+@triton.jit
+def _order_key32(x, index):
+    """A bf16 value x (as fp32: exact) and its index (< 2^16) -> int32 that sorts as
+    ``_order_key`` does: (the value's signed 16-bit order) * 2^16 + (2^16 - 1 - index). The
+    signed order of fp32 bits is the bits, a negative value's 31 low bits flipped; a bf16's
+    fp32 bits have 16 zero low bits (all ones once flipped), so the order's high 16 bits are
+    all of it. -0.0 is +0.0, NaN the highest (no real value's order reaches 2^15 - 1). Half the
+    width of ``_order_key``'s int64: a maximum over keys moves half as many bits between threads."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 2147483647, bits)  # signed order: a negative's magnitude flipped
+    order = tl.where(x != x, 2147483647, order)
+    return (order >> 16) * 65536 + (65535 - index.to(tl.int32))  # arithmetic shift: the sign stays
+
+
+@triton.jit
+def _key32_index(key):
+    """The index ``_order_key32`` put in ``key``."""
+    return 65535 - (key & 65535)
+
+
 @triton.jit
 def _key_index(key):
     """The index ``_order_key`` put in ``key``."""

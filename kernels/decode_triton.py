@@ -62,7 +62,15 @@ import torch
 import triton
 import triton.language as tl
 
-from edgerun.kernels.bits_triton import KEY_EMPTY, _key_index, _key_value, _order_key
+from edgerun.kernels.bits_triton import (
+    KEY32_EMPTY,
+    KEY_EMPTY,
+    _key32_index,
+    _key_index,
+    _key_value,
+    _order_key,
+    _order_key32,
+)
 from edgerun.kernels.dense_triton import DTYPE_CODE, _check, _round, _warps
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
@@ -142,16 +150,28 @@ def _route_vals(row, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BL
 
 
 @triton.jit
-def _pick(row, a, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr):
+def _pick(row, a, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, KEY32: tl.constexpr = False):
     """The id of a logit row's pick ``a`` (0-based, a < K; a runtime value): ``_route_vals``'s
-    picks on the same keys, a + 1 maxima."""
-    _, key = _route_keys(row, E, BLOCK_E)
+    picks on the same keys, a + 1 maxima. KEY32 (bf16 logits): on ``_order_key32``'s int32 keys,
+    which order a bf16 row exactly as the int64 keys do, so the same ids."""
+    if KEY32:
+        e = tl.arange(0, BLOCK_E)
+        x = tl.load(row + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        key = tl.where(e < E, _order_key32(x, e), KEY32_EMPTY)
+        empty = KEY32_EMPTY
+    else:
+        _, key = _route_keys(row, E, BLOCK_E)
+        empty = KEY_EMPTY
     best = tl.max(key, axis=0)
     for i in tl.static_range(K - 1):
         if i < a:
-            key = tl.where(key == best, KEY_EMPTY, key)  # keys are unique: exactly the pick
+            key = tl.where(key == best, empty, key)  # keys are unique: exactly the pick
             best = tl.max(key, axis=0)
-    return _key_index(best)
+    if KEY32:  # (one return: Triton builds the code after an early return too)
+        index = _key32_index(best)
+    else:
+        index = _key_index(best)
+    return index
 
 
 @triton.jit

@@ -79,6 +79,10 @@ QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 # their slot and first weights before their wait (``_down_kernel``'s READY); False: they read them
 # after it (an A/B switch for benchmarks/ab_decode.py, read at the call)
 DOWN_READY = True
+# the gate_up programs of a routed step pick their expert on int32 keys where the logits are
+# bf16 (``decode_triton._pick``'s KEY32: the same ids, half the bits in each maximum's shuffles);
+# off until measured on a GPU (an A/B switch for benchmarks/ab_decode.py, read at the call)
+PICK32 = False
 READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
@@ -260,6 +264,7 @@ def _gate_up_kernel(
     A_P2: tl.constexpr,
     NORMALIZE: tl.constexpr,
     RCODE: tl.constexpr,
+    PICK32: tl.constexpr,
     ready,
     ready_n,
     READY: tl.constexpr,
@@ -284,7 +289,7 @@ def _gate_up_kernel(
     ``_route_row``) for the down launch and the host. One launch fewer a MoE layer. READY: that
     program then sets ``ready[t]`` to ``ready_n`` (the down launch's programs of the token), a
     release after its stores, so the down programs may read the ids before their wait
-    (``_down_kernel``'s READY)."""
+    (``_down_kernel``'s READY). PICK32 (bf16 logits): the picks on int32 keys, the same ids."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
         _shared_down_program(p - pairs, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
@@ -300,7 +305,7 @@ def _gate_up_kernel(
             eid = 0
             if ROUTE:
                 row = logits + (p // A).to(tl.int64) * logit_row
-                eid = _pick(row, p % A, E, A, BLOCK_E)
+                eid = _pick(row, p % A, E, A, BLOCK_E, RCODE == 1 and PICK32)  # 1: bf16 logits
                 if (p % A == 0) & (tl.program_id(1) == 0):
                     _route_row(logits, logit_row, p // A, rw, ids, rw, E, A, BLOCK_E, A_P2, NORMALIZE, False,
                                RCODE)  # fmt: skip
@@ -1074,13 +1079,22 @@ def _route_args(route: RouterLogits | None, rw: torch.Tensor, A: int) -> dict:
     """The gate_up kernel's routing arguments (placeholders without ``route``)."""
     if route is None:
         return dict(
-            logits=rw, logit_row=0, rw=rw, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0
+            logits=rw,
+            logit_row=0,
+            rw=rw,
+            ROUTE=False,
+            E=1,
+            BLOCK_E=1,
+            A_P2=1,
+            NORMALIZE=False,
+            RCODE=0,
+            PICK32=False,
         )
     logits = route.logits
     return dict(
         logits=logits, logit_row=logits.stride(0), rw=rw, ROUTE=True, E=route.num_experts,
         BLOCK_E=triton.next_power_of_2(route.num_experts), A_P2=triton.next_power_of_2(A),
-        NORMALIZE=route.normalize, RCODE=DTYPE_CODE[logits.dtype],
+        NORMALIZE=route.normalize, RCODE=DTYPE_CODE[logits.dtype], PICK32=PICK32,
     )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from test_decode_reference import qwen3_30b_args, qwen36_args, tiny_args
 from torch import nn
 
 from edgerun.kernels import decode_triton as K
-from edgerun.kernels.bits_triton import _key_index, _key_value, _order_key
+from edgerun.kernels.bits_triton import _key32_index, _key_index, _key_value, _order_key, _order_key32
 from edgerun.kernels.decode_reference import (
     TOLERANCE,
     AttnDims,
@@ -48,6 +48,7 @@ from edgerun.kernels.decode_reference import (
     run_router,
     window_mismatch,
 )
+from edgerun.kernels.decode_triton import _pick
 from edgerun.kernels.qlinear_reference import random_qweight
 from edgerun.kernels.qlinear_triton import pairs, qgemv
 
@@ -151,6 +152,66 @@ def test_order_keys_sort_as_argmax_ranks_and_give_back_value_and_index():
     assert torch.equal(values[~nan].view(torch.int32), want[~nan].view(torch.int32))
     ranked = sorted(range(64), key=lambda i: (not nan[i], 0.0 if nan[i] else -x[i].item(), index[i].item()))
     assert sorted(range(64), key=lambda i: -keys[i].item()) == ranked
+
+
+@triton.jit
+def _keys32_kernel(x, index, keys, keys32, indices, N: tl.constexpr):
+    o = tl.arange(0, N)
+    v, i = tl.load(x + o).to(tl.float32), tl.load(index + o)
+    tl.store(keys + o, _order_key(v, i))
+    k32 = _order_key32(v, i)
+    tl.store(keys32 + o, k32)
+    tl.store(indices + o, _key32_index(k32))
+
+
+def test_int32_keys_of_bf16_values_sort_as_the_int64_keys():
+    """``_order_key32`` on bf16 values: the int32 keys sort exactly as ``_order_key``'s int64 keys
+    (NaN first, -0.0 equal to +0.0, infinities, subnormals, neighbouring bf16 values, ties by
+    the lower index) and give the index back."""
+    g = torch.Generator().manual_seed(4)
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.38e38, -3.38e38, 1.0,
+               -1.0, 1.0078125, -1.0078125, 0.99609375, -0.99609375]  # fmt: skip
+    x = torch.cat(
+        [torch.tensor(special), torch.randn(128 - 2 * len(special), generator=g), torch.tensor(special)]
+    )
+    x = x.bfloat16()
+    x[40:44] = x[44:48]  # equal values at other indices
+    index = torch.randperm(128, generator=g).int()
+    keys, keys32 = torch.empty(128, dtype=torch.int64), torch.empty(128, dtype=torch.int32)
+    indices = torch.empty(128, dtype=torch.int32)
+    _keys32_kernel[(1,)](x, index, keys, keys32, indices, N=128)
+    assert torch.equal(indices, index)
+    assert torch.equal(keys32.long().argsort(descending=True), keys.argsort(descending=True))
+    assert len(set(keys32.tolist())) == 128  # unique: a pick removes exactly one key
+
+
+@triton.jit
+def _pick_kernel(logits, out, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, KEY32: tl.constexpr):
+    row = tl.program_id(0)
+    for a in range(K):
+        tl.store(out + row * K + a, _pick(logits + row * E, a, E, K, BLOCK_E, KEY32))
+
+
+@pytest.mark.parametrize("E, top", [(16, 8), (200, 8), (257, 6)])
+def test_picks_on_int32_keys_are_the_int64_keys_picks(E, top):
+    """``_pick`` with KEY32 on bf16 logit rows (ties at and below the top, -0.0 and +0.0, -inf,
+    NaN, padding past E): every pick a < K the int64 keys' pick, and router_topk's ids."""
+    g = torch.Generator().manual_seed(E)
+    logits = torch.randn(5, E, generator=g).bfloat16()
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie at the top
+    logits[1, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    logits[1, 4:] = -float("inf")  # masked experts: zeros first, then the -inf ones by id
+    logits[2, 5] = float("nan")
+    logits[3] = logits[3].round()  # many ties
+    ids = {}
+    for key32 in (False, True):
+        out = torch.empty(5, top, dtype=torch.int32)
+        _pick_kernel[(5,)](logits, out, E=E, K=top, BLOCK_E=triton.next_power_of_2(E), KEY32=key32)
+        ids[key32] = out
+    assert torch.equal(ids[True], ids[False])
+    weights, want = torch.empty(5, top, dtype=torch.bfloat16), torch.empty(5, top, dtype=torch.int64)
+    K.router_topk(logits, E, top, True, weights, want)
+    assert torch.equal(ids[True].long()[[0, 1, 3, 4]], want[[0, 1, 3, 4]])  # (a NaN row: its own test)
 
 
 def test_router_reads_strided_rows_and_the_gate_column():

@@ -316,7 +316,8 @@ def test_shared_down_refusals_name_what_does_not_fit():
 def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
     """``route``: the gate_up launch routes the router's logits (a pair's programs pick its
     expert, one program a token stores the token's ids and weights) and the down launch reads
-    them once that program says they are stored (``DOWN_READY``), or after its wait. The ids,
+    them once that program says they are stored (``DOWN_READY``), or after its wait; the picks
+    on int64 or (``PICK32``) int32 keys. The ids,
     weights and output equal router_topk's launch followed by the call on its ids, bit for bit
     (ties among the logits, the softmax's renormalisation, a rotation, the shared down and int8 x
     in the launch, a far tier's counts), either way, repeated; every arrival counter and ready
@@ -368,8 +369,9 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
         return out, ids, w, shared, counted
 
     want = run(False)
-    for ready in (True, False, True):
+    for ready, pick32 in ((True, False), (False, False), (True, True)):
         monkeypatch.setattr(K, "DOWN_READY", ready)
+        monkeypatch.setattr(K, "PICK32", pick32)  # int32 keys where the logits are bf16 (here: all)
         got = run(True)
         assert torch.equal(got[1], want_ids) and torch.equal(got[2], want_w)
         assert all(torch.equal(g, h) for g, h in zip(got[:4], want[:4]))

@@ -183,12 +183,17 @@ def test_shared_down_in_the_gate_up_launch_at_the_real_geometry(scheme):
         assert torch.equal(got_shared, shared) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("pick32", [False, True], ids=["int64-keys", "int32-keys"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_gemv_routes_the_router_logits_at_the_real_geometry(T):
+def test_gemv_routes_the_router_logits_at_the_real_geometry(T, pick32, monkeypatch):
     """``route`` at Qwen3.6's router (256 experts, top 8, renormalised) over a slot table: the
     ids, weights and the residual after the step are router_topk's launch followed by the step
-    on its ids, bit for bit."""
+    on its ids, bit for bit, the down reading early (``DOWN_READY``), the picks on int64 or
+    int32 keys (``PICK32``); twice, the ready flags and arrival counters back at 0 after each."""
     from edgerun.kernels import moe_triton as K
+    from edgerun.kernels.scratch import counters
+
+    monkeypatch.setattr(K, "PICK32", pick32)
     from edgerun.kernels.decode_triton import router_topk
     from edgerun.kernels.moe_reference import RouterLogits
 
@@ -202,9 +207,20 @@ def test_gemv_routes_the_router_logits_at_the_real_geometry(T):
     router_topk(logits, 256, 8, True, w, ids)
     resid = torch.randn(T, 2048, generator=g, device="cuda").bfloat16()
     want = K.moe_gemv(x, pool, table[ids], ids, w, layout, gs, table=table, into=(resid.clone(), None))
-    got_w, got_ids = torch.full_like(w, float("nan")), torch.full_like(ids, -1)
     route = RouterLogits(logits, 256, True)
-    got = K.moe_gemv(
-        x, pool, table[ids], got_ids, got_w, layout, gs, table=table, into=(resid.clone(), None), route=route
-    )
-    assert torch.equal(got_ids, ids) and torch.equal(got_w, w) and torch.equal(got, want)
+    for _ in range(2):
+        got_w, got_ids = torch.full_like(w, float("nan")), torch.full_like(ids, -1)
+        got = K.moe_gemv(
+            x,
+            pool,
+            table[ids],
+            got_ids,
+            got_w,
+            layout,
+            gs,
+            table=table,
+            into=(resid.clone(), None),
+            route=route,
+        )
+        assert torch.equal(got_ids, ids) and torch.equal(got_w, w) and torch.equal(got, want)
+        assert not counters(x.device, 1).any(), "a ready flag or arrival counter left set"
