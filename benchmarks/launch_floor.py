@@ -44,6 +44,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from edgerun.kernels.launch import _load_acquire_t0
+
 MB = 1 << 20
 # bytes of each launch of a layer (weights, scales; the DeltaNet state read and written), from
 # `edgerun bench decode --layers 40 --dense int4` (1.729 GB a token) and docs/benchmarks.md's
@@ -115,18 +117,10 @@ def _read_kernel(w, xin, xout, NPROG, pf, pf_chunk, pf_bytes, zero, WORDS: tl.co
 @triton.jit
 def _load_acquire(c, ONE: tl.constexpr):
     """The int32 at ``c``, loaded with acquire semantics at GPU scope by every thread, or (ONE)
-    by thread 0 alone, the others given 2**31 - 1 (they leave a wait loop at once and wait at
-    the CTA barrier after it, which orders their loads after thread 0's acquire)."""
+    by thread 0 alone as the decode kernels poll (``launch._load_acquire_t0``), the others given
+    2**31 - 1 so that they leave the wait loop at once."""
     if ONE:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 2147483647; "
-            "@p ld.global.acquire.gpu.b32 $0, [$1]; }",
-            "=r,l",
-            [c],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        return _load_acquire_t0(c, 2147483647)
     return tl.inline_asm_elementwise(
         "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [c], dtype=tl.int32, is_pure=False, pack=1
     )

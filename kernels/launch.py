@@ -13,7 +13,12 @@ The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
   for every program of the predecessor to pass *its* wait, so the kernel before that had
   completed. Weights and scales qualify everywhere; a MoE layer's expert ids, slots and slot
   table qualify in the expert down kernel (the router or the cache wrote them before the gate_up
-  launch between them), which loads them bypassing L1 (``.cg``).
+  launch between them), which loads them bypassing L1 (``.cg``);
+- or what its predecessor flags as written: a program of the predecessor stores, then sets a
+  flag with release semantics, and the kernel's programs wait for the flag (``_wait_set``)
+  before they read (bypassing L1). The expert down kernel reads the ids its routing gate_up
+  launch wrote this way (``moe_triton``'s READY). The wait ends: this kernel starts only once
+  every program of the predecessor has passed its own wait, the flagging one among them.
 So the arithmetic is the same with and without PDL: the bits do not change, only the overlap.
 Kernels launched without it (torch's own, the prefill path) serialise as usual.
 """
@@ -60,3 +65,33 @@ def _grid_sync(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def _load_acquire_t0(c, other):
+    """The int32 at ``c`` loaded by thread 0 of the program with acquire semantics at GPU scope,
+    ``other`` in every other thread. A program polls this way: the other threads leave the loop
+    at once and wait at a CTA barrier after it, which orders their later loads after thread 0's
+    acquire (one poller a program: every thread polling one line made a grid barrier 2.5x
+    dearer in ``benchmarks/launch_floor.py``'s persistent variants)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, $2; "
+        "@p ld.global.acquire.gpu.b32 $0, [$1]; }",
+        "=r,l,r",
+        [c, other],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _wait_set(c, INTERPRET: tl.constexpr):
+    """Returns once the int32 flag at ``c`` is non-zero (thread 0 polling, ``_load_acquire_t0``),
+    every thread's later loads ordered after it. Under the interpreter a launch's programs run
+    after the launch before it has ended: the flag is set already."""
+    if not INTERPRET:
+        v = _load_acquire_t0(c, 1)
+        while v == 0:
+            v = _load_acquire_t0(c, 1)
+    tl.debug_barrier()

@@ -52,7 +52,7 @@ from edgerun.bundle.layout import BlockLayout
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.decode_triton import _check_route, _pick, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
-from edgerun.kernels.launch import _grid_sync, pdl_kwargs
+from edgerun.kernels.launch import _grid_sync, _wait_set, pdl_kwargs
 from edgerun.kernels.moe_reference import FarTier, RouterLogits, check_pool, layout_dims
 from edgerun.kernels.qlinear_triton import (
     MANY,
@@ -469,34 +469,6 @@ def _down_kernel(
         _down_finish(
             out, part, ids, shared, t, rows, lo, hi, D, A, A_P2, BLOCK_R, SHARED, INTO, CODE, RANGE, ACC
         )
-
-
-@triton.jit
-def _wait_set(c, INTERPRET: tl.constexpr):
-    """Returns once the int32 at ``c`` is non-zero: thread 0 polls it with acquire loads at GPU
-    scope; the others wait at the CTA barrier after the loop, which orders their later loads
-    after its acquire. (One poller a program: every thread polling one line cost a grid barrier
-    2.5x more in ``benchmarks/launch_floor.py``'s persistent variants.) Under the interpreter a
-    launch's programs run after the launch before it has ended: the flag is set already."""
-    if not INTERPRET:
-        v = _load_acquire_t0(c)
-        while v == 0:
-            v = _load_acquire_t0(c)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire_t0(c):
-    """The int32 at ``c`` loaded by thread 0 with acquire semantics at GPU scope; 1 elsewhere."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 1; "
-        "@p ld.global.acquire.gpu.b32 $0, [$1]; }",
-        "=r,l",
-        [c],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -1078,18 +1050,8 @@ def _check_fold(route: RouterLogits, table, expert_range, ids: torch.Tensor, wei
 def _route_args(route: RouterLogits | None, rw: torch.Tensor, A: int) -> dict:
     """The gate_up kernel's routing arguments (placeholders without ``route``)."""
     if route is None:
-        return dict(
-            logits=rw,
-            logit_row=0,
-            rw=rw,
-            ROUTE=False,
-            E=1,
-            BLOCK_E=1,
-            A_P2=1,
-            NORMALIZE=False,
-            RCODE=0,
-            PICK32=False,
-        )
+        return dict(logits=rw, logit_row=0, rw=rw, ROUTE=False, E=1, BLOCK_E=1, A_P2=1, NORMALIZE=False, RCODE=0,
+                    PICK32=False)  # fmt: skip
     logits = route.logits
     return dict(
         logits=logits, logit_row=logits.stride(0), rw=rw, ROUTE=True, E=route.num_experts,
