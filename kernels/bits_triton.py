@@ -82,6 +82,14 @@ def _key32_index(key):
 
 
 @triton.jit
+def _key32_value(key):
+    """The value ``_order_key32`` put in ``key``, as fp32, exactly (+0.0 for -0.0; a NaN for NaN)."""
+    order = key >> 16
+    bits = tl.where(order >= 0, order, order ^ 32767)  # the bf16's bits, sign-extended
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _key_index(key):
     """The index ``_order_key`` put in ``key``."""
     return (4294967295 - (key & 4294967295)).to(tl.int32)

@@ -66,6 +66,7 @@ from edgerun.kernels.bits_triton import (
     KEY32_EMPTY,
     KEY_EMPTY,
     _key32_index,
+    _key32_value,
     _key_index,
     _key_value,
     _order_key,
@@ -98,14 +99,14 @@ def _fixed_sum(v):
 @triton.jit
 def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-               HAS_GATE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+               HAS_GATE: tl.constexpr, CODE: tl.constexpr, KEY32: tl.constexpr = False):  # fmt: skip
     """Row n of logits [N, E + X] to weights / ids [N, A] (and the gate [N, 1]): ``router_topk``'s
     program. Each pick is one integer max of ``bits_triton._order_key``s (exact, the value and
-    the lowest id among equals at once) and the sums are ``_fixed_sum``'s, so no value depends on
-    the kernel's warps."""
+    the lowest id among equals at once; KEY32, bf16 logits: ``_order_key32``'s, in the same
+    order) and the sums are ``_fixed_sum``'s, so no value depends on the kernel's warps."""
     n = n.to(tl.int64)
     row = logits + n * row_stride
-    top, top_id = _route_vals(row, E, K, BLOCK_E, BLOCK_K, NORMALIZE, CODE)
+    top, top_id = _route_vals(row, E, K, BLOCK_E, BLOCK_K, NORMALIZE, CODE, KEY32)
     j = tl.arange(0, BLOCK_K)
     out = n * K + j
     tl.store(weights + out, top.to(weights.dtype.element_ty), mask=j < K)
@@ -116,31 +117,57 @@ def _route_row(logits, row_stride, n, weights, ids, gate, E: tl.constexpr, K: tl
 
 
 @triton.jit
-def _route_keys(row, E: tl.constexpr, BLOCK_E: tl.constexpr):
-    """A logit row's values (fp32) and their ``_order_key``s (padding: -inf and KEY_EMPTY)."""
+def _route_keys(row, E: tl.constexpr, BLOCK_E: tl.constexpr, KEY32: tl.constexpr = False):
+    """A logit row's values (fp32) and their keys (padding: -inf and the empty key):
+    ``_order_key``'s int64, or (KEY32, bf16 logits) ``_order_key32``'s int32 in the same order."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
-    return x, tl.where(valid, _order_key(x, e), KEY_EMPTY)
+    if KEY32:
+        key = tl.where(valid, _order_key32(x, e), KEY32_EMPTY)
+    else:
+        key = tl.where(valid, _order_key(x, e), KEY_EMPTY)
+    return x, key
+
+
+@triton.jit
+def _key_parts(key, KEY32: tl.constexpr):
+    """(value, index) of a ``_route_keys`` key."""
+    if KEY32:
+        value, index = _key32_value(key), _key32_index(key)
+    else:
+        value, index = _key_value(key), _key_index(key)
+    return value, index
+
+
+@triton.jit
+def _drop(key, best, KEY32: tl.constexpr):
+    """The keys without ``best`` (keys are unique: exactly the pick)."""
+    if KEY32:
+        out = tl.where(key == best, KEY32_EMPTY, key)
+    else:
+        out = tl.where(key == best, KEY_EMPTY, key)
+    return out
 
 
 @triton.jit
 def _route_vals(row, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORMALIZE: tl.constexpr, CODE: tl.constexpr):  # fmt: skip
+                NORMALIZE: tl.constexpr, CODE: tl.constexpr, KEY32: tl.constexpr = False):  # fmt: skip
     """A logit row's routing: (weights [BLOCK_K] fp32, rounded to the model dtype as stored;
     ids [BLOCK_K] int32), entries past K 0."""
-    x, key = _route_keys(row, E, BLOCK_E)
+    x, key = _route_keys(row, E, BLOCK_E, KEY32)
     valid = tl.arange(0, BLOCK_E) < E
     j = tl.arange(0, BLOCK_K)
     top_x = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
     best = tl.max(key, axis=0)
-    m = _key_value(best)  # the row's max
+    m, _ = _key_parts(best, KEY32)  # the row's max
     for i in tl.static_range(K):  # k passes of one max each: largest logit, lowest id among equals
-        top_x = tl.where(j == i, _key_value(best), top_x)
-        top_id = tl.where(j == i, _key_index(best), top_id)
+        value, index = _key_parts(best, KEY32)
+        top_x = tl.where(j == i, value, top_x)
+        top_id = tl.where(j == i, index, top_id)
         if i + 1 < K:
-            key = tl.where(key == best, KEY_EMPTY, key)  # keys are unique: exactly the pick
+            key = _drop(key, best, KEY32)
             best = tl.max(key, axis=0)
     total = _fixed_sum(tl.where(valid, tl.exp(x - m), 0.0))
     top = tl.exp(top_x - m) / total  # the same expression as each softmax entry
@@ -154,23 +181,13 @@ def _pick(row, a, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, KEY32
     """The id of a logit row's pick ``a`` (0-based, a < K; a runtime value): ``_route_vals``'s
     picks on the same keys, a + 1 maxima. KEY32 (bf16 logits): on ``_order_key32``'s int32 keys,
     which order a bf16 row exactly as the int64 keys do, so the same ids."""
-    if KEY32:
-        e = tl.arange(0, BLOCK_E)
-        x = tl.load(row + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        key = tl.where(e < E, _order_key32(x, e), KEY32_EMPTY)
-        empty = KEY32_EMPTY
-    else:
-        _, key = _route_keys(row, E, BLOCK_E)
-        empty = KEY_EMPTY
+    _, key = _route_keys(row, E, BLOCK_E, KEY32)
     best = tl.max(key, axis=0)
     for i in tl.static_range(K - 1):
         if i < a:
-            key = tl.where(key == best, empty, key)  # keys are unique: exactly the pick
+            key = _drop(key, best, KEY32)
             best = tl.max(key, axis=0)
-    if KEY32:  # (one return: Triton builds the code after an early return too)
-        index = _key32_index(best)
-    else:
-        index = _key_index(best)
+    _, index = _key_parts(best, KEY32)
     return index
 
 

@@ -79,8 +79,9 @@ QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 # their slot and first weights before their wait (``_down_kernel``'s READY); False: they read them
 # after it (an A/B switch for benchmarks/ab_decode.py, read at the call)
 DOWN_READY = True
-# the gate_up programs of a routed step pick their expert on int32 keys where the logits are
-# bf16 (``decode_triton._pick``'s KEY32: the same ids, half the bits in each maximum's shuffles);
+# the gate_up programs of a routed step pick their expert, and its routing program routes, on
+# int32 keys where the logits are bf16 (``decode_triton``'s KEY32: the same ids and weights, half
+# the bits in each maximum's shuffles);
 # off until measured on a GPU (an A/B switch for benchmarks/ab_decode.py, read at the call)
 PICK32 = False
 READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
@@ -289,7 +290,8 @@ def _gate_up_kernel(
     ``_route_row``) for the down launch and the host. One launch fewer a MoE layer. READY: that
     program then sets ``ready[t]`` to ``ready_n`` (the down launch's programs of the token), a
     release after its stores, so the down programs may read the ids before their wait
-    (``_down_kernel``'s READY). PICK32 (bf16 logits): the picks on int32 keys, the same ids."""
+    (``_down_kernel``'s READY). PICK32 (bf16 logits): the picks and the routing on int32 keys, the same ids
+    and weights."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
         _shared_down_program(p - pairs, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
@@ -308,7 +310,7 @@ def _gate_up_kernel(
                 eid = _pick(row, p % A, E, A, BLOCK_E, RCODE == 1 and PICK32)  # 1: bf16 logits
                 if (p % A == 0) & (tl.program_id(1) == 0):
                     _route_row(logits, logit_row, p // A, rw, ids, rw, E, A, BLOCK_E, A_P2, NORMALIZE, False,
-                               RCODE)  # fmt: skip
+                               RCODE, RCODE == 1 and PICK32)  # fmt: skip
                     if READY:
                         tl.debug_barrier()  # every thread's ids and weights stored, then released
                         tl.atomic_xchg(ready + p // A, ready_n, sem="release")

@@ -48,7 +48,7 @@ from edgerun.kernels.decode_reference import (
     run_router,
     window_mismatch,
 )
-from edgerun.kernels.decode_triton import _pick
+from edgerun.kernels.decode_triton import _pick, _route_row
 from edgerun.kernels.qlinear_reference import random_qweight
 from edgerun.kernels.qlinear_triton import pairs, qgemv
 
@@ -212,6 +212,37 @@ def test_picks_on_int32_keys_are_the_int64_keys_picks(E, top):
     weights, want = torch.empty(5, top, dtype=torch.bfloat16), torch.empty(5, top, dtype=torch.int64)
     K.router_topk(logits, E, top, True, weights, want)
     assert torch.equal(ids[True].long()[[0, 1, 3, 4]], want[[0, 1, 3, 4]])  # (a NaN row: its own test)
+
+
+@triton.jit
+def _route32_kernel(logits, weights, ids, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_K: tl.constexpr, KEY32: tl.constexpr):  # fmt: skip
+    _route_row(
+        logits, E, tl.program_id(0), weights, ids, weights, E, K, BLOCK_E, BLOCK_K, True, False, 1, KEY32
+    )
+
+
+@pytest.mark.parametrize("E, top", [(16, 8), (257, 6)])
+def test_routing_on_int32_keys_is_the_int64_keys_routing(E, top):
+    """``_route_row`` with KEY32 on bf16 rows (ties, zeros of both signs, -inf, NaN, padding):
+    the ids and the renormalised weights bit for bit the int64 keys' (``_key32_value`` gives each
+    pick's value back exactly)."""
+    g = torch.Generator().manual_seed(E + 1)
+    logits = torch.randn(5, E, generator=g).bfloat16()
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1
+    logits[1, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    logits[1, 4:] = -float("inf")
+    logits[2, 5] = float("nan")
+    logits[3] = logits[3].round()
+    logits[4] = -logits[4].abs()  # every logit negative
+    got = {}
+    for key32 in (False, True):
+        w, i = torch.empty(5, top, dtype=torch.bfloat16), torch.empty(5, top, dtype=torch.int64)
+        _route32_kernel[(5,)](logits, w, i, E=E, K=top, BLOCK_E=triton.next_power_of_2(E),
+                              BLOCK_K=triton.next_power_of_2(top), KEY32=key32)  # fmt: skip
+        got[key32] = (w, i)
+    assert torch.equal(got[True][1], got[False][1])
+    assert torch.equal(got[True][0].view(torch.int16), got[False][0].view(torch.int16))  # NaN rows too
 
 
 def test_router_reads_strided_rows_and_the_gate_column():
