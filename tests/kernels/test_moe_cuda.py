@@ -188,7 +188,7 @@ def test_shared_down_in_the_gate_up_launch_at_the_real_geometry(scheme):
 def test_gemv_routes_the_router_logits_at_the_real_geometry(T, pick32, monkeypatch):
     """``route`` at Qwen3.6's router (256 experts, top 8, renormalised) over a slot table: the
     ids, weights and the residual after the step are router_topk's launch followed by the step
-    on its ids, bit for bit, the down reading early (``DOWN_READY``), the picks on int64 or
+    on its ids, bit for bit, the down reading early (``DOWN_READY``), the picks and routing on int64 or
     int32 keys (``PICK32``); twice, the ready flags and arrival counters back at 0 after each."""
     from edgerun.kernels import moe_triton as K
     from edgerun.kernels.scratch import counters
