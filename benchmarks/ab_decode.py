@@ -61,9 +61,13 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
             value = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):
             value = raw.strip()
-        if len(rest) == 2:  # a field of a dataclass attribute: a copy with it replaced
+        if len(rest) == 2:  # a field of a dataclass attribute: a copy with it replaced (after
+            # this variant's earlier fields of the same attribute)
+            earlier = [v for m, a, v in sets if m is module and a == rest[0]]
             try:
-                value = dataclasses.replace(getattr(module, rest[0]), **{rest[1]: value})
+                value = dataclasses.replace(
+                    earlier[-1] if earlier else getattr(module, rest[0]), **{rest[1]: value}
+                )
             except TypeError as e:
                 raise SystemExit(
                     f"--variant {text!r}: {item!r} is not module.attr[.field]=value ({e})"
@@ -125,38 +129,50 @@ def main() -> int:
     reference = None
     for rnd in range(ns.rounds):
         for name, sets in variants:
-            for (m, a), v in original.items():
-                setattr(m, a, v)
-            for m, a, v in sets:
-                setattr(m, a, v)
-            policy = dict(dense_act=ns.dense_act, expert_act=ns.expert_act)
-            runner.set_kernels(KernelPolicy(graphs="off", **policy))
-            one_run(runner, prompts[0], 8)  # eager: experiments that learn the step's launch order
-            runner.set_kernels(KernelPolicy(graphs="on", **policy))
-            state = runner.new_state(capacity)
-            for _ in range(2):
-                runner.decode_step(state, 0)
-            one_run(runner, prompts[0], 16)  # untimed
-            runs = [one_run(runner, p, ns.decode) for p in prompts[1:]]
-            row = rows[name]
-            row["tps"] += [r["decode_tps"] for r in runs]
-            tokens = [r["tokens"] for r in runs]
-            if reference is None:
-                reference = tokens
-            row["tokens"] = row["tokens"] or ("same" if tokens == reference else "differ")
-            if tokens != reference:
-                row["tokens"] = "differ"
-            row["fallbacks"] = runner.fallbacks()
-            row["choices"] = dict(runner.kernels.choices)
-            if rnd == 0:
+            if rows[name].get("error"):
+                continue
+            try:
+                for (m, a), v in original.items():
+                    setattr(m, a, v)
+                for m, a, v in sets:
+                    setattr(m, a, v)
+                policy = dict(dense_act=ns.dense_act, expert_act=ns.expert_act)
+                runner.set_kernels(KernelPolicy(graphs="off", **policy))
+                one_run(runner, prompts[0], 8)  # eager: experiments that learn the step's launch order
+                runner.set_kernels(KernelPolicy(graphs="on", **policy))
+                state = runner.new_state(capacity)
+                for _ in range(2):
+                    runner.decode_step(state, 0)
+                one_run(runner, prompts[0], 16)  # untimed
+                runs = [one_run(runner, p, ns.decode) for p in prompts[1:]]
+                row = rows[name]
+                row["tps"] += [r["decode_tps"] for r in runs]
+                tokens = [r["tokens"] for r in runs]
+                if reference is None:
+                    reference = tokens
+                row["tokens"] = row["tokens"] or ("same" if tokens == reference else "differ")
+                if tokens != reference:
+                    row["tokens"] = "differ"
+                row["fallbacks"] = runner.fallbacks()
+                row["choices"] = dict(runner.kernels.choices)
+                if rnd == 0:
+                    print(
+                        f"{name}: {runner.kernels.describe()}; fallbacks: {row['fallbacks'] or 'none'}",
+                        flush=True,
+                    )
+                if ns.profile and rnd == 0:
+                    prof = profile_steps(runner, capacity)
+                    row["profile"] = {
+                        k: prof[k]
+                        for k in ("kernels_per_step", "span_us", "chain_us", "chain_steps", "last_step")
+                    }
                 print(
-                    f"{name}: {runner.kernels.describe()}; fallbacks: {row['fallbacks'] or 'none'}",
-                    flush=True,
+                    f"round {rnd} {name:14s} " + " ".join(f"{r['decode_tps']:.1f}" for r in runs), flush=True
                 )
-            if ns.profile and rnd == 0:
-                prof = profile_steps(runner, capacity)
-                row["profile"] = {k: prof[k] for k in ("kernels_per_step", "span_us", "chain_us")}
-            print(f"round {rnd} {name:14s} " + " ".join(f"{r['decode_tps']:.1f}" for r in runs), flush=True)
+            except Exception as e:  # a variant that cannot run is named; the others still run
+                rows[name]["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"round {rnd} {name:14s} failed: {rows[name]['error']}", flush=True)
+
     for (m, a), v in original.items():
         setattr(m, a, v)
     base = statistics.median(rows[variants[0][0]]["tps"])
@@ -165,6 +181,9 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | --- | ---: |")
     for name, _ in variants:
         r = rows[name]
+        if not r["tps"]:
+            print(f"| {name} | failed: {r.get('error', 'no runs')} | | | | |")
+            continue
         med = statistics.median(r["tps"])
         span = r.get("profile", {}).get("span_us", "")
         print(f"| {name} | {med:.1f} ({min(r['tps']):.1f}-{max(r['tps']):.1f}) | {med / bound:.1%} | {med / base - 1:+.1%} | "

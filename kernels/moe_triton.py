@@ -80,10 +80,11 @@ QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 # after it (an A/B switch for benchmarks/ab_decode.py, read at the call)
 DOWN_READY = True
 # the gate_up programs of a routed step pick their expert, and its routing program routes, on
-# int32 keys where the logits are bf16 (``decode_triton``'s KEY32: the same ids and weights, half
-# the bits in each maximum's shuffles);
-# off until measured on a GPU (an A/B switch for benchmarks/ab_decode.py, read at the call)
-PICK32 = False
+# int32 keys where the logits are bf16 (``decode_triton``'s KEY32: the same ids and weights; a
+# warp's maximum one REDUX instead of 6 levels of 64-bit shuffles): the gate_up launch 297 -> 261
+# µs a step, 40-layer decode +1.8% on an H100, the same tokens (docs/benchmarks.md, 2026-12-07,
+# fortieth session); False: int64 keys (an A/B switch for benchmarks/ab_decode.py, read at the call)
+PICK32 = True
 READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme

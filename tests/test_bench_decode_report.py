@@ -23,8 +23,12 @@ def test_a_kernels_chain_cost_is_what_the_step_waits_for_it():
     from edgerun.bench.decode import chain_costs
 
     got = chain_costs([("a", 0.0, 5.0), ("b", 2.0, 9.0), ("a", 8.0, 10.0), ("c", 9.5, 9.8), ("b", 9.9, 12.0)])
-    assert got == {"span_us": 12.0, "chain_us": {"a": 6.0, "b": 6.0, "c": 0.0}}
-    assert chain_costs([]) == {"span_us": 0.0, "chain_us": {}}
+    assert got == {
+        "span_us": 12.0,
+        "chain_us": {"a": 6.0, "b": 6.0, "c": 0.0},
+        "chain_steps": [["a", 5.0], ["b", 4.0], ["a", 1.0], ["c", 0.0], ["b", 2.0]],
+    }
+    assert chain_costs([]) == {"span_us": 0.0, "chain_us": {}, "chain_steps": []}
 
 
 STREAMED = Path(__file__).parents[1] / "docs/bench/stream_2026-12-06/run4.json"

@@ -278,15 +278,19 @@ def chain_costs(kernels: list[tuple[str, float, float]]) -> dict:
     (first start to last end, us) and, per kernel name, the sum over its launches of how far
     its end lies past the latest end before it. With PDL a kernel starts before its
     predecessor ends, so its duration double counts the overlap; these increments add up to
-    the span, each kernel charged with what the step waits for it."""
+    the span, each kernel charged with what the step waits for it; ``chain_steps``: each
+    launch's increment in launch order."""
     span = max(e for _, _, e in kernels) - kernels[0][1] if kernels else 0.0
     costs: dict[str, float] = {}
+    steps = []  # (name, its increment) in launch order: which projection costs what
     done = kernels[0][1] if kernels else 0.0
     for name, _, end in kernels:
-        costs[name[:40]] = costs.get(name[:40], 0.0) + max(end - done, 0.0)
+        inc = max(end - done, 0.0)
+        costs[name[:40]] = costs.get(name[:40], 0.0) + inc
+        steps.append([name[:40], round(inc, 2)])
         done = max(done, end)
     order = sorted(costs.items(), key=lambda kv: -kv[1])
-    return {"span_us": round(span, 1), "chain_us": {k: round(v, 1) for k, v in order}}
+    return {"span_us": round(span, 1), "chain_us": {k: round(v, 1) for k, v in order}, "chain_steps": steps}
 
 
 def med(values: list[float]) -> dict:

@@ -22,6 +22,12 @@ def test_a_variant_sets_module_attributes_and_dataclass_fields(ab):
     # a copy with the one field replaced; the module's own tile is untouched until the run sets it
     assert v1.block_r == 8 and v1.down_rows == moe_triton.DEFAULT_GEMV.down_rows
     assert moe_triton.DEFAULT_GEMV.block_r != 8
+    # two fields of one attribute: the second replaces a field of the first's copy, not of the original
+    _, sets = ab.parse_variant(
+        "two:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r=8;edgerun.kernels.moe_triton.DEFAULT_GEMV.num_warps=4"
+    )
+    last = sets[-1][2]
+    assert (last.block_r, last.num_warps) == (8, 4) and last.down_rows == moe_triton.DEFAULT_GEMV.down_rows
     assert ab.parse_variant("base:") == ("base", [])
     assert ab.parse_variant("s:edgerun.engine.policy.GROUPED_DEFAULT=on")[1][0][2] == "on"  # not a literal
 
