@@ -28,7 +28,10 @@ KV buffer's positions), P = NSPLIT (splits of the positions 0..pos).
   length is cdiv(pos + 1, P) rounded up to BLOCK_S, computed on the device: every active program
   gets an equal share at any pos, programs past pos exit at once, and positions past pos are
   never read. ``_combine_kernel``, a program per (query head, 64 channels): merges the active
-  splits' partial (max, sum, acc) rows in a fixed order, applies the output gate, rounds.
+  splits' partial (max, sum, acc) rows in a fixed order, applies the output gate, rounds. With
+  PDL (``ATTN_EARLY``, not in a window) an attend program reads the position, the slot and its
+  split's first tile of keys and values older than pos before its wait, and takes the row at pos
+  from the registers that stored it; a combine program reads the position and the gate early.
   Measured on an H200 (bf16, both launches, CUDA-graph replay): Qwen3.6's geometry (16/2 heads
   of 256) 9 µs at pos 100, 11 µs at 3000, 28 µs at 32767 (67 MB of K and V: 2.4 TB/s), where
   decode_static's torch ops take 260 µs at any pos; Qwen3-30B's (32/4 of 128) 7, 8 and 27-33 µs.
@@ -79,6 +82,12 @@ MAX_EXPERTS = 1024  # a router row is one program's tile
 TARGET_PROGRAMS = 128  # attend programs at the longest contexts: about one per SM of an H200 (132)
 MAX_HEAD_DIM = 256
 MAX_TILE = 8192  # elements of a combine program's tile of partial outputs
+# the attend launch reads the row's position, slot and its split's first tile of older keys and
+# values, and the combine launch the position and output gate, before their waits (``EARLY``: the
+# same bits): 40-layer decode +0.5% on an H100, every round of three (docs/benchmarks.md,
+# 2026-12-07, fortieth session); False: after them (an A/B switch for benchmarks/ab_decode.py,
+# read at the call)
+ATTN_EARLY = True
 LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 
 
@@ -268,27 +277,38 @@ def _write_kv(
 ):  # fmt: skip
     """A token's key (k-norm, RoPE with the tables at its ``pos``, the cast to the cache dtype)
     and value (as projected), from its qkv row's kv head ``kh`` at ``k_src``, into the caches at
-    ``pos``: the one write of the one-row step and of every row of a window."""
+    ``pos``: the one write of the one-row step and of every row of a window. Returns the two rows
+    as stored."""
     k = _norm_rope(
         k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), k_norm_w, c, cmask,
         partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE,
     )  # fmt: skip
     kv_row = (kh * S_MAX64 + pos) * DH + c
-    tl.store(k_cache + kv_row, k.to(k_cache.dtype.element_ty), mask=cmask)
-    tl.store(v_cache + kv_row, tl.load(k_src + HK * DH + c, mask=cmask, other=0.0), mask=cmask)
+    k = k.to(k_cache.dtype.element_ty)
+    v = tl.load(k_src + HK * DH + c, mask=cmask, other=0.0)
+    tl.store(k_cache + kv_row, k, mask=cmask)
+    tl.store(v_cache + kv_row, v, mask=cmask)
+    return k, v  # [1, DP]: what a read of the row gives back
 
 
 @triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale,
-    DH: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
-):  # fmt: skip
-    """One BLOCK_S tile of positions s0.. (those < end) into the running softmax of q [GP, DP]."""
-    s = s0 + s_idx
-    smask = s < end
+def _tile_kv(k_cache, v_cache, base, s, smask, c, cmask, DH: tl.constexpr, EARLY: tl.constexpr = False):
+    """The K and V rows of positions s [BLOCK_S] (those in smask; else 0) over channels c [1, DP];
+    EARLY (read before the program's wait, kernels/launch.py): bypassing L1."""
     tile = base + s[:, None] * DH + c
-    kt = tl.load(k_cache + tile, mask=smask[:, None] & cmask, other=0.0)
-    vt = tl.load(v_cache + tile, mask=smask[:, None] & cmask, other=0.0)
+    m = smask[:, None] & cmask
+    if EARLY:
+        kt = tl.load(k_cache + tile, mask=m, other=0.0, cache_modifier=".cg")
+        vt = tl.load(v_cache + tile, mask=m, other=0.0, cache_modifier=".cg")
+    else:
+        kt = tl.load(k_cache + tile, mask=m, other=0.0)
+        vt = tl.load(v_cache + tile, mask=m, other=0.0)
+    return kt, vt
+
+
+@triton.jit
+def _attend_kv(q, m_i, l_i, acc, kt, vt, smask, qk_scale, CODE: tl.constexpr, EMULATE: tl.constexpr):
+    """One tile's K and V rows (positions in smask) into the running softmax of q [GP, DP]."""
     if EMULATE:
         kt, vt = kt.to(tl.float32), vt.to(tl.float32)
     scores = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # log2 units
@@ -302,37 +322,65 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale,
+    DH: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_S tile of positions s0.. (those < end) into the running softmax of q [GP, DP]."""
+    s = s0 + s_idx
+    smask = s < end
+    kt, vt = _tile_kv(k_cache, v_cache, base, s, smask, c, cmask, DH)
+    return _attend_kv(q, m_i, l_i, acc, kt, vt, smask, qk_scale, CODE, EMULATE)
+
+
+@triton.jit
 def _attend_kernel(
     qkv, q_norm_w, k_norm_w, inv_freq, pos_ptr, slots, k_cache, v_cache, m_part, l_part, acc_part,
     eps, qk_scale,
     S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
     DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
-    SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+    SLOTS: tl.constexpr, WINDOW: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    _grid_sync(PDL)
+    """EARLY (not WINDOW): the row's position and slot and the split's first tile of keys and
+    values older than pos are read before the wait (written by the step's first kernels and by
+    earlier steps; the row at pos, which this launch writes, is left out and put into the tile
+    from the registers that stored it, the values a read gives back)."""
     QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
     QKV_W: tl.constexpr = G * HK * QW + 2 * HK * DH
     kh = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)  # a sequence of the step, or (WINDOW) a token of one
+    if EARLY:
+        pos = tl.load(pos_ptr + row, cache_modifier=".cg")
+    else:
+        _grid_sync(PDL)
+        pos = tl.load(pos_ptr + row)
     window = qkv  # WINDOW: the qkv rows of the window's tokens, at consecutive positions
     qkv += row * QKV_W
     m_part += row * (G * HK * NSPLIT)
     l_part += row * (G * HK * NSPLIT)
     acc_part += row * (G * HK * NSPLIT * DH)
-    pos = tl.load(pos_ptr + row)
     if not WINDOW:  # a window's tokens are one sequence, in entry 0
         slot = row
         if SLOTS:
-            slot = tl.load(slots + row)
+            slot = tl.load(slots + row, cache_modifier=".cg")
         k_cache += slot * (HK * S_MAX * DH)  # 64-bit: a pool's offsets pass 2^31
         v_cache += slot * (HK * S_MAX * DH)
     c = tl.arange(0, DP)[None, :]
     cmask = c < DH
     start = split * _split_len(pos, NSPLIT, BLOCK_S)
+    end = tl.minimum(start + _split_len(pos, NSPLIT, BLOCK_S), pos + 1)
+    S_MAX64 = tl.full([], S_MAX, tl.int64)  # 64-bit cache offsets: Hk * S_max * Dh may pass 2^31
+    base = kh * S_MAX64 * DH
+    s_idx = tl.arange(0, BLOCK_S)
+    s_first = start + s_idx
+    if EARLY:  # the first tile's older rows, then the wait
+        kt0, vt0 = _tile_kv(
+            k_cache, v_cache, base, s_first, (s_first < end) & (s_first < pos), c, cmask, DH, True
+        )
+        _grid_sync(PDL)
     if start <= pos:
-        end = tl.minimum(start + _split_len(pos, NSPLIT, BLOCK_S), pos + 1)
         rot, partner, sign, cos, sin = _rope_tables(pos, inv_freq, c, R, CODE)
         r = tl.arange(0, GP)[:, None]
         rmask = r < G
@@ -342,7 +390,6 @@ def _attend_kernel(
         )
         if not EMULATE:  # values of the model dtype already: exact
             q = q.to(k_cache.dtype.element_ty)
-        S_MAX64 = tl.full([], S_MAX, tl.int64)  # 64-bit cache offsets: Hk * S_max * Dh may pass 2^31
         kv_col = G * HK * QW + kh * DH  # the kv head's key columns in a qkv row
         if WINDOW:  # the keys of this token and the window's earlier ones that this split reads:
             i = tl.full([], 0, tl.int64)  # each program writes those itself (any other: the same bits)
@@ -356,26 +403,32 @@ def _attend_kernel(
                     )  # fmt: skip
                 i += 1
         elif end == pos + 1:  # this program's split holds pos: the new key and value go in first
-            _write_kv(
+            k_new, v_new = _write_kv(
                 qkv + kv_col, pos, k_cache, v_cache, k_norm_w, c, cmask, rot, partner, sign, cos, sin,
                 eps, S_MAX64, kh, HK, DH, UNIT_OFFSET, CODE,
             )  # fmt: skip
+            if EARLY:  # the row at pos, if in the first tile, as stored
+                at = (s_first == pos)[:, None]
+                kt0 = tl.where(at, k_new, kt0)
+                vt0 = tl.where(at, v_new, vt0)
         tl.debug_barrier()  # the rows written are read back below, by other threads of this program
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
-        s_idx = tl.arange(0, BLOCK_S)
-        base = kh * S_MAX64 * DH
+        s_next = start
+        if EARLY:
+            m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, kt0, vt0, s_first < end, qk_scale, CODE, EMULATE)
+            s_next = start + BLOCK_S
         if EMULATE:  # the interpreter cannot run a for over device values
-            s0 = start
+            s0 = s_next
             while s0 < end:
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale, DH, CODE, EMULATE
                 )  # fmt: skip
                 s0 += BLOCK_S
         else:  # a for, which Triton software-pipelines
-            for s0 in range(start, end, BLOCK_S):
+            for s0 in range(s_next, end, BLOCK_S):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_cache, v_cache, base, s0, end, s_idx, c, cmask, qk_scale, DH, CODE, EMULATE
                 )  # fmt: skip
@@ -392,9 +445,10 @@ def _combine_kernel(
     qkv, pos_ptr, m_part, l_part, acc_part, out,
     NSPLIT: tl.constexpr, DH: tl.constexpr, GATED: tl.constexpr, PP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CODE: tl.constexpr,
-    QKV_W: tl.constexpr, H: tl.constexpr, PDL: tl.constexpr,
+    QKV_W: tl.constexpr, H: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    _grid_sync(PDL)
+    """EARLY: the row's position and (GATED) its output gate are read before the wait (the gate's
+    qkv row was written two launches back, by the projection before the attend launch)."""
     h = tl.program_id(0)
     row = tl.program_id(2).to(tl.int64)
     qkv += row * QKV_W
@@ -402,7 +456,16 @@ def _combine_kernel(
     l_part += row * (H * NSPLIT)
     acc_part += row * (H * NSPLIT * DH)
     out += row * (H * DH)
-    pos = tl.load(pos_ptr + row)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DH
+    if EARLY:
+        pos = tl.load(pos_ptr + row, cache_modifier=".cg")
+        if GATED:
+            g = tl.load(qkv + h * 2 * DH + DH + d, mask=dmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _grid_sync(PDL)
+    else:
+        _grid_sync(PDL)
+        pos = tl.load(pos_ptr + row)
     active = (pos + _split_len(pos, NSPLIT, BLOCK_S)) // _split_len(pos, NSPLIT, BLOCK_S)
     rows = h * NSPLIT
     j = tl.arange(0, PP)
@@ -410,8 +473,6 @@ def _combine_kernel(
     top = tl.max(mj, axis=0)
     total = tl.sum(tl.load(l_part + rows + j, mask=j < active, other=0.0) * tl.exp2(mj - top), axis=0)
 
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = d < DH
     acc = tl.zeros([BLOCK_D], tl.float32)
     jb = tl.arange(0, BLOCK_P)
     for j0 in tl.static_range(0, PP, BLOCK_P):  # fixed blocks in a fixed order
@@ -424,7 +485,8 @@ def _combine_kernel(
         acc += tl.sum(a * w[:, None], axis=0)
     o = _round(acc / total, CODE)
     if GATED:
-        g = tl.load(qkv + h * 2 * DH + DH + d, mask=dmask, other=0.0).to(tl.float32)
+        if not EARLY:
+            g = tl.load(qkv + h * 2 * DH + DH + d, mask=dmask, other=0.0).to(tl.float32)
         o = _round(o * _round(1.0 / (1.0 + tl.exp(-g)), CODE), CODE)
     tl.store(out + h * DH + d, o.to(out.dtype.element_ty), mask=dmask)
 
@@ -611,7 +673,7 @@ def attention_decode(
         m_part, l_part, acc_part, eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R,
         GATED=gated, GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s,
         UNIT_OFFSET=unit_offset, CODE=code, EMULATE=qkv.device.type == "cpu", SLOTS=slots is not None,
-        WINDOW=window, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
+        WINDOW=window, EARLY=ATTN_EARLY and not window, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
         enable_fp_fusion=False,  # a window's rows are the one-row kernel's bits only if neither contracts
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)
@@ -619,7 +681,7 @@ def attention_decode(
     block_p = min(pp, MAX_TILE // block_d)
     _combine_kernel[(H, triton.cdiv(Dh, block_d), N)](
         qkv, pos, m_part, l_part, acc_part, out, NSPLIT=nsplit, DH=Dh, GATED=gated, PP=pp,
-        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, QKV_W=width, H=H,
+        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, QKV_W=width, H=H, EARLY=ATTN_EARLY,
         num_warps=_warps(block_p * block_d, 16), **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return out

@@ -13,7 +13,11 @@ The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
   for every program of the predecessor to pass *its* wait, so the kernel before that had
   completed. Weights and scales qualify everywhere; a MoE layer's expert ids, slots and slot
   table qualify in the expert down kernel (the router or the cache wrote them before the gate_up
-  launch between them), which loads them bypassing L1 (``.cg``);
+  launch between them), which loads them bypassing L1 (``.cg``); so do, in the attention decode
+  launches (``decode_triton``'s EARLY), a row's position and cache slot (the step's first
+  kernels wrote them), the keys and values older than the position (earlier steps; the one at
+  the position, which the attend launch itself writes, is not read early) and, in the combine
+  launch, the output gate's qkv columns (the projection before the attend launch wrote them);
 - or what its predecessor flags as written: a program of the predecessor stores, then sets a
   flag with release semantics, and the kernel's programs wait for the flag (``_wait_set``)
   before they read (bypassing L1). The expert down kernel reads the ids its routing gate_up

@@ -359,6 +359,44 @@ def test_attention_rows_by_slot_are_one_row_calls(dtype):
         K.attention_decode(**{**got, "slots": None})
 
 
+@pytest.mark.parametrize(
+    "dtype, gated, pos, programs",
+    [
+        (torch.bfloat16, True, 5, None),  # pos in its split's one tile
+        (torch.float32, False, 63, None),  # pos the tile's last row
+        (torch.bfloat16, True, 70, None),  # two splits, pos in the second's first tile
+        (torch.bfloat16, False, 255, 4),  # splits of two tiles: pos in a later tile
+        (torch.float32, True, 130, 4),
+    ],
+)
+def test_attention_reading_early_is_the_same_bits(dtype, gated, pos, programs, monkeypatch):
+    """``ATTN_EARLY``: the attend launch reads the position, the slot and the first tile of older
+    keys and values before its wait (the row at pos put in from the registers that stored it),
+    the combine the position and the output gate: the output and the caches bit for bit those of
+    the launches that read after the wait, one row and rows by slot. (It fails when the row at pos
+    is not put into the early tile: the tile then holds 0 there.)"""
+    if programs:
+        monkeypatch.setattr(K, "TARGET_PROGRAMS", programs)
+    dims = AttnDims(4, 2, 32, 16, gated)
+    gen = torch.Generator().manual_seed(pos)
+    one = random_attention_inputs(dims, 256, pos, gen, dtype=dtype)
+    batch = dict(one, qkv=torch.randn(2, dims.qkv_width, generator=gen).to(dtype), slots=torch.tensor([1, 0]))
+    batch["k_cache"] = torch.randn(2, 2, 256, 32, generator=gen).to(dtype)
+    batch["v_cache"] = torch.randn(2, 2, 256, 32, generator=gen).to(dtype)
+    batch["pos"], batch["out"] = torch.tensor([pos, pos // 2]), torch.empty(2, 128, dtype=dtype)
+
+    def run(inputs, early):
+        monkeypatch.setattr(K, "ATTN_EARLY", early)
+        got = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
+        got["out"] = torch.full_like(inputs["out"], float("nan"))
+        K.attention_decode(**got)
+        return got["out"], got["k_cache"], got["v_cache"]
+
+    for inputs in (one, batch):
+        want, got = run(inputs, False), run(inputs, True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 # each dtype, gated and not, each size. 64 splits over 2 kv heads are 64 positions long (61, 62:
 # windows that cross from one split to two). With 4 programs (2 splits) a split is cdiv(pos + 1, 2)
 # in 64-position tiles: 127 in the second of 64, 128 in the first of 192, which reads the keys of

@@ -62,6 +62,33 @@ def test_attention(dims, unit_offset, dtype, pos):
     check_attention(*run_attention(inputs, K.attention_decode), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("pos", [0, 5, 31, 100, 2048, 32767])
+@pytest.mark.parametrize("dims", [QWEN36, QWEN3_30B], ids=["qwen3.6", "qwen3-30b"])
+def test_attention_reading_early_is_the_same_bits(dims, pos, monkeypatch):
+    """``ATTN_EARLY`` (the position, the first tile of older keys and values and the output gate
+    read before the launches' waits): the output and the caches bit for bit the late reads',
+    the launches in one CUDA graph with PDL as in a decode step, the cache then holding the key at
+    pos from the step before (its old bits must not be read)."""
+    from edgerun.kernels import decode_triton as K
+
+    inputs = random_attention_inputs(dims, 32768, pos, gen(pos), "cuda", torch.bfloat16)
+    results = {}
+    for early in (False, True):
+        monkeypatch.setattr(K, "ATTN_EARLY", early)
+        got = clone_inputs(inputs)
+        K.attention_decode(**got)  # compiled, then one graph
+        got = clone_inputs(inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            K.attention_decode(**got)
+        for name in ("k_cache", "v_cache"):
+            got[name].copy_(inputs[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        results[early] = (got["out"].clone(), got["k_cache"], got["v_cache"])
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
+
+
 @pytest.mark.parametrize("pos", [20000, 32767])
 def test_attention_at_a_32k_context(pos):
     from edgerun.kernels import decode_triton as K
