@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from edgerun.bench.decode import build_bundle, dense_bytes, one_run, profile_steps, state_bytes
+from edgerun.bench.decode import build_bundle, chain_layers, dense_bytes, one_run, profile_steps, state_bytes
 from edgerun.bundle.dense_layout import add_dense_arguments
 from edgerun.bundle.reader import Bundle
 from edgerun.engine.policy import KernelPolicy
@@ -74,6 +74,33 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
                 ) from None
         sets.append((module, rest[0], value))
     return name or "base", sets
+
+
+def layer_table(rows: dict) -> str:
+    """The profiled step of each variant by place in a layer (``chain_layers``): µs the step waits
+    for each place's launch, the median over the layers of that kind, one column a variant (its
+    own layer kinds matched to the first profiled variant's by their kernel names)."""
+    profiled = {name: r["profile"]["chain_steps"] for name, r in rows.items() if r.get("profile")}
+    if not profiled:
+        return ""
+    tables = {name: chain_layers(steps) for name, steps in profiled.items()}
+    names = list(tables)
+    lines = [
+        "",
+        f"| layer kind | place | kernel | {' | '.join(names)} |",
+        "| --- | ---: | --- |" + " ---: |" * len(names),
+    ]
+    first = tables[names[0]]
+    for row in first:
+        key = (row["at"], row["kernel"], row["n"])
+        cells = []
+        for name in names:
+            match = [
+                r for r in tables[name] if (r["at"], r["kernel"], r["n"]) == key and r["kind"] == row["kind"]
+            ]
+            cells.append(f"{match[0]['median']:.2f}" if match else "")
+        lines.append(f"| {row['kind']} | {row['at']} | {row['kernel'][:24]} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -188,6 +215,7 @@ def main() -> int:
         span = r.get("profile", {}).get("span_us", "")
         print(f"| {name} | {med:.1f} ({min(r['tps']):.1f}-{max(r['tps']):.1f}) | {med / bound:.1%} | {med / base - 1:+.1%} | "
               f"{r['tokens']} | {span} |")  # fmt: skip
+    print(layer_table(rows))
     if ns.json:
         out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join(sys.argv), "copy_gbs": copy, "bytes_per_token": per_token, "bound_tps": bound, "variants": ns.variant, "rows": rows}  # fmt: skip

@@ -17,6 +17,18 @@ def test_the_report_names_a_resident_steps_kernels_and_rate():
     assert "kernels a step" not in markdown(result)
 
 
+def test_the_report_names_each_place_of_a_layer_where_the_step_was_profiled():
+    result = json.loads(
+        (Path(__file__).parents[1] / "docs/bench/pick32_2026-12-07/dec/bench_decode.json").read_text()
+    )
+    text = markdown(result)
+    assert (
+        "1 (x29): qgemv 7.07, delta_decode 3.17, gated_norm 1.15, qgemv 4.90, qgemv 3.46, gate_up 6.46, down 5.09;"
+        in text
+    )
+    assert "3 (x1): qgemv 86.50, greedy 8.64" in text
+
+
 def test_a_kernels_chain_cost_is_what_the_step_waits_for_it():
     """With PDL a kernel starts before the one before it ends: each is charged only how far its
     end lies past the latest end before it, so the costs add up to the span."""
@@ -29,6 +41,46 @@ def test_a_kernels_chain_cost_is_what_the_step_waits_for_it():
         "chain_steps": [["a", 5.0], ["b", 4.0], ["a", 1.0], ["c", 0.0], ["b", 2.0]],
     }
     assert chain_costs([]) == {"span_us": 0.0, "chain_us": {}, "chain_steps": []}
+
+
+def test_a_steps_chain_by_place_in_a_layer():
+    """``chain_layers``: the chain cut after each MoE layer's last launch, layers of the same
+    launch names grouped, each place summarised; on a synthetic chain and on a recorded 40-layer
+    step (its 30 DeltaNet and 10 attention layers, the step's head and tail apart)."""
+    from edgerun.bench.decode import chain_layers
+
+    steps = [["t", 1.0], ["g", 2.0], ["d", 3.0], ["g", 4.0], ["d", 5.0], ["a", 6.0], ["d", 7.0], ["h", 8.0]]
+    rows = chain_layers(steps, end="d")
+    assert [(r["kind"], r["at"], r["kernel"], r["n"], r["median"], r["total"]) for r in rows] == [
+        ("0 (x1)", 0, "t", 1, 1.0, 1.0),
+        ("0 (x1)", 1, "g", 1, 2.0, 2.0),
+        ("0 (x1)", 2, "d", 1, 3.0, 3.0),
+        ("1 (x1)", 0, "g", 1, 4.0, 4.0),
+        ("1 (x1)", 1, "d", 1, 5.0, 5.0),
+        ("2 (x1)", 0, "a", 1, 6.0, 6.0),
+        ("2 (x1)", 1, "d", 1, 7.0, 7.0),
+        ("3 (x1)", 0, "h", 1, 8.0, 8.0),
+    ]
+    recorded = json.loads(
+        (Path(__file__).parents[1] / "docs/bench/pick32_2026-12-07/call2/ab.json").read_text()
+    )
+    chain = recorded["rows"]["base"]["profile"]["chain_steps"]
+    rows = chain_layers(chain)
+    kinds = {r["kind"]: [] for r in rows}
+    for r in rows:
+        kinds[r["kind"]].append(r["kernel"])
+    assert list(kinds) == [
+        "0 (x1)",
+        "1 (x29)",
+        "2 (x10)",
+        "3 (x1)",
+    ]  # layer 0 carries the step's first kernels
+    assert kinds["1 (x29)"][1:3] == ["_delta_decode_kernel", "_gated_norm_kernel"]
+    assert kinds["2 (x10)"][1:3] == ["_attend_kernel", "_combine_kernel"]
+    assert kinds["3 (x1)"] == ["_qgemv_kernel", "_greedy_kernel"]  # the lm_head and the pick
+    in_proj = next(r for r in rows if r["kind"] == "1 (x29)" and r["at"] == 0)
+    assert (in_proj["median"], in_proj["min"], in_proj["max"]) == (7.07, 6.5, 7.84)
+    assert abs(sum(r["total"] for r in rows) - sum(v for _, v in chain)) < 0.5  # rounding of each total
 
 
 STREAMED = Path(__file__).parents[1] / "docs/bench/stream_2026-12-06/run4.json"

@@ -293,6 +293,34 @@ def chain_costs(kernels: list[tuple[str, float, float]]) -> dict:
     return {"span_us": round(span, 1), "chain_us": {k: round(v, 1) for k, v in order}, "chain_steps": steps}
 
 
+def chain_layers(steps: list, end: str = "_down_kernel") -> list[dict]:
+    """``chain_steps`` by place in a layer: the chain cut after each launch named ``end`` (a MoE
+    layer's last), the pieces grouped by their sequence of kernel names (a DeltaNet layer's, an
+    attention layer's; the step's head and tail are pieces of their own), and each place of a
+    group summarised over its pieces. Rows in chain order of the groups' first pieces: ``kind``
+    (the group's number and size), ``at`` (the place), ``kernel``, ``n``, median / min / max /
+    total µs. Which projection a GEMV launch is shows in its place."""
+    pieces, cur = [], []
+    for name, inc in steps:
+        cur.append((name, inc))
+        if name == end:
+            pieces.append(cur)
+            cur = []
+    if cur:
+        pieces.append(cur)
+    groups: dict[tuple, list] = {}
+    for piece in pieces:
+        groups.setdefault(tuple(n for n, _ in piece), []).append([v for _, v in piece])
+    rows = []
+    for g, (names, members) in enumerate(groups.items()):
+        for at, name in enumerate(names):
+            vals = [m[at] for m in members]
+            rows.append({"kind": f"{g} (x{len(members)})", "at": at, "kernel": name, "n": len(vals),
+                         "median": round(statistics.median(vals), 2), "min": min(vals), "max": max(vals),
+                         "total": round(sum(vals), 1)})  # fmt: skip
+    return rows
+
+
 def med(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -790,7 +818,25 @@ def markdown(result: dict) -> str:
             if p.get("chain_us")
             else ""
         )
+        + (
+            "; by place in a layer, µs a launch (median over the layers of a kind): "
+            + "; ".join(
+                f"{kind}: "
+                + ", ".join(f"{k['kernel'].strip('_').removesuffix('_kernel')} {k['median']:.2f}" for k in ks)
+                for kind, ks in _by_kind(chain_layers(p["chain_steps"]))
+            )
+            if p.get("chain_steps")
+            else ""
+        )
         for r in result["configs"]
         if (p := r.get("profile"))
     ]
     return "\n".join(lines) + "\n"
+
+
+def _by_kind(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``chain_layers``' rows by layer kind, in order."""
+    kinds: dict[str, list[dict]] = {}
+    for r in rows:
+        kinds.setdefault(r["kind"], []).append(r)
+    return list(kinds.items())

@@ -46,3 +46,18 @@ def test_a_variant_sets_module_attributes_and_dataclass_fields(ab):
 def test_a_variant_that_names_nothing_is_refused(ab, text):
     with pytest.raises(SystemExit, match="module.attr"):
         ab.parse_variant(text)
+
+
+def test_the_layer_table_sets_variants_side_by_side(ab):
+    """``layer_table`` on a recorded call: each place of each layer kind, one column a variant."""
+    import json
+    from pathlib import Path
+
+    recorded = json.loads(
+        (Path(__file__).parents[2] / "docs/bench/pick32_2026-12-07/call2/ab.json").read_text()
+    )
+    text = ab.layer_table(recorded["rows"])
+    assert "| layer kind | place | kernel | base | pf | a8w8 | a8r32w8 | a8k1 | d512 |" in text
+    assert "| 1 (x29) | 0 | _qgemv_kernel | 7.07 | 7.17 | 9.44 | 6.82 | 7.07 | 6.94 |" in text
+    assert "| 2 (x10) | 1 | _attend_kernel | 7.55 |" in text
+    assert ab.layer_table({"x": {"tps": []}}) == ""  # nothing profiled
