@@ -88,6 +88,10 @@ MAX_TILE = 8192  # elements of a combine program's tile of partial outputs
 # 2026-12-07, fortieth session); False: after them (an A/B switch for benchmarks/ab_decode.py,
 # read at the call)
 ATTN_EARLY = True
+# the combine launch lets the o_proj GEMV after it launch before its own wait, so o_proj's programs
+# read their first weights while the attend launch still runs (kernels/launch.py's LAUNCH_FIRST;
+# the same bits); off until measured on a GPU (an A/B switch for benchmarks/ab_decode.py)
+COMBINE_LAUNCH_FIRST = False
 LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 
 
@@ -445,10 +449,11 @@ def _combine_kernel(
     qkv, pos_ptr, m_part, l_part, acc_part, out,
     NSPLIT: tl.constexpr, DH: tl.constexpr, GATED: tl.constexpr, PP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CODE: tl.constexpr,
-    QKV_W: tl.constexpr, H: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    QKV_W: tl.constexpr, H: tl.constexpr, EARLY: tl.constexpr, LAUNCH_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """EARLY: the row's position and (GATED) its output gate are read before the wait (the gate's
-    qkv row was written two launches back, by the projection before the attend launch)."""
+    qkv row was written two launches back, by the projection before the attend launch).
+    LAUNCH_FIRST: the next launch (o_proj's GEMV) may launch before this one's wait."""
     h = tl.program_id(0)
     row = tl.program_id(2).to(tl.int64)
     qkv += row * QKV_W
@@ -462,9 +467,9 @@ def _combine_kernel(
         pos = tl.load(pos_ptr + row, cache_modifier=".cg")
         if GATED:
             g = tl.load(qkv + h * 2 * DH + DH + d, mask=dmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        _grid_sync(PDL)
+        _grid_sync(PDL, LAUNCH_FIRST)
     else:
-        _grid_sync(PDL)
+        _grid_sync(PDL, LAUNCH_FIRST)
         pos = tl.load(pos_ptr + row)
     active = (pos + _split_len(pos, NSPLIT, BLOCK_S)) // _split_len(pos, NSPLIT, BLOCK_S)
     rows = h * NSPLIT
@@ -682,6 +687,7 @@ def attention_decode(
     _combine_kernel[(H, triton.cdiv(Dh, block_d), N)](
         qkv, pos, m_part, l_part, acc_part, out, NSPLIT=nsplit, DH=Dh, GATED=gated, PP=pp,
         BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_S=plan.block_s, CODE=code, QKV_W=width, H=H, EARLY=ATTN_EARLY,
+        LAUNCH_FIRST=COMBINE_LAUNCH_FIRST,
         num_warps=_warps(block_p * block_d, 16), **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return out

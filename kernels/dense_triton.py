@@ -43,6 +43,11 @@ from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 # dtype -> code the kernels round to (0: none needed)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
+# the gated norm launch lets the out_proj GEMV after it launch before its own wait, so out_proj's
+# programs read their first weights while the delta rule still runs (kernels/launch.py's
+# LAUNCH_FIRST; the same bits); off until measured on a GPU (an A/B switch for
+# benchmarks/ab_decode.py, read at the call)
+NORM_LAUNCH_FIRST = False
 DELTA_PROGRAMS = 256  # programs a row's delta rule aims at (``delta_slices``): two for each of an H100's SMs
 MIN_SLICE = 16  # value columns of a head a program takes at the least
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
@@ -206,13 +211,15 @@ def _state_row(slots, bi, SLOTS: tl.constexpr):
 
 @triton.jit
 def _gated_norm_kernel(out, z, z_row, norm_w, eps, HVDV: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       ACT: tl.constexpr, ROUND_NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                       ACT: tl.constexpr, ROUND_NORM: tl.constexpr, LAUNCH_FIRST: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
     """The last launch of a step whose heads split among programs: program (row, value head)
     runs the head's gated RMSNorm on the delta rule's output in ``out`` (its stored, rounded
-    values), in place."""
+    values), in place. LAUNCH_FIRST: the next launch (out_proj's GEMV) may launch before this
+    one's wait (kernels/launch.py)."""
     bi = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    _grid_sync(PDL)
+    _grid_sync(PDL, LAUNCH_FIRST)
     every = tl.arange(0, BLOCK_DV)
     o = tl.load(out + bi * HVDV + h * DV + every, mask=every < DV, other=0.0).to(tl.float32)
     _gated_norm(o, every, z + bi * z_row, norm_w, out + bi * HVDV, h, eps, DV, ACT, ROUND_NORM)
@@ -576,6 +583,7 @@ def _split_norms(out, z, z_row, norm_weight, eps, rows, slices, dims, dtype, pdl
         bdv = triton.next_power_of_2(dims.dv)
         _gated_norm_kernel[(rows, dims.n_v)](
             out, z, z_row, norm_weight, eps, HVDV=dims.n_v * dims.dv, DV=dims.dv, BLOCK_DV=bdv,
-            ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, num_warps=_warps(bdv, 2), **pdl,
+            ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, LAUNCH_FIRST=NORM_LAUNCH_FIRST,
+            num_warps=_warps(bdv, 2), **pdl,
         )  # fmt: skip
     return out

@@ -23,6 +23,14 @@ The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
   before they read (bypassing L1). The expert down kernel reads the ids its routing gate_up
   launch wrote this way (``moe_triton``'s READY). The wait ends: this kernel starts only once
   every program of the predecessor has passed its own wait, the flagging one among them.
+A short kernel may let its successor launch before its own wait (``_grid_sync``'s LAUNCH_FIRST), so
+that the successor's programs are resident and reading their weights while the kernel before the
+short one still runs: the successor's wait still waits for the short kernel to complete, and so
+for everything before it, but its pre-wait reads must then be weights and scales alone (the
+kernel two back may still be writing). The DeltaNet gated norm launch (before out_proj) and the
+attention combine launch (before o_proj) may do this (``dense_triton.NORM_LAUNCH_FIRST``,
+``decode_triton.COMBINE_LAUNCH_FIRST``): their successors are GEMVs, which read only weights
+before their waits.
 So the arithmetic is the same with and without PDL: the bits do not change, only the overlap.
 Kernels launched without it (torch's own, the prefill path) serialise as usual.
 """
@@ -64,11 +72,16 @@ def describe(device: torch.device) -> str:
 
 
 @triton.jit
-def _grid_sync(PDL: tl.constexpr):
-    """Wait until the previous kernel has completed, then let the next one launch (PDL only)."""
+def _grid_sync(PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
+    """Wait until the previous kernel has completed, then let the next one launch (PDL only).
+    LAUNCH_FIRST: let the next one launch first, then wait (the contract's last case)."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH_FIRST:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 @triton.jit

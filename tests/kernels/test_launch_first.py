@@ -1,0 +1,53 @@
+"""kernels/launch.py's LAUNCH_FIRST, built for sm_90 on the CPU (Triton's compiler needs no GPU): a
+short launch that lets its successor launch first issues ``griddepcontrol.launch_dependents``
+before its ``griddepcontrol.wait``, and otherwise after it; both builds wait. The arithmetic is
+the same either way (the interpreted tests run it; PDL does not exist there)."""
+
+import pytest
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from edgerun.kernels import decode_triton, dense_triton
+
+GATED_NORM = (
+    dense_triton._gated_norm_kernel,
+    dict(out="*bf16", z="*bf16", z_row="i32", norm_w="*bf16", eps="fp32"),
+    dict(HVDV=32 * 128, DV=128, BLOCK_DV=128, ACT=1, ROUND_NORM=True, PDL=True),
+)
+COMBINE = (
+    decode_triton._combine_kernel,
+    dict(qkv="*bf16", pos_ptr="*i64", m_part="*fp32", l_part="*fp32", acc_part="*fp32", out="*bf16"),
+    dict(
+        NSPLIT=64,
+        DH=256,
+        GATED=True,
+        PP=64,
+        BLOCK_P=64,
+        BLOCK_D=64,
+        BLOCK_S=32,
+        CODE=1,
+        QKV_W=9216,
+        H=16,
+        EARLY=True,
+        PDL=True,
+    ),  # fmt: skip
+)
+
+
+def _ptx(fn, pointers: dict, const: dict) -> str:
+    sig = {a: pointers.get(a, "constexpr") for a in fn.arg_names}
+    constexprs = {(fn.arg_names.index(k),): v for k, v in const.items()}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "launch_pdl": True}).asm[
+        "ptx"
+    ]
+
+
+@pytest.mark.parametrize("kernel", [GATED_NORM, COMBINE], ids=["gated_norm", "combine"])
+@pytest.mark.parametrize("first", [False, True])
+def test_launch_first_lets_the_next_launch_before_the_wait(kernel, first):
+    fn, pointers, const = kernel
+    ptx = _ptx(fn, pointers, const | {"LAUNCH_FIRST": first})
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert wait >= 0 and launch >= 0
+    assert (launch < wait) == first
