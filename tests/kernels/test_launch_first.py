@@ -17,20 +17,8 @@ GATED_NORM = (
 COMBINE = (
     decode_triton._combine_kernel,
     dict(qkv="*bf16", pos_ptr="*i64", m_part="*fp32", l_part="*fp32", acc_part="*fp32", out="*bf16"),
-    dict(
-        NSPLIT=64,
-        DH=256,
-        GATED=True,
-        PP=64,
-        BLOCK_P=64,
-        BLOCK_D=64,
-        BLOCK_S=32,
-        CODE=1,
-        QKV_W=9216,
-        H=16,
-        EARLY=True,
-        PDL=True,
-    ),  # fmt: skip
+    dict(NSPLIT=64, DH=256, GATED=True, PP=64, BLOCK_P=64, BLOCK_D=64, BLOCK_S=32, CODE=1, QKV_W=9216, H=16)
+    | dict(EARLY=True, PDL=True),
 )
 
 
