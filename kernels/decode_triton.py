@@ -90,7 +90,9 @@ MAX_TILE = 8192  # elements of a combine program's tile of partial outputs
 ATTN_EARLY = True
 # the combine launch lets the o_proj GEMV after it launch before its own wait, so o_proj's programs
 # read their first weights while the attend launch still runs (kernels/launch.py's LAUNCH_FIRST;
-# the same bits); off until measured on a GPU (an A/B switch for benchmarks/ab_decode.py)
+# the same bits); off: it lost 1.4% at 40 layers on an H100 (docs/benchmarks.md, 2026-12-07,
+# forty-first session; the one profiled step does not say where); an A/B switch for
+# benchmarks/ab_decode.py
 COMBINE_LAUNCH_FIRST = False
 LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 

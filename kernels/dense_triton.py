@@ -45,9 +45,10 @@ DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
 # the gated norm launch lets the out_proj GEMV after it launch before its own wait, so out_proj's
 # programs read their first weights while the delta rule still runs (kernels/launch.py's
-# LAUNCH_FIRST; the same bits); off until measured on a GPU (an A/B switch for
-# benchmarks/ab_decode.py, read at the call)
-NORM_LAUNCH_FIRST = False
+# LAUNCH_FIRST; the same bits): +1.2% at 40 layers on an H100, the same tokens (the step waits
+# 1.0 µs less a DeltaNet out_proj, 0.8 more a delta rule: docs/benchmarks.md, 2026-12-07,
+# forty-first session); False: after its wait (an A/B switch for benchmarks/ab_decode.py, read at the call)
+NORM_LAUNCH_FIRST = True
 DELTA_PROGRAMS = 256  # programs a row's delta rule aims at (``delta_slices``): two for each of an H100's SMs
 MIN_SLICE = 16  # value columns of a head a program takes at the least
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
