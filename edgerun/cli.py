@@ -178,6 +178,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         ids, params, prompt_field="--token-ids" if ns.token_ids else "prompt", max_tokens_field="--max-tokens"
     )
 
+    warmed = runner.warm_up(request)
+    if warmed and not ns.quiet:
+        print(prefix + warmed, file=sys.stderr, flush=True)
     stats = None
     for event in runner.generate(request):
         if event.text:
@@ -191,8 +194,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(f"[{stats.line()}]", file=sys.stderr)
     if runner.cache is not None:
-        # the tokens that ran through the model: the last one generated was never fed back
-        ran = stats.prompt_tokens + max(stats.generated_tokens - 1, 0)
+        # the tokens that ran through the model: the last one generated was never fed back (and
+        # a warm-up step whose lookups the cache counted)
+        ran = stats.prompt_tokens + max(stats.generated_tokens - 1, 0) + runner.warm_tokens
         print(f"[{cache_line(runner.cache, ran)}]", file=sys.stderr)
     return 0
 

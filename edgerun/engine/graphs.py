@@ -764,9 +764,69 @@ class DecodeGraphs:
     def count_table_hits(self, tokens: int) -> None:
         """The hits of ``tokens`` tokens' expert steps in table mode, which ran on the device (a
         replayed graph keeps no books)."""
-        for i, mode in self.modes.items():
-            if mode == "table" and isinstance(self.layers[i].mlp.experts, StreamingExperts):
-                self.cache.count_hits(i, tokens * self.args.num_experts_per_tok)
+        for i in self._table_layers():
+            self.cache.count_hits(i, tokens * self.args.num_experts_per_tok)
+
+    def _table_layers(self) -> list[int]:
+        """The streamed MoE layers whose expert steps run in table mode (every expert held)."""
+        return [
+            i
+            for i, m in self.modes.items()
+            if m == "table" and isinstance(self.layers[i].mlp.experts, StreamingExperts)
+        ]
+
+    def held_hits(self) -> dict[int, int]:
+        """The hit counters of the table-mode layers, for :meth:`put_back` after a run that
+        serves no request (a warm-up, a capture): held experts keep no other books."""
+        return {i: self.cache.slots[i].counters.hits for i in self._table_layers()}
+
+    def put_back(self, hits: dict[int, int]) -> None:
+        for i, n in hits.items():
+            self.cache.slots[i].counters.hits = n
+
+    def prepare(self) -> bool:
+        """The first step's one-time work (``_warm_up``: Triton compiles, library handles, the
+        capture) done now, before a request: one step of token 0 at position 0, the state
+        emptied after, the step not counted and the hits of held experts put back. A routed
+        layer's lookups of that step stay in the cache's books (its misses were read: see
+        :attr:`lookups_kept`). False where there is nothing to do: graphs off, or already warm."""
+        if not self.policy.graphs or self._warm:
+            return False
+        c = self.counters
+        was = c.graph_steps, c.mixed_steps, c.eager_steps
+        hits = self.held_hits()
+        self.reset()
+        try:
+            self._run(0)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.reset()
+            c.graph_steps, c.mixed_steps, c.eager_steps = was
+            self.put_back(hits)
+        return True
+
+    def prepare_draw(self, sampler) -> bool:
+        """The draw graph of ``sampler``'s sort setting (:meth:`sample_with`) compiled and
+        captured now, on the step's logits buffer (its token is overwritten by the next step's
+        input); False where there is nothing to do (greedy, graphs not replaying, captured already)."""
+        if sampler.params.greedy or not self.policy.graphs or self.graphs is None:
+            return False
+        self.sample_with(sampler)  # its buffers made outside inference mode, as a request makes them
+        try:
+            if self._draw_sort in self._draw_graphs:
+                return False
+            with torch.inference_mode():  # the draw, as a request's steps run it
+                self._draw_step()
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.sample_with(None)
+        return True
+
+    @property
+    def lookups_kept(self) -> bool:
+        """Whether a step's expert lookups stay in the cache's books (a layer streamed with
+        misses: its host op looks up and reads), so a step run by :meth:`prepare` counts there."""
+        return self.cache is not None and any(m in ("routed", "eager") for m in self.modes.values())
 
     def _run_eager(self) -> None:
         for _, fn in self.ops:
@@ -1101,6 +1161,16 @@ class PrefillGraphs:
             return None
         return next((b for b in self.buckets if b >= n), None)
 
+    def prepare(self, n: int) -> int | None:
+        """The graph a first chunk of ``n`` rows replays captured now (``_capture``: nothing
+        counted, the state emptied after); its bucket, or None where there is nothing to do
+        (such a chunk does not replay, or its bucket is captured already)."""
+        b = self.bucket(0, n)
+        if b is None or b in self.graphs:
+            return None
+        self.graphs[b] = self._capture(b)
+        return b
+
     def run(self, ids: torch.Tensor, start: int) -> torch.Tensor | None:
         """The chunk ``ids`` [1, n] (on the device) at ``start`` through a graph: its last logits
         [V] (a static buffer: read it before the next prefill), the state advanced by n; None
@@ -1110,10 +1180,8 @@ class PrefillGraphs:
         if b is None or self.graphs.get(b, ...) is None:
             return None
         d = self.decoder
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-            if self.graphs[b] is None:
-                return None
+        if self.prepare(n) is not None and self.graphs[b] is None:
+            return None
         graph, tokens, n_valid, logits, hidden = self.graphs[b]
         tokens[:, :n].copy_(ids)
         tokens[:, n:].zero_()
@@ -1147,12 +1215,7 @@ class PrefillGraphs:
         logits = torch.zeros(1, d.args.vocab_size, dtype=d.dtype, **kw)
         hidden = torch.zeros(1, b, d.args.hidden_size, dtype=d.dtype, **kw)
         # the two runs below serve no request: the cache's books (held experts keep none) are put back
-        table = [
-            i
-            for i, m in d.modes.items()
-            if m == "table" and isinstance(d.layers[i].mlp.experts, StreamingExperts)
-        ]
-        hits = {i: d.cache.slots[i].counters.hits for i in table}
+        hits = d.held_hits()
         forward = partial(self._forward, tokens, n_valid, logits, hidden)
         try:
             run_on_side_stream(forward, d.device, self.stream)
@@ -1168,8 +1231,7 @@ class PrefillGraphs:
             return None
         finally:
             self.reset()
-            for i, n in hits.items():
-                d.cache.slots[i].counters.hits = n
+            d.put_back(hits)
         d.counters.prefill_captures += 1
         return graph, tokens, n_valid, logits, hidden
 

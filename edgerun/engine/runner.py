@@ -98,6 +98,7 @@ class Runner:
         self.provider: Resolution | None = None  # the architecture's provenance, set by load()
         self.kernels: Resolved = resolve(KernelPolicy(), self.device)  # load() resolves the request
         self.decoder = None  # DecodeGraphs on CUDA, sized for the longest request so far
+        self.warm_tokens = 0  # decode steps run by ``warm_up`` whose expert lookups the cache counted
         self.steps = DecodeCounters()  # decode steps by how they ran, across decoder rebuilds
         self.prefill_graphs = True  # prompts' first chunks through PrefillGraphs where they can be
         # a batch's prompts' first chunks in this many lanes at once (engine/graphs.PrefillLanes;
@@ -767,10 +768,13 @@ class Runner:
         recorder's forward hooks to feed, not the first chunk, a step that cannot be captured)."""
         if not self._graphs_replay(state):
             return None
-        d = self.decoder
+        return self._prefill_graphs(self.decoder).run(chunk, start)
+
+    def _prefill_graphs(self, d: DecodeGraphs) -> PrefillGraphs:
+        """The decoder's prefill graphs, made on first use."""
         if d.prefill is None:
             d.prefill = PrefillGraphs(d, min(self.prefill_chunk, PREFILL_GRAPH_TOKENS))
-        return d.prefill.run(chunk, start)
+        return d.prefill
 
     def _graphs_replay(self, state: DecodeState) -> bool:
         """Whether a chunk on ``state`` may replay a prefill graph: it is the decoder's static
@@ -831,15 +835,10 @@ class Runner:
         self, request: Request, sampler: Sampler, stats: GenerationStats, t_request: float, row: Row | None
     ) -> Iterator[Event]:
         prompt_ids, params = list(request.prompt_ids), request.params
-        total = len(prompt_ids) + params.max_tokens
-        speculative = self.speculative
-        if speculative is not None and not params.greedy and speculative.sampled == "plain":
-            speculative = None  # a sampled request decodes plainly (SpeculativeConfig.sampled)
+        speculative = self._speculative_for(params)
+        if speculative is None and self.speculative is not None:
             self.spec_plain_requests += 1
-        room = SPEC_HEADROOM * speculative.draft_tokens if speculative is not None else 0
-        if total + room <= self.max_context:
-            total += room  # device-decided speculative steps run ahead of the request's end
-        state = self.new_state(total) if row is None else row.state
+        state = self.new_state(self._state_len(request)) if row is None else row.state
         text = _TextStream(self.tokenizer, params.stop)
         drafter = None
         if speculative is not None:
@@ -894,6 +893,65 @@ class Runner:
                 self.spec_totals.add(stats.speculative)
                 self.last_speedup = stats.speedup
         yield Event(text.flush(), None, finish, stats)
+
+    def _speculative_for(self, params: SamplingParams) -> SpeculativeConfig | None:
+        """How a request of these parameters decodes speculatively; None: plainly (no MTP, or
+        a sampled request where ``SpeculativeConfig.sampled`` says so)."""
+        s = self.speculative
+        return None if s is not None and not params.greedy and s.sampled == "plain" else s
+
+    def _state_len(self, request: Request) -> int:
+        """The positions a request's decode state is sized for: its prompt and tokens, and room
+        for the device-decided speculative steps that run ahead of its end where the context has it."""
+        total = len(request.prompt_ids) + request.params.max_tokens
+        speculative = self._speculative_for(request.params)
+        room = SPEC_HEADROOM * speculative.draft_tokens if speculative is not None else 0
+        return total + room if total + room <= self.max_context else total
+
+    def warm_up(self, request: Request) -> str | None:
+        """Before a one-shot request (``edgerun generate``): the one-time work its first prefill
+        chunk and first decode step would do, done now, so its TTFT and decode rate are its own.
+        On CUDA with graphs: the decoder its state lives in (sized as the request's), its first
+        step run eagerly (Triton compiles, library handles) and captured, a sampled request's
+        draw the same, and the prefill graph of the bucket its first chunk replays at captured.
+        Nothing of it is counted as a step, the state is emptied after and held experts' hits
+        put back; a streamed layer's lookups of the decode step stay in the cache's books
+        (:attr:`warm_tokens`). Returns a line naming what it did and its time (or why it
+        failed: the decoder is then dropped, and the request builds and warms its own), or
+        None where there is nothing to warm (not CUDA, graphs off, a batch: its start-up probe
+        warms it)."""
+        if self.device.type != "cuda" or self.batch is not None:
+            return None
+        t, did = time.perf_counter(), []
+        try:
+            self._warm_parts(request, did)
+            self.new_state(self._state_len(request))  # as the request will: reset outside inference mode
+        except Exception as exc:  # noqa: BLE001 - any failure: the request warms up for itself, said
+            self.decoder = None
+            return (
+                f"warm-up failed, the request compiles and captures for itself: {type(exc).__name__}: {exc}"
+            )
+        if not did:
+            return None
+        return f"warm-up: {', '.join(did)} in {time.perf_counter() - t:.2f} s (not in the request's times)"
+
+    def _warm_parts(self, request: Request, did: list[str]) -> None:
+        """:meth:`warm_up`'s work, each part in the inference mode the request runs it in (its
+        state and the draw's buffers made outside it, so the request can reset and set them; its
+        steps inside it); what it did appended to ``did``."""
+        state = self.new_state(self._state_len(request))
+        d = self.decoder
+        with torch.inference_mode():
+            if d.prepare():
+                did.append("the decode step compiled and captured")
+                self.warm_tokens += int(d.lookups_kept)
+        if self._speculative_for(request.params) is None and d.prepare_draw(Sampler(request.params)):
+            did.append("its sampled draw compiled and captured")
+        n = min(len(request.prompt_ids), self.prefill_chunk, self.max_context)
+        with torch.inference_mode():
+            b = self._prefill_graphs(d).prepare(n) if self._graphs_replay(state) else None
+        if b is not None:
+            did.append(f"the prefill graph of {b} tokens captured")
 
     def _counted(self, tokens: Iterator[int]) -> Iterator[int]:
         """``tokens``, counting a request stopped by non-finite logits."""

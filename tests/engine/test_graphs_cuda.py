@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from edgerun.config import CacheConfig
+from edgerun.engine.params import SamplingParams
 from edgerun.engine.policy import KernelPolicy
 from edgerun.engine.runner import Runner
 from hf_fixtures import ARCHS
@@ -86,6 +87,44 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
     if setup == "tiered":
         t = graph.cache.totals()
         assert t.tier_copies == t.misses > 0 and graph.cache.tier_mem[graph.args.moe_layers[0]].is_pinned()
+
+
+@pytest.mark.parametrize("setup,temperature", [("table", 0.0), ("routed", 0.0), ("table", 0.8)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_warm_up_leaves_the_request_its_tokens_counts_and_books(bundles, arch, setup, temperature):
+    """``Runner.warm_up`` (``edgerun generate``, before its one request): the decode step
+    compiled and captured, a sampled request's draw too, and (every expert held) the prompt's
+    prefill bucket captured, ahead. The request then replays every step, emits the tokens a
+    cold runner emits (a seeded draw: the same draws), and the step counts and held experts'
+    hits are the request's alone; a streamed layer's lookups of the warm-up step stay counted
+    (``warm_tokens``, which the CLI's misses/token divides by)."""
+    b = bundles[(arch, "int4")]
+    cold, warm = _load(b, setup, "on"), _load(b, setup, "on")
+
+    def request(r):
+        params = SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=temperature, seed=7)
+        return r.request(PROMPT, params)
+
+    line = warm.warm_up(request(warm))
+    assert line is not None and "the decode step compiled and captured" in line, line
+    assert ("the prefill graph of 32 tokens captured" in line) == (setup == "table"), line
+    assert ("its sampled draw compiled and captured" in line) == (temperature > 0), line
+    assert warm.decode_counts() == {"graph": 0, "mixed": 0, "eager": 0}
+    assert warm.warm_tokens == (1 if setup == "routed" else 0)
+    if setup == "table":
+        assert warm.cache.totals().hits == cold.cache.totals().hits  # nothing served: nothing counted
+    tokens = {}
+    for name, r in (("cold", cold), ("warm", warm)):
+        tokens[name] = [e.token_id for e in r.generate(request(r)) if e.token_id is not None]
+    assert tokens["warm"] == tokens["cold"] and len(tokens["cold"]) == STEPS
+    replayed = "graph" if setup == "table" else "mixed"
+    assert warm.decode_counts()[replayed] == STEPS - 1 and warm.decode_counts()["eager"] == 0
+    assert cold.decode_counts()["eager"] == 1  # its first step warmed up there
+    if setup == "table":
+        assert warm.prefill_counts() == cold.prefill_counts() == {"graph": 1, "eager": 0}
+        assert warm.cache.totals().hits == cold.cache.totals().hits
+    assert warm.warm_up(request(warm)) is None  # nothing left to warm
+    assert "graphs" not in warm.fallbacks() and "prefill_graphs" not in warm.fallbacks()
 
 
 @pytest.mark.parametrize("ahead", [1, 2])

@@ -215,3 +215,29 @@ def test_a_stopped_prefill_frees_its_state_and_stats_time_the_first_token():
     assert s.prompt_tokens == 20 and s.generated_tokens == 3
     assert 0 < s.prefill_s <= s.ttft_s and s.decode_s > 0
     assert f"TTFT {s.ttft_s * 1e3:.0f} ms, prefill {s.prefill_tps:.1f} tok/s" in s.line()
+
+
+def test_a_warm_up_does_nothing_on_a_cpu_and_names_a_failure_then_leaves_the_request_its_own():
+    """``Runner.warm_up`` (``edgerun generate``'s, before its request): nothing to compile or
+    capture on a CPU. Where its work fails (on a GPU), it says so in its line and drops the
+    decoder it made, so the request builds and warms one of its own; the request's tokens are
+    those of a runner that never warmed up."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    runner = Runner.load(None, device="cpu")
+    request = runner.request(PROMPT, params)
+    assert runner.warm_up(request) is None and runner.decoder is None and runner.warm_tokens == 0
+    want = runner.generate_ids(PROMPT, params)
+
+    def fails(request, did):
+        did.append("the decode step compiled and captured")
+        runner.decoder = object()  # what it made before it failed
+        raise RuntimeError("capture refused")
+
+    runner.device, runner._warm_parts = torch.device("cuda"), fails  # the GPU's path, not run on one
+    line = runner.warm_up(request)
+    assert (
+        line == "warm-up failed, the request compiles and captures for itself: RuntimeError: capture refused"
+    )
+    assert runner.decoder is None
+    runner.device = CPU
+    assert runner.generate_ids(PROMPT, params) == want
