@@ -912,8 +912,9 @@ class Runner:
         """Before a one-shot request (``edgerun generate``): the one-time work its first prefill
         chunk and first decode step would do, done now, so its TTFT and decode rate are its own.
         On CUDA with graphs: the decoder its state lives in (sized as the request's), its first
-        step run eagerly (Triton compiles, library handles) and captured, a sampled request's
-        draw the same, and the prefill graph of the bucket its first chunk replays at captured.
+        step run eagerly (Triton compiles, library handles) and captured (not for a speculative
+        request, which decodes in verify windows), a sampled request's draw the same, and the
+        prefill graph of the bucket its first chunk replays at captured.
         Nothing of it is counted as a step, the state is emptied after and held experts' hits
         put back; a streamed layer's lookups of the decode step stay in the cache's books
         (:attr:`warm_tokens`). Returns a line naming what it did and its time (or why it
@@ -940,12 +941,12 @@ class Runner:
         state and the draw's buffers made outside it, so the request can reset and set them; its
         steps inside it); what it did appended to ``did``."""
         state = self.new_state(self._state_len(request))
-        d = self.decoder
-        with torch.inference_mode():
-            if d.prepare():
+        d, plain = self.decoder, self._speculative_for(request.params) is None
+        with torch.inference_mode():  # a speculative request's steps are verify windows: not this one
+            if plain and d.prepare():
                 did.append("the decode step compiled and captured")
                 self.warm_tokens += int(d.lookups_kept)
-        if self._speculative_for(request.params) is None and d.prepare_draw(Sampler(request.params)):
+        if plain and d.prepare_draw(Sampler(request.params)):
             did.append("its sampled draw compiled and captured")
         n = min(len(request.prompt_ids), self.prefill_chunk, self.max_context)
         with torch.inference_mode():
