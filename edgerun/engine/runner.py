@@ -944,7 +944,10 @@ class Runner:
         d, plain = self.decoder, self._speculative_for(request.params) is None
         with torch.inference_mode():  # a speculative request's steps are verify windows: not this one
             if plain and d.prepare():
-                did.append("the decode step compiled and captured")
+                did.append(
+                    "the decode step compiled and captured" if d.graphs is not None
+                    else f"the decode step compiled ({d.fallbacks.get('graphs', 'not captured')})"
+                )  # fmt: skip
                 self.warm_tokens += int(d.lookups_kept)
         if plain and d.prepare_draw(Sampler(request.params)):
             did.append("its sampled draw compiled and captured")
