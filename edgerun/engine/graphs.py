@@ -1180,7 +1180,8 @@ class PrefillGraphs:
         if b is None or self.graphs.get(b, ...) is None:
             return None
         d = self.decoder
-        if self.prepare(n) is not None and self.graphs[b] is None:
+        self.prepare(n)  # captured on first use (a failed capture leaves None: eager)
+        if self.graphs[b] is None:
             return None
         graph, tokens, n_valid, logits, hidden = self.graphs[b]
         tokens[:, :n].copy_(ids)
