@@ -541,6 +541,11 @@ class Runner:
         """Prompt chunks by how they ran: replayed from a prefill graph, or eagerly."""
         return {"graph": self.steps.prefill_graph_chunks, "eager": self.steps.prefill_eager_chunks}
 
+    def capture_counts(self) -> dict[str, int]:
+        """CUDA graphs captured so far: decode graph sets (one per static state size) and prefill
+        graphs (one per padded length and lane)."""
+        return {"decode": self.steps.captures, "prefill": self.steps.prefill_captures}
+
     def kernel_summary(self) -> str:
         text = self.kernels.describe()
         text += f"; {self.decoder.describe()}" if self.decoder is not None else ""
@@ -746,10 +751,7 @@ class Runner:
         if self.prefill_lanes > 1 and (self.decoder is None or self.decoder.capacity < tokens):
             self.new_state(tokens)  # the decoder the lanes' graphs belong to
         if self.prefill_lanes > 1 and self._graphs_replay(self.decoder.state):
-            if self.lanes is None or self.lanes.decoder is not self.decoder:
-                limit = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS)
-                self.lanes = PrefillLanes(self.decoder, self.prefill_lanes, tokens, limit)
-            ran = self.lanes.run(chunk, state)
+            ran = self._prefill_lanes(tokens).run(chunk, state)
             if ran is not None:
                 row = next(r for r in self.batch.rows if r.state is state)
                 logits, row.ready = ran  # the lane's work: waited for before its first use
@@ -761,6 +763,49 @@ class Runner:
             logits = self.model(chunk, scratch, last_only=True)[0, -1]
         scratch.copy_into(state)
         return logits.clone()  # the graph's output buffer: the next sequence's prefill reuses it
+
+    def _prefill_lanes(self, tokens: int) -> PrefillLanes:
+        """The decoder's prefill lanes (a scratch state of ``tokens`` each), made on first use."""
+        if self.lanes is None or self.lanes.decoder is not self.decoder:
+            limit = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS)
+            self.lanes = PrefillLanes(self.decoder, self.prefill_lanes, tokens, limit)
+        return self.lanes
+
+    @torch.inference_mode()
+    def capture_prefill(self) -> str | None:
+        """Serve's start-up, after its probe made the decoder: the prefill graph of every padded
+        length a prompt's first chunk replays at (``PrefillGraphs.buckets``) captured now, each
+        lane's with prefill lanes, so no request's TTFT pays for a capture (each otherwise
+        captures the first time a prompt of its length comes). Returns the line to log (a
+        failed capture named: that length prefills eagerly, a counted fallback), or None where
+        prompts replay no graph (not CUDA, graphs off, an expert step that cannot be captured)."""
+        t, tokens = time.perf_counter(), min(self.prefill_chunk, self.max_context)
+        if self.batch is not None and self.device.type == "cuda":
+            self.new_state(tokens)  # the static state a batch sequence's first chunk prefills on
+        d = self.decoder
+        if d is None or not self._graphs_replay(d.state):
+            return None
+        if self.batch is not None and self.prefill_lanes > 1:
+            sets = self._prefill_lanes(tokens).lanes
+        else:
+            sets = [self._prefill_graphs(d)]
+        if sets[0].why_eager is not None:
+            return None
+        for graphs in sets:
+            for b in graphs.buckets:
+                graphs.prepare(b)
+        held = sorted({b for g in sets for b, graph in g.graphs.items() if graph is not None})
+        failed = sorted({b for g in sets for b, graph in g.graphs.items() if graph is None})
+        lanes = f" in each of {len(sets)} lanes" if len(sets) > 1 else ""
+        line = (
+            f"prefill graphs of {', '.join(map(str, held)) or 'no length'} tokens{lanes} captured "
+            f"in {time.perf_counter() - t:.1f} s"
+        )
+        if failed:
+            line += (
+                f"; {', '.join(map(str, failed))} tokens prefill eagerly: {d.fallbacks.get('prefill_graphs')}"
+            )
+        return line
 
     def _prefill_graphed(self, state: DecodeState, chunk: torch.Tensor, start: int) -> torch.Tensor | None:
         """The chunk through the decoder's prefill graphs (``engine/graphs.PrefillGraphs``): its

@@ -111,16 +111,20 @@ class RunnerEngine:
         # now at a size most requests fit, so the first request does not pay for it
         if self.runner.batch is not None:  # every request runs as a row of the batch
             try:
-                return f"probe passed on {self.runner.device}: {self.runner.probe_batch()}"
+                line = f"probe passed on {self.runner.device}: {self.runner.probe_batch()}"
             except EdgerunError as exc:
                 raise EngineFailure(f"start-up probe: {exc}") from exc
-        size = min(self.limits.max_context, 4096) if self.runner.device.type == "cuda" else 2
-        state = self.runner.new_state(size)
-        logits = self.runner.prefill(state, [0])
-        logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
-        if not bool(torch.isfinite(logits).all()):
-            raise EngineFailure("start-up probe: prefill/decode produced non-finite logits")
-        return f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        else:
+            size = min(self.limits.max_context, 4096) if self.runner.device.type == "cuda" else 2
+            state = self.runner.new_state(size)
+            logits = self.runner.prefill(state, [0])
+            logits = torch.stack([logits, self.runner.decode_step(state, int(torch.argmax(logits)))])
+            if not bool(torch.isfinite(logits).all()):
+                raise EngineFailure("start-up probe: prefill/decode produced non-finite logits")
+            line = f"probe passed: prefill + one decode step on {self.runner.device}, logits finite"
+        # and every prompt length's prefill graph, so no first request of a length pays for one
+        captured = self.runner.capture_prefill()
+        return f"{line}; {captured}" if captured else line
 
     def provenance(self) -> str:
         from edgerun.engine.provenance import provenance
@@ -208,6 +212,7 @@ class RunnerEngine:
             "fallbacks": self.runner.fallback_counts(),
             "decode_steps": self.runner.decode_counts(),
             "prefill_chunks": self.runner.prefill_counts(),
+            "graph_captures": self.runner.capture_counts(),
             "batch_steps": self.runner.batch.stats.sizes if self.runner.batch is not None else {},
             "read_faults": cache.read_faults() if cache else {},
             "reads": cache.reads_by_backend() if cache else {},

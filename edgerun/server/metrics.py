@@ -271,6 +271,14 @@ def render(
         [({"mode": k}, n) for k, n in sorted(stats.get("prefill_chunks", {}).items())],
     )
     t.family(
+        "edgerun_graph_captures_total",
+        "counter",
+        "CUDA graphs captured: decode (a set per static state size), prefill (a prompt's first chunk, "
+        "one per padded length and lane). serve captures them at start-up; one that grows while serving "
+        "is a request that paid for a capture (a longer context than the start-up state's).",
+        [({"kind": k}, n) for k, n in sorted(stats.get("graph_captures", {}).items())],
+    )
+    t.family(
         "edgerun_batch_steps_total",
         "counter",
         "Multi-row decode steps of the batched engine, by how many requests they decoded.",

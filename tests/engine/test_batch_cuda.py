@@ -84,8 +84,9 @@ def test_greedy_among_neighbours_equals_alone(bundles, arch, quota, batch, graph
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompts_in_lanes_equal_alone(dense_bundles, arch):
     """Prompts that arrive together prefill at once in lanes of their own (streams, scratch
-    states and counter sets, graphs captured per lane): each request's tokens are still its
-    tokens alone in a batch-1 runner, joined all in one round or staggered."""
+    states and counter sets, graphs captured per lane, all at start-up as serve does): each
+    request's tokens are still its tokens alone in a batch-1 runner, joined all in one round or
+    staggered, and no request captures a graph."""
     runner = _load(dense_bundles[arch], 16)
     prompts, max_tokens = PROMPTS[:B], MAX_TOKENS[:B]
     single = [
@@ -93,6 +94,10 @@ def test_prompts_in_lanes_equal_alone(dense_bundles, arch):
         for p, n in zip(prompts, max_tokens)
     ]
     runner.enable_batch(B, lanes=B)
+    runner.probe_batch()  # serve's start-up: the probe, then every prompt length's graph in each lane
+    line = runner.capture_prefill()
+    assert line is not None and f"tokens in each of {B} lanes captured in" in line, line
+    captured = runner.capture_counts()["prefill"]
     before = runner.prefill_counts()["graph"]
     for joins in ([0] * B, [0, 0, 1, 3]):
         got = together(runner, prompts, max_tokens, joins)
@@ -100,6 +105,7 @@ def test_prompts_in_lanes_equal_alone(dense_bundles, arch):
             assert torch.equal(torch.tensor(got[i]), torch.tensor(single[i])), (joins, i)
     assert runner.lanes is not None and len(runner.lanes.lanes) == B
     assert runner.prefill_counts()["graph"] - before == 2 * B  # every first chunk replayed in a lane
+    assert runner.capture_counts()["prefill"] == captured  # each captured at start-up
     assert runner.batch.running == 0
     with pytest.raises(EdgerunError, match="lanes"):
         runner.enable_batch(1, lanes=2)

@@ -127,6 +127,37 @@ def test_a_warm_up_leaves_the_request_its_tokens_counts_and_books(bundles, arch,
     assert "graphs" not in warm.fallbacks() and "prefill_graphs" not in warm.fallbacks()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_start_up_captures_every_prefill_length_so_a_request_captures_none(bundles, arch):
+    """``Runner.capture_prefill`` (serve's start-up, after its probe made the decoder): the
+    prefill graph of every padded length captured at once. Prompts of each length then replay
+    with no capture of their own, their logits bit for bit those of a runner that captures each
+    length on first use; a streamed model, whose prompts replay no graph, captures nothing."""
+    b = bundles[(arch, "int4")]
+    first_use, ahead = _load(b, "table", "on"), _load(b, "table", "on")
+    ahead.new_state(len(PROMPT) + STEPS)
+    line = ahead.capture_prefill()
+    buckets = ahead.decoder.prefill.buckets
+    assert len(buckets) >= 3 and line.startswith(
+        f"prefill graphs of {', '.join(map(str, buckets))} tokens captured in"
+    )
+    assert ahead.capture_counts() == {"decode": 0, "prefill": len(buckets)}
+    for n in (5, 16, 32, 40):
+        prompt = list(range(3, 3 + n))
+        logits = [r.prefill(r.new_state(len(PROMPT) + STEPS), prompt) for r in (first_use, ahead)]
+        assert torch.equal(*logits), (
+            f"{n} tokens: max |ahead - on first use| {float((logits[0] - logits[1]).abs().max())}"
+        )
+    assert ahead.capture_counts()["prefill"] == len(buckets)  # none while serving
+    assert first_use.capture_counts()["prefill"] == len(
+        {next(x for x in buckets if x >= n) for n in (5, 16, 32, 40)}
+    )
+    assert ahead.prefill_counts() == {"graph": 4, "eager": 0} and "prefill_graphs" not in ahead.fallbacks()
+    streamed = _load(b, "routed", "on")
+    streamed.new_state(len(PROMPT) + STEPS)
+    assert streamed.capture_prefill() is None and streamed.capture_counts()["prefill"] == 0
+
+
 @pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefetch_changes_no_bit_of_a_streamed_graph_decode(bundles, arch, ahead):

@@ -226,6 +226,8 @@ def test_a_warm_up_does_nothing_on_a_cpu_and_names_a_failure_then_leaves_the_req
     runner = Runner.load(None, device="cpu")
     request = runner.request(PROMPT, params)
     assert runner.warm_up(request) is None and runner.decoder is None and runner.warm_tokens == 0
+    assert runner.capture_prefill() is None  # serve's start-up: no prefill graph on a CPU
+    assert runner.capture_counts() == {"decode": 0, "prefill": 0}
     want = runner.generate_ids(PROMPT, params)
 
     def fails(request, did):

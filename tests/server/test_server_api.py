@@ -548,6 +548,7 @@ def test_metrics_families(daemon, runner):
         "edgerun_expert_bytes_read_total",
         "edgerun_fallbacks_total",
         "edgerun_decode_steps_total",
+        "edgerun_graph_captures_total",
         "edgerun_sampled_tokens_total",
         "edgerun_resident_memory_bytes",
         "edgerun_peak_memory_bytes",
@@ -563,6 +564,7 @@ def test_metrics_families(daemon, runner):
     assert metric(daemon.sock, "edgerun_generated_tokens_total") > 0
     # the CPU engine decodes eagerly (no graphs on a CPU), and says so
     assert metric(daemon.sock, 'edgerun_decode_steps_total{mode="eager"}') > 0
+    assert metric(daemon.sock, 'edgerun_graph_captures_total{kind="prefill"}') == 0
     for line in text.splitlines():  # every sample line parses
         assert line.startswith("#") or re.fullmatch(r"[a-z_]+(\{[^}]*\})? [0-9.e+-]+", line), line
 

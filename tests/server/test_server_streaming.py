@@ -108,16 +108,22 @@ def test_a_resident_model_that_does_not_fit_the_profile_is_refused_before_bindin
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (none on this machine)")
 def test_a_bundle_whose_every_expert_fits_decodes_one_graph_a_step(bundle, tmp_path):
     """Every expert in a slot: they are read in at load, so the decoder built by the start-up
-    probe already finds the slot table on the device and a decode step is one CUDA graph."""
+    probe already finds the slot table on the device and a decode step is one CUDA graph; and
+    start-up captured every prompt length's prefill graph, so no request captures one."""
     sock = tmp_path / "g.sock"
     argv = serve_argv("--model", str(bundle), "--quota", "6", "--socket", str(sock), "--device", "cuda")
     d = Daemon(argv, sock)
     try:
         d.wait_health(timeout=300)
-        code, body = post(
-            sock, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+        assert re.search(r"probe passed: .*; prefill graphs of 16, 32, 64, .* tokens captured in", d.log()), (
+            d.log()
         )
-        assert code == 200, body
+        captured = r'^edgerun_graph_captures_total\{kind="prefill"\} ([0-9.e+]+)$'
+        replayed = r'^edgerun_prefill_chunks_total\{mode="graph"\} ([0-9.e+]+)$'
+        before = [float(re.search(r, get(sock, "/metrics")[1], re.M).group(1)) for r in (captured, replayed)]
+        for prompt in ([5, 6, 7, 8], list(range(5, 45))):  # lengths 16 and 64 padded: captured at start-up
+            code, body = post(sock, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+            assert code == 200, body
         _, models = get(sock, "/v1/models")
         kernels = models["data"][0]["edgerun"]["kernels"]
         assert "1 graph(s) per step" in kernels and "expert steps table" in kernels, kernels
@@ -125,5 +131,10 @@ def test_a_bundle_whose_every_expert_fits_decodes_one_graph_a_step(bundle, tmp_p
         graph = re.search(r'^edgerun_decode_steps_total\{mode="graph"\} ([0-9.e+]+)$', metrics, re.M)
         assert graph is not None and float(graph.group(1)) >= 10, metrics
         assert _metric_sum(metrics, "edgerun_expert_cache_misses_total") == 0
+        after = [float(re.search(r, metrics, re.M).group(1)) for r in (captured, replayed)]
+        assert after[0] == before[0] >= 3 and after[1] == before[1] + 2, (
+            before,
+            after,
+        )  # replayed, none captured
     finally:
         assert d.stop() == 0
