@@ -49,11 +49,6 @@ MAX_TILE = 1 << 15  # elements of a head's padded [Dk, Dv] state tile
 # 1.0 µs less a DeltaNet out_proj, 0.8 more a delta rule: docs/benchmarks.md, 2026-12-07,
 # forty-first session); False: after its wait (an A/B switch for benchmarks/ab_decode.py, read at the call)
 NORM_LAUNCH_FIRST = True
-# the delta rule's launch lets the gated norm after it launch before its own wait (and with
-# NORM_LAUNCH_FIRST the norm lets out_proj launch at once), so both are resident, out_proj reading
-# its first weights, while the delta rule runs; the same bits. An A/B switch for
-# benchmarks/ab_decode.py (read at the call); not measured yet
-DELTA_LAUNCH_FIRST = False
 DELTA_PROGRAMS = 256  # programs a row's delta rule aims at (``delta_slices``): two for each of an H100's SMs
 MIN_SLICE = 16  # value columns of a head a program takes at the least
 CONV_BLOCK = 128  # conv channels per program of the step's first launch
@@ -326,11 +321,9 @@ def _delta_decode_kernel(
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
     PDL: tl.constexpr,
-    LAUNCH_FIRST: tl.constexpr = False,
 ):
     """Launch 2: a value head's delta rule and gated RMSNorm, a program per (batch, value head,
-    slice of its value columns). LAUNCH_FIRST: the next launch (the gated norm's, or out_proj's
-    GEMV) may launch before this one's wait (kernels/launch.py)."""
+    slice of its value columns)."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
@@ -340,7 +333,7 @@ def _delta_decode_kernel(
     # the state was last written by this layer's previous step, kernels ago: read before the sync
     s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
-    _grid_sync(PDL, LAUNCH_FIRST)
+    _grid_sync(PDL)
     S = _delta_rule(
         S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, A_log, dt_bias, norm_w,
         out + bi * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
@@ -580,7 +573,7 @@ def delta_decode(
         )  # fmt: skip
     _delta_decode_kernel[(batch, Hv, slices)](
         scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
-        eps, dk**-0.5, SLOTS=slots is not None, LAUNCH_FIRST=DELTA_LAUNCH_FIRST, **delta,
+        eps, dk**-0.5, SLOTS=slots is not None, **delta,
     )  # fmt: skip
     return _split_norms(out, z, row[1], norm_weight, eps, batch, slices, dims, dtype, pdl)
 

@@ -14,17 +14,6 @@ GATED_NORM = (
     dict(out="*bf16", z="*bf16", z_row="i32", norm_w="*bf16", eps="fp32"),
     dict(HVDV=32 * 128, DV=128, BLOCK_DV=128, ACT=1, ROUND_NORM=True, PDL=True),
 )
-DELTA = (
-    dense_triton._delta_decode_kernel,
-    dict(act="*fp32", z="*bf16", a="*bf16", b="*bf16", z_row="i32", a_row="i32", b_row="i32", A_log="*fp32")
-    | dict(
-        dt_bias="*fp32", state="*fp32", slots="*i64", norm_w="*bf16", out="*bf16", eps="fp32", q_scale="fp32"
-    ),
-    dict(
-        SLOTS=False, NK=16, R=2, DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, SLICE=16, ACT=1, ROUND_NORM=True
-    )
-    | dict(PDL=True),
-)
 COMBINE = (
     decode_triton._combine_kernel,
     dict(qkv="*bf16", pos_ptr="*i64", m_part="*fp32", l_part="*fp32", acc_part="*fp32", out="*bf16"),
@@ -42,7 +31,7 @@ def _ptx(fn, pointers: dict, const: dict) -> str:
     ]
 
 
-@pytest.mark.parametrize("kernel", [GATED_NORM, DELTA, COMBINE], ids=["gated_norm", "delta", "combine"])
+@pytest.mark.parametrize("kernel", [GATED_NORM, COMBINE], ids=["gated_norm", "combine"])
 @pytest.mark.parametrize("first", [False, True])
 def test_launch_first_lets_the_next_launch_before_the_wait(kernel, first):
     fn, pointers, const = kernel
