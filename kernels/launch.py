@@ -30,7 +30,9 @@ for everything before it, but its pre-wait reads must then be weights and scales
 kernel two back may still be writing). The DeltaNet gated norm launch (before out_proj) does this
 (``dense_triton.NORM_LAUNCH_FIRST``, on: +1.2% at 40 layers on an H100), and the attention combine
 launch (before o_proj) may (``decode_triton.COMBINE_LAUNCH_FIRST``, off: -1.4%): their successors
-are GEMVs, which read only weights before their waits.
+are GEMVs, which read only weights before their waits. The delta rule's launch doing it too (the
+norm and out_proj resident beside it) lost 3.2% and was removed (docs/benchmarks.md, 2026-12-07,
+forty-second session): early programs take SM slots from the launch they overlap.
 So the arithmetic is the same with and without PDL: the bits do not change, only the overlap.
 Kernels launched without it (torch's own, the prefill path) serialise as usual.
 """
