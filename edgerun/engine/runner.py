@@ -783,14 +783,12 @@ class Runner:
         if self.batch is not None and self.device.type == "cuda":
             self.new_state(tokens)  # the static state a batch sequence's first chunk prefills on
         d = self.decoder
-        if d is None or not self._graphs_replay(d.state):
-            return None
+        if d is None or not self._graphs_replay(d.state) or self._prefill_graphs(d).why_eager is not None:
+            return None  # (why_eager: graphs off, or an expert step that cannot be captured)
         if self.batch is not None and self.prefill_lanes > 1:
             sets = self._prefill_lanes(tokens).lanes
         else:
-            sets = [self._prefill_graphs(d)]
-        if sets[0].why_eager is not None:
-            return None
+            sets = [d.prefill]
         for graphs in sets:
             for b in graphs.buckets:
                 graphs.prepare(b)
