@@ -32,7 +32,8 @@ kernel two back may still be writing). The DeltaNet gated norm launch (before ou
 launch (before o_proj) may (``decode_triton.COMBINE_LAUNCH_FIRST``, off: -1.4%): their successors
 are GEMVs, which read only weights before their waits. The delta rule's launch doing it too (the
 norm and out_proj resident beside it) lost 3.2% and was removed (docs/benchmarks.md, 2026-12-07,
-forty-second session): early programs take SM slots from the launch they overlap.
+forty-second session: the in_proj and out_proj launches each took ~0.4 µs longer; the norm's programs
+then launch while in_proj, a GEMV of several waves, still runs).
 So the arithmetic is the same with and without PDL: the bits do not change, only the overlap.
 Kernels launched without it (torch's own, the prefill path) serialise as usual.
 """
