@@ -983,22 +983,29 @@ class Runner:
         """:meth:`warm_up`'s work, each part in the inference mode the request runs it in (its
         state and the draw's buffers made outside it, so the request can reset and set them; its
         steps inside it); what it did appended to ``did``."""
+        t = time.perf_counter()
+
+        def done(what: str) -> None:  # each part with its own time: where a warm-up's seconds go
+            nonlocal t
+            did.append(f"{what} ({time.perf_counter() - t:.2f} s)")
+            t = time.perf_counter()
+
         state = self.new_state(self._state_len(request))
         d, plain = self.decoder, self._speculative_for(request.params) is None
         with torch.inference_mode():  # a speculative request's steps are verify windows: not this one
             if plain and d.prepare():
-                did.append(
+                done(
                     "the decode step compiled and captured" if d.graphs is not None
                     else f"the decode step compiled ({d.fallbacks.get('graphs', 'not captured')})"
                 )  # fmt: skip
                 self.warm_tokens += int(d.lookups_kept)
         if plain and d.prepare_draw(Sampler(request.params)):
-            did.append("its sampled draw compiled and captured")
+            done("its sampled draw compiled and captured")
         n = min(len(request.prompt_ids), self.prefill_chunk, self.max_context)
         with torch.inference_mode():
             b = self._prefill_graphs(d).prepare(n) if self._graphs_replay(state) else None
         if b is not None:
-            did.append(f"the prefill graph of {b} tokens captured")
+            done(f"the prefill graph of {b} tokens captured")
 
     def _counted(self, tokens: Iterator[int]) -> Iterator[int]:
         """``tokens``, counting a request stopped by non-finite logits."""
