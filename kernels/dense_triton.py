@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels import launch
 from edgerun.kernels.dense_reference import DeltaDims
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 
@@ -86,6 +87,17 @@ def _conv_silu(x, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, A
 
 
 @triton.jit
+def _conv_taps(cs, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr):
+    """What channels c's conv reads besides its new input: the state's K - 1 older inputs and the
+    K taps' weights ([channels, KP2] each), loadable before a PDL wait (the state is the layer's
+    own from its previous step, the weights never change)."""
+    t = tl.arange(0, KP2)[None, :]
+    hist = tl.load(cs + c[:, None] * (K - 1) + t, mask=cmask[:, None] & (t < K - 1), other=0.0)
+    wt = tl.load(w + c[:, None] * K + t, mask=cmask[:, None] & (t < K), other=0.0)
+    return hist, wt
+
+
+@triton.jit
 def _conv_silu_of(new, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
     """SiLU of the causal depthwise conv of channels c over [conv state cs, new input ``new``
     (their values in the model dtype, or fp32 holding such values: the projection's epilogue)]
@@ -94,11 +106,16 @@ def _conv_silu_of(new, cs, cs_out, w, c, cmask, K: tl.constexpr, KP2: tl.constex
     at a time, so the bits do not depend on how the program's threads hold the channels (the
     conv launch's programs and the projection's epilogue, ``qgemv``'s ``conv``, hold them
     differently)."""
+    hist, wt = _conv_taps(cs, w, c, cmask, K, KP2)
+    return _conv_silu_taps(new, hist, wt, cs_out, c, cmask, K, KP2, ACT)
+
+
+@triton.jit
+def _conv_silu_taps(new, hist, wt, cs_out, c, cmask, K: tl.constexpr, KP2: tl.constexpr, ACT: tl.constexpr):
+    """``_conv_silu_of`` on its taps as ``_conv_taps`` loaded them."""
     t = tl.arange(0, KP2)[None, :]
-    hist = tl.load(cs + c[:, None] * (K - 1) + t, mask=cmask[:, None] & (t < K - 1), other=0.0)
     window = tl.where(t == K - 1, new.to(tl.float32)[:, None], hist.to(tl.float32))  # [channels, KP2]
-    wt = tl.load(w + c[:, None] * K + t, mask=cmask[:, None] & (t < K), other=0.0).to(tl.float32)
-    prod = _round(window * wt, ACT)
+    prod = _round(window * wt.to(tl.float32), ACT)
     s = tl.sum(tl.where(t == 0, prod, 0.0), axis=1)  # one term and zeros: exact, whatever the order
     for i in tl.static_range(1, K):
         s += tl.sum(tl.where(t == i, prod, 0.0), axis=1)
@@ -123,11 +140,11 @@ def _head_tile(sv, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, S
 
 
 @triton.jit
-def _gated_norm(o, iv, z, norm_w, out, h, eps, DV: tl.constexpr, ACT: tl.constexpr, ROUND_NORM: tl.constexpr):
+def _gated_norm(o, iv, z, nw, out, h, eps, DV: tl.constexpr, ACT: tl.constexpr, ROUND_NORM: tl.constexpr):
     """The gated RMSNorm of value head h's output o (fp32, rounded as the module rounds) over
-    its columns iv (all Dv of them, padded), stored into its columns of ``out``."""
+    its columns iv (all Dv of them, padded), by the norm's weights nw (fp32, ``_norm_weights``),
+    stored into its columns of ``out``."""
     mv = iv < DV
-    nw = tl.load(norm_w + iv, mask=mv, other=0.0).to(tl.float32)
     y = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), ACT) * nw
     if ROUND_NORM:
         y = _round(y, ACT)
@@ -137,14 +154,26 @@ def _gated_norm(o, iv, z, norm_w, out, h, eps, DV: tl.constexpr, ACT: tl.constex
 
 
 @triton.jit
+def _norm_weights(norm_w, iv, DV: tl.constexpr):
+    """The gated norm's weights at columns iv (fp32; 0 past Dv)."""
+    return tl.load(norm_w + iv, mask=iv < DV, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _head_params(A_log, dt_bias, h):
+    """Value head h's A_log and dt_bias (fp32): weights, loadable before a PDL wait."""
+    return tl.load(A_log + h).to(tl.float32), tl.load(dt_bias + h).to(tl.float32)
+
+
+@triton.jit
 def _delta_rule(
     S,
     x,
     z,
     a,
     b,
-    A_log,
-    dt_bias,
+    alog,
+    dtb,
     norm_w,
     out,
     h,
@@ -163,11 +192,12 @@ def _delta_rule(
 ):
     """One row's delta rule for slice sv of value head h (its value columns [sv SLICE, (sv +
     1) SLICE)), from that slice S of the head's fp32 state tile: x is the row's conv + SiLU
-    output (fp32 [C]), z, a, b and out its rows of those; returns the slice's state after the
-    row. The head's gated RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this
-    program runs it; else each program stores its columns' output (rounded as the module
-    rounds: exact in out's dtype) and ``_gated_norm_kernel``'s launch runs it. The R value
-    heads of a key head each normalise its q and k."""
+    output (fp32 [C]), z, a, b and out its rows of those, alog and dtb the head's A_log and
+    dt_bias (``_head_params``); returns the slice's state after the row. The head's gated
+    RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this program runs it; else
+    each program stores its columns' output (rounded as the module rounds: exact in out's dtype)
+    and ``_gated_norm_kernel``'s launch runs it. The R value heads of a key head each normalise
+    its q and k."""
     j = h // R  # the key head
     ik = tl.arange(0, BLOCK_DK)
     mk = ik < DK
@@ -180,11 +210,11 @@ def _delta_rule(
 
     v = tl.load(x + 2 * NK * DK + h * DV + iv, mask=mv, other=0.0)
     beta = _round(1.0 / (1.0 + tl.exp(-tl.load(b + h).to(tl.float32))), ACT)
-    sp = tl.load(a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    sp = tl.load(a + h).to(tl.float32) + dtb
     e = tl.exp(sp)
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))  # accurate log1p(e)
-    g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * tl.where(sp > 20.0, sp, log1p)  # softplus
+    g = -tl.exp(alog) * tl.where(sp > 20.0, sp, log1p)  # softplus
 
     S = S * tl.exp(g)
     predicted = tl.sum(S * k[:, None], axis=0)
@@ -192,7 +222,7 @@ def _delta_rule(
     S = S + k[:, None] * delta[None, :]
     o = _round(tl.sum(S * q[:, None], axis=0), ACT)
     if SLICE == BLOCK_DV:
-        _gated_norm(o, iv, z, norm_w, out, h, eps, DV, ACT, ROUND_NORM)
+        _gated_norm(o, iv, z, _norm_weights(norm_w, iv, DV), out, h, eps, DV, ACT, ROUND_NORM)
     else:  # the output as the module rounds it (exact in out's dtype); the norm's launch follows
         tl.store(out + h * DV + iv, o.to(out.dtype.element_ty), mask=mv)
     return S
@@ -213,17 +243,21 @@ def _state_row(slots, bi, SLOTS: tl.constexpr):
 @triton.jit
 def _gated_norm_kernel(out, z, z_row, norm_w, eps, HVDV: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACT: tl.constexpr, ROUND_NORM: tl.constexpr, LAUNCH_FIRST: tl.constexpr,
-                       PDL: tl.constexpr):  # fmt: skip
+                       EARLY_P: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """The last launch of a step whose heads split among programs: program (row, value head)
     runs the head's gated RMSNorm on the delta rule's output in ``out`` (its stored, rounded
     values), in place. LAUNCH_FIRST: the next launch (out_proj's GEMV) may launch before this
-    one's wait (kernels/launch.py)."""
+    one's wait (kernels/launch.py). EARLY_P: the norm's weights read before the wait."""
     bi = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    _grid_sync(PDL, LAUNCH_FIRST)
     every = tl.arange(0, BLOCK_DV)
+    if EARLY_P:
+        nw = _norm_weights(norm_w, every, DV)
+    _grid_sync(PDL, LAUNCH_FIRST)
+    if not EARLY_P:
+        nw = _norm_weights(norm_w, every, DV)
     o = tl.load(out + bi * HVDV + h * DV + every, mask=every < DV, other=0.0).to(tl.float32)
-    _gated_norm(o, every, z + bi * z_row, norm_w, out + bi * HVDV, h, eps, DV, ACT, ROUND_NORM)
+    _gated_norm(o, every, z + bi * z_row, nw, out + bi * HVDV, h, eps, DV, ACT, ROUND_NORM)
 
 
 @triton.jit
@@ -320,10 +354,11 @@ def _delta_decode_kernel(
     SLICE: tl.constexpr,
     ACT: tl.constexpr,
     ROUND_NORM: tl.constexpr,
+    EARLY_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Launch 2: a value head's delta rule and gated RMSNorm, a program per (batch, value head,
-    slice of its value columns)."""
+    slice of its value columns). EARLY_P: the head's A_log and dt_bias read before the wait."""
     C = 2 * NK * DK + NK * R * DV
     HV = NK * R
     bi = tl.program_id(0).to(tl.int64)  # 64-bit: batch offsets of the state pass 2^31 at B > 4096
@@ -333,9 +368,13 @@ def _delta_decode_kernel(
     # the state was last written by this layer's previous step, kernels ago: read before the sync
     s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
+    if EARLY_P:
+        alog, dtb = _head_params(A_log, dt_bias, h)
     _grid_sync(PDL)
+    if not EARLY_P:
+        alog, dtb = _head_params(A_log, dt_bias, h)
     S = _delta_rule(
-        S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, A_log, dt_bias, norm_w,
+        S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, alog, dtb, norm_w,
         out + bi * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
         ACT, ROUND_NORM,
     )  # fmt: skip
@@ -382,10 +421,11 @@ def _delta_decode_window_kernel(
     tile, tmask = _head_tile(sv, DK, DV, BLOCK_DK, SLICE)
     S = tl.load(state + h * (DK * DV) + tile, mask=tmask, other=0.0)  # last written kernels ago
     _grid_sync(PDL)
+    alog, dtb = _head_params(A_log, dt_bias, h)
     r = 0
     while r < N:  # (Triton's interpreter cannot range over a runtime int)
         S = _delta_rule(
-            S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, A_log, dt_bias, norm_w,
+            S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, alog, dtb, norm_w,
             out + r * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
             ACT, ROUND_NORM,
         )  # fmt: skip
@@ -573,7 +613,7 @@ def delta_decode(
         )  # fmt: skip
     _delta_decode_kernel[(batch, Hv, slices)](
         scratch, z, a, b, row[1], row[2], row[3], A_log, dt_bias, state, idx, norm_weight, out,
-        eps, dk**-0.5, SLOTS=slots is not None, **delta,
+        eps, dk**-0.5, SLOTS=slots is not None, EARLY_P=launch.EARLY_PARAMS, **delta,
     )  # fmt: skip
     return _split_norms(out, z, row[1], norm_weight, eps, batch, slices, dims, dtype, pdl)
 
@@ -585,6 +625,6 @@ def _split_norms(out, z, z_row, norm_weight, eps, rows, slices, dims, dtype, pdl
         _gated_norm_kernel[(rows, dims.n_v)](
             out, z, z_row, norm_weight, eps, HVDV=dims.n_v * dims.dv, DV=dims.dv, BLOCK_DV=bdv,
             ACT=DTYPE_CODE[dtype], ROUND_NORM=norm_weight.dtype == dtype, LAUNCH_FIRST=NORM_LAUNCH_FIRST,
-            num_warps=_warps(bdv, 2), **pdl,
+            EARLY_P=launch.EARLY_PARAMS, num_warps=_warps(bdv, 2), **pdl,
         )  # fmt: skip
     return out

@@ -18,6 +18,9 @@ The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
   kernels wrote them), the keys and values older than the position (earlier steps; the one at
   the position, which the attend launch itself writes, is not read early) and, in the combine
   launch, the output gate's qkv columns (the projection before the attend launch wrote them);
+  so does a program's own part of a state that only its layer's launch of this kind writes, as
+  that program's previous step left it (the DeltaNet recurrent state in the delta rule, the conv
+  state in the in_proj epilogue; a rollback restores them with torch's copies, which serialise);
 - or what its predecessor flags as written: a program of the predecessor stores, then sets a
   flag with release semantics, and the kernel's programs wait for the flag (``_wait_set``)
   before they read (bypassing L1). The expert down kernel reads the ids its routing gate_up
@@ -46,6 +49,15 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# The small weights a launch would read after its wait (the DeltaNet gated norm's weights, a
+# head's A_log and dt_bias, the conv's taps and older inputs in the in_proj epilogue, the slot
+# table the experts' gate_up looks its picks up in) are read before it, as its first weights are:
+# they are weights (the conv state: the layer's own, of its previous step), so the contract above
+# holds, and the bits do not change. +0.7-0.9% at 40 layers on an H100 (docs/benchmarks.md,
+# 2026-12-07, forty-third session; the in_proj launch 0.3 µs shorter). An A/B switch
+# (benchmarks/ab_decode.py), read at each call; EDGERUN_EARLY_PARAMS=0 clears it at import.
+EARLY_PARAMS = os.environ.get("EDGERUN_EARLY_PARAMS", "1") != "0"
 
 _cache: dict[int, bool] = {}
 

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from edgerun.bundle.layout import BlockLayout
+from edgerun.kernels import launch
 from edgerun.kernels.bits_triton import _e4m3, _nibbles
 from edgerun.kernels.decode_triton import _check_route, _pick, _route_row
 from edgerun.kernels.dense_triton import DTYPE_CODE, _round
@@ -270,6 +271,7 @@ def _gate_up_kernel(
     ready,
     ready_n,
     READY: tl.constexpr,
+    EARLY_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = SiLU(gate) * up of pair p's expert, fp32: program (p, j) computes h columns
@@ -292,13 +294,18 @@ def _gate_up_kernel(
     program then sets ``ready[t]`` to ``ready_n`` (the down launch's programs of the token), a
     release after its stores, so the down programs may read the ids before their wait
     (``_down_kernel``'s READY). PICK32 (bf16 logits): the picks and the routing on int32 keys, the same ids
-    and weights."""
+    and weights. EARLY_P (with ROUTE): the slot table read before the wait (the cache wrote it
+    before the step), a pick's slot then taken from registers, not loaded after the pick."""
     p = tl.program_id(0)  # pair t*A + a
     if SD and p >= pairs:
         _shared_down_program(p - pairs, sd_x, sd_w, sd_s, sd_rs, sd_gate, sd_out, sd_rows, sd_progs, zero, SD_C,
                              SD_QUANT, SD_G, SD_GROUPED, SD_ROW_SCALED, SD_EPILOGUE, SD_BLOCK_R, SD_BLOCK_K, SD_SUM,
                              SD_CODE, PDL)  # fmt: skip
     else:
+        tab = 0
+        if ROUTE and EARLY_P:
+            e_all = tl.arange(0, BLOCK_E)
+            tab = tl.load(table + e_all, mask=e_all < E, other=0, cache_modifier=".cg")
         _grid_sync(PDL)
         run = True
         if RANGE:
@@ -315,17 +322,21 @@ def _gate_up_kernel(
                     if READY:
                         tl.debug_barrier()  # every thread's ids and weights stored, then released
                         tl.atomic_xchg(ready + p // A, ready_n, sem="release")
-            slot = _pair_slot(slots, table, ids, p, eid, TABLE, ROUTE)
+            slot = _pair_slot(slots, table, ids, p, eid, TABLE, ROUTE, tab, BLOCK_E, EARLY_P)
             _gate_up_pair(x, wpool, spool, slot, ids, gscales, h, far_reads, uses, w_block, s_block, w_off, s_off,
                           split, w_far, s_far, zero, p, D, I, A, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM, FAR, xe,
                           xo, xs, xb, XQ, INTERPRET, eid, ROUTE)  # fmt: skip
 
 
 @triton.jit
-def _pair_slot(slots, table, ids, p, eid, TABLE: tl.constexpr, ROUTE: tl.constexpr):
+def _pair_slot(slots, table, ids, p, eid, TABLE: tl.constexpr, ROUTE: tl.constexpr, tab, BLOCK_E: tl.constexpr,
+               GIVEN: tl.constexpr):  # fmt: skip
     """The slot of pair p: (ROUTE, a table: every expert held) expert ``eid``'s, found by the
-    program from the logits; else ``_slot``'s."""
+    program from the logits (GIVEN: taken from ``tab``, the table's [BLOCK_E] entries as loaded);
+    else ``_slot``'s."""
     if ROUTE:
+        if GIVEN:
+            return tl.sum(tl.where(tl.arange(0, BLOCK_E) == eid, tab, 0)).to(tl.int64)
         return tl.load(table + eid, cache_modifier=".cg").to(tl.int64)
     return _slot(slots, table, ids, p, TABLE)
 
@@ -1011,7 +1022,8 @@ def moe_gemv(
         D=D, I=I, A=A, QUANT=q, G=G, GROUPED=grouped, BLOCK_R=br, BLOCK_K=bk, SUM=step_sum(bk, G, grouped),
         TABLE=table is not None, FAR=count_far, RANGE=expert_range is not None, pairs=T * A, **sd,
         xe=xe, xo=xo, xs=xs, xb=xb, XQ=xq is not None, INTERPRET=INTERPRETED, **_route_args(route, rw, A),
-        ready=ready, ready_n=A * (D // dbr), READY=early, num_warps=config.num_warps, **pdl_kwargs(x.device),
+        ready=ready, ready_n=A * (D // dbr), READY=early, EARLY_P=launch.EARLY_PARAMS, num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     try:
         if rotated:

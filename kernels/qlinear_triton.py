@@ -53,8 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels import launch
 from edgerun.kernels.bits_triton import _e4m3, _field
-from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_of, _round, _silu
+from edgerun.kernels.dense_triton import DTYPE_CODE, _conv_silu_taps, _conv_taps, _round, _silu
 from edgerun.kernels.dense_triton import _check as check_tensors
 from edgerun.kernels.launch import _grid_sync, pdl_kwargs
 from edgerun.kernels.qlinear_w4a8 import _quantize_groups, _terms, check_xq
@@ -585,6 +586,7 @@ def _qgemv_kernel(
     xq_s,
     xq_b,
     NORM_Q: tl.constexpr,
+    EARLY_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -605,7 +607,8 @@ def _qgemv_kernel(
     DeltaNet layer's conv input, and the programs that own them also run the causal conv + SiLU
     of their columns (``dense_triton._conv_silu_of`` on the rounded outputs, the values the conv
     launch would load) into ``conv_act`` (fp32) and shift their rows of ``conv_state`` [CONV_C,
-    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer.
+    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer. EARLY_P: the conv's
+    older inputs (the layer's own state, of its previous step) and tap weights read before the wait.
 
     NORM_Q: the first GEMV's programs also store the normalised rows quantized to int8 per 32
     columns into ``xq_e, xq_o, xq_s, xq_b`` (``_store_quantized``; ``qgemv``'s ``norm_q_out``)."""
@@ -622,6 +625,9 @@ def _qgemv_kernel(
             NORM, False, BLOCK_C, NO_BLOCK, ROLLED, PDL,
         )  # fmt: skip
     else:
+        if CONV and EARLY_P:  # masked: the programs past the conv's columns load nothing
+            cc = _tile_rows(p, ROWS, EPILOGUE, BLOCK_R)[0]
+            hist, wt = _conv_taps(conv_state, conv_w, cc, cc < CONV_C, CONV_K, CONV_KP2)
         ocol, linear = _gemv_program(
             p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps, ROWS, x_row, out_row, gate_row, zero, NT,
             N, C, QUANT, G, GROUPED, ROW_SCALED, HAS_BIAS, EPILOGUE, CODE, BLOCK_R, BLOCK_K, SUM, NORM, NORM_OUT,
@@ -635,8 +641,10 @@ def _qgemv_kernel(
         if CONV:
             if p * BLOCK_R < CONV_C:  # the whole program's branch (CONV_C is a multiple of BLOCK_R)
                 cm = ocol < CONV_C
-                y = _conv_silu_of(tl.reshape(linear, [BLOCK_R]), conv_state, conv_state, conv_w, ocol, cm,
-                                  CONV_K, CONV_KP2, CODE)  # fmt: skip
+                if not EARLY_P:
+                    hist, wt = _conv_taps(conv_state, conv_w, ocol, cm, CONV_K, CONV_KP2)
+                y = _conv_silu_taps(tl.reshape(linear, [BLOCK_R]), hist, wt, conv_state, ocol, cm, CONV_K,
+                                    CONV_KP2, CODE)  # fmt: skip
                 tl.store(conv_act + ocol, y, mask=cm)
 
 
@@ -813,7 +821,7 @@ def qgemv(
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
         **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
         xq_e=xq[0], xq_o=xq[1], xq_s=xq[2], xq_b=xq[3], NORM_Q=norm_q_out is not None,
-        num_warps=cfg.num_warps, **pdl_kwargs(x.device),
+        EARLY_P=launch.EARLY_PARAMS, num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

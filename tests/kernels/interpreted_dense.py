@@ -187,10 +187,15 @@ def test_unsupported_geometries():
     assert "taps" in K.unsupported_delta(DeltaDims(2, 2, 16, 16, 1))
 
 
-def test_a_heads_columns_split_among_programs():
+@pytest.mark.parametrize("early", [False, True], ids=["params-after-wait", "params-early"])
+def test_a_heads_columns_split_among_programs(early, monkeypatch):
     """Qwen3.6's 32 value heads of 128 columns take 8 programs each (256 a row); a geometry with
     many heads or narrow ones keeps fewer, or one a head. Split heads (their norms in the launch
-    after the delta rule) match the reference."""
+    after the delta rule) match the reference, with the head's A_log and dt_bias and the norm's
+    weights read after the launches' waits or before them (``EARLY_PARAMS``)."""
+    from edgerun.kernels import launch
+
+    monkeypatch.setattr(launch, "EARLY_PARAMS", early)
     assert K.delta_slices(REAL.n_v, REAL.dv) == 8
     assert K.delta_slices(64, 128) == 4 and K.delta_slices(4, 16) == 1 and K.delta_slices(2, 64) == 4
     dims = GEOMETRIES[3]
@@ -198,6 +203,23 @@ def test_a_heads_columns_split_among_programs():
     inputs = random_delta_inputs(dims, 2, torch.Generator().manual_seed(3), dtype=torch.bfloat16)
     ref_in = clone_inputs(inputs)
     assert_matches(K.delta_decode(**inputs), delta_decode_ref(**ref_in))
+
+
+def test_early_params_are_the_same_bits(monkeypatch):
+    """``EARLY_PARAMS`` moves loads, not arithmetic: the split-head step (delta rule, then the
+    norms' launch) with the head's A_log and dt_bias and the norm's weights read before the
+    waits gives the output and state of the step that reads them after, bit for bit, twice."""
+    from edgerun.kernels import launch
+
+    dims = GEOMETRIES[3]
+    inputs = random_delta_inputs(dims, 2, torch.Generator().manual_seed(7), dtype=torch.bfloat16)
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(launch, "EARLY_PARAMS", early)
+        mine = clone_inputs(inputs)
+        outs = [K.delta_decode(**mine) for _ in range(2)]
+        runs[early] = (*outs, mine["state"], mine["conv_state"])
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,12 +265,17 @@ def test_the_conv_in_the_projection_launch_is_the_conv_launch(dims, scheme, dtyp
 
 
 @pytest.mark.parametrize("block_r", [2, 16])
-def test_the_conv_epilogue_on_each_tile(block_r):
+@pytest.mark.parametrize("early", [False, True], ids=["params-after-wait", "params-early"])
+def test_the_conv_epilogue_on_each_tile(block_r, early, monkeypatch):
     """On the MANY tile (16 rows a program, an in_proj of Qwen3.6's size takes it) and TINY's (2):
     act and the shifted conv state equal the conv launch's, the projection's output the GEMV's
     without the conv, through delta_decode's act; the programs past the conv's channels (z, b,
-    a) run no conv."""
+    a) run no conv; the same with the conv's taps, the delta rule's A_log and dt_bias and the
+    split heads' norm weights read before the launches' waits (``EARLY_PARAMS``)."""
+    from edgerun.kernels import launch
     from edgerun.kernels.qlinear_triton import GemvConfig, qgemv
+
+    monkeypatch.setattr(launch, "EARLY_PARAMS", early)
 
     dims = GEOMETRIES[1]
     w, norm = _in_proj(dims, "int4", 64, seed=3)

@@ -317,11 +317,13 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
     """``route``: the gate_up launch routes the router's logits (a pair's programs pick its
     expert, one program a token stores the token's ids and weights) and the down launch reads
     them once that program says they are stored (``DOWN_READY``), or after its wait; the picks
-    on int64 or (``PICK32``) int32 keys. The ids,
+    on int64 or (``PICK32``) int32 keys; the slot table (a permutation) looked up after the pick or
+    (``EARLY_PARAMS``) read before the wait. The ids,
     weights and output equal router_topk's launch followed by the call on its ids, bit for bit
     (ties among the logits, the softmax's renormalisation, a rotation, the shared down and int8 x
     in the launch, a far tier's counts), either way, repeated; every arrival counter and ready
     flag is back at 0 after each call (each down program takes one off its token's flag)."""
+    from edgerun.kernels import launch
     from edgerun.kernels.decode_triton import router_topk
     from edgerun.kernels.moe_reference import FarTier, RouterLogits
     from edgerun.kernels.qlinear_w4a8 import quantize_x
@@ -369,9 +371,16 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
         return out, ids, w, shared, counted
 
     want = run(False)
-    for ready, pick32 in ((True, False), (False, False), (True, True)):
+    # EARLY_PARAMS: the slot table read before the wait, a pick's slot taken from its registers
+    for ready, pick32, early in (
+        (True, False, False),
+        (False, False, False),
+        (True, True, False),
+        (True, True, True),
+    ):
         monkeypatch.setattr(K, "DOWN_READY", ready)
         monkeypatch.setattr(K, "PICK32", pick32)  # int32 keys where the logits are bf16 (here: all)
+        monkeypatch.setattr(launch, "EARLY_PARAMS", early)
         got = run(True)
         assert torch.equal(got[1], want_ids) and torch.equal(got[2], want_w)
         assert all(torch.equal(g, h) for g, h in zip(got[:4], want[:4]))

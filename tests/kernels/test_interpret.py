@@ -38,6 +38,7 @@ FLAGS = {
     "FAR",
     "SLOTS",
     "SLICE",  # the DeltaNet step's: a head's columns in one program, or split (its norm a launch after)
+    "EARLY_P",  # kernels/launch.py's EARLY_PARAMS: small weights loaded before the wait, or after
 }  # constexprs that pick code paths, not sizes
 
 

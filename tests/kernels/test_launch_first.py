@@ -1,7 +1,8 @@
-"""kernels/launch.py's LAUNCH_FIRST, built for sm_90 on the CPU (Triton's compiler needs no GPU): a
-short launch that lets its successor launch first issues ``griddepcontrol.launch_dependents``
-before its ``griddepcontrol.wait``, and otherwise after it; both builds wait. The arithmetic is
-the same either way (the interpreted tests run it; PDL does not exist there)."""
+"""kernels/launch.py's LAUNCH_FIRST and EARLY_PARAMS, built for sm_90 on the CPU (Triton's compiler
+needs no GPU): a short launch that lets its successor launch first issues
+``griddepcontrol.launch_dependents`` before its ``griddepcontrol.wait``, and otherwise after it;
+both builds wait. With EARLY_PARAMS a launch's small weights are loaded before its wait. The
+arithmetic is the same either way (the interpreted tests run it; PDL does not exist there)."""
 
 import pytest
 from triton.backends.compiler import GPUTarget
@@ -12,7 +13,7 @@ from edgerun.kernels import decode_triton, dense_triton
 GATED_NORM = (
     dense_triton._gated_norm_kernel,
     dict(out="*bf16", z="*bf16", z_row="i32", norm_w="*bf16", eps="fp32"),
-    dict(HVDV=32 * 128, DV=128, BLOCK_DV=128, ACT=1, ROUND_NORM=True, PDL=True),
+    dict(HVDV=32 * 128, DV=128, BLOCK_DV=128, ACT=1, ROUND_NORM=True, EARLY_P=False, PDL=True),
 )
 COMBINE = (
     decode_triton._combine_kernel,
@@ -39,3 +40,49 @@ def test_launch_first_lets_the_next_launch_before_the_wait(kernel, first):
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert wait >= 0 and launch >= 0
     assert (launch < wait) == first
+
+
+DELTA = (
+    dense_triton._delta_decode_kernel,
+    dict(
+        act="*fp32",
+        z="*bf16",
+        a="*bf16",
+        b="*bf16",
+        z_row="i32",
+        a_row="i32",
+        b_row="i32",
+        A_log="*fp32",
+        dt_bias="*bf16",
+        state="*fp32",
+        slots="*i64",
+        norm_w="*bf16",
+        out="*bf16",
+        eps="fp32",
+        q_scale="fp32",
+    ),
+    dict(
+        SLOTS=False, NK=16, R=2, DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, SLICE=16, ACT=1, ROUND_NORM=True
+    )
+    | dict(PDL=True),
+)
+
+
+def _loads_before_wait(ptx: str) -> int:
+    return ptx[: ptx.find("griddepcontrol.wait")].count("ld.global")
+
+
+@pytest.mark.parametrize("kernel", [GATED_NORM, DELTA], ids=["gated_norm", "delta_rule"])
+def test_early_params_are_loaded_before_the_wait(kernel):
+    """The gated norm's weights, a head's A_log and dt_bias: loaded after the wait, or before it
+    with EARLY_P (the delta rule's state is loaded before it either way)."""
+    fn, pointers, const = kernel
+    const = {k: v for k, v in const.items() if k != "EARLY_P"}
+    late = _ptx(
+        fn, pointers, const | {"EARLY_P": False} | ({"LAUNCH_FIRST": False} if fn is GATED_NORM[0] else {})
+    )
+    early = _ptx(
+        fn, pointers, const | {"EARLY_P": True} | ({"LAUNCH_FIRST": False} if fn is GATED_NORM[0] else {})
+    )
+    assert _loads_before_wait(early) > _loads_before_wait(late)
+    assert early.count("ld.global") == late.count("ld.global")  # the same loads, moved
