@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgerun.kernels import launch
 from edgerun.kernels.bits_triton import (
     KEY32_EMPTY,
     KEY_EMPTY,
@@ -247,18 +248,27 @@ def _scale(y, wf, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr):
 
 
 @triton.jit
+def _norm_w(w, c, cmask, partner, rot):
+    """A q or k norm's weights at channels c [1, DP] and at their rotate_half partners (fp32):
+    weights, loadable before a PDL wait (``_norm_rope`` takes them)."""
+    wf = tl.load(w + c, mask=cmask, other=0.0).to(tl.float32)
+    return wf, tl.load(w + partner, mask=cmask & rot, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _norm_rope(
-    row, rmask, w, c, cmask, partner, sign, rot, cos, sin, eps,
+    row, rmask, wf, wpf, c, cmask, partner, sign, rot, cos, sin, eps,
     DH: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr,
 ):  # fmt: skip
-    """RMSNorm then RoPE of rows [rows, 1] (pointers) over channels c [1, DP]. rotate_half needs
-    each channel's partner: it is normalised again from memory (same inputs, same bits)."""
+    """RMSNorm then RoPE of rows [rows, 1] (pointers) over channels c [1, DP], the norm's weights
+    at c and at the partners ``_norm_w``'s. rotate_half needs each channel's partner: it is
+    normalised again from memory (same inputs, same bits)."""
     m = rmask & cmask
     x = tl.load(row + c, mask=m, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)[:, None]
-    y = _scale(x * inv, tl.load(w + c, mask=cmask, other=0.0).to(tl.float32), UNIT_OFFSET, CODE)
+    y = _scale(x * inv, wf, UNIT_OFFSET, CODE)
     xp = tl.load(row + partner, mask=m & rot, other=0.0).to(tl.float32)
-    yp = _scale(xp * inv, tl.load(w + partner, mask=cmask & rot, other=0.0).to(tl.float32), UNIT_OFFSET, CODE)
+    yp = _scale(xp * inv, wpf, UNIT_OFFSET, CODE)
     rotated = _round(_round(y * cos, CODE) + _round(sign * yp * sin, CODE), CODE)
     return tl.where(rot, rotated, y)
 
@@ -278,15 +288,15 @@ def _rope_tables(pos, inv_freq, c, R: tl.constexpr, CODE: tl.constexpr):
 
 @triton.jit
 def _write_kv(
-    k_src, pos, k_cache, v_cache, k_norm_w, c, cmask, rot, partner, sign, cos, sin, eps, S_MAX64,
+    k_src, pos, k_cache, v_cache, kw, kwp, c, cmask, rot, partner, sign, cos, sin, eps, S_MAX64,
     kh, HK: tl.constexpr, DH: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr,
 ):  # fmt: skip
-    """A token's key (k-norm, RoPE with the tables at its ``pos``, the cast to the cache dtype)
-    and value (as projected), from its qkv row's kv head ``kh`` at ``k_src``, into the caches at
-    ``pos``: the one write of the one-row step and of every row of a window. Returns the two rows
-    as stored."""
+    """A token's key (k-norm by its weights ``kw, kwp`` (``_norm_w``), RoPE with the tables at its
+    ``pos``, the cast to the cache dtype) and value (as projected), from its qkv row's kv head
+    ``kh`` at ``k_src``, into the caches at ``pos``: the one write of the one-row step and of
+    every row of a window. Returns the two rows as stored."""
     k = _norm_rope(
-        k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), k_norm_w, c, cmask,
+        k_src + tl.zeros([1, 1], tl.int32), tl.full([1, 1], 1, tl.int1), kw, kwp, c, cmask,
         partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE,
     )  # fmt: skip
     kv_row = (kh * S_MAX64 + pos) * DH + c
@@ -346,12 +356,13 @@ def _attend_kernel(
     S_MAX: tl.constexpr, NSPLIT: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
     DH: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     BLOCK_S: tl.constexpr, UNIT_OFFSET: tl.constexpr, CODE: tl.constexpr, EMULATE: tl.constexpr,
-    SLOTS: tl.constexpr, WINDOW: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    SLOTS: tl.constexpr, WINDOW: tl.constexpr, EARLY: tl.constexpr, EARLY_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """EARLY (not WINDOW): the row's position and slot and the split's first tile of keys and
     values older than pos are read before the wait (written by the step's first kernels and by
     earlier steps; the row at pos, which this launch writes, is left out and put into the tile
-    from the registers that stored it, the values a read gives back)."""
+    from the registers that stored it, the values a read gives back); with EARLY_P the q and k
+    norms' weights and the rotary tables at pos too."""
     QW: tl.constexpr = (2 if GATED else 1) * DH  # a query head's columns in qkv
     QKV_W: tl.constexpr = G * HK * QW + 2 * HK * DH
     kh = tl.program_id(0)
@@ -381,18 +392,26 @@ def _attend_kernel(
     base = kh * S_MAX64 * DH
     s_idx = tl.arange(0, BLOCK_S)
     s_first = start + s_idx
+    PRE: tl.constexpr = EARLY and EARLY_P  # the norms' weights and the rotary tables early too
     if EARLY:  # the first tile's older rows, then the wait
         kt0, vt0 = _tile_kv(
             k_cache, v_cache, base, s_first, (s_first < end) & (s_first < pos), c, cmask, DH, True
         )
+        if PRE:
+            rot, partner, sign, cos, sin = _rope_tables(pos, inv_freq, c, R, CODE)
+            qw, qwp = _norm_w(q_norm_w, c, cmask, partner, rot)
+            kw, kwp = _norm_w(k_norm_w, c, cmask, partner, rot)
         _grid_sync(PDL)
     if start <= pos:
-        rot, partner, sign, cos, sin = _rope_tables(pos, inv_freq, c, R, CODE)
+        if not PRE:
+            rot, partner, sign, cos, sin = _rope_tables(pos, inv_freq, c, R, CODE)
+            qw, qwp = _norm_w(q_norm_w, c, cmask, partner, rot)
+            kw, kwp = _norm_w(k_norm_w, c, cmask, partner, rot)
         r = tl.arange(0, GP)[:, None]
         rmask = r < G
         q_rows = qkv + (kh * G + r) * QW
         q = _norm_rope(
-            q_rows, rmask, q_norm_w, c, cmask, partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE
+            q_rows, rmask, qw, qwp, c, cmask, partner, sign, rot, cos, sin, eps, DH, UNIT_OFFSET, CODE
         )
         if not EMULATE:  # values of the model dtype already: exact
             q = q.to(k_cache.dtype.element_ty)
@@ -404,13 +423,13 @@ def _attend_kernel(
                 if (p >= start) & (p < end):
                     rot_i, partner_i, sign_i, cos_i, sin_i = _rope_tables(p, inv_freq, c, R, CODE)
                     _write_kv(
-                        window + i * QKV_W + kv_col, p, k_cache, v_cache, k_norm_w, c, cmask, rot_i,
+                        window + i * QKV_W + kv_col, p, k_cache, v_cache, kw, kwp, c, cmask, rot_i,
                         partner_i, sign_i, cos_i, sin_i, eps, S_MAX64, kh, HK, DH, UNIT_OFFSET, CODE,
                     )  # fmt: skip
                 i += 1
         elif end == pos + 1:  # this program's split holds pos: the new key and value go in first
             k_new, v_new = _write_kv(
-                qkv + kv_col, pos, k_cache, v_cache, k_norm_w, c, cmask, rot, partner, sign, cos, sin,
+                qkv + kv_col, pos, k_cache, v_cache, kw, kwp, c, cmask, rot, partner, sign, cos, sin,
                 eps, S_MAX64, kh, HK, DH, UNIT_OFFSET, CODE,
             )  # fmt: skip
             if EARLY:  # the row at pos, if in the first tile, as stored
@@ -680,7 +699,8 @@ def attention_decode(
         m_part, l_part, acc_part, eps, Dh**-0.5 * LOG2E, S_MAX=S, NSPLIT=nsplit, HK=Hk, G=G, DH=Dh, R=R,
         GATED=gated, GP=max(16, triton.next_power_of_2(G)), DP=dp, BLOCK_S=plan.block_s,
         UNIT_OFFSET=unit_offset, CODE=code, EMULATE=qkv.device.type == "cpu", SLOTS=slots is not None,
-        WINDOW=window, EARLY=ATTN_EARLY and not window, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
+        WINDOW=window, EARLY=ATTN_EARLY and not window, EARLY_P=launch.EARLY_NORMS, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **pdl_kwargs(qkv.device),
         enable_fp_fusion=False,  # a window's rows are the one-row kernel's bits only if neither contracts
     )  # fmt: skip
     pp = triton.next_power_of_2(nsplit)

@@ -262,14 +262,15 @@ def _store_quantized(p, progs, x, x_row, norm_w, xe, xo, xs, xb, eps, NT, N: tl.
 
 
 @triton.jit
-def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
+def _part(x, x_row, n, NT, cols, q, scale, wn, inv, GROUPED: tl.constexpr, NORM: tl.constexpr,
           CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
           QUANT: tl.constexpr = 0):  # fmt: skip
     """fp32 [BLOCK_R, BLOCK_K // SUM]: one step's group sums of token n (x RMS-normalised first
-    when NORM, ``inv`` its 1 / rms; a token n >= NT reads zeros), group scales applied."""
+    when NORM, ``inv`` its 1 / rms, ``wn`` the norm's weights at the step's columns, fp32; a token
+    n >= NT reads zeros), group scales applied."""
     xn = tl.load(x + n * x_row + cols, mask=n < NT, other=0.0).to(tl.float32)
     if NORM:
-        xn = _normed(xn, inv, tl.load(norm_w + cols).to(tl.float32), NORM, CODE)
+        xn = _normed(xn, inv, wn, NORM, CODE)
     if QUANT == 3:  # W4A8 (SUM = G = 32): x's slice quantized, dp4a over the words' lanes
         NG: tl.constexpr = BLOCK_K // 32
         if NORM:  # x's slice as the norm gave it (this layout measured fewer instructions here) ...
@@ -291,40 +292,42 @@ def _part(x, x_row, n, NT, cols, q, scale, norm_w, inv, GROUPED: tl.constexpr, N
 def _step(x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
           inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N: tl.constexpr, GROUPED: tl.constexpr,
           NORM: tl.constexpr, CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-          SUM: tl.constexpr, QUANT: tl.constexpr = 0):  # fmt: skip
+          SUM: tl.constexpr, QUANT: tl.constexpr = 0, wn0=0.0, GIVEN: tl.constexpr = False):  # fmt: skip
     """One step of ``_accumulate``: each token's group sums of the step's columns k0 .. k0 +
-    BLOCK_K added into its accumulator, by the same operations whatever N is."""
+    BLOCK_K added into its accumulator, by the same operations whatever N is. GIVEN: the norm's
+    weights at the step's columns are ``wn0`` (read before the program's wait), else read here."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    a0 += _part(
-        x, x_row, 0, NT, cols, q, scale, norm_w, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
-    )
+    wn = wn0
+    if NORM and not GIVEN:
+        wn = tl.load(norm_w + cols).to(tl.float32)
+    a0 += _part(x, x_row, 0, NT, cols, q, scale, wn, inv0, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT)
     if N > 1:
         a1 += _part(
-            x, x_row, 1, NT, cols, q, scale, norm_w, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 1, NT, cols, q, scale, wn, inv1, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 2:
         a2 += _part(
-            x, x_row, 2, NT, cols, q, scale, norm_w, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 2, NT, cols, q, scale, wn, inv2, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 3:
         a3 += _part(
-            x, x_row, 3, NT, cols, q, scale, norm_w, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 3, NT, cols, q, scale, wn, inv3, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 4:
         a4 += _part(
-            x, x_row, 4, NT, cols, q, scale, norm_w, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 4, NT, cols, q, scale, wn, inv4, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 5:
         a5 += _part(
-            x, x_row, 5, NT, cols, q, scale, norm_w, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 5, NT, cols, q, scale, wn, inv5, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 6:
         a6 += _part(
-            x, x_row, 6, NT, cols, q, scale, norm_w, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 6, NT, cols, q, scale, wn, inv6, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     if N > 7:
         a7 += _part(
-            x, x_row, 7, NT, cols, q, scale, norm_w, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
+            x, x_row, 7, NT, cols, q, scale, wn, inv7, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT
         )
     return a0, a1, a2, a3, a4, a5, a6, a7
 
@@ -354,6 +357,8 @@ def _accumulate(
     CODE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ROLLED: tl.constexpr,
+    nw0=0.0,
+    EARLY_N: tl.constexpr = False,
 ):
     """fp32 [BLOCK_R, N]: each of ``rows``' dot product with token n's x (RMS-normalised
     first when NORM, see ``_normed``), group scales applied (not a row's own scale). ``wd0``,
@@ -366,7 +371,8 @@ def _accumulate(
     the call's other tokens (a batch's step, a verify window; checked on the device at start-up,
     ``rows_alone_mismatch``), while each step's weights are decoded once for all N. N is the
     call's row count rounded up to a power of two (fewer kernels to compile); the NT rows of
-    the call are the first, the others read zeros and are not stored."""
+    the call are the first, the others read zeros and are not stored. EARLY_N (unrolled, NORM):
+    ``nw0`` holds the norm's weights at the first step's columns, read before the wait."""
     inv0 = 0.0
     inv1 = 0.0
     inv2 = 0.0
@@ -427,6 +433,7 @@ def _accumulate(
             a0, a1, a2, a3, a4, a5, a6, a7 = _step(
                 x, x_row, k0, q, scale, norm_w, NT, a0, a1, a2, a3, a4, a5, a6, a7,
                 inv0, inv1, inv2, inv3, inv4, inv5, inv6, inv7, N, GROUPED, NORM, CODE, BLOCK_R, BLOCK_K, SUM, QUANT,
+                nw0, EARLY_N and k0 == 0,
             )  # fmt: skip
     tok = tl.arange(0, N)[None, :]
     y = tl.where(tok == 0, tl.sum(a0, axis=1)[:, None], tl.zeros([BLOCK_R, N], dtype=tl.float32))
@@ -502,21 +509,26 @@ def _gemv_program(p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps,
                   GROUPED: tl.constexpr, ROW_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
                   CODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
                   NORM: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_C: tl.constexpr, NO_BLOCK: tl.constexpr,
-                  ROLLED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                  ROLLED: tl.constexpr, PDL: tl.constexpr, EARLY_N: tl.constexpr = False):  # fmt: skip
     """Program p of one GEMV's tiles (``_qgemv_kernel``'s docstring), its pointers already at its
     row of the call. Returns (its output columns [BLOCK_R] (silu_mul: [BLOCK_R / 2]), their rounded
-    F.linear outputs [BLOCK_R, N] (``_finish``))."""
+    F.linear outputs [BLOCK_R, N] (``_finish``)). EARLY_N (NORM, unrolled): the norm's weights at
+    the first step's columns are read before the wait too."""
     ocol, wrow = _tile_rows(p, ROWS, EPILOGUE, BLOCK_R)
     wd0 = _words(w, wrow, 0, C, QUANT, BLOCK_K)  # weights never change: read before the sync
     scale0 = wd0
     if GROUPED:
         scale0 = _scales(s, wrow, 0, C, G, QUANT, BLOCK_K)
+    nw0 = 0.0
+    GIVEN: tl.constexpr = EARLY_N and NORM != 0 and not ROLLED
+    if GIVEN:
+        nw0 = tl.load(norm_w + tl.arange(0, BLOCK_K)).to(tl.float32)
     _grid_sync(PDL)
     if NORM_OUT:
         _store_normed(p, x, x_row, norm_w, norm_out, eps, NT, N, C, NO_BLOCK, BLOCK_C, NORM, CODE)
     y = _accumulate(
         x, x_row, w, s, wrow, zero, wd0, scale0, norm_w, eps, NT, N, C, QUANT, G, GROUPED,
-        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED,
+        BLOCK_R, BLOCK_K, SUM, NORM, CODE, BLOCK_C, ROLLED, nw0, GIVEN,
     )  # fmt: skip
     linear = _finish(y, ocol, wrow, row_scale, bias, gate, out, out_row, gate_row, ROWS, NT, N, ROW_SCALED,
                      HAS_BIAS, EPILOGUE, CODE)  # fmt: skip
@@ -587,6 +599,7 @@ def _qgemv_kernel(
     xq_b,
     NORM_Q: tl.constexpr,
     EARLY_P: tl.constexpr,
+    EARLY_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS: output columns (R; silu_mul: S). Rows past ROWS are clamped to the last (loads stay
@@ -607,8 +620,11 @@ def _qgemv_kernel(
     DeltaNet layer's conv input, and the programs that own them also run the causal conv + SiLU
     of their columns (``dense_triton._conv_silu_of`` on the rounded outputs, the values the conv
     launch would load) into ``conv_act`` (fp32) and shift their rows of ``conv_state`` [CONV_C,
-    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer. EARLY_P: the conv's
-    older inputs (the layer's own state, of its previous step) and tap weights read before the wait.
+    CONV_K - 1]: the conv launch's bits, one launch fewer a DeltaNet layer.
+
+    EARLY_P (kernels/launch.py's EARLY_PARAMS): the conv's taps and older inputs (the layer's own
+    state, of its previous step) read before the wait too; EARLY_N (its EARLY_NORMS): the norm's
+    weights at the first step's columns (NORM, unrolled).
 
     NORM_Q: the first GEMV's programs also store the normalised rows quantized to int8 per 32
     columns into ``xq_e, xq_o, xq_s, xq_b`` (``_store_quantized``; ``qgemv``'s ``norm_q_out``)."""
@@ -622,7 +638,7 @@ def _qgemv_kernel(
         _gemv_program(
             p - progs, x, w2, s2, row_scale2, x, x, out2 + j * out2_row, norm_w, norm_out, eps, ROWS2, x_row,
             out2_row, 0, zero, NT, N, C, QUANT2, G2, GROUPED2, ROW_SCALED2, False, EPILOGUE2, CODE, BLOCK_R2, BLOCK_K2, SUM2,
-            NORM, False, BLOCK_C, NO_BLOCK, ROLLED, PDL,
+            NORM, False, BLOCK_C, NO_BLOCK, ROLLED, PDL, EARLY_N,
         )  # fmt: skip
     else:
         if CONV and EARLY_P:  # masked: the programs past the conv's columns load nothing
@@ -631,7 +647,7 @@ def _qgemv_kernel(
         ocol, linear = _gemv_program(
             p, x, w, s, row_scale, bias, gate, out, norm_w, norm_out, eps, ROWS, x_row, out_row, gate_row, zero, NT,
             N, C, QUANT, G, GROUPED, ROW_SCALED, HAS_BIAS, EPILOGUE, CODE, BLOCK_R, BLOCK_K, SUM, NORM, NORM_OUT,
-            BLOCK_C, NO_BLOCK, ROLLED, PDL,
+            BLOCK_C, NO_BLOCK, ROLLED, PDL, EARLY_N,
         )  # fmt: skip
         if NORM_Q:  # after the program's grid sync (in _gemv_program): x is the previous launch's
             _store_quantized(
@@ -821,7 +837,7 @@ def qgemv(
         ROLLED=(n >= cfg.rolled_from) if rolled is None else rolled,
         **(pair["args"] if pair else _no_also(x)), progs=progs, **folded,
         xq_e=xq[0], xq_o=xq[1], xq_s=xq[2], xq_b=xq[3], NORM_Q=norm_q_out is not None,
-        EARLY_P=launch.EARLY_PARAMS, num_warps=cfg.num_warps, **pdl_kwargs(x.device),
+        EARLY_P=launch.EARLY_PARAMS, EARLY_N=launch.EARLY_NORMS, num_warps=cfg.num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

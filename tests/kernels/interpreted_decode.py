@@ -373,8 +373,11 @@ def test_attention_reading_early_is_the_same_bits(dtype, gated, pos, programs, m
     """``ATTN_EARLY``: the attend launch reads the position, the slot and the first tile of older
     keys and values before its wait (the row at pos put in from the registers that stored it),
     the combine the position and the output gate: the output and the caches bit for bit those of
-    the launches that read after the wait, one row and rows by slot. (It fails when the row at pos
-    is not put into the early tile: the tile then holds 0 there.)"""
+    the launches that read after the wait, one row and rows by slot; with ``EARLY_NORMS`` the q
+    and k norms' weights and the rotary tables read early too. (It fails when the row at pos is
+    not put into the early tile: the tile then holds 0 there.)"""
+    from edgerun.kernels import launch
+
     if programs:
         monkeypatch.setattr(K, "TARGET_PROGRAMS", programs)
     dims = AttnDims(4, 2, 32, 16, gated)
@@ -385,16 +388,19 @@ def test_attention_reading_early_is_the_same_bits(dtype, gated, pos, programs, m
     batch["v_cache"] = torch.randn(2, 2, 256, 32, generator=gen).to(dtype)
     batch["pos"], batch["out"] = torch.tensor([pos, pos // 2]), torch.empty(2, 128, dtype=dtype)
 
-    def run(inputs, early):
+    def run(inputs, early, params):
         monkeypatch.setattr(K, "ATTN_EARLY", early)
+        monkeypatch.setattr(launch, "EARLY_NORMS", params)
         got = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
         got["out"] = torch.full_like(inputs["out"], float("nan"))
         K.attention_decode(**got)
         return got["out"], got["k_cache"], got["v_cache"]
 
     for inputs in (one, batch):
-        want, got = run(inputs, False), run(inputs, True)
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        want = run(inputs, False, False)
+        for early, params in ((True, False), (True, True), (False, True)):
+            got = run(inputs, early, params)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 # each dtype, gated and not, each size. 64 splits over 2 kv heads are 64 positions long (61, 62:

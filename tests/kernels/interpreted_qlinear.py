@@ -15,6 +15,7 @@ TRITON_INTERPRET=1 set before Triton is imported (Triton reads it at import). To
   every dequantized weight to bf16), so the bit check is against the exact-weight reference.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -256,6 +257,32 @@ def test_norm_prologue_matches_a_separate_norm(kind, dtype):
         assert torch.equal(got, K.qgemv(x, w, None, epilogue, norm=norm, config=SMALL))  # norm_out or not
     cases = [("int4", 40, 256, 32, "none", kind), ("int8", 16, 256, 256, "silu_mul", kind)]
     assert probe_cases(cases, "cpu", dtype) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_norm_weights_read_early_are_the_same_bits(rows, monkeypatch):
+    """``EARLY_NORMS``: the norm's weights at a program's first step read before its wait (a
+    tile of one step, as the router's; one of 16 steps) give the GEMV's output and the normalised
+    x of the launch that reads them in the step, bit for bit: one row, three, and five (rolled,
+    which reads them in its loop either way)."""
+    from edgerun.kernels import launch
+    from edgerun.kernels.qlinear_reference import random_norm
+
+    g = torch.Generator().manual_seed(13)
+    one_step = K.GemvConfig(block_r=8, row_bytes=64, num_warps=4, rolled_from=4)
+    for scheme, group, cols, epilogue, cfg in (
+        ("int4", 32, 128, "none", one_step),
+        ("int8", 16, 512, "silu_mul", dataclasses.replace(SMALL, rolled_from=4)),
+    ):
+        w = random_qweight(scheme, 40, cols, group, g, dtype=torch.bfloat16)
+        x = (torch.randn(rows, cols, generator=g) * 3).bfloat16()
+        norm = random_norm("unit", cols, g, "cpu", torch.bfloat16)
+        runs = []
+        for early in (False, True):
+            monkeypatch.setattr(launch, "EARLY_NORMS", early)
+            normed = torch.empty_like(x)
+            runs.append((K.qgemv(x, w, None, epilogue, norm=norm, norm_out=normed, config=cfg), normed))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 def test_norm_prologue_refuses_mismatched_inputs():

@@ -68,14 +68,49 @@ DELTA = (
 )
 
 
+ATTEND = (
+    decode_triton._attend_kernel,
+    dict(
+        qkv="*bf16",
+        q_norm_w="*bf16",
+        k_norm_w="*bf16",
+        inv_freq="*fp32",
+        pos_ptr="*i64",
+        slots="*i64",
+        k_cache="*bf16",
+        v_cache="*bf16",
+        m_part="*fp32",
+        l_part="*fp32",
+        acc_part="*fp32",
+        eps="fp32",
+        qk_scale="fp32",
+    ),
+    dict(
+        S_MAX=4096,
+        NSPLIT=64,
+        HK=2,
+        G=8,
+        DH=256,
+        R=64,
+        GATED=True,
+        GP=16,
+        DP=256,
+        BLOCK_S=32,
+        UNIT_OFFSET=True,
+    )
+    | dict(CODE=1, EMULATE=False, SLOTS=False, WINDOW=False, EARLY=True, PDL=True),
+)
+
+
 def _loads_before_wait(ptx: str) -> int:
     return ptx[: ptx.find("griddepcontrol.wait")].count("ld.global")
 
 
-@pytest.mark.parametrize("kernel", [GATED_NORM, DELTA], ids=["gated_norm", "delta_rule"])
+@pytest.mark.parametrize("kernel", [GATED_NORM, DELTA, ATTEND], ids=["gated_norm", "delta_rule", "attend"])
 def test_early_params_are_loaded_before_the_wait(kernel):
-    """The gated norm's weights, a head's A_log and dt_bias: loaded after the wait, or before it
-    with EARLY_P (the delta rule's state is loaded before it either way)."""
+    """The gated norm's weights, a head's A_log and dt_bias, the q and k norms' weights and the
+    rotary frequencies: loaded after the wait, or before it with EARLY_P (the delta rule's state
+    and the attend launch's older keys and values are loaded before it either way)."""
     fn, pointers, const = kernel
     const = {k: v for k, v in const.items() if k != "EARLY_P"}
     late = _ptx(
