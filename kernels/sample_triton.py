@@ -27,6 +27,8 @@ A row with a NaN or infinite logit is refused: its chosen logit comes back NaN (
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -156,57 +158,86 @@ def _sample_kernel(
     tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
 
 
+@triton.jit
+def _greedy_meet(
+    src, key, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS: tl.constexpr
+):
+    """A program's best key of its span: alone (CHUNKS 1), the row's token and logit; else the
+    row's programs meet in ``keys[n]`` and the last to arrive stores them and resets the scratch."""
+    if CHUNKS > 1:
+        tl.atomic_max(keys + n, key)
+        if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
+            key = tl.atomic_xchg(keys + n, KEY_EMPTY)
+            tl.atomic_xchg(tickets + n, 0)
+            _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n)
+    else:
+        _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n)
+
+
+@triton.jit
+def _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n):
+    value = tl.load(src + idx).to(tl.float32)
+    tl.store(token + n * token_stride, idx.to(tl.int64))
+    tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+
+
 # greedy: a program's span of a row (tiles of BLOCK); a row longer than one span is split among
 # programs that meet in one int64 key a row (``greedy``): (the logit's order - 2^31) * 2^32 +
 # (2^32 - 1 - its index), so the largest key is the largest logit's first index
 GREEDY_SPAN = 4 * BLOCK
+# each tile reduced by one maximum over those keys instead of three fp32 / index reductions (the
+# NaN, the top, its first index), and a program a tile (GREEDY_SPAN's 4 tiles run one after the
+# other): the same token and logit. Built 2026-12-07 (forty-third session), checked on the CPU, not
+# measured on a GPU (the greedy launch: 8.5 µs a step on an H100): off (an A/B switch, read at the
+# call; EDGERUN_GREEDY_KEYS=1 sets it at import, for a test run)
+GREEDY_KEYS = os.environ.get("EDGERUN_GREEDY_KEYS") == "1"
 
 
 @triton.jit
 def _greedy_kernel(
     logits, stride, V, keys, tickets, token, token_stride, chosen, chosen_stride,
-    CHUNKS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, KEYS: tl.constexpr = False,
 ):  # fmt: skip
     _grid_sync(PDL)  # (reads nothing before: the logits are the previous kernel's)
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
     src = logits + n * stride
-    best = tl.full([], float("-inf"), tl.float32)
-    idx = tl.full([], V, tl.int32)  # V: none yet
-    nan_at = tl.full([], V, tl.int32)
-    for t in range(0, SPAN, BLOCK):
-        o = c * SPAN + t + lane
-        inb = o < V
-        x = tl.load(src + o, mask=inb, other=float("-inf")).to(tl.float32)
-        isnan = (x != x) & inb
-        nan_at = tl.minimum(nan_at, tl.min(tl.where(isnan, o, V), axis=0))
-        x = tl.where(isnan, float("-inf"), x)
-        top = tl.max(x, axis=0)
-        at = tl.min(tl.where(inb & ~isnan & (x == top), o, V), axis=0)
-        take = (at < V) & ((top > best) | (idx == V))  # an earlier tile keeps its ties
-        best = tl.where(take, top, best)
-        idx = tl.where(take, at, idx)
-    # NaN is the largest (as torch.argmax takes it), its first index first
-    idx = tl.where(nan_at < V, nan_at, idx)
-    if CHUNKS > 1:
-        # the span's best as a key whose int64 order is (logit, then the lower index): +0.0 for
-        # -0.0 (they compare equal), NaN above +inf; the last program of the row to arrive reads
-        # the row's largest key and resets both for the next call
-        key = _order_key(tl.where(nan_at < V, float("nan"), best), idx)
-        key = tl.where(idx < V, key, KEY_EMPTY)
-        tl.atomic_max(keys + n, key)
-        if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
-            key = tl.atomic_xchg(keys + n, KEY_EMPTY)
-            tl.atomic_xchg(tickets + n, 0)
-            idx = _key_index(key)
-            value = tl.load(src + idx).to(tl.float32)
-            tl.store(token + n * token_stride, idx.to(tl.int64))
-            tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+    if KEYS:  # one maximum of the order keys a tile
+        kbest = tl.full([], KEY_EMPTY, tl.int64)
+        for t in range(0, SPAN, BLOCK):
+            o = c * SPAN + t + lane
+            inb = o < V
+            x = tl.load(src + o, mask=inb, other=float("-inf")).to(tl.float32)
+            kbest = tl.maximum(kbest, tl.max(tl.where(inb, _order_key(x, o), KEY_EMPTY), axis=0))
+        _greedy_meet(src, kbest, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS)
     else:
-        value = tl.load(src + idx).to(tl.float32)
-        tl.store(token + n * token_stride, idx.to(tl.int64))
-        tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+        best = tl.full([], float("-inf"), tl.float32)
+        idx = tl.full([], V, tl.int32)  # V: none yet
+        nan_at = tl.full([], V, tl.int32)
+        for t in range(0, SPAN, BLOCK):
+            o = c * SPAN + t + lane
+            inb = o < V
+            x = tl.load(src + o, mask=inb, other=float("-inf")).to(tl.float32)
+            isnan = (x != x) & inb
+            nan_at = tl.minimum(nan_at, tl.min(tl.where(isnan, o, V), axis=0))
+            x = tl.where(isnan, float("-inf"), x)
+            top = tl.max(x, axis=0)
+            at = tl.min(tl.where(inb & ~isnan & (x == top), o, V), axis=0)
+            take = (at < V) & ((top > best) | (idx == V))  # an earlier tile keeps its ties
+            best = tl.where(take, top, best)
+            idx = tl.where(take, at, idx)
+        # NaN is the largest (as torch.argmax takes it), its first index first
+        idx = tl.where(nan_at < V, nan_at, idx)
+        if CHUNKS > 1:
+            # the span's best as a key whose int64 order is (logit, then the lower index): +0.0 for
+            # -0.0 (they compare equal), NaN above +inf; the last program of the row to arrive reads
+            # the row's largest key and resets both for the next call
+            key = _order_key(tl.where(nan_at < V, float("nan"), best), idx)
+            _greedy_meet(src, tl.where(idx < V, key, KEY_EMPTY), keys, tickets, token, token_stride, chosen,
+                         chosen_stride, n, CHUNKS)  # fmt: skip
+        else:
+            _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n)
 
 
 def greedy_scratch(rows: int, device: torch.device) -> torch.Tensor:
@@ -242,14 +273,15 @@ def greedy(
         )
     if N == 0:
         return
-    span = span or GREEDY_SPAN
+    span = span or (BLOCK if GREEDY_KEYS else GREEDY_SPAN)
     block = min(BLOCK, span, triton.next_power_of_2(V))
     chunks = triton.cdiv(V, span)
     if chunks == 1:
         span = triton.cdiv(V, block) * block
     _greedy_kernel[(N, chunks)](
         logits, logits.stride(0), V, scratch[0], scratch[1], token, token.stride(0), chosen, chosen.stride(0),
-        CHUNKS=chunks, SPAN=span, BLOCK=block, num_warps=8 if block >= BLOCK else 4, **pdl_kwargs(logits.device),
+        CHUNKS=chunks, SPAN=span, BLOCK=block, num_warps=8 if block >= BLOCK else 4, KEYS=GREEDY_KEYS,
+        **pdl_kwargs(logits.device),
     )  # fmt: skip
 
 

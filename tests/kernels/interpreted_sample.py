@@ -178,12 +178,15 @@ def greedy_rows(vocab: int) -> torch.Tensor:
     return rows
 
 
+@pytest.mark.parametrize("keys", [False, True], ids=["reductions", "keys"])
 @pytest.mark.parametrize("vocab, span", [(37, None), (4096, None), (300, 64), (5000, 1024), (20000, None)])
-def test_greedy_is_torchs_argmax_and_its_logit_whatever_the_split(vocab, span):
+def test_greedy_is_torchs_argmax_and_its_logit_whatever_the_split(vocab, span, keys, monkeypatch):
     """``greedy``: one launch for ``torch.argmax`` + ``torch.gather`` of the decode step's head,
     exactly theirs (the first index of the largest, NaN the largest), a row in one program or
     split among programs (``span``; 20,000 logits: the default split) that meet in one key a
-    row, which the last of them leaves reset: a second call gives the same."""
+    row, which the last of them leaves reset: a second call gives the same. Each tile by three
+    reductions or (``GREEDY_KEYS``) by one maximum of its order keys."""
+    monkeypatch.setattr(S, "GREEDY_KEYS", keys)
     logits = greedy_rows(vocab)
     want = torch.argmax(logits, dim=-1)
     chosen_want = torch.gather(logits, -1, want[:, None])[:, 0]
