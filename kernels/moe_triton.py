@@ -461,9 +461,11 @@ def _down_kernel(
     routing program of that launch sets ``ready[t]`` to the token's count of down programs once
     its ids are stored; each program waits for it to be set (thread 0 polling with acquire loads),
     takes one off (the last leaves it 0 for the next call), then reads its slot and first step of
-    weights before the wait, as without LATE. IDS_EARLY (``DOWN_IDS_EARLY``): every program loads its token's
-    ids before it arrives at the counter, so the last to arrive reads only the parts after it. The routing program has started before any down
-    program can (PDL launches this kernel only once every gate_up program has), so the wait ends."""
+    weights before the wait, as without LATE. The routing program has started before any down
+    program can (PDL launches this kernel only once every gate_up program has), so the wait ends.
+
+    IDS_EARLY (``DOWN_IDS_EARLY``): every program loads its token's ids before it arrives at the
+    counter, so the last to arrive reads only the parts after it."""
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
