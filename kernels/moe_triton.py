@@ -1044,8 +1044,9 @@ def moe_gemv(
     count = counters(x.device, ready_at + -(-T // READY_PAD) * READY_PAD if early else T * (D // dbr))
     ready = count[ready_at:] if early else count
     dbk = _block_k(I, layout, config.row_bytes)
-    # h in int8 too (DOWN_A8, with x given in int8): int4 g32 words, W4A8 products (QUANT 3)
-    q_down = 3 if DOWN_A8 and xq is not None and not rotated and dbk % A8_GROUP == 0 else q
+    # h in int8 too (DOWN_A8, with x given in int8, which ``_check_xq`` allows for unrotated int4
+    # g32 experts only, whose steps hold whole groups): W4A8 products on the int4 words (QUANT 3)
+    q_down = 3 if DOWN_A8 and xq is not None else q
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)  # before the gate_up launch (READY)
     _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
