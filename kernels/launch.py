@@ -61,10 +61,10 @@ EARLY_PARAMS = os.environ.get("EDGERUN_EARLY_PARAMS", "1") != "0"
 # The same for the norm weights of a normed projection's first step (qgemv's NORM prologue: the
 # router launch's programs, one step each, read nothing else after their wait but x) and, in the
 # attend launch, the q and k norms' weights and the rotary tables at the row's position (EARLY
-# reads only). Built and checked on the CPU (the same bits under the interpreter, the loads before
-# griddepcontrol.wait in the sm_90 build), not yet measured on a GPU: off until it is
-# (EDGERUN_EARLY_NORMS=1 sets it at import; an A/B switch read at each call).
-EARLY_NORMS = os.environ.get("EDGERUN_EARLY_NORMS") == "1"
+# reads only): +2.1% at 40 layers on an H100, the same tokens (docs/benchmarks.md, 2026-12-07,
+# forty-fourth session; the attend launch 0.6 µs shorter). An A/B switch read at each call;
+# EDGERUN_EARLY_NORMS=0 clears it at import.
+EARLY_NORMS = os.environ.get("EDGERUN_EARLY_NORMS", "1") != "0"
 
 _cache: dict[int, bool] = {}
 

@@ -92,13 +92,6 @@ PICK32 = True
 # checked on the CPU, not yet measured on a GPU: off (an A/B switch for benchmarks/ab_decode.py,
 # read at the call; EDGERUN_DOWN_IDS_EARLY=1 sets it at import, for a test run)
 DOWN_IDS_EARLY = os.environ.get("EDGERUN_DOWN_IDS_EARLY") == "1"
-# with int8 expert activations (``moe_gemv``'s ``xq``), the down projection's h quantized to int8
-# per 32 columns too, by each down program as it reads h, and its products W4A8 (dp4a, as the
-# gate_up's and the projections'): about 1.5 instructions an int4 value against 5.8. Not the
-# reference's numerics (it quantizes x only), so an experiment: built 2026-12-07 (forty-third
-# session), checked on the CPU against a reference that quantizes h as well, not measured on a GPU;
-# off (an A/B switch read at the call; EDGERUN_DOWN_A8=1 sets it at import)
-DOWN_A8 = os.environ.get("EDGERUN_DOWN_A8") == "1"
 READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
@@ -520,7 +513,7 @@ def _down_part(h, w, s, rows, zero, wd0, scale0, gscales, slot, rw, part, p, D: 
     """Pair p's down ``rows`` (its expert's block at w / s, the first step's words and scales
     loaded) times h[p], times its global scale and router weight, into ``part`` [P, D] fp32."""
     y = _rows_dot(h + p * I, w, s, rows, zero, wd0, scale0, I, QUANT, G, GROUPED, BLOCK_R, BLOCK_K, SUM)
-    if QUANT >= 2:  # int4 (3: its words W4A8 on h quantized per 32, ``DOWN_A8``)
+    if QUANT == 2:
         y *= tl.load(gscales + slot * 2 + 1)
     tl.store(part + p * D + rows, y * tl.load(rw + p, cache_modifier=".cg").to(tl.float32))
 
@@ -1044,9 +1037,6 @@ def moe_gemv(
     count = counters(x.device, ready_at + -(-T // READY_PAD) * READY_PAD if early else T * (D // dbr))
     ready = count[ready_at:] if early else count
     dbk = _block_k(I, layout, config.row_bytes)
-    # h in int8 too (DOWN_A8, with x given in int8, which ``_check_xq`` allows for unrotated int4
-    # g32 experts only, whose steps hold whole groups): W4A8 products on the int4 words (QUANT 3)
-    q_down = 3 if DOWN_A8 and xq is not None else q
     part = torch.empty(T * A, D, dtype=torch.float32, device=x.device)  # before the gate_up launch (READY)
     _gate_up_kernel[(T * A + extra, cols)](
         xin, wv, sv, slots, tab, ids, gs, h, reads, uses, *_component_args(layout, "gate_up", wv, sv),
@@ -1063,7 +1053,7 @@ def moe_gemv(
         _down_kernel[(T * A, D // dbr)](
             h, wv, sv, slots, tab, ids, rw, gs, shared if shared is not None else out, out, part,
             count, *_component_args(layout, "down", wv, sv), split, w_far, s_far, 0,
-            lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q_down, G=G, GROUPED=grouped, BLOCK_R=dbr,
+            lo, hi, D=D, I=I, A=A, A_P2=triton.next_power_of_2(A), QUANT=q, G=G, GROUPED=grouped, BLOCK_R=dbr,
             BLOCK_K=dbk, SUM=step_sum(dbk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
             INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
             ACC=expert_range is not None, LATE=route is not None, ready=ready, READY=early,
