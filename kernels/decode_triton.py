@@ -59,7 +59,6 @@ allocation that depends on pos: both calls can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -96,13 +95,6 @@ ATTN_EARLY = True
 # forty-first session; the one profiled step does not say where); an A/B switch for
 # benchmarks/ab_decode.py
 COMBINE_LAUNCH_FIRST = False
-# the decode step's first launch, the token rows of the embedding, by a kernel with PDL
-# (``embed_rows``) instead of torch's index_select, so the first layer's in_proj reads its first
-# weights while it runs (the step's first GEMV waited 3.4 µs longer than the others, its
-# predecessor being a torch kernel). The same copy. Built 2026-12-07 (forty-third session), checked
-# on the CPU, not measured on a GPU: off (an A/B switch read at the call; EDGERUN_EMBED_PDL=1 sets
-# it at import, for a test run)
-EMBED_PDL = os.environ.get("EDGERUN_EMBED_PDL") == "1"
 LOG2E = 1.4426950408889634  # scores in log2 units: exp2 in the softmax
 
 
@@ -525,17 +517,6 @@ def _combine_kernel(
     tl.store(out + h * DH + d, o.to(out.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
-def _embed_kernel(embed, ids, out, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[n] = embed[ids[n]], columns of program (n, j): a copy. Nothing before the wait: the
-    token is the previous step's pick."""
-    n = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _grid_sync(PDL)
-    row = tl.load(ids + n)
-    tl.store(out + n * D + c, tl.load(embed + row * D + c, mask=c < D), mask=c < D)
-
-
 # --------------------------------------------------------------------------------------------
 # Host side
 
@@ -731,23 +712,4 @@ def attention_decode(
         LAUNCH_FIRST=COMBINE_LAUNCH_FIRST,
         num_warps=_warps(block_p * block_d, 16), **pdl_kwargs(qkv.device),
     )  # fmt: skip
-    return out
-
-
-def embed_rows(embed: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``torch.index_select(embed, 0, ids, out=out)`` in one launch with PDL (``EMBED_PDL``):
-    embed [V, D] and out [N, D] contiguous, of one dtype; ids int64 [N] (read on the device: ids
-    past the table are the caller's to rule out, as the sampler's picks are)."""
-    if embed.dim() != 2 or not embed.is_contiguous():
-        raise ValueError(f"embed must be a contiguous [V, D], got {list(embed.shape)}")
-    N, D = ids.shape[0], embed.shape[1]
-    _check(
-        {"ids": (ids, (N,), (torch.int64,)), "out": (out, (N, D), (embed.dtype,))},
-        embed.device,
-    )
-    if N:
-        block = min(1024, triton.next_power_of_2(D))
-        _embed_kernel[(N, triton.cdiv(D, block))](
-            embed, ids, out, D=D, BLOCK=block, num_warps=4, **pdl_kwargs(embed.device)
-        )  # fmt: skip
     return out

@@ -86,12 +86,6 @@ DOWN_READY = True
 # µs a step, 40-layer decode +1.8% on an H100, the same tokens (docs/benchmarks.md, 2026-12-07,
 # fortieth session); False: int64 keys (an A/B switch for benchmarks/ab_decode.py, read at the call)
 PICK32 = True
-# every down program loads its token's expert ids before its arrival at the counter, so the last
-# to arrive finds them in registers and reads only the parts after the atomic (one L2 trip fewer in
-# the step's serial tail); the same sum, the same bits. Built 2026-12-07 (forty-third session),
-# checked on the CPU, not yet measured on a GPU: off (an A/B switch for benchmarks/ab_decode.py,
-# read at the call; EDGERUN_DOWN_IDS_EARLY=1 sets it at import, for a test run)
-DOWN_IDS_EARLY = os.environ.get("EDGERUN_DOWN_IDS_EARLY") == "1"
 READY_PAD = 32  # int32s a 128 B line: the polled ready flags start a line of their own
 BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # (weight view, scale view) of the pool's bytes per scheme
@@ -174,19 +168,12 @@ def _at(slot, split, block, far):
 
 
 @triton.jit
-def _token_ids(ids, t, A: tl.constexpr, A_P2: tl.constexpr):
-    """Token t's A expert ids ([A_P2], padding 0), bypassing L1."""
-    ar = tl.arange(0, A_P2)
-    return tl.load(ids + t * A + ar, mask=ar < A, other=0, cache_modifier=".cg")
-
-
-@triton.jit
-def _expert_ranks(eid, A: tl.constexpr, A_P2: tl.constexpr):
-    """A token's entries (positions ``ar``; expert ids ``eid``, ``_token_ids``') and each one's
-    rank in (expert id, position) order, the order its experts are summed in (padding entries
-    rank A_P2)."""
+def _expert_ranks(ids, t, A: tl.constexpr, A_P2: tl.constexpr):
+    """Token t's entries (positions ``ar``, expert ids ``eid``) and each one's rank in (expert id,
+    position) order, the order its experts are summed in (padding entries rank A_P2)."""
     ar = tl.arange(0, A_P2)
     valid = ar < A
+    eid = tl.load(ids + t * A + ar, mask=valid, other=0, cache_modifier=".cg")
     before = (eid[None, :] < eid[:, None]) | ((eid[None, :] == eid[:, None]) & (ar[None, :] < ar[:, None]))
     rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
     return ar, eid, tl.where(valid, rank, A_P2)
@@ -438,7 +425,6 @@ def _down_kernel(
     READY: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    IDS_EARLY: tl.constexpr = False,
 ):
     """out[t] = the router-weighted sum of token t's experts, rounded once; with INTO, out holds
     the residual and gets out + (routed [+ shared]) instead, rounded where the model's
@@ -462,10 +448,7 @@ def _down_kernel(
     its ids are stored; each program waits for it to be set (thread 0 polling with acquire loads),
     takes one off (the last leaves it 0 for the next call), then reads its slot and first step of
     weights before the wait, as without LATE. The routing program has started before any down
-    program can (PDL launches this kernel only once every gate_up program has), so the wait ends.
-
-    IDS_EARLY (``DOWN_IDS_EARLY``): every program loads its token's ids before it arrives at the
-    counter, so the last to arrive reads only the parts after it."""
+    program can (PDL launches this kernel only once every gate_up program has), so the wait ends."""
     p = tl.program_id(0)  # pair t*A + a
     t = p // A
     j = tl.program_id(1)
@@ -494,15 +477,11 @@ def _down_kernel(
             _grid_sync(PDL)
         _down_part(h, w, s, rows, zero, wd0, scale0, gscales, slot, rw, part, p, D, I, QUANT, G, GROUPED, BLOCK_R,
                    BLOCK_K, SUM)  # fmt: skip
-    if IDS_EARLY:  # past the wait (and READY's flag): the router or the gate_up launch stored them
-        eids = _token_ids(ids, t, A, A_P2)
     tl.debug_barrier()  # every thread's part stored before the arrival is released
     if tl.atomic_add(count + t * (D // BLOCK_R) + j, 1, sem="acq_rel") == A - 1:
         tl.store(count + t * (D // BLOCK_R) + j, 0)  # ready for the next call
-        if not IDS_EARLY:
-            eids = _token_ids(ids, t, A, A_P2)
         _down_finish(
-            out, part, eids, shared, t, rows, lo, hi, D, A, A_P2, BLOCK_R, SHARED, INTO, CODE, RANGE, ACC
+            out, part, ids, shared, t, rows, lo, hi, D, A, A_P2, BLOCK_R, SHARED, INTO, CODE, RANGE, ACC
         )
 
 
@@ -519,14 +498,13 @@ def _down_part(h, w, s, rows, zero, wd0, scale0, gscales, slot, rw, part, p, D: 
 
 
 @triton.jit
-def _down_finish(out, part, eids, shared, t, rows, lo, hi, D: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr,
+def _down_finish(out, part, ids, shared, t, rows, lo, hi, D: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr,
                  BLOCK_R: tl.constexpr, SHARED: tl.constexpr, INTO: tl.constexpr, CODE: tl.constexpr,
                  RANGE: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Token t's ``rows`` of out, by the program that arrived last: its A parts (its expert ids
-    ``eids``, ``_token_ids``') added in ascending expert id (then position) order, then rounded as
-    the down kernel's docstring says."""
+    """Token t's ``rows`` of out, by the program that arrived last: its A parts added in
+    ascending expert id (then position) order, then rounded as the down kernel's docstring says."""
     # each entry's rank in (expert id, position) order: the experts are summed by ascending id
-    ar, eid, rank = _expert_ranks(eids, A, A_P2)
+    ar, eid, rank = _expert_ranks(ids, t, A, A_P2)
     cols = t * D + rows
     if ACC:
         acc = tl.load(out + cols)
@@ -783,7 +761,7 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = c < D
-    ar, eid, rank = _expert_ranks(_token_ids(ids, t, A, A_P2), A, A_P2)
+    ar, eid, rank = _expert_ranks(ids, t, A, A_P2)
     if ACC:
         acc = tl.load(acc_in + t * D + c, mask=cmask, other=0.0)
     else:
@@ -1057,7 +1035,7 @@ def moe_gemv(
             BLOCK_K=dbk, SUM=step_sum(dbk, G, grouped), TABLE=table is not None, SHARED=shared is not None,
             INTO=resid is not None, CODE=DTYPE_CODE.get(out.dtype, 0), RANGE=expert_range is not None,
             ACC=expert_range is not None, LATE=route is not None, ready=ready, READY=early,
-            INTERPRET=INTERPRETED, IDS_EARLY=DOWN_IDS_EARLY, num_warps=config.num_warps, **pdl_kwargs(x.device),
+            INTERPRET=INTERPRETED, num_warps=config.num_warps, **pdl_kwargs(x.device),
         )  # fmt: skip
     except BaseException:
         if early:  # flags no down program took off: the next call's down would read stale ids, and

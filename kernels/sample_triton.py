@@ -187,10 +187,10 @@ def _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n):
 GREEDY_SPAN = 4 * BLOCK
 # each tile reduced by one maximum over those keys instead of three fp32 / index reductions (the
 # NaN, the top, its first index), and a program a tile (GREEDY_SPAN's 4 tiles run one after the
-# other): the same token and logit. Built 2026-12-07 (forty-third session), checked on the CPU, not
-# measured on a GPU (the greedy launch: 8.5 µs a step on an H100): off (an A/B switch, read at the
-# call; EDGERUN_GREEDY_KEYS=1 sets it at import, for a test run)
-GREEDY_KEYS = os.environ.get("EDGERUN_GREEDY_KEYS") == "1"
+# other): the same token and logit. The greedy launch 8.5-10.4 -> 4.6-5.0 µs a step at 248,320
+# logits on an H100, decode +0.2-0.3% at 40 layers (docs/benchmarks.md, 2026-12-07, forty-fourth
+# session). An A/B switch read at the call; EDGERUN_GREEDY_KEYS=0 clears it at import.
+GREEDY_KEYS = os.environ.get("EDGERUN_GREEDY_KEYS", "1") != "0"
 
 
 @triton.jit

@@ -403,15 +403,7 @@ class DecodeGraphs:
             spec_triton.mtp_input(self.indices[2], embed, self.hidden_in, *norms, self.both)
             h.fc(self.both, out=self.x)
         else:
-            embedded = False
-            if self.static.fused:  # Triton only with the fused kernels
-                from edgerun.kernels import decode_triton
-
-                if decode_triton.EMBED_PDL:  # a launch with PDL: the first GEMV overlaps it
-                    decode_triton.embed_rows(embed, self.indices[2], self.x)
-                    embedded = True
-            if not embedded:
-                torch.index_select(embed, 0, self.indices[2], out=self.x)
+            torch.index_select(embed, 0, self.indices[2], out=self.x)
             if h is not None:  # the MTP head's input: fc(its norms of the embedding and hidden_in)
                 both = torch.cat(
                     [h.pre_fc_norm_embedding(self.x), h.pre_fc_norm_hidden(self.hidden_in)], dim=-1

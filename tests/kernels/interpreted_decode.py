@@ -440,25 +440,6 @@ def test_attention_window_refusals():
         K.attention_decode(**{**inputs, **empty}, window=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embed_rows_are_index_select(dtype):
-    """``embed_rows`` (the step's first launch with ``EMBED_PDL``): ``torch.index_select``'s rows,
-    bit for bit: a row's 96 columns in one program's masked block of 128, 2,048 over two programs
-    (the table's first and last rows, a row twice); bad inputs named."""
-    gen = torch.Generator().manual_seed(5)
-    for D in (96, 2048):
-        embed = torch.randn(50, D, generator=gen).to(dtype)
-        ids = torch.tensor([0, 49, 7, 7])
-        out = torch.full((4, D), float("nan"), dtype=dtype)
-        assert torch.equal(K.embed_rows(embed, ids, out), torch.index_select(embed, 0, ids))
-    with pytest.raises(ValueError, match="ids"):
-        K.embed_rows(embed, ids.int(), out)
-    with pytest.raises(ValueError, match="out"):
-        K.embed_rows(embed, ids, out.float() if dtype != torch.float32 else out.bfloat16())
-    with pytest.raises(ValueError, match="embed"):
-        K.embed_rows(embed.t(), ids, out)
-
-
 def test_attention_refusals_name_the_tensor():
     dims = AttnDims(4, 2, 32, 16, True)
     inputs = random_attention_inputs(dims, 64, 3, torch.Generator().manual_seed(3))

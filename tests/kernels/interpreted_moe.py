@@ -47,28 +47,6 @@ def test_gemv_matches_reference_and_repeats(fmt):
     assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < TOLERANCE
 
 
-def test_down_ids_read_before_the_arrival_are_the_same_bits(monkeypatch):
-    """``DOWN_IDS_EARLY``: every down program loads its token's ids before it arrives at the
-    counter: the output of one call and of a step in parts, entry order permuted, bit for bit
-    those of the last program loading them after its arrival."""
-    layout = layout_for(("int4", 32, "none"))
-    x, pool, slots, ids, w, _, gs = random_step(layout, 3, 4, 9, torch.Generator().manual_seed(21))
-    x = x.bfloat16()
-    perm = torch.tensor([3, 1, 0, 2])
-    runs = []
-    for early in (False, True):
-        monkeypatch.setattr(K, "DOWN_IDS_EARLY", early)
-        acc = torch.zeros(3, x.shape[1])
-        for lo, hi in ((0, 3), (4, 8)):
-            part = torch.where((ids >= lo) & (ids <= hi), slots, 0)
-            acc = K.moe_gemv(x, pool, part, ids, w, layout, gs, acc=acc, expert_range=(lo, hi))
-        one = K.moe_gemv(x, pool, slots, ids, w, layout, gs)
-        permuted = K.moe_gemv(x, pool, slots[:, perm], ids[:, perm], w[:, perm], layout, gs)
-        runs.append((one, permuted, acc))
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert torch.equal(runs[1][0], runs[1][1])
-
-
 def test_gemv_takes_x_quantized_to_int8():
     """``xq``: moe_cases.check_gemv_a8; refused for experts it does not fit, naming why."""
     layout = layout_for(("int4", 32, "none"))
@@ -403,7 +381,6 @@ def test_gemv_routes_the_router_logits_itself(fmt, T, extra, monkeypatch):
         monkeypatch.setattr(K, "DOWN_READY", ready)
         monkeypatch.setattr(K, "PICK32", pick32)  # int32 keys where the logits are bf16 (here: all)
         monkeypatch.setattr(launch, "EARLY_PARAMS", early)
-        monkeypatch.setattr(K, "DOWN_IDS_EARLY", early)  # the down's ids before its arrival, with it
         got = run(True)
         assert torch.equal(got[1], want_ids) and torch.equal(got[2], want_w)
         assert all(torch.equal(g, h) for g, h in zip(got[:4], want[:4]))

@@ -40,7 +40,6 @@ FLAGS = {
     "SLICE",  # the DeltaNet step's: a head's columns in one program, or split (its norm a launch after)
     "EARLY_P",  # kernels/launch.py's EARLY_PARAMS: small weights loaded before the wait, or after
     "EARLY_N",  # its EARLY_NORMS: a normed GEMV's first norm weights before the wait, or after
-    "IDS_EARLY",  # moe_triton.DOWN_IDS_EARLY: the down's token ids before its arrival, or after
     "KEYS",  # sample_triton.GREEDY_KEYS: a greedy tile by one maximum of order keys, or three reductions
 }  # constexprs that pick code paths, not sizes
 
