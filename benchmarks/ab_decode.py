@@ -5,7 +5,8 @@
 
 A variant is ``NAME:module.attr=value[;module.attr=value...]`` (an empty list: the tree as it is):
 module attributes an experiment reads at launch time; ``module.attr.field=value`` replaces one
-field of a dataclass attribute (a kernel's default tile). The bundle (``edgerun bench decode``'s
+field of a dataclass attribute (a kernel's default tile), ``module.attr.key.field=value`` one
+field of a dict attribute's entry (``qlinear_triton.FEW.int4.block_r=8``). The bundle (``edgerun bench decode``'s
 synthetic Qwen3.6-35B-A3B geometry, int4 dense and experts by default) is built or reused in
 --dir and loaded once, every expert held; for each variant in turn, round after round, the
 attributes are set (the others' put back), the decoder re-made (``set_kernels``: its graphs
@@ -55,22 +56,25 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
                 break
             except ImportError:
                 continue
-        if not eq or module is None or len(rest) not in (1, 2) or not hasattr(module, rest[0]):
-            raise SystemExit(f"--variant {text!r}: {item!r} is not module.attr[.field]=value")
+        if not eq or module is None or len(rest) not in (1, 2, 3) or not hasattr(module, rest[0]):
+            raise SystemExit(f"--variant {text!r}: {item!r} is not module.attr[.key][.field]=value")
         try:
             value = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):
             value = raw.strip()
-        if len(rest) == 2:  # a field of a dataclass attribute: a copy with it replaced (after
-            # this variant's earlier fields of the same attribute)
+        if len(rest) > 1:  # a field of a dataclass attribute, or (three names) of a dict
+            # attribute's entry: a copy with it replaced (after this variant's earlier fields of
+            # the same attribute)
             earlier = [v for m, a, v in sets if m is module and a == rest[0]]
+            whole = earlier[-1] if earlier else getattr(module, rest[0])
             try:
-                value = dataclasses.replace(
-                    earlier[-1] if earlier else getattr(module, rest[0]), **{rest[1]: value}
-                )
-            except TypeError as e:
+                if len(rest) == 2:
+                    value = dataclasses.replace(whole, **{rest[1]: value})
+                else:
+                    value = {**whole, rest[1]: dataclasses.replace(whole[rest[1]], **{rest[2]: value})}
+            except (TypeError, KeyError) as e:
                 raise SystemExit(
-                    f"--variant {text!r}: {item!r} is not module.attr[.field]=value ({e})"
+                    f"--variant {text!r}: {item!r} is not module.attr[.key][.field]=value ({e})"
                 ) from None
         sets.append((module, rest[0], value))
     return name or "base", sets

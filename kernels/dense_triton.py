@@ -174,7 +174,7 @@ def _delta_rule(
     b,
     alog,
     dtb,
-    norm_w,
+    nw,
     out,
     h,
     sv,
@@ -194,7 +194,8 @@ def _delta_rule(
     1) SLICE)), from that slice S of the head's fp32 state tile: x is the row's conv + SiLU
     output (fp32 [C]), z, a, b and out its rows of those, alog and dtb the head's A_log and
     dt_bias (``_head_params``); returns the slice's state after the row. The head's gated
-    RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this program runs it; else
+    RMSNorm takes all its columns: with one slice (SLICE == BLOCK_DV) this program runs it, by
+    the norm's weights nw (``_norm_weights`` at its columns, loaded by the caller); else
     each program stores its columns' output (rounded as the module rounds: exact in out's dtype)
     and ``_gated_norm_kernel``'s launch runs it. The R value heads of a key head each normalise
     its q and k."""
@@ -222,7 +223,7 @@ def _delta_rule(
     S = S + k[:, None] * delta[None, :]
     o = _round(tl.sum(S * q[:, None], axis=0), ACT)
     if SLICE == BLOCK_DV:
-        _gated_norm(o, iv, z, _norm_weights(norm_w, iv, DV), out, h, eps, DV, ACT, ROUND_NORM)
+        _gated_norm(o, iv, z, nw, out, h, eps, DV, ACT, ROUND_NORM)
     else:  # the output as the module rounds it (exact in out's dtype); the norm's launch follows
         tl.store(out + h * DV + iv, o.to(out.dtype.element_ty), mask=mv)
     return S
@@ -368,13 +369,18 @@ def _delta_decode_kernel(
     # the state was last written by this layer's previous step, kernels ago: read before the sync
     s_ptr = state + (_state_row(slots, bi, SLOTS) * HV + h) * (DK * DV) + tile
     S = tl.load(s_ptr, mask=tmask, other=0.0)
+    nw = 0.0  # a head in one program: its norm's weights (with EARLY_P before the wait)
     if EARLY_P:
         alog, dtb = _head_params(A_log, dt_bias, h)
+        if SLICE == BLOCK_DV:
+            nw = _norm_weights(norm_w, tl.arange(0, BLOCK_DV), DV)
     _grid_sync(PDL)
     if not EARLY_P:
         alog, dtb = _head_params(A_log, dt_bias, h)
+        if SLICE == BLOCK_DV:
+            nw = _norm_weights(norm_w, tl.arange(0, BLOCK_DV), DV)
     S = _delta_rule(
-        S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, alog, dtb, norm_w,
+        S, act + bi * C, z + bi * z_row, a + bi * a_row, b + bi * b_row, alog, dtb, nw,
         out + bi * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
         ACT, ROUND_NORM,
     )  # fmt: skip
@@ -422,10 +428,13 @@ def _delta_decode_window_kernel(
     S = tl.load(state + h * (DK * DV) + tile, mask=tmask, other=0.0)  # last written kernels ago
     _grid_sync(PDL)
     alog, dtb = _head_params(A_log, dt_bias, h)
+    nw = 0.0  # a head in one program: its norm's weights
+    if SLICE == BLOCK_DV:
+        nw = _norm_weights(norm_w, tl.arange(0, BLOCK_DV), DV)
     r = 0
     while r < N:  # (Triton's interpreter cannot range over a runtime int)
         S = _delta_rule(
-            S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, alog, dtb, norm_w,
+            S, act + r * C, z + r * z_row, a + r * a_row, b + r * b_row, alog, dtb, nw,
             out + r * (HV * DV), h, sv, eps, q_scale, NK, R, DK, DV, BLOCK_DK, BLOCK_DV, SLICE,
             ACT, ROUND_NORM,
         )  # fmt: skip

@@ -160,8 +160,9 @@ def _sample_kernel(
 
 @triton.jit
 def _greedy_meet(
-    src, key, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS: tl.constexpr
-):
+    src, key, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS: tl.constexpr,
+    pos, host_token, host_chosen, host_stride, DIRECT: tl.constexpr,
+):  # fmt: skip
     """A program's best key of its span: alone (CHUNKS 1), the row's token and logit; else the
     row's programs meet in ``keys[n]`` and the last to arrive stores them and resets the scratch."""
     if CHUNKS > 1:
@@ -169,16 +170,28 @@ def _greedy_meet(
         if tl.atomic_add(tickets + n, 1) == CHUNKS - 1:
             key = tl.atomic_xchg(keys + n, KEY_EMPTY)
             tl.atomic_xchg(tickets + n, 0)
-            _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n)
+            _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n, pos, host_token,
+                          host_chosen, host_stride, DIRECT)  # fmt: skip
     else:
-        _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n)
+        _greedy_store(src, _key_index(key), token, token_stride, chosen, chosen_stride, n, pos, host_token,
+                      host_chosen, host_stride, DIRECT)  # fmt: skip
 
 
 @triton.jit
-def _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n):
+def _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n, pos, host_token, host_chosen,
+                  host_stride, DIRECT: tl.constexpr):  # fmt: skip
+    """Row n's token and its logit. DIRECT (``greedy``'s ``direct``): also into host slot p % 2
+    of the pinned ``host_token`` / ``host_chosen`` (slot stride ``host_stride``), p the row's
+    position in ``pos``, which then becomes p + 1 (the next step's)."""
     value = tl.load(src + idx).to(tl.float32)
     tl.store(token + n * token_stride, idx.to(tl.int64))
     tl.store(chosen + n * chosen_stride, value.to(chosen.dtype.element_ty))
+    if DIRECT:
+        p = tl.load(pos + n)
+        at = (p % 2) * host_stride + n
+        tl.store(host_token + at, idx.to(tl.int64))
+        tl.store(host_chosen + at, value.to(host_chosen.dtype.element_ty))
+        tl.store(pos + n, p + 1)
 
 
 # greedy: a program's span of a row (tiles of BLOCK); a row longer than one span is split among
@@ -195,8 +208,9 @@ GREEDY_KEYS = os.environ.get("EDGERUN_GREEDY_KEYS", "1") != "0"
 
 @triton.jit
 def _greedy_kernel(
-    logits, stride, V, keys, tickets, token, token_stride, chosen, chosen_stride,
-    CHUNKS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, KEYS: tl.constexpr = False,
+    logits, stride, V, keys, tickets, token, token_stride, chosen, chosen_stride, pos, host_token, host_chosen,
+    host_stride, CHUNKS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    KEYS: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):  # fmt: skip
     _grid_sync(PDL)  # (reads nothing before: the logits are the previous kernel's)
     n = tl.program_id(0).to(tl.int64)
@@ -210,7 +224,8 @@ def _greedy_kernel(
             inb = o < V
             x = tl.load(src + o, mask=inb, other=float("-inf")).to(tl.float32)
             kbest = tl.maximum(kbest, tl.max(tl.where(inb, _order_key(x, o), KEY_EMPTY), axis=0))
-        _greedy_meet(src, kbest, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS)
+        _greedy_meet(src, kbest, keys, tickets, token, token_stride, chosen, chosen_stride, n, CHUNKS, pos,
+                     host_token, host_chosen, host_stride, DIRECT)  # fmt: skip
     else:
         best = tl.full([], float("-inf"), tl.float32)
         idx = tl.full([], V, tl.int32)  # V: none yet
@@ -235,9 +250,10 @@ def _greedy_kernel(
             # the row's largest key and resets both for the next call
             key = _order_key(tl.where(nan_at < V, float("nan"), best), idx)
             _greedy_meet(src, tl.where(idx < V, key, KEY_EMPTY), keys, tickets, token, token_stride, chosen,
-                         chosen_stride, n, CHUNKS)  # fmt: skip
+                         chosen_stride, n, CHUNKS, pos, host_token, host_chosen, host_stride, DIRECT)  # fmt: skip
         else:
-            _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n)
+            _greedy_store(src, idx, token, token_stride, chosen, chosen_stride, n, pos, host_token, host_chosen,
+                          host_stride, DIRECT)  # fmt: skip
 
 
 def greedy_scratch(rows: int, device: torch.device) -> torch.Tensor:
@@ -253,6 +269,7 @@ def greedy(
     chosen: torch.Tensor,
     scratch: torch.Tensor,
     span: int | None = None,
+    direct: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Each row's greedy token and its logit, as ``torch.argmax`` then ``torch.gather`` give
     them, in one launch: the first index of the largest logit (NaN counts as the largest, so a
@@ -261,7 +278,13 @@ def greedy(
     from ``greedy_scratch`` (rows >= N; left as it was found: a row of more than GREEDY_SPAN
     logits is split among programs that meet there). No host sync: a call can be captured in a
     CUDA graph. Exact: a maximum and a first index, whatever the split. ``span``: a program's
-    logits (a power of two; default GREEDY_SPAN), smaller in tests to split small rows."""
+    logits (a power of two; default GREEDY_SPAN), smaller in tests to split small rows.
+
+    ``direct`` (pos int64 [N] on the device; host_token int64 [2, N] and host_chosen [2, N],
+    pinned host memory, which the kernel writes through the device's mapping): each row's token
+    and logit also into host slot pos[n] % 2, and pos[n] advanced by one, so that a decode step
+    needs neither copies back nor a fill of its position before the next (``DecodeGraphs``'s
+    ``DIRECT``). The host reads a slot after an event recorded behind the launch."""
     N, V = logits.shape
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have contiguous rows, got strides {logits.stride()}")
@@ -271,6 +294,22 @@ def greedy(
         raise ValueError(
             f"greedy of {N} rows: token {token.dtype} {list(token.shape)}, scratch {list(scratch.shape)}"
         )
+    if direct is not None:
+        pos, host_token, host_chosen = direct
+        if pos.dtype != torch.int64 or pos.numel() < N or pos.device != logits.device:
+            raise ValueError(f"direct: pos must be int64 with {N} entries on {logits.device}")
+        if (
+            tuple(host_token.shape) != (2, N) or host_token.dtype != torch.int64
+            or tuple(host_chosen.shape) != (2, N) or not host_token.is_contiguous() or not host_chosen.is_contiguous()
+        ):  # fmt: skip
+            raise ValueError(
+                f"direct: host_token int64 [2, {N}] and host_chosen [2, {N}], contiguous; got "
+                f"{host_token.dtype} {list(host_token.shape)}, {list(host_chosen.shape)}"
+            )
+        if logits.is_cuda and not (host_token.is_pinned() and host_chosen.is_pinned()):
+            raise ValueError("direct: the host slots must be pinned memory (the kernel writes them)")
+    else:
+        pos = host_token = host_chosen = token  # placeholders, not read
     if N == 0:
         return
     span = span or (BLOCK if GREEDY_KEYS else GREEDY_SPAN)
@@ -280,7 +319,8 @@ def greedy(
         span = triton.cdiv(V, block) * block
     _greedy_kernel[(N, chunks)](
         logits, logits.stride(0), V, scratch[0], scratch[1], token, token.stride(0), chosen, chosen.stride(0),
-        CHUNKS=chunks, SPAN=span, BLOCK=block, num_warps=8 if block >= BLOCK else 4, KEYS=GREEDY_KEYS,
+        pos, host_token, host_chosen, N, CHUNKS=chunks, SPAN=span, BLOCK=block,
+        num_warps=8 if block >= BLOCK else 4, KEYS=GREEDY_KEYS, DIRECT=direct is not None,
         **pdl_kwargs(logits.device),
     )  # fmt: skip
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -68,6 +69,13 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # decode steps between two moves of a far tier's device slots toward its most used experts
 # (``ExpertCache.rebalance_far``: a device sync and up to Q/8 copies a layer, between steps)
 FAR_REBALANCE_STEPS = 64
+# A one-sequence step's greedy launch also writes its token and logit into the host slot of its
+# position's parity (pinned memory, through the device's mapping) and advances the device's
+# position (``sample_triton.greedy``'s ``direct``): between two queued steps the stream then has
+# no copies back and no fill of the position, only the event the host waits on. +0.9% at 40
+# layers on an H200, the same tokens (docs/benchmarks.md, 2026-12-07, forty-fifth session). An
+# A/B switch (benchmarks/ab_decode.py), read where a decoder is made; EDGERUN_DIRECT_PICK=0 clears it.
+DIRECT_PICK = os.environ.get("EDGERUN_DIRECT_PICK", "1") != "0"
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -231,6 +239,12 @@ class DecodeGraphs:
         self.chosen_host = torch.zeros(2, N, dtype=self.dtype, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._slot = 0
+        # DIRECT_PICK (one sequence, the fused greedy launch): the greedy launch writes host slot
+        # pos % 2 and pos + 1; ``_dev_pos``, the position the device holds where the host knows it
+        self.direct = (
+            DIRECT_PICK and self._greedy is not None and pool is None and window is None and head is None
+        )
+        self._dev_pos: int | None = None
         self.modes: dict[int, str] = {}
         self.moe: dict[int, _MoeBuffers] = {}
         for i, layer in enumerate(self.layers):
@@ -539,7 +553,8 @@ class DecodeGraphs:
         if self._greedy is not None:
             from edgerun.kernels.sample_triton import greedy
 
-            greedy(self.logits, self.indices[2], self.chosen[:, 0], self._greedy)
+            direct = (self.pos, self.token_host, self.chosen_host) if self.direct else None
+            greedy(self.logits, self.indices[2], self.chosen[:, 0], self._greedy, direct=direct)
             return
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.token)
         torch.gather(self.logits, -1, self.token, out=self.chosen)
@@ -565,12 +580,15 @@ class DecodeGraphs:
         """Queue a step without waiting for it: consume ``token``, or (None) the token the
         previous step chose on the device (greedy, or drawn: :meth:`sample_with`), so the host
         can queue step i + 1 before it reads step i's token. Returns a handle for
-        :meth:`result`; two steps may be in flight."""
+        :meth:`result`; two steps may be in flight (with :attr:`direct`, a step's host slot is
+        its position's parity: read a step's result before the step two positions on is queued)."""
+        k = self.state.pos % 2 if self.direct else self._slot
         self._run(token)
         if self._draw_sort is not None:
             self._draw_step()
-        k, self._slot = self._slot, self._slot ^ 1
-        self._read_back(k)
+        self._slot = k ^ 1
+        # the greedy launch wrote the slot itself (direct); a draw's token is copied over it
+        self._read_back(k, copy=not self.direct or self._draw_sort is not None)
         return k
 
     def sample_with(self, sampler) -> None:
@@ -595,8 +613,10 @@ class DecodeGraphs:
     def _draw_op(self) -> None:
         from edgerun.kernels.sample_triton import sample
 
-        # the step consumed the token at pos: its logits are for position pos + 1
-        sample(self.logits, self._draw, self.pos, 1, self.indices[2], self.chosen[:, 0], self._draw_sort)
+        # the step consumed the token at pos: its logits are for position pos + 1 (direct: the
+        # greedy launch has advanced pos to it already)
+        add = 0 if self.direct else 1
+        sample(self.logits, self._draw, self.pos, add, self.indices[2], self.chosen[:, 0], self._draw_sort)
 
     def _draw_step(self) -> None:
         """The draw after a step: replayed where the step's graphs replay, else eager."""
@@ -626,10 +646,12 @@ class DecodeGraphs:
         tokens, chosen = self._picks(handle)
         return greedy_pick(tokens[0], chosen[0])
 
-    def _read_back(self, k: int) -> None:
-        """Queue the copy of the step's greedy tokens and their logits into host slot ``k``."""
-        self.token_host[k].copy_(self.indices[2], non_blocking=True)
-        self.chosen_host[k].copy_(self.chosen[:, 0], non_blocking=True)
+    def _read_back(self, k: int, copy: bool = True) -> None:
+        """Queue the copy of the step's greedy tokens and their logits into host slot ``k``
+        (``copy`` False: the greedy launch wrote it, :attr:`direct`), and the slot's event."""
+        if copy:
+            self.token_host[k].copy_(self.indices[2], non_blocking=True)
+            self.chosen_host[k].copy_(self.chosen[:, 0], non_blocking=True)
         if self.events is not None:
             self.events[k].record()
 
@@ -646,8 +668,12 @@ class DecodeGraphs:
             )
         if token is not None:
             self.token.fill_(token)
-        self.pos.fill_(self.state.pos)
+        if self._dev_pos != self.state.pos:  # (direct: the last step's greedy launch advanced it)
+            self.pos.fill_(self.state.pos)
+        self._dev_pos = None  # unknown until the step is queued
         self._execute()
+        if self.direct:
+            self._dev_pos = self.state.pos + 1
         self.state.pos += 1
 
     def run_rows(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
@@ -873,6 +899,8 @@ class DecodeGraphs:
         how = f"{n_graphs} graph(s) per step" if self.policy.graphs else "eager"
         how += f", dense {self.policy.dense}"
         text = f"decode {how}, {self.host_ops} host op(s) per step, expert steps {'/'.join(modes) or 'none'}"
+        if self.direct:
+            text += ", picks written to the host by the greedy launch"
         if self.windows:
             text += f"; verify windows of {'/'.join(map(str, sorted(self.windows)))} rows"
         if self.prefill is not None:

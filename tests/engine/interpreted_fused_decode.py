@@ -131,6 +131,47 @@ def test_fused_decode_step_matches_torch(sources, tmp_path, arch, dense, monkeyp
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
         assert float((g - w).abs().max() / w.abs().max()) < 1e-4
+    if qwen35:
+        # the greedy launch writing its pick into the host slot and advancing the position
+        # (``DIRECT_PICK``): queued steps give the same tokens, and no position is filled between
+        picks, fills, d = pipelined(runner, fused, monkeypatch, direct=True)
+        assert d.direct and picks == [*want_tokens, int(want[-1].argmax())]
+        assert fills == 1  # the first step's (after the prefill); each later step's by the kernel
+        assert int(d.pos[0]) == d.state.pos == d._dev_pos == len(PROMPT) + STEPS
+        assert int(d.token_host[(d.state.pos - 1) % 2, 0]) == picks[-1]
+        # a drawn token keyed by the same position either way (the launch advanced it first)
+        from edgerun.engine.params import SamplingParams
+        from edgerun.engine.sampler import Sampler
+
+        params = SamplingParams(temperature=1.0, seed=11)
+        plain = pipelined(runner, fused, monkeypatch, direct=False, sampler=Sampler(params, len(PROMPT)))
+        direct = pipelined(runner, fused, monkeypatch, direct=True, sampler=Sampler(params, len(PROMPT)))
+        assert plain[0] == direct[0] and plain[1] == STEPS and direct[1] == 1
+
+
+def pipelined(runner: Runner, policy: Resolved, monkeypatch, direct: bool, sampler=None):
+    """Queued steps as ``Runner._tokens`` runs them (step i + 1 queued before step i's token is
+    read) on a new decoder made with ``DIRECT_PICK`` = ``direct``: (the prefill's token and the
+    steps', the position fills the steps queued, the decoder)."""
+    from edgerun.engine import graphs
+
+    monkeypatch.setattr(graphs, "DIRECT_PICK", direct)
+    runner.model.use_kernels(True)
+    d = runner.decoder = DecodeGraphs(runner.model, runner.args, runner.cache, policy, CPU, 16)
+    state = d.reset()
+    fills, fill = [], d.pos.fill_
+    with torch.no_grad():
+        token = int(runner.prefill(state, PROMPT).argmax())
+        d.pos.fill_ = lambda v: fills.append(v) or fill(v)  # (the instance's, shadowing the method)
+        d.sample_with(sampler)
+        picks, pending = [token], d.launch(token)
+        for i in range(STEPS):
+            queued = d.launch(None) if i + 1 < STEPS else None
+            picks.append(d.result(pending))
+            pending = queued
+        d.sample_with(None)
+    del d.pos.fill_
+    return picks, len(fills), d
 
 
 def test_batch_rows_are_the_one_sequence_step(sources, tmp_path):

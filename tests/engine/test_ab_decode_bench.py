@@ -28,6 +28,17 @@ def test_a_variant_sets_module_attributes_and_dataclass_fields(ab):
     )
     last = sets[-1][2]
     assert (last.block_r, last.num_warps) == (8, 4) and last.down_rows == moe_triton.DEFAULT_GEMV.down_rows
+    # three names: a field of a dict attribute's entry, the dict copied with that entry replaced
+    from edgerun.kernels import qlinear_triton
+
+    _, sets = ab.parse_variant(
+        "f8:edgerun.kernels.qlinear_triton.FEW.int4.block_r=8;edgerun.kernels.qlinear_triton.FEW.int4.num_warps=2"
+    )
+    few = sets[-1][2]
+    assert (few["int4"].block_r, few["int4"].num_warps) == (8, 2) and few["int8"] is qlinear_triton.FEW[
+        "int8"
+    ]
+    assert qlinear_triton.FEW["int4"].block_r != 8
     assert ab.parse_variant("base:") == ("base", [])
     assert ab.parse_variant("s:edgerun.engine.policy.GROUPED_DEFAULT=on")[1][0][2] == "on"  # not a literal
 
@@ -41,6 +52,8 @@ def test_a_variant_sets_module_attributes_and_dataclass_fields(ab):
         "x:edgerun.kernels.moe_triton.DEFAULT_GEMV.block_r.more=1",
         "x:edgerun.kernels.moe_triton.DEFAULT_GEMV.no_field=1",
         "x:edgerun.engine.policy.GROUPED_DEFAULT.field=1",
+        "x:edgerun.kernels.qlinear_triton.FEW.int2.block_r=8",
+        "x:edgerun.kernels.qlinear_triton.FEW.int4.no_field=8",
     ],
 )
 def test_a_variant_that_names_nothing_is_refused(ab, text):

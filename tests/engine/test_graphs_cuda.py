@@ -89,6 +89,28 @@ def test_graph_and_eager_decode_are_identical(bundles, arch, setup):
         assert t.tier_copies == t.misses > 0 and graph.cache.tier_mem[graph.args.moe_layers[0]].is_pinned()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_direct_picks_emit_the_tokens_the_copied_picks_do(bundles, arch, temperature, monkeypatch):
+    """``graphs.DIRECT_PICK`` (the greedy launch writes its pick into the pinned host slot of its
+    position's parity and advances the device's position): a request's queued steps emit the
+    tokens they emit with the picks copied back and the position filled each step, greedy and
+    drawn (the draw keyed by the same position)."""
+    from edgerun.engine import graphs
+
+    b = bundles[(arch, "int4")]
+    out = {}
+    for direct in (False, True):
+        monkeypatch.setattr(graphs, "DIRECT_PICK", direct)
+        r = _load(b, "table", "on")
+        params = SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=temperature, seed=7)
+        out[direct] = [e.token_id for e in r.generate(r.request(PROMPT, params)) if e.token_id is not None]
+        assert r.decoder.direct == direct
+        if direct:  # the device's position is the state's: the last step's greedy launch advanced it
+            assert int(r.decoder.pos[0]) == r.decoder.state.pos == r.decoder._dev_pos
+    assert out[True] == out[False] and len(out[True]) == STEPS
+
+
 @pytest.mark.parametrize("setup,temperature", [("table", 0.0), ("routed", 0.0), ("table", 0.8)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_warm_up_leaves_the_request_its_tokens_counts_and_books(bundles, arch, setup, temperature):

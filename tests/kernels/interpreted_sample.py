@@ -201,6 +201,37 @@ def test_greedy_is_torchs_argmax_and_its_logit_whatever_the_split(vocab, span, k
         assert torch.equal(scratch, S.greedy_scratch(8, CPU))
 
 
+@pytest.mark.parametrize("span", [None, 64], ids=["one-program", "split"])
+def test_greedy_direct_writes_the_host_slot_of_each_rows_position(span, monkeypatch):
+    """``greedy(direct=)`` (a decode step's pick read back without copies): each row's token and
+    logit also in host slot pos[n] % 2 (row n's column), the other slot untouched, and pos[n]
+    advanced by one; the device outputs as without it. Its inputs refused by name."""
+    monkeypatch.setattr(S, "GREEDY_KEYS", True)
+    logits = greedy_rows(300)
+    want = torch.argmax(logits, dim=-1)
+    chosen_want = torch.gather(logits, -1, want[:, None])[:, 0]
+    pos = torch.tensor([4, 7, 0, 9, 2, 5])
+    host_token = torch.full((2, 6), -5, dtype=torch.int64)
+    host_chosen = torch.full((2, 6), 3.0, dtype=torch.bfloat16)
+    token, chosen = torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.bfloat16)
+    S.greedy(
+        logits, token, chosen, S.greedy_scratch(6, CPU), span=span, direct=(pos, host_token, host_chosen)
+    )
+    assert torch.equal(token, want) and torch.equal(chosen.nan_to_num(), chosen_want.nan_to_num())
+    odd = torch.tensor([4, 7, 0, 9, 2, 5]) % 2
+    rows = torch.arange(6)
+    assert torch.equal(host_token[odd, rows], want)
+    assert torch.equal(host_chosen[odd, rows].nan_to_num(), chosen_want.nan_to_num())
+    assert torch.equal(host_chosen[odd, rows].isnan(), chosen_want.isnan())
+    assert (host_token[1 - odd, rows] == -5).all() and (host_chosen[1 - odd, rows] == 3.0).all()
+    assert torch.equal(pos, torch.tensor([5, 8, 1, 10, 3, 6]))
+    scratch = S.greedy_scratch(6, CPU)
+    with pytest.raises(ValueError, match="pos must be int64"):
+        S.greedy(logits, token, chosen, scratch, direct=(pos.int(), host_token, host_chosen))
+    with pytest.raises(ValueError, match="host_token int64"):
+        S.greedy(logits, token, chosen, scratch, direct=(pos, host_token[:1], host_chosen))
+
+
 def test_the_greedy_probe_refuses_a_wrong_pick_by_row(monkeypatch):
     """The dense probe's greedy cases pass on the kernel and name the row a wrong pick is in."""
     from edgerun.kernels import dense_probe

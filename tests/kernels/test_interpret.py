@@ -41,6 +41,7 @@ FLAGS = {
     "EARLY_P",  # kernels/launch.py's EARLY_PARAMS: small weights loaded before the wait, or after
     "EARLY_N",  # its EARLY_NORMS: a normed GEMV's first norm weights before the wait, or after
     "KEYS",  # sample_triton.GREEDY_KEYS: a greedy tile by one maximum of order keys, or three reductions
+    "DIRECT",  # sample_triton.greedy's direct: the pick also into the host slot, the position advanced
 }  # constexprs that pick code paths, not sizes
 
 
