@@ -198,7 +198,9 @@ def conv_fold_cases(cases: list[tuple], args, device: torch.device, dtype: torch
 def greedy_cases(vocab: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
     """``sample_triton.greedy`` against ``torch.argmax`` and ``torch.gather`` on rows of ``vocab``
     logits: random, a tie for the largest (the first index wins), a NaN (it wins), all -inf;
-    equal, twice (a split row's scratch is left as found), or Refused naming the row."""
+    equal, twice (a split row's scratch is left as found), or Refused naming the row. The second
+    run writes its picks to the host too (``direct``, as a one-sequence decode step's greedy
+    launch does: pinned slots on a GPU): each row's slot and advanced position checked."""
     from edgerun.kernels.sample_triton import greedy, greedy_scratch
 
     logits = (torch.randn(4, vocab, generator=gen, device=device) * 4).to(dtype)
@@ -209,9 +211,28 @@ def greedy_cases(vocab: int, device: torch.device, dtype: torch.dtype, gen: torc
     want = torch.argmax(logits, dim=-1)
     chosen_want = torch.gather(logits, -1, want[:, None])[:, 0]
     scratch = greedy_scratch(4, device)
+    pinned = device.type == "cuda"
+    start = [6, 3, 0, 9]
+    pos = torch.tensor(start, device=device)
+    host_token = torch.full((2, 4), -1, dtype=torch.int64, pin_memory=pinned)
+    host_chosen = torch.zeros(2, 4, dtype=dtype, pin_memory=pinned)
     for run in range(2):
         token, chosen = torch.full_like(want, -1), torch.zeros_like(chosen_want)
-        greedy(logits, token, chosen, scratch)
+        greedy(logits, token, chosen, scratch, direct=(pos, host_token, host_chosen) if run else None)
+        if run:
+            if pinned:
+                torch.cuda.synchronize(device)  # the host slots are written by the launch itself
+            rows, slot = torch.arange(4), torch.tensor(start) % 2
+            got_token, got_chosen = host_token[slot, rows], host_chosen[slot, rows]
+            same = torch.equal(got_token, token.cpu()) and torch.equal(
+                got_chosen.isnan(), chosen.cpu().isnan()
+            )
+            same = same and torch.equal(got_chosen.nan_to_num(), chosen.cpu().nan_to_num())
+            if not same or pos.tolist() != [p + 1 for p in start]:
+                raise Refused(
+                    f"greedy (direct): host slots hold {got_token.tolist()} for picks {token.tolist()}, "
+                    f"positions {pos.tolist()} for {[p + 1 for p in start]}"
+                )
         for r in range(4):
             same = bool(chosen[r].isnan()) == bool(chosen_want[r].isnan())
             same = same and (bool(chosen[r].isnan()) or bool(chosen[r] == chosen_want[r]))

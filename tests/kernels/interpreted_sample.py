@@ -240,10 +240,17 @@ def test_the_greedy_probe_refuses_a_wrong_pick_by_row(monkeypatch):
     dense_probe.greedy_cases(300, CPU, torch.bfloat16, gen)
     real = S.greedy
 
-    def off_in_row_2(logits, token, chosen, scratch):
+    def off_in_row_2(logits, token, chosen, scratch, direct=None):
         real(logits, token, chosen, scratch)
         token[2] += 1
 
     monkeypatch.setattr(S, "greedy", off_in_row_2)
     with pytest.raises(dense_probe.Refused, match=r"row 2 of 300 logits picks"):
+        dense_probe.greedy_cases(300, CPU, torch.bfloat16, gen)
+
+    def no_host_writes(logits, token, chosen, scratch, direct=None):  # the picks right, the slots not
+        real(logits, token, chosen, scratch)
+
+    monkeypatch.setattr(S, "greedy", no_host_writes)
+    with pytest.raises(dense_probe.Refused, match=r"greedy \(direct\): host slots hold \[-1, -1, -1, -1\]"):
         dense_probe.greedy_cases(300, CPU, torch.bfloat16, gen)
