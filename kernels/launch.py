@@ -14,10 +14,12 @@ The contract that keeps it exact, for every kernel launched with ``pdl_kwargs``:
   completed. Weights and scales qualify everywhere; a MoE layer's expert ids, slots and slot
   table qualify in the expert down kernel (the router or the cache wrote them before the gate_up
   launch between them), which loads them bypassing L1 (``.cg``); so do, in the attention decode
-  launches (``decode_triton``'s EARLY), a row's position and cache slot (the step's first
-  kernels wrote them), the keys and values older than the position (earlier steps; the one at
-  the position, which the attend launch itself writes, is not read early) and, in the combine
-  launch, the output gate's qkv columns (the projection before the attend launch wrote them);
+  launches (``decode_triton``'s EARLY), a row's position and cache slot (the host or the step's
+  first kernels wrote them, or the last step's greedy launch, which advances a sequence's
+  position: the step's first launch, torch's embedding gather, starts once it has ended), the
+  keys and values older than the position (earlier steps; the one at the position, which the
+  attend launch itself writes, is not read early) and, in the combine launch, the output gate's
+  qkv columns (the projection before the attend launch wrote them);
   so does a program's own part of a state that only its layer's launch of this kind writes, as
   that program's previous step left it (the DeltaNet recurrent state in the delta rule, the conv
   state in the in_proj epilogue; a rollback restores them with torch's copies, which serialise);
