@@ -283,8 +283,8 @@ def greedy(
     ``direct`` (pos int64 [N] on the device; host_token int64 [2, N] and host_chosen [2, N],
     pinned host memory, which the kernel writes through the device's mapping): each row's token
     and logit also into host slot pos[n] % 2, and pos[n] advanced by one, so that a decode step
-    needs neither copies back nor a fill of its position before the next (``DecodeGraphs``'s
-    ``DIRECT``). The host reads a slot after an event recorded behind the launch."""
+    needs neither copies back nor a fill of its position before the next
+    (``graphs.DIRECT_PICK``). The host reads a slot after an event recorded behind the launch."""
     N, V = logits.shape
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have contiguous rows, got strides {logits.stride()}")
