@@ -81,3 +81,56 @@ def test_lirs_promotes_an_hir_expert_reused_while_on_its_stack(bench):
         table.access(ids)
     assert table.lir == {2, 3} and list(table.fifo) == [1]
     assert table.access([4]) == 1 and table.held == {2, 3, 4}
+
+
+def test_bypass_keeps_counted_experts_where_lfu_lets_a_newcomer_in(bench):
+    """Quota 2, decay 1: at [3] LFU evicts 1 (counts 2 and 2, 1 the least recent) and misses it
+    next; with bypass 3 (count 1) outscores neither held expert, so it is read, used and dropped."""
+    lookups = [[1], [1], [2], [2], [3], [1], [2]]
+    scores = bench.decayed(bench.uses(lookups, 4), 1.0)
+    assert bench.score_misses(lookups, 2, scores) == 4
+    assert bench.score_misses(lookups, 2, scores, bypass=True) == 3
+
+
+def test_bypass_holds_every_miss_while_the_quota_has_room(bench):
+    rng = random.Random(3)
+    lookups = [list(dict.fromkeys(rng.choices(range(6), k=2))) for _ in range(200)]
+    scores = bench.decayed(bench.uses(lookups, 6), 0.9)
+    assert bench.score_misses(lookups, 6, scores, bypass=True) == 6  # each expert's first use
+
+
+def fewest_misses(lookups, quota):
+    """The optimum over every choice of held set after each lookup (a subset of the held experts
+    and the lookup's, at most ``quota``), by dynamic programming over the held sets."""
+    from itertools import combinations
+
+    best = {frozenset(): 0}
+    for ids in lookups:
+        nxt = {}
+        for held, m in best.items():
+            m += len(set(ids) - held)
+            pool = sorted(held | set(ids))
+            for k in range(min(quota, len(pool)) + 1):
+                for keep in combinations(pool, k):
+                    s = frozenset(keep)
+                    nxt[s] = min(nxt.get(s, m), m)
+        best = nxt
+    return min(best.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_with_bypass_is_the_optimum_and_below_every_policy(bench, seed):
+    """On short random streams (top-2 of 6 experts, quota 3) the bound equals the exhaustive
+    optimum, and no policy, with bypass or without, misses less."""
+    rng = random.Random(seed)
+    lookups = [list(dict.fromkeys(rng.choices(range(6), k=2))) for _ in range(14)]
+    bound = bench.belady_bypass_misses(lookups, 3)
+    assert bound == fewest_misses(lookups, 3)
+    scores = bench.decayed(bench.uses(lookups, 6), 0.9)
+    others = [
+        bench._belady_misses(lookups, 3),
+        bench.score_misses(lookups, 3, scores),
+        bench.score_misses(lookups, 3, scores, bypass=True),
+        replay_misses(lookups, LRUSet(3)),
+    ]
+    assert all(bound <= m for m in others)
