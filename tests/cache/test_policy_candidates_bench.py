@@ -2,6 +2,7 @@
 its literature policies must behave as their definitions say on short hand-made sequences."""
 
 import random
+from itertools import combinations
 
 import bench_scripts
 import numpy as np
@@ -102,8 +103,6 @@ def test_bypass_holds_every_miss_while_the_quota_has_room(bench):
 def fewest_misses(lookups, quota):
     """The optimum over every choice of held set after each lookup (a subset of the held experts
     and the lookup's, at most ``quota``), by dynamic programming over the held sets."""
-    from itertools import combinations
-
     best = {frozenset(): 0}
     for ids in lookups:
         nxt = {}
