@@ -55,7 +55,15 @@ import numpy as np
 
 from edgerun.cache.policy import LRUSet
 from edgerun.tools.routes import read_trace
-from edgerun.tools.simulate import DECAYS, _belady_misses, folds_of, layer_accesses, ranked, replay_set
+from edgerun.tools.simulate import (
+    DECAYS,
+    _belady_misses,
+    belady_bypass_misses,
+    folds_of,
+    layer_accesses,
+    ranked,
+    replay_set,
+)
 
 FINE_DECAYS = (0.9, 0.95, 0.97, 0.98, 0.985, 0.99, 0.993, 0.995, 0.998, 0.999, 1.0)
 SCORER_DECAYS = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999)
@@ -105,28 +113,6 @@ def admitted_misses(lookups: list[list[int]], quota: int, score: np.ndarray) -> 
             held[e] = clock
             clock += 1
         held = kept_best(held, quota, {e: (score[t, e], c) for e, c in held.items()})
-    return misses
-
-
-def belady_bypass_misses(lookups: list[list[int]], quota: int) -> int:
-    """The fewest misses a bypassing cache can have: after each lookup the ``quota`` experts used
-    soonest again among the held ones and the lookup's stay (Belady with bypass; a lower bound
-    for any policy that may leave a miss unheld, whether or not it may drop the lookup's own)."""
-    never = 1 << 62
-    nxt: list[dict[int, int]] = [{} for _ in lookups]
-    last: dict[int, int] = {}
-    for t in range(len(lookups) - 1, -1, -1):
-        for e in lookups[t]:
-            nxt[t][e] = last.get(e, never)
-        for e in lookups[t]:
-            last[e] = t
-    held: dict[int, int] = {}  # expert -> its next use
-    misses = 0
-    for t, ids in enumerate(lookups):
-        for e in ids:
-            misses += e not in held
-            held[e] = nxt[t][e]
-        held = kept_best(held, quota, {e: (-n, -e) for e, n in held.items()})
     return misses
 
 

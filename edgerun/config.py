@@ -297,8 +297,9 @@ class CacheConfig:
     to preload. ``profile`` / ``context``: the plan the quotas came from, so the engine can
     re-plan against the dense bytes it measured after loading (None: fixed quotas). ``prefetch``:
     reads issued before a lookup asks for them (``ExpertCache.prefetch``), False to turn off,
-    None for the device's default. ``policy``: which held expert a miss evicts
-    (``cache.policy``: lfu, LFU with decay, or lru; None: lfu)."""
+    None for the device's default. ``policy``: which experts a layer's slots keep
+    (``cache.policy``: lfu-bypass, LFU with decay that may leave a miss unheld; lfu, every miss
+    held; lru; None: lfu-bypass)."""
 
     quotas: int | Mapping[int, int]
     host_quotas: int | Mapping[int, int] | None = None

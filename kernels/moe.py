@@ -99,7 +99,8 @@ def moe_experts(
     does it in its epilogue). ``packed`` (cpu): slot -> the slot's weights repacked for the CPU
     kernels, kept by the caller across steps (the cache drops a slot's entry when it refills it).
     ``far`` (:class:`FarTier`): slots from S = pool.shape[0] on are its rows, pinned host memory
-    the GPU reads in place (global scales then cover both: [S + R, 2]). ``shared_down``: the
+    the GPU reads in place, or the cache's spill rows (a miss served without a slot), in any
+    memory the kernel reads (global scales then cover both: [S + R, 2]). ``shared_down``: the
     shared expert's down projection into ``into``'s shared output, in the decode kernel's gate_up
     launch (``moe_triton.moe_gemv``'s); only where that kernel runs the step. ``xq``: x quantized
     to int8 per 32 columns, where the policy's ``act`` is int8 and something stored it already
@@ -136,18 +137,16 @@ def moe_experts(
     if table is not None:
         slot_idx = table[expert_ids]
     args = (x, pool, slot_idx, expert_ids, weights, layout, global_scales, out_dtype)
-    if far is not None and policy.impl in ("cpu", "cpu_grouped"):
-        raise ValueError("the CPU expert kernels read host slot pools: a far tier is for a GPU's device pool")
     if policy.impl == "reference":
         routed = moe_experts_ref(*args, **part, far=far)
     elif policy.impl == "cpu":
         from edgerun.kernels.moe_cpu import moe_cpu
 
-        routed = moe_cpu(*args[:7], {} if packed is None else packed, out_dtype, **part)
+        routed = moe_cpu(*args[:7], {} if packed is None else packed, out_dtype, **part, far=far)
     elif policy.impl == "cpu_grouped":
         from edgerun.kernels.moe_cpu_grouped import moe_grouped
 
-        routed = moe_grouped(*args, **part)
+        routed = moe_grouped(*args, **part, far=far)
     else:
         from edgerun.kernels import moe_triton
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value, pack_int4
 from edgerun.kernels.cpu_layout import BLOCK_N, unsupported  # noqa: F401 (unsupported: the probe's)
-from edgerun.kernels.moe_reference import check_pool, combine_experts
+from edgerun.kernels.moe_reference import FarTier, check_pool, combine_experts, slot_block
 
 ACT = torch.bfloat16  # the kernels' fast path (fp32 activations run a scalar loop, ~30x slower)
 
@@ -130,11 +130,14 @@ def pack_slots(
     global_scales: torch.Tensor | None,
     slots,
     packed: dict[int, Packed],
+    far: FarTier | None = None,
 ) -> None:
-    """``pack_block`` for each of ``slots`` that ``packed`` does not hold yet, into ``packed``."""
+    """``pack_block`` for each of ``slots`` that ``packed`` does not hold yet, into ``packed``
+    (``far``: slots from the pool's rows on are its rows)."""
     for s in slots:
         if s not in packed:
-            packed[s] = pack_block(layout, pool[s], None if global_scales is None else global_scales[s])
+            block = slot_block(pool, far, s)
+            packed[s] = pack_block(layout, block, None if global_scales is None else global_scales[s])
 
 
 def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
@@ -168,19 +171,21 @@ def moe_cpu(
     out_dtype: torch.dtype | None = None,
     acc: torch.Tensor | None = None,
     expert_range: tuple[int, int] | None = None,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """``moe_experts_ref``'s contract on the CPU kernels. ``packed``: slot -> its packed weights,
     filled here for slots that have none (the caller drops a slot's entry when it refills it).
-    The sum runs in fp32 (``acc`` fp32 when given) and is cast to ``out_dtype`` once."""
-    check_pool(pool, layout, global_scales)
+    The sum runs in fp32 (``acc`` fp32 when given) and is cast to ``out_dtype`` once. ``far``:
+    slots from the pool's rows on are its rows, as ``moe_experts_ref``'s."""
+    check_pool(pool, layout, global_scales, None if far is None else far.rows)
     group = layout.group_size if layout.quant == "int4" else 0
     if x.shape[0] == 1 and acc is None and expert_range is None:  # a decode step
-        y = one_row(x, pool, slot_idx, expert_ids, weights, layout, global_scales, packed, group)
+        y = one_row(x, pool, slot_idx, expert_ids, weights, layout, global_scales, packed, group, far)
         return y.to(out_dtype or x.dtype)
     slot_of = dict(zip(expert_ids.flatten().tolist(), slot_idx.flatten().tolist()))
 
     def expert_weights(e: int) -> Packed:
-        pack_slots(layout, pool, global_scales, (slot_of[e],), packed)
+        pack_slots(layout, pool, global_scales, (slot_of[e],), packed, far)
         return packed[slot_of[e]]
 
     def ffn(h: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
@@ -202,6 +207,7 @@ def one_row(
     global_scales: torch.Tensor | None,
     packed: dict[int, Packed],
     group: int,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """``moe_cpu`` of one token (x [1, D], the rest [1, A]) -> fp32 [1, D], with the bits
     ``combine_experts`` gives (tested equal): the A experts' GEMMs one kernel call each (torch
@@ -213,7 +219,7 @@ def one_row(
     order = sorted(range(len(ids)), key=ids.__getitem__)
     if len(set(ids)) != len(ids):
         raise ValueError(f"a token routed to the same expert twice: {ids}")
-    pack_slots(layout, pool, global_scales, (slots[a] for a in order), packed)
+    pack_slots(layout, pool, global_scales, (slots[a] for a in order), packed, far)
     xb = x.to(ACT)
     gate, up = stacked([(xb, packed[slots[a]][0]) for a in order], group).chunk(2, dim=-1)
     h = (F.silu(gate) * up).to(ACT)  # [A, I]

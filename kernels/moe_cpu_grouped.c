@@ -220,6 +220,8 @@ INLINE void q8_tile(const int8_t *restrict w, int64_t ws, const uint8_t *scales,
 
 typedef struct {
     const uint8_t *pool;
+    const uint8_t *far;         /* slots from `split` on: its rows (NULL: none) */
+    int64_t split;
     int64_t block_bytes;
     const float *gscales;       /* [S, 2] (int4) */
     const float *lut;           /* [256] e4m3 values (int4) */
@@ -240,7 +242,8 @@ typedef struct {
  * activations of nt (1..NT) tokens at v[nt]: int4 quantized (QVecs), int8 fp32 -> y[nt][NR] */
 static void rows_dot(const Experts *e, int64_t slot, int p, int64_t r, int64_t C, float *const *v, int nt,
                      float y[NT][NR]) {
-    const uint8_t *block = e->pool + slot * e->block_bytes;
+    const uint8_t *block =
+        slot < e->split ? e->pool + slot * e->block_bytes : e->far + (slot - e->split) * e->block_bytes;
     const uint8_t *w = block + e->w_off[p] + r * (e->quant == 4 ? C / 2 : C);
     if (e->quant == 4) {
         QVec q[NT];
@@ -296,14 +299,15 @@ static inline int tile_size(const Groups *g, int64_t grp, int64_t b) {
 }
 
 /* x fp32 [T, D]; slots, weights [T, A] (first count[t] entries used, in summation order; slots
- * in 0..S - 1); out fp32 [T, D] (added into); scratch: T * edgerun_moe_grouped_scratch(A, D, I)
- * bytes. offsets: gate_up weight, gate_up scales, down weight, down scales in a block. Returns 0,
- * or 1 if the grouping's memory could not be allocated. */
-int edgerun_moe_grouped(const float *x, const uint8_t *pool, int64_t block_bytes, const int64_t *slots,
-                        const float *weights, const int64_t *count, const float *gscales, const float *lut,
-                        int64_t T, int64_t A, int64_t D, int64_t I, int64_t S, int quant,
-                        const int64_t *offsets, float *out, uint8_t *scratch, int threads) {
-    const Experts e = {pool, block_bytes, gscales, lut, quant, {offsets[0], offsets[2]}, {offsets[1], offsets[3]}};
+ * in 0..S - 1: below `split` rows of `pool`, from it rows of `far`); out fp32 [T, D] (added
+ * into); scratch: T * edgerun_moe_grouped_scratch(A, D, I) bytes. offsets: gate_up weight,
+ * gate_up scales, down weight, down scales in a block. Returns 0, or 1 if the grouping's memory
+ * could not be allocated. */
+int edgerun_moe_grouped(const float *x, const uint8_t *pool, const uint8_t *far, int64_t split,
+                        int64_t block_bytes, const int64_t *slots, const float *weights, const int64_t *count,
+                        const float *gscales, const float *lut, int64_t T, int64_t A, int64_t D, int64_t I,
+                        int64_t S, int quant, const int64_t *offsets, float *out, uint8_t *scratch, int threads) {
+    const Experts e = {pool, far, split, block_bytes, gscales, lut, quant, {offsets[0], offsets[2]}, {offsets[1], offsets[3]}};
     const int64_t per = edgerun_moe_grouped_scratch(A, D, I), ub = I / ROWS, db = D / ROWS;
     const Groups g = group_by_slot(slots, count, T, A, S);
     if (!g.idx) return 1;

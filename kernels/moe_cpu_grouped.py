@@ -37,7 +37,7 @@ from edgerun.bundle.layout import BlockLayout
 from edgerun.bundle.quant import PROJECTIONS, e4m3_value
 from edgerun.kernels.cbuild import BuildError, build, cache_dir, compiler, machine  # noqa: F401 - re-exported
 from edgerun.kernels.cpu_layout import unsupported_format
-from edgerun.kernels.moe_reference import check_pool, layout_dims
+from edgerun.kernels.moe_reference import FarTier, check_pool, layout_dims
 
 SOURCE = Path(__file__).with_name("moe_cpu_grouped.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=gnu99")
@@ -82,6 +82,8 @@ def library(portable: bool = False) -> ctypes.CDLL:
     lib.edgerun_moe_grouped.argtypes = [
         p,
         p,
+        p,
+        i64,
         i64,
         p,
         p,
@@ -144,16 +146,21 @@ def moe_grouped(
     expert_range: tuple[int, int] | None = None,
     threads: int | None = None,
     portable: bool = False,
+    far: FarTier | None = None,
 ) -> torch.Tensor:
     """``moe_experts_ref``'s contract in one C call: x [T, D], pool uint8 [S, block_bytes],
     slot_idx / expert_ids int64 [T, A], weights [T, A], global_scales fp32 [S, 2] (int4). With
     ``expert_range`` only those experts run, added into ``acc`` (fp32 [T, D], returned); else the
-    fp32 sum cast to ``out_dtype`` (default x's). ``threads``: default torch.get_num_threads()."""
+    fp32 sum cast to ``out_dtype`` (default x's). ``threads``: default torch.get_num_threads().
+    ``far``: slots from the pool's rows on are its rows (host memory; global scales then cover
+    both), as ``moe_experts_ref``'s."""
     why = unsupported(layout)
     if why:
         raise ValueError(why)
-    S = check_pool(pool, layout, global_scales)
+    S = check_pool(pool, layout, global_scales, None if far is None else far.rows)
     _check("slot pool", pool, torch.uint8, tuple(pool.shape), dense=True)
+    if far is not None:
+        _check("far rows", far.rows, torch.uint8, tuple(far.rows.shape), dense=True)
     T, A = expert_ids.shape if expert_ids.dim() == 2 else (-1, -1)
     D, I = layout_dims(layout)
     _check("x", x, None, (T, D))
@@ -191,7 +198,8 @@ def moe_grouped(
     lut = _e4m3_table()
     nthreads = torch.get_num_threads() if threads is None else threads
     failed = lib.edgerun_moe_grouped(
-        xf.data_ptr(), pool.data_ptr(), layout.block_bytes, slots.data_ptr(), w.data_ptr(), count.data_ptr(),
+        xf.data_ptr(), pool.data_ptr(), 0 if far is None else far.rows.data_ptr(), pool.shape[0],
+        layout.block_bytes, slots.data_ptr(), w.data_ptr(), count.data_ptr(),
         gs.data_ptr(), lut.data_ptr(), T, A, D, I, S, 4 if layout.quant == "int4" else 8, offs.data_ptr(),
         out.data_ptr(), scratch.data_ptr(), max(1, nthreads),
     )  # fmt: skip

@@ -153,12 +153,13 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
         return 8, "plan", SimpleNamespace(prediction=pred)
 
     monkeypatch.setattr(D, "planned_quota", planned_quota)
-    ran, acts = [], []
+    ran, acts, policies = [], [], []
 
     def run_config(name, bundle_dir, b, quota, capacity, prompt, decode, timed, warm_all, depth, host, cpu,
-                   pf, reader, staging, pieces, dense_act, expert_act):  # fmt: skip
+                   pf, reader, staging, pieces, dense_act, expert_act, policy=None):  # fmt: skip
         ran.append((name, depth, pieces, pf))
         acts.append((dense_act, expert_act))
+        policies.append(policy)
         med = {"median": 4.0, "min": 4.0, "max": 4.0}
         return {
             "config": name, "quota": quota, "tokens_identical": True, "decode_tps": med, "ttft_s": med,
@@ -188,3 +189,11 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     quick = ["--read-pieces", "1", "--prompt", "4", "--decode", "4", "--repeats", "1"]
     assert D.main(argv + quick + ["--dense-act", "int8", "--expert-act", "int8"]) == 0
     assert acts == [("int8", "int8")] * 2  # both reach every run (one a depth)
+    policies.clear()
+    ran.clear()
+    assert D.main(argv + quick + ["--cache-policy", "lfu,lfu-bypass"]) == 0
+    assert policies == ["lfu", "lfu-bypass"] * 2  # each depth's run with each policy, named
+    assert [n for n, *_ in ran][:2] == [
+        "8 GiB, prefetch off, lfu, depth 2",
+        "8 GiB, prefetch off, lfu-bypass, depth 2",
+    ]

@@ -44,6 +44,7 @@ import torch
 from edgerun.bundle.dense_layout import PLAIN, DenseScheme, add_dense_arguments
 from edgerun.bundle.reader import Bundle
 from edgerun.cache.expert_cache import read_shape
+from edgerun.cache.policy import CACHE_POLICIES
 from edgerun.cache.reader import disk_of
 from edgerun.config import CacheConfig
 from edgerun.engine.policy import DENSE_ACTS, EXPERT_ACTS, KernelPolicy
@@ -216,6 +217,7 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         after = cache.totals()
         steps = max(len(tokens) - 1, 1)
         out["misses_per_token"] = (after.misses - before.misses) / steps
+        out["passed_per_token"] = (after.passed - before.passed) / steps  # of them, left unheld
         out["bytes_read"] = after.bytes_read - before.bytes_read
         out["read_gbs"] = out["bytes_read"] / stats.decode_s / 1e9 if stats.decode_s else 0.0
         out["read_wait_s"] = after.read_seconds - before.read_seconds
@@ -328,6 +330,7 @@ def med(values: list[float]) -> dict:
 def run_config(
     name, bundle_dir, bundle, quota, capacity, prompt, decode, timed, warm_all, depth, host_quota=None,
     cpu_experts=None, prefetch=None, reader=None, staging=None, pieces=1, dense_act="bf16", expert_act="bf16",
+    policy=None,
 ) -> dict:  # fmt: skip
     """One configuration: an eager run of ``prompt``, the same with graphs (their tokens must be
     identical), then a timed graph run of each of the ``timed`` prompts: a prompt of its own each,
@@ -343,6 +346,7 @@ def run_config(
         prefetch=None if prefetch is None else bool(prefetch),
         prefetch_ahead=prefetch or None,
         reader=reader,
+        policy=policy,
     )
     if staging is not None:
         cache = dataclasses.replace(cache, staging=staging)
@@ -385,7 +389,8 @@ def run_config(
     rec["ttft_s"] = med([r["ttft_s"] for r in graph_runs])
     rec["decode_tps"] = med([r["decode_tps"] for r in graph_runs])
     if runner.cache is not None:
-        keys = ("misses_per_token", "read_gbs", "read_wait_s", "far_per_token")
+        keys = ("misses_per_token", "passed_per_token", "read_gbs", "read_wait_s", "far_per_token")
+        rec["cache_policy"] = runner.cache.slot_policy
         for key in keys + ("disk_busy", "busy_gbs", "busy_depth"):
             rec[key] = med([r[key] for r in graph_runs])
         for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
@@ -465,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs each streamed budget with each",
     )
     ap.add_argument(
+        "--cache-policy",
+        default=None,
+        help="streamed budgets: the expert cache's policy (lfu-bypass | lfu | lru; default the cache's); "
+        "a list (lfu,lfu-bypass) runs each streamed budget with each",
+    )
+    ap.add_argument(
         "--staging",
         default=None,
         help="staging buffers (default 2 x top_k; prefetch may hold all but top_k of them); a list "
@@ -498,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         prefetches.append({"off": 0, "on": 1, "on2": 2}[v])
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
+    policies = ns.cache_policy.split(",") if ns.cache_policy else [None]
+    for v in policies:
+        if v not in (None, *CACHE_POLICIES):
+            ap.error(f"--cache-policy takes a list of {', '.join(CACHE_POLICIES)}, got {v!r}")
     prepared = prepare(ns, "decode")
     if prepared is None:
         return 2
@@ -671,10 +686,11 @@ def main(argv: list[str] | None = None) -> int:
                 predicted[shape] = planned_quota(
                     budget, bundle_dir, capacity, bandwidths=bandwidths, reads=reads_as
                 )[2].prediction
-            for pf, reader, staging, (depth, pieces) in itertools.product(
-                prefetches, readers, stagings, shapes
+            for pf, reader, staging, (depth, pieces), policy in itertools.product(
+                prefetches, readers, stagings, shapes, policies
             ):
                 name = f"{float(spec):g} GiB, prefetch {('off', 'on', '2 ahead')[pf]}"
+                name += f", {policy}" if len(policies) > 1 else ""
                 name += f", reader {reader}" if len(readers) > 1 else ""
                 name += f", staging {staging}" if len(stagings) > 1 else ""
                 name += f", depth {depth}" if len(read_depths) > 1 else ""
@@ -689,16 +705,16 @@ def main(argv: list[str] | None = None) -> int:
                         pf,
                         predicted[depth, pieces],
                         None,
-                        (reader, staging, pieces, depth),
+                        (reader, staging, pieces, depth, policy),
                     )
                 )
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
-        reader, staging, pieces, depth = reading
+        reader, staging, pieces, depth, *policy = reading
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
             budget is None and host is None, depth, host, cpu or None, pf, reader, staging, pieces, ns.dense_act,
-            ns.expert_act,
+            ns.expert_act, policy=policy[0] if policy else None,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how

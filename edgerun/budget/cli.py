@@ -224,6 +224,7 @@ def plan_for_bundle(
     expert_kernel: str = "cpu",
     prefill_lanes: int | None = None,
     dense_dtype: str | None = None,
+    cache_policy: str | None = None,
 ):
     """The plan the engine sizes its expert cache by (default options; context None: the
     model's maximum, capped at 4096; ``quota``: exactly this many slots per layer, checked;
@@ -233,7 +234,8 @@ def plan_for_bundle(
     loading has not measured yet, and its verify windows' quota floor). ``expert_kernel``: the CPU
     expert kernel that will run (engine/setup.plan_kernel); by default torch's, whose repacked copy
     of each int4 slot is the most a CPU kernel holds. ``dense_dtype``: the engine's compute dtype
-    (fp32 | bf16 | fp16) when asked for; None: the device's (planner.runtime_dtype)."""
+    (fp32 | bf16 | fp16) when asked for; None: the device's (planner.runtime_dtype).
+    ``cache_policy``: the expert cache's (None: its default), whose spill rows the plan counts."""
     model = inputs.from_bundle(bundle, providers)
     device = profile if isinstance(profile, DeviceProfile) else load_device_profile(profile)
     if draft_tokens:
@@ -259,6 +261,7 @@ def plan_for_bundle(
             expert_kernel=expert_kernel,
             prefill_lanes=prefill_lanes,
             dense_dtype=dense_dtype,
+            cache_policy=cache_policy,
         ),
         read_trace(trace) if trace is not None else None,
         model_name=model.name,

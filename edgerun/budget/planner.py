@@ -118,6 +118,10 @@ class PlanOptions:
     # bundle's layout (a bundle served through the expert cache: engine/streaming.HeldExperts),
     # else stacked
     mtp_held: bool = True
+    # the expert cache's policy (cache.policy); None: its default. lfu-bypass keeps top_k spill
+    # rows of each block size beside the slots (a miss left unheld is read there), where no host
+    # tier stands behind the slots and some layer streams
+    cache_policy: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,6 +470,15 @@ class _Sizer:
         return self.experts.block_bytes
 
     @property
+    def spill_rows(self) -> int:
+        """The spill rows of each block size the cache keeps (``ExpertCache.spill``): top_k under
+        lfu-bypass, else none."""
+        from edgerun.cache.policy import DEFAULT_POLICY
+
+        policy = self.options.cache_policy or DEFAULT_POLICY
+        return self.args.num_experts_per_tok if policy == "lfu-bypass" else 0
+
+    @property
     def slot_costs(self) -> tuple[int, ...]:
         """Per MoE layer, what one slot holds: its block, and the CPU kernels' packed copy."""
         return tuple(b + self.packed for b in self.blocks)
@@ -602,6 +615,17 @@ class _Sizer:
                     f"{self.staging_buffers} buffers x {format_bytes(max(self.blocks))}",
                 )
             )
+            if self.spill_rows:  # page-locked host memory the GPU reads in place (ExpertCache.spill)
+                sizes = sorted(set(self.blocks))
+                items.append(
+                    Item(
+                        "spill_rows",
+                        staging_pool,
+                        self.spill_rows * sum(sizes),
+                        f"{self.spill_rows} x {'/'.join(map(format_bytes, sizes))}: misses the slots leave "
+                        "unheld (lfu-bypass) are read and served there",
+                    )
+                )
         return items
 
     def caps(self) -> dict[str, int]:
@@ -811,13 +835,13 @@ def miss_curve(steps: Sequence[Sequence[int]], num_experts: int) -> list[int]:
     return curve
 
 
-def policy_replay(steps: Sequence[Sequence[int]], quota: int) -> int:
-    """Misses of one layer's steps through the expert cache's default policy with ``quota``
-    slots (what the cache counts; :func:`replay` is LRU's, read off its miss curve). Imported
-    here: importing the planner pulls in no cache module."""
-    from edgerun.cache.policy import DEFAULT_POLICY, expert_set, replay_misses
+def policy_replay(steps: Sequence[Sequence[int]], quota: int, policy: str, top_k: int) -> int:
+    """Misses of one layer's steps through the expert cache's ``policy`` with ``quota`` slots
+    (and top_k spill rows: what the cache counts; :func:`replay` is LRU's, read off its miss
+    curve)."""
+    from edgerun.cache.policy import expert_set, replay_misses
 
-    return replay_misses(steps, expert_set(quota, DEFAULT_POLICY))
+    return replay_misses(steps, expert_set(quota, policy, spill=top_k))
 
 
 def replay(steps: Sequence[Sequence[int]], quota: int) -> int:
@@ -1050,6 +1074,8 @@ def plan(
             k, E, quotas, host_quotas, sizer.blocks, device.pcie_bandwidth, device.cpu_expert_bandwidth
         )
         notes += [cpu_note] if cpu_note else []
+    if host_quotas or all(q >= E for q in quotas):  # the slots hold every miss: no spill rows
+        items = [it for it in items if it.name != "spill_rows"]
     prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace, far)
     return Plan(
         **base,
@@ -1265,9 +1291,13 @@ def _predict(
     storage_q = host_quotas if host_quotas else quotas
     if steps is not None:
         n_tok = len(trace.tokens)
-        device_misses = [policy_replay(s, q) / n_tok for s, q in zip(steps, quotas)]
+        from edgerun.cache.policy import DEFAULT_POLICY
+
+        # as the cache: a host tier and the slots before it hold every miss
+        policy = "lfu" if host_quotas else sizer.options.cache_policy or DEFAULT_POLICY
+        device_misses = [policy_replay(s, q, policy, k) / n_tok for s, q in zip(steps, quotas)]
         storage_misses = (
-            [policy_replay(s, q) / n_tok for s, q in zip(steps, storage_q)]
+            [policy_replay(s, q, policy, k) / n_tok for s, q in zip(steps, storage_q)]
             if host_quotas
             else list(device_misses)
         )
@@ -1275,7 +1305,7 @@ def _predict(
         model = "trace"
         desc = (
             f"route trace {trace.source or ''} ({n_tok} tokens, {len(steps[0])} steps of {B}) replayed "
-            "through the cache's default policy (LFU with decay) from empty (cold misses included); "
+            f"through the cache's policy ({policy}) from empty (cold misses included); "
             "per-layer quotas sized by LRU miss curves"
         )
     else:

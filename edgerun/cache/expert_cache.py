@@ -52,6 +52,7 @@ class LayerStats:
     hits: int = 0  # hits, misses and evictions are the slot table's counters
     misses: int = 0
     evictions: int = 0
+    passed: int = 0  # misses read into a spill row, used and not held (lfu-bypass): among the misses
     warm_reads: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time this layer waited for its misses
@@ -91,14 +92,17 @@ def read_shape(config: CacheConfig, device: torch.device, disk: str | None) -> t
     return depth, pieces
 
 
-def cache_footprint(bundle: Bundle, quotas: dict[int, int], staging: int) -> int:
+def cache_footprint(bundle: Bundle, quotas: dict[int, int], staging: int, spill: int = 0) -> int:
+    """Bytes of the slots, the staging buffers and the ``spill`` rows (``lfu-bypass``: one set of
+    each block size, shared by the layers)."""
     slots = sum(q * bundle.layouts[layer].block_bytes for layer, q in quotas.items())
-    return slots + staging * max(lay.block_bytes for lay in bundle.layouts.values())
+    sizes = {lay.block_bytes for lay in bundle.layouts.values()}
+    return slots + staging * max(sizes) + spill * sum(sizes)
 
 
-def largest_uniform_quota(bundle: Bundle, budget: int, staging: int) -> int:
+def largest_uniform_quota(bundle: Bundle, budget: int, staging: int, spill: int = 0) -> int:
     per_slot = sum(lay.block_bytes for lay in bundle.layouts.values())
-    return max((budget - cache_footprint(bundle, {}, staging)) // per_slot, 0)
+    return max((budget - cache_footprint(bundle, {}, staging, spill)) // per_slot, 0)
 
 
 POOLS = ("host", "device", "mapped")
@@ -145,20 +149,36 @@ class ExpertCache:
         self.policy = config.policy or DEFAULT_POLICY
         if self.policy not in CACHE_POLICIES:
             raise QuotaError(f"expert cache policy {self.policy!r} is not one of {', '.join(CACHE_POLICIES)}")
+        self.slot_policy = slot_policy = self.policy  # the device slots' and a host tier's
+        if self.policy == "lfu-bypass" and config.host_quotas:
+            # a miss of the device slots is a copy from the tier, which holds it: nothing to save
+            self.slot_policy = slot_policy = "lfu"
+            if config.policy:  # asked for, not the default: said
+                self.adjustments.append(
+                    "lfu-bypass: a host tier and the device slots before it hold every miss (lfu)"
+                )
+        # lfu-bypass: top_k rows of each block size where a miss left unheld is read and served from
+        # (none where every layer holds every expert: nothing misses)
+        if slot_policy == "lfu-bypass" and all(q >= E for q in quotas.values()):
+            self.slot_policy = slot_policy = "lfu"
+        self.spill_rows = args.num_experts_per_tok if slot_policy == "lfu-bypass" else 0
+        spill = [0] * self.spill_rows  # each row's generation, shared by the layers (the rows are)
         slots = {
-            layer: LayerSlots(layer, q, args.num_experts_per_tok, self.policy) for layer, q in quotas.items()
+            layer: LayerSlots(layer, q, args.num_experts_per_tok, slot_policy, spill)
+            for layer, q in quotas.items()
         }
-        need = cache_footprint(bundle, quotas, staging)
+        need = cache_footprint(bundle, quotas, staging, self.spill_rows)
         if budget_bytes is not None and need > budget_bytes:
-            fits = largest_uniform_quota(bundle, budget_bytes, staging)
+            fits = largest_uniform_quota(bundle, budget_bytes, staging, self.spill_rows)
             hint = (
                 f"a quota of {fits} per layer fits"
                 if fits >= args.num_experts_per_tok
                 else f"not even the minimum quota (top_k = {args.num_experts_per_tok}) fits"
             )
+            spilled = f", {self.spill_rows} spill rows" if self.spill_rows else ""
             raise QuotaError(
-                f"expert cache needs {need:,} bytes (quotas {_quota_text(quotas)}, {staging} staging buffers) "
-                f"but its budget is {budget_bytes:,} bytes: {hint}"
+                f"expert cache needs {need:,} bytes (quotas {_quota_text(quotas)}, {staging} staging buffers"
+                f"{spilled}) but its budget is {budget_bytes:,} bytes: {hint}"
             )
         self.bundle = bundle
         self.device = device
@@ -243,6 +263,22 @@ class ExpertCache:
                 self.pools[layer] = torch.as_tensor(_DeviceView(self.host_slots[layer]), device=device)
             else:
                 self.pools[layer] = torch.empty(q, bb, dtype=torch.uint8, device=self.device)
+        # lfu-bypass's spill rows, by block size: what the kernels read a passed miss from, as slots
+        # Q.. of its layer (a FarTier's rows). Host memory (spill_host), where the read lands: on a
+        # GPU page-locked and read in place, as the far tier is (on a discrete GPU its bytes cross
+        # PCIe once either way, and the rows take pinned memory, not VRAM: the planner's
+        # "spill_rows"); device memory only where the GPU cannot read host memory in place
+        self.spill: dict[int, FarTier] = {}
+        self.spill_host: dict[int, torch.Tensor] = {}
+        for bb in block_sizes if self.spill_rows else ():
+            B = self.spill_rows
+            if pool == "device" and mapped_unsupported(device):
+                rows = torch.empty(B, bb, dtype=torch.uint8, device=self.device)
+            else:
+                rows = self.spill_host[bb] = self._host_memory(B, bb)
+                if pool != "host":
+                    rows = torch.as_tensor(_DeviceView(rows), device=device)
+            self.spill[bb] = FarTier(rows)
         # the pinned host tier (discrete GPUs): a larger set under the same policy in page-locked host memory
         # between storage and the device slots, as the planner sizes it (host_quotas)
         self.tier: dict[int, LayerSlots] = {}
@@ -267,10 +303,18 @@ class ExpertCache:
         for layer, q in quotas.items():
             s = bundle.global_scales(layer)
             self.scales[layer] = None if s is None else s.to(self.device)
-            rows = q + (self.far[layer].rows.shape[0] if layer in self.far else 0)
+            rows = q + (self.far[layer].rows.shape[0] if layer in self.far else self.spill_rows)
             self.slot_scales[layer] = (
                 None if s is None else torch.ones(rows, 2, dtype=torch.float32, device=self.device)
             )
+
+    def beyond(self, layer: int) -> FarTier | None:
+        """What the expert kernels read slots Q.. of ``layer`` from: its far tier, or the spill
+        rows its passed misses are read into (``lfu-bypass``); None where neither exists."""
+        far = self.far.get(layer)
+        if far is None and self.spill:
+            return self.spill[self.bundle.layouts[layer].block_bytes]
+        return far
 
     def _far_mode(self, tier_reads: str | None) -> None:
         """Each layer whose pinned host tier holds every expert becomes a far tier the GPU reads in
@@ -313,7 +357,7 @@ class ExpertCache:
                     "the tier holds every device slot's expert and more"
                 )
             bb = self.bundle.layouts[layer].block_bytes
-            self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok, self.policy)
+            self.tier[layer] = LayerSlots(layer, q, args.num_experts_per_tok, self.slot_policy)
             self.tier_mem[layer] = self._host_memory(q, bb)
             self.host_tier_bytes += q * bb
 
@@ -352,8 +396,13 @@ class ExpertCache:
             self.packed[layer].pop(f.slot, None)
         pool = self.pools[layer]
         stream = self.copy_stream
-        if self.pool_kind == "mapped":
-            # the GPU reads these slots in place: let every queued kernel finish before refilling
+        Q, bb = self.slots[layer].quota, self.bundle.layouts[layer].block_bytes
+        in_place = self.pool_kind == "mapped" or (
+            self.device.type == "cuda" and bb in self.spill_host and any(f.slot >= Q for f in fills)
+        )
+        if in_place:
+            # the GPU reads these slots (or spill rows) in place: let every queued kernel finish
+            # before refilling (a decode step's lookup waited for its router already: no wait left)
             torch.cuda.current_stream(self.device).synchronize()
         elif stream is not None:
             # a refill is ordered after every kernel already queued that may read the slot's old expert
@@ -377,14 +426,17 @@ class ExpertCache:
                 self._far_tables[layer].copy_(self._far_table(layer))
             return
         host = self.host_slots.get(layer)
+        spill = self.spill_host.get(bb)
 
-        def target(slot: int) -> Target:  # where a slot's block goes
-            if self.pool_kind == "mapped":
-                return Target("direct", host[slot])  # read into the slot itself
+        def target(slot: int) -> Target:  # where a slot's block goes (from Q on: a spill row)
+            if slot >= Q and spill is not None:  # host memory: read into the row itself on a GPU
+                return Target("direct" if self.device.type == "cuda" else "host", spill[slot - Q])
+            if self.pool_kind == "mapped":  # read into the slot itself
+                return Target("direct", host[slot])
             if stream is None:
                 return Target("host", host[slot])
             # an async copy: the staging buffer's fence, its next read waits for it, nobody else
-            return Target("device", pool[slot], stream)
+            return Target("device", pool[slot] if slot < Q else self.spill[bb].rows[slot - Q], stream)
 
         try:
             self._read(layer, self.slots[layer], fills, target, staged=staged, then=queued)
@@ -539,11 +591,14 @@ class ExpertCache:
         self._fill(layer, fills, then)
         return refs
 
-    def check(self, layer: int, refs) -> None:
-        """Refuse (:class:`StaleSlotError`) any reference whose slot was refilled since its lookup."""
+    def check(self, layer: int, refs, spill: bool = True) -> None:
+        """Refuse (:class:`StaleSlotError`) any reference whose slot was refilled since its lookup
+        (``spill`` False: its spill rows' references are not checked)."""
         table = self.slots[layer]
+        Q = table.quota
         for ref in refs:
-            table.check(ref)
+            if spill or ref.slot < Q:
+                table.check(ref)
 
     def slot_table(self, layer: int) -> torch.Tensor | None:
         """expert -> slot (int64 [E] on the device) when every expert of ``layer`` is held, so a
@@ -699,7 +754,7 @@ class ExpertCache:
         pairs read from the far tier are taken out of the hits and given as ``far_reads``, those
         computed on the CPU as ``cpu_pairs``."""
         c = self.slots[layer].counters
-        stats = replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions)
+        stats = replace(self.io[layer], hits=c.hits, misses=c.misses, evictions=c.evictions, passed=c.passed)
         if layer in self.far:
             stats.far_reads = (far if far is not None else self.far_reads())[layer]
             stats.hits -= stats.far_reads + stats.cpu_pairs

@@ -107,3 +107,53 @@ class LFUSet(LRUSet):
         keep, key = set(step), self._key
         held = ((key[e], age, e) for age, e in enumerate(self._order) if e not in keep)  # oldest first
         return tuple(e for _, _, e in heapq.nsmallest(excess, held))
+
+
+class BypassLFUSet(LFUSet):
+    """LFU with decay whose misses need not be held: after the lookup's scores count it, the
+    held ids outside the lookup and its misses are ranked by (key, age; a miss younger than every
+    held id, in router order), and the lowest ``excess`` (what the slots cannot take) lose, at
+    most ``spill`` of them misses: a held loser is evicted, a losing miss passed (used, not held)."""
+
+    def __init__(self, quota: int, decay: float, spill: int) -> None:
+        super().__init__(quota, decay)
+        self.spill = spill
+        self.passed: tuple[int, ...] = ()
+
+    def access(self, ids: Iterable[int]) -> Access:
+        step = list(dict.fromkeys(ids))
+        if len(step) > self.quota:
+            return super().access(step)  # refused
+        order = list(self._order)
+        misses = [e for e in step if e not in self._order]
+        excess = len(order) + len(misses) - self.quota
+        if excess <= 0:
+            self.passed = ()
+            return super().access(step)
+        self._now += 1
+        for e in step:
+            s, t = self._score.get(e, (0.0, self._now))
+            s = s * self.decay ** (self._now - t) + 1.0
+            self._score[e] = (s, self._now)
+            self._key[e] = math.log(s) - self._now * self._log_decay
+        ranked = sorted(
+            [(self._key[e], age, e) for age, e in enumerate(order) if e not in step]
+            + [(self._key[e], len(order) + i, e) for i, e in enumerate(misses)]
+        )
+        evicted: list[int] = []
+        passed: list[int] = []
+        for _, _, e in ranked:
+            if len(evicted) + len(passed) == excess:
+                break
+            if e in self._order:
+                evicted.append(e)
+            elif len(passed) < self.spill:
+                passed.append(e)
+        for e in evicted:
+            del self._order[e]
+        for e in step:
+            if e not in passed:
+                self._order[e] = None
+                self._order.move_to_end(e)
+        self.passed = tuple(e for e in misses if e in passed)
+        return Access(tuple(e for e in step if e not in misses), tuple(misses), tuple(evicted))

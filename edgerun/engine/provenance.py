@@ -14,7 +14,9 @@ def cache_line(cache, tokens: int) -> str:
     t = cache.totals()
     return (
         f"expert cache: {t.hits} hits, {t.misses} misses ({t.misses / max(tokens, 1):.2f}/token), "
-        f"{t.evictions} evictions, {t.warm_reads} warm reads, "
+        f"{t.evictions} evictions, "
+        + (f"{t.passed} misses left unheld, " if cache.spill_rows else "")
+        + f"{t.warm_reads} warm reads, "
         + (f"{t.tier_copies} served from the host tier, " if cache.tier else "")
         + (f"{t.far_reads} read in place from it over PCIe, " if cache.far else "")
         + (f"{t.cpu_pairs} computed from it on the CPU, " if cache.cpu_split else "")
@@ -54,8 +56,9 @@ def experts_text(runner) -> str:
         else ""
     )
     return (
-        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.policy} eviction, "
-        f"{cache.pool_kind} slots, {tier_text}"
+        f"experts streamed (quota {'/'.join(map(str, quotas))} per layer, {cache.slot_policy} eviction, "
+        + (f"{cache.spill_rows} spill rows, " if cache.spill_rows else "")
+        + f"{cache.pool_kind} slots, {tier_text}"
         f"read {'/'.join(modes)} via {'/'.join(sorted(backends))} depth {depths}, "
         + (f"{pieces} pieces a block, " if any(r.pieces > 1 for r in cache.readers.values()) else "")
         + (

@@ -164,6 +164,7 @@ def cache_config(
     read_pieces: int | None = None,
     prefetch: bool | None = None,
     prefetch_ahead: int | None = None,
+    policy: str | None = None,
     pool: str | None = None,
     tier_reads: str | None = None,
     cpu_experts: str | None = None,
@@ -198,6 +199,7 @@ def cache_config(
             ("--read-depth", read_depth),
             ("--reader", reader),
             ("--read-pieces", read_pieces),
+            ("--cache-policy", policy),
             ("--prefetch" if prefetch else "--no-prefetch", prefetch),
             ("--prefetch-ahead", prefetch_ahead),
             ("--warm", warm),
@@ -240,6 +242,7 @@ def cache_config(
         read_pieces=read_pieces,
         prefetch=prefetch,
         prefetch_ahead=prefetch_ahead or 1,
+        policy=policy,
         pool=pool,
         tier_reads=tier_reads,
         cpu_experts=cpu_experts or "off",
@@ -400,6 +403,7 @@ def _planned(
         tier_reads=config.tier_reads,
         expert_kernel=expert_kernel,
         dense_dtype=config.dtype,
+        cache_policy=config.policy,
     )
     if not p.fits:
         raise EdgerunError(p.refusal.message)
@@ -421,7 +425,9 @@ def _planned(
         config,
         quotas=fixed or dict(zip(p.moe_layers, p.quotas)),
         host_quotas=host,
-        budget=p.item("expert_slots").nbytes + p.item("pinned_staging").nbytes,
+        budget=sum(
+            it.nbytes for it in p.items if it.name in ("expert_slots", "pinned_staging", "spill_rows")
+        ),
         summary=summary,
         prefill_lanes=p.prefill_lanes,
     )

@@ -62,13 +62,15 @@ def run_experts(
     against the slot table first, so a slot refilled since its lookup is refused
     (:class:`~edgerun.cache.slots.StaleSlotError`), never read as another expert's bytes. A
     step whose slots come from the device-side table (every expert held, nothing evictable)
-    has none to check."""
-    cache.check(layer, refs)
+    has none to check. A step being captured into a CUDA graph checks its slots but not its spill
+    rows: the capture follows a whole eager step whose later lookups reused those rows, and at
+    each replay the layer's lookup fills them just before its segment."""
+    cache.check(layer, refs, spill=not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     pool, layout, scales = cache.pools[layer], cache.bundle.layouts[layer], cache.slot_scales[layer]
     return moe_experts(
         x, pool, slots, ids, weights, layout, scales, policy, out_dtype,
         acc=acc, expert_range=expert_range, table=table, into=into, packed=cache.packed[layer],
-        far=cache.far.get(layer), shared_down=shared_down, xq=xq, route=route,
+        far=cache.beyond(layer), shared_down=shared_down, xq=xq, route=route,
     )  # fmt: skip
 
 

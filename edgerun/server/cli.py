@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgerun.cache.policy import CACHE_POLICIES
 from edgerun.config import DEFAULT_PREFILL_LANES, default_prefill_lanes
 from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_ACTS, EXPERT_KERNELS, GRAPH_MODES
 from edgerun.engine.setup import DTYPES
@@ -47,6 +48,7 @@ _FLAGS = (
     "read_pieces",
     "prefetch",
     "prefetch_ahead",
+    "cache_policy",
     "warm",
     "trace",
     "expert_kernel",
@@ -180,6 +182,15 @@ def add_prefetch_argument(p: argparse.ArgumentParser) -> None:
         help="with prefetch: streamed layers a decode step reads ahead, 1 (the next layer's predicted "
         "experts) or 2 (the one after's too, refined a layer later; each layer may hold half the "
         "prefetch buffers); default 1",
+    )
+    p.add_argument(
+        "--cache-policy",
+        choices=CACHE_POLICIES,
+        default=None,
+        help="streamed experts: which experts a layer's slots keep. lfu-bypass (the default): LFU with "
+        "decay that holds a miss only if it has been used more than the held expert it would evict, "
+        "else reads it into a spill row, uses it and lets it go (the fewest reads measured); lfu: "
+        "every miss held, the least used evicted; lru: the least recent evicted",
     )
 
 
@@ -352,6 +363,7 @@ def cache_plan(opts: ServeOptions):
         read_pieces=opts.read_pieces,
         prefetch=opts.prefetch,
         prefetch_ahead=opts.prefetch_ahead,
+        policy=opts.cache_policy,
         pool=opts.slot_pool,
         tier_reads=opts.tier_reads,
         cpu_experts=opts.cpu_experts,

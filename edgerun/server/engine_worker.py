@@ -190,6 +190,7 @@ class RunnerEngine:
                 "hits": st.hits if st else 0,
                 "misses": st.misses if st else 0,
                 "evictions": st.evictions if st else 0,
+                "passed": st.passed if st else 0,
                 "bytes_read": st.bytes_read if st else 0,
                 **{
                     k: getattr(st, k) if st else 0

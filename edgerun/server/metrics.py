@@ -174,9 +174,15 @@ def render(
         ("hits", "edgerun_expert_cache_hits_total", "Expert lookups served from the cache, per layer."),
         ("misses", "edgerun_expert_cache_misses_total", "Expert lookups that needed a read, per layer."),
         ("evictions", "edgerun_expert_cache_evictions_total", "Experts evicted from the cache, per layer."),
+        (
+            "passed",
+            "edgerun_expert_cache_passed_total",
+            "Misses read into a spill row, used and not held (lfu-bypass: the held experts were used more), "
+            "per layer; counted among the misses.",
+        ),
         ("bytes_read", "edgerun_expert_bytes_read_total", "Expert bytes read from storage, per layer."),
     ):
-        t.family(name, "counter", help_, [({"layer": i, "experts": mode}, s[key]) for i, s in layers])
+        t.family(name, "counter", help_, [({"layer": i, "experts": mode}, s.get(key, 0)) for i, s in layers])
     t.family(
         "edgerun_expert_host_tier_total",
         "counter",

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from edgerun.budget.cpu_split import MODES as CPU_EXPERTS
-from edgerun.cache.policy import PREFETCH_AHEAD
+from edgerun.cache.policy import CACHE_POLICIES, PREFETCH_AHEAD
 from edgerun.cache.reader import READERS
 from edgerun.config import SpeculativeConfig, parse_bytes
 from edgerun.engine.policy import DENSE_ACTS, DENSE_KERNELS, EXPERT_ACTS, EXPERT_KERNELS, GRAPH_MODES
@@ -49,6 +49,7 @@ class ServeOptions:
         None  # expert reads before the router asks (next layer predicted); None: on for CPU slots, off on CUDA
     )
     prefetch_ahead: int | None = None  # with prefetch: streamed layers a decode step reads ahead, 1 or 2
+    cache_policy: str | None = None  # streamed experts: lfu-bypass | lfu | lru; None: the cache's default
     warm: Path | None = (
         None  # warm-set JSON (`edgerun trace --frequencies`): each layer's most used preloaded
     )
@@ -111,6 +112,10 @@ class ServeOptions:
             raise ConfigError(f"serve option 'read_depth' must be at least 1, got {self.read_depth}")
         if self.prefetch_ahead is not None and self.prefetch_ahead not in PREFETCH_AHEAD:
             raise ConfigError(f"serve option 'prefetch_ahead' must be 1 or 2, got {self.prefetch_ahead}")
+        if self.cache_policy is not None and self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(
+                f"serve option 'cache_policy' must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}"
+            )
         if self.read_pieces is not None and not 1 <= self.read_pieces <= 64:
             raise ConfigError(f"serve option 'read_pieces' must be 1..64, got {self.read_pieces}")
         if self.batch is not None and self.batch < 1:

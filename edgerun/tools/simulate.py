@@ -3,7 +3,7 @@
 ``simulate`` replays a trace with the cache's own step structure (a step's tokens are
 fetched together, or in ascending-id batches of distinct experts when they exceed the quota,
 exactly as the streaming layer does) through the cache's own policy sets (``cache.policy``:
-LFU with decay, the default, and LRU), prefetches included, or through Belady's optimal policy
+LFU with decay that may leave a miss unheld, the default; LFU with decay; LRU), prefetches included, or through Belady's optimal policy
 (evict the expert whose next use is farthest away) as the bound any online policy stays above.
 
 :func:`policy_study` compares the online policies of ``cache.policy`` on held-out routing:
@@ -25,6 +25,7 @@ from edgerun.budget.planner import miss_curve, split_quotas, trace_steps
 from edgerun.cache.policy import (
     DEFAULT_POLICY,
     PREFETCH_AHEAD,
+    BypassLFUSet,
     LFUSet,
     LRUSet,
     PrefetchGate,
@@ -34,13 +35,15 @@ from edgerun.cache.policy import (
 )
 from edgerun.tools.routes import RouteTrace
 
-POLICIES = ("lfu", "lru", "belady")  # lfu and lru: the cache's own sets (cache.policy)
+POLICIES = ("lfu", "lfu-bypass", "lru", "belady")  # all but belady: the cache's own sets (cache.policy)
 # policy_study's per-layer splits of quota x layers slots: by the other folds' LRU miss curves (the
-# planner's), or by those of the cache's policy (LFU with decay 0.99)
-SPLITS = {"layer": "lru", "lfu-layer": DEFAULT_POLICY}
+# planner's), or by those of LFU with decay 0.99
+SPLITS = {"layer": "lru", "lfu-layer": "lfu"}
 STUDY = ("lru", "lru+warm", "lfu-decay", "pinned+lru", "belady")  # policy_study's rows: one quota
 STUDY += ("lru/layer", "lfu-decay/layer", "belady/layer", "lfu-decay/lfu-layer", "belady/lfu-layer")
 STUDY += ("belady/best",)  # Belady with the split that gives it the fewest misses on the scored fold
+# LFU that may leave a miss unheld, and its bound: Belady under the same rule
+STUDY += ("lfu-bypass", "belady+bypass")
 DECAYS = (0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)  # LFU decays a study fits on the other folds
 PREFETCH = ("issued", "useful", "wasted")
 
@@ -51,7 +54,7 @@ class SimResult:
     quota: int | dict[int, int]  # one for every MoE layer, or by layer
     tokens: int
     misses: dict[int, int] = field(default_factory=dict)  # per MoE layer
-    hits: dict[int, int] = field(default_factory=dict)  # per MoE layer (lfu, lru)
+    hits: dict[int, int] = field(default_factory=dict)  # per MoE layer (the cache's policies)
     prefetch: dict[int, dict[str, int]] = field(default_factory=dict)  # per MoE layer: PREFETCH counts
 
     @property
@@ -110,6 +113,30 @@ def _predicted(trace: RouteTrace, tokens: list[int], layer_pos: int, quota: int,
 def layer_accesses(trace: RouteTrace, layer_pos: int, quota: int) -> list[list[int]]:
     """One MoE layer's cache lookups in order (per step, :func:`fetches`)."""
     return [lookup[0] for lookup in layer_lookups(trace, layer_pos, quota)]
+
+
+def belady_bypass_misses(lookups: list[list[int]], quota: int) -> int:
+    """The fewest misses a cache that may leave a miss unheld can have: after each lookup the
+    ``quota`` experts used soonest again among the held ones and the lookup's stay (Belady with
+    bypass; a lower bound for any such policy, ``lfu-bypass`` among them, whether or not it may
+    drop the lookup's own)."""
+    never = 1 << 62
+    steps = [list(dict.fromkeys(ids)) for ids in lookups]
+    nxt: list[dict[int, int]] = [{} for _ in steps]
+    last: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        for e in steps[t]:
+            nxt[t][e] = last.get(e, never)
+            last[e] = t
+    held: dict[int, int] = {}  # expert -> its next use
+    misses = 0
+    for t, ids in enumerate(steps):
+        for e in ids:
+            misses += e not in held
+            held[e] = nxt[t][e]
+        if len(held) > quota:
+            held = {e: held[e] for e in sorted(held, key=lambda e: (held[e], e))[:quota]}
+    return misses
 
 
 def _belady_misses(accesses: list[list[int]], quota: int) -> int:
@@ -214,7 +241,9 @@ def simulate(
     quotas = layer_quotas(trace, quota)
     if prefetch_depth:
         if policy == "belady" or tier_quota:
-            raise ValueError("prefetch replays the cache's own policies (lfu, lru) without a host tier")
+            raise ValueError(
+                "prefetch replays the cache's own policies (lfu-bypass, lfu, lru) without a host tier"
+            )
         if not trace.predicted or (prefetch_ahead > 1 and not trace.predicted2):
             key = "predicted" if not trace.predicted else "predicted2"
             raise ValueError(
@@ -241,7 +270,9 @@ def simulate(
         if policy == "belady":
             res.misses[layer] = _belady_misses([lookup[0] for lookup in lookups], size)
             continue
-        misses, hits, pf = _replay(lookups, expert_set(size, policy), depth)
+        # as the cache: a host tier and the slots before it hold every miss
+        held = "lfu" if policy == "lfu-bypass" and tier_quota else policy
+        misses, hits, pf = _replay(lookups, expert_set(size, held, spill=h.top_k), depth)
         res.misses[layer] = misses
         res.hits[layer] = hits
         if prefetch_depth:
@@ -339,7 +370,9 @@ def fold_split(fit: Sequence[RouteTrace], quota: int, by: str = "lru") -> dict[i
         curves = []
         for pos in layers:
             curve = [
-                replay_misses([a for p in fit for a in layer_accesses(p, pos, q)], expert_set(q, by))
+                replay_misses(
+                    [a for p in fit for a in layer_accesses(p, pos, q)], expert_set(q, by, spill=h.top_k)
+                )
                 for q in range(h.top_k, h.num_experts + 1)
             ]
             curves.append([curve[0]] * h.top_k + curve)  # below top_k: never read (the floor)
@@ -363,8 +396,14 @@ def best_split(curves: Sequence[Mapping[int, int]], slots: int) -> tuple[int, tu
     return min(best.values())
 
 
-def _fitted_decay(fit: list[list[int]], quota: int) -> float:
-    return min(DECAYS, key=lambda d: (replay_set(fit, LFUSet(quota, d)), d))
+def _fitted_decay(fit: list[list[int]], quota: int, spill: int = 0) -> float:
+    """The decay of ``DECAYS`` with the fewest misses of ``fit``: LFU's, or with ``spill``
+    rows LFU with bypass's."""
+
+    def run(d: float) -> int:
+        return replay_set(fit, BypassLFUSet(quota, d, spill) if spill else LFUSet(quota, d))
+
+    return min(DECAYS, key=lambda d: (run(d), d))
 
 
 def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, StudyRow]:
@@ -376,7 +415,9 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
     planner's split, by LRU miss curves; ``/lfu-layer``: by the cache's LFU's) the split of
     quota x layers slots (:func:`fold_split`; the Belady rows' choices are each fold's split, the
     LFU rows' each layer's decay). ``belady/best`` is a bound, not a policy: its split is the best
-    for the scored fold itself (:func:`best_split` of Belady's misses at every quota)."""
+    for the scored fold itself (:func:`best_split` of Belady's misses at every quota).
+    ``lfu-bypass`` (its decay fitted as LFU's) is held against ``belady+bypass``
+    (:func:`belady_bypass_misses`), the bound for a cache that may leave a miss unheld."""
     h = trace.header
     if not h.top_k <= quota <= h.num_experts:
         raise ValueError(f"quota {quota} is not between top_k {h.top_k} and the {h.num_experts} experts")
@@ -411,6 +452,10 @@ def policy_study(trace: RouteTrace, quota: int, folds: int = 4) -> dict[str, Stu
             rows["pinned+lru"].misses += _pinned_run(test, quota, order, pin)
             rows["pinned+lru"].choices.append(str(pin))
             rows["belady"].misses += belady[pos][quota]
+            bypass = _fitted_decay(fit, quota, h.top_k)
+            rows["lfu-bypass"].misses += replay_set(test, BypassLFUSet(quota, bypass, h.top_k))
+            rows["lfu-bypass"].choices.append(f"{bypass:g}")
+            rows["belady+bypass"].misses += belady_bypass_misses(test, quota)
             for name, split in splits.items():
                 q = split[layer]
                 if q not in decays:

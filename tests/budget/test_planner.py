@@ -93,9 +93,17 @@ def test_tiny_qwen3_5_every_category_byte_exact():
     assert TINY35_FIXED == 370_260
     # slots: (462380 - 370260) // (4 layers x 4096) = 5 per layer; the minimum is 2 x top_k = 4
     assert p.fits and p.min_quota == 4 and p.quotas == (5, 5, 5, 5)
-    assert {it.name: it.nbytes for it in p.items} == {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096}
+    # lfu-bypass (the cache's default): top_k = 2 spill rows of 4096 B beside the slots
+    want = {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096, "spill_rows": 2 * 4096}
+    assert {it.name: it.nbytes for it in p.items} == want
     (pool,) = p.pools
-    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 462_380, 452_180, 10_200)
+    assert (pool.name, pool.cap, pool.used, pool.headroom) == ("unified", 462_380, 460_372, 2_008)
+    # every miss held (lfu): no spill rows
+    lfu = plan(
+        args, specs, experts, profile(462_380), 64, 2, PlanOptions(prefill_chunk=16, cache_policy="lfu")
+    )
+    assert {it.name: it.nbytes for it in lfu.items} == {**TINY35_ITEMS, "expert_slots": 5 * 4 * 4096}
+    assert lfu.pools[0].headroom == 10_200
 
 
 def test_prefill_lanes_each_hold_a_graph_pool_a_state_and_a_workspace():
@@ -186,7 +194,7 @@ def test_state_bytes_match_the_models_own_decode_state():
 def test_refusal_names_the_smallest_over_budget_item_and_what_fits():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
-    opts = PlanOptions(prefill_chunk=16)
+    opts = PlanOptions(prefill_chunk=16, cache_policy="lfu")  # no spill rows: the arithmetic below
     p = plan(args, specs, experts, profile(422_380), 64, 2, opts)
     # needs 370260 + 4 slots x 4 layers x 4096 = 435796: over by 13416; the smallest item at least
     # that large is the staging (16384). A context token costs 1024 B: KV 512 B at batch 2, the
@@ -248,7 +256,7 @@ def test_cpu_plan_counts_the_cpu_kernels_packed_copy_of_each_int4_slot():
     # gate_up [64, 64] and down [64, 32]: the nibbles again (2048 + 1024 B) and a bf16 (scale,
     # zero) per row and group of 32 (64 x 2 and 64 x 1 groups, 4 B each)
     packed = 64 * 32 + 64 * 16 + (64 * 2 + 64 * 1) * 4
-    opts = PlanOptions(prefill_chunk=16, quota=args.num_experts, expert_kernel="cpu")
+    opts = PlanOptions(prefill_chunk=16, quota=args.num_experts, expert_kernel="cpu", cache_policy="lfu")
     cpu = plan(args, specs, experts, profile(10**8, compute_capability=None, cuda_context=0), 64, 1, opts)
     gpu = plan(args, specs, experts, profile(10**8), 64, 1, opts)
     n = args.num_experts * len(args.moe_layers)
@@ -325,7 +333,7 @@ def test_discrete_two_tiers():
     experts = expert_source_from_layout(args, "int8")
     vram_fixed = TINY35_FIXED - TINY35_ITEMS["pinned_staging"]  # staging lives in pinned host RAM
     dev = discrete(vram_fixed + 4 * 4 * 4096, 16_384 + 20 * 4096)
-    p = plan(args, specs, experts, dev, 64, 2, PlanOptions(prefill_chunk=16))
+    p = plan(args, specs, experts, dev, 64, 2, PlanOptions(prefill_chunk=16, cache_policy="lfu"))
     vram, host = p.pools
     assert (vram.name, host.name) == ("vram", "host_pinned")
     assert p.quotas == (4, 4, 4, 4) and p.host_quotas == (5, 5, 5, 5)
@@ -345,12 +353,13 @@ def test_discrete_two_tiers():
 def test_no_host_tier_when_pinned_memory_cannot_include_the_vram_tier():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
-    p = plan(args, specs, experts, discrete(2 * 10**6, 16_384 + 4096), 64, 2)
+    lfu = PlanOptions(cache_policy="lfu")  # no spill rows in the pinned memory this leaves
+    p = plan(args, specs, experts, discrete(2 * 10**6, 16_384 + 4096), 64, 2, lfu)
     assert p.fits and p.quotas == (6,) * 4 and p.host_quotas == ()
     assert any(it.name == "prefill_graph_pool" for it in p.items)  # every expert held: prompts replay
     assert any("no pinned host tier" in n for n in p.notes)
     assert p.prediction.misses_per_token == p.prediction.device_misses_per_token == 0
-    p = plan(args, specs, experts, discrete(10**6, 16_000), 64, 2)
+    p = plan(args, specs, experts, discrete(10**6, 16_000), 64, 2, lfu)
     assert not p.fits and p.refusal.pool == "host_pinned" and p.refusal.item == "pinned_staging"
 
 
@@ -422,15 +431,16 @@ def test_trace_gives_layers_that_need_more_a_larger_quota():
     cycle = [(0, 1), (2, 3), (4, 5)]
     tokens = tuple((cycle[t % 3], (0, 1)) for t in range(30))
     trace = RouteTrace(TraceHeader("tiny", "qwen3_moe", 3, (0, 2), 6, 2), tokens, "t.jsonl")
-    uniform = plan(args, specs, experts, profile(10**7), 64)
+    lfu = PlanOptions(cache_policy="lfu")  # no spill rows: 8 slots below are all the memory left
+    uniform = plan(args, specs, experts, profile(10**7), 64, options=lfu)
     fixed = sum(it.nbytes for it in uniform.items if it.name not in ("expert_slots", "prefill_graph_pool"))
     dev = profile(fixed + 8 * 4096)  # 8 slots in all
-    p = plan(args, specs, experts, dev, 64, trace=trace)
+    p = plan(args, specs, experts, dev, 64, options=lfu, trace=trace)
     assert p.quotas == (6, 2)
     pr = p.prediction
     assert pr.model == "trace" and pr.trace_tokens == 30 and "t.jsonl" in pr.description
     assert pr.misses_per_layer == (6 / 30, 2 / 30)  # cold misses only
-    assert plan(args, specs, experts, dev, 64).quotas == (4, 4)  # without a trace: uniform
+    assert plan(args, specs, experts, dev, 64, options=lfu).quotas == (4, 4)  # without a trace: uniform
     steps = trace_steps(trace, 1)
     assert [replay(s, 4) for s in steps] == [60, 2]  # what the uniform split would cost
     # the same split in slots, as the policy study asks for it (every slot one size here)

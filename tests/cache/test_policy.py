@@ -3,7 +3,7 @@ import random
 import pytest
 
 from edgerun.cache import policy_reference as reference
-from edgerun.cache.policy import LFUSet, LRUSet, expert_set
+from edgerun.cache.policy import BypassLFUSet, LFUSet, LRUSet, expert_set
 
 
 def test_quota_two_example_from_the_issue():
@@ -108,7 +108,7 @@ def test_lfu_keeps_the_step_rules_and_refuses_a_bad_decay():
     assert step == ((3,), (7,), (5,))
     with pytest.raises(ValueError, match="decay must be in"):
         LFUSet(2, decay=0)
-    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lru"):
+    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lfu-bypass, lru"):
         expert_set(2, "mru")
 
 
@@ -169,3 +169,50 @@ def test_pinned_books_decide_as_the_reference():
         assert books.order() == [1, 2, 3] and books.access([3]).hits == (
             3,
         )  # the refused step changed nothing
+
+
+def test_bypass_leaves_a_newcomer_used_less_unheld():
+    """lfu-bypass: a miss is read and used, and held only if its decayed count (this use
+    included) beats a held expert's outside the lookup; LFU holds every miss."""
+    bypass, lfu = BypassLFUSet(2, decay=1.0, spill=1), LFUSet(2, decay=1.0)
+    for ids in ([1], [1], [2], [2]):
+        bypass.access(ids)
+        lfu.access(ids)
+    assert bypass.access([3]) == ((), (3,), ()) and bypass.passed == (3,)
+    assert lfu.access([3]) == ((), (3,), (1,)) and lfu.passed == ()
+    assert bypass.order() == [1, 2] and bypass.access([1]).hits == (1,)  # LFU would miss here
+    assert lfu.access([1]).misses == (1,)
+    # 3 used as often as 2 now, and more recently: it stays, 2 goes
+    assert bypass.access([3]) == ((), (3,), (2,)) and bypass.passed == ()
+
+
+def test_bypass_passes_at_most_its_spill_rows():
+    """A lookup whose misses all lose keeps to ``spill`` passed ones; the rest are held, evicting
+    the lowest held experts outside the lookup, which always stay."""
+    books = BypassLFUSet(4, decay=1.0, spill=1)
+    for _ in range(3):
+        books.access([1, 2, 3, 4])
+    out = books.access([4, 7, 8, 9])
+    assert out.hits == (4,) and out.misses == (7, 8, 9)
+    assert books.passed == (7,)  # equal counts: the earliest in router order loses first
+    assert out.evictions == (1, 2) and books.order() == [3, 4, 8, 9]
+    with pytest.raises(ValueError, match="needs spill rows"):
+        BypassLFUSet(4, decay=1.0, spill=0)
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("spill", [1, 2, 8])
+def test_bypass_books_decide_as_the_reference_on_random_steps(decay, spill):
+    """The fast bypassing books make the reference's decisions (hits, misses, victims, the passed
+    misses, the held order), with discards between steps."""
+    rng = random.Random(f"{decay} {spill}")
+    for quota, experts, widest in ((2, 6, 2), (5, 12, 3), (8, 40, 8)):
+        fast, ref = BypassLFUSet(quota, decay, spill), reference.BypassLFUSet(quota, decay, spill)
+        for i, ids in enumerate(_skewed_steps(rng, 1500, experts, widest)):
+            assert fast.access(ids) == ref.access(ids), f"step {i} of quota {quota}"
+            assert fast.passed == ref.passed
+            if i % 97 == 0:
+                gone = rng.randrange(experts)
+                fast.discard(gone)
+                ref.discard(gone)
+            assert fast.order() == ref.order()

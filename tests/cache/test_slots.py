@@ -65,3 +65,24 @@ def test_far_swaps_follow_use_with_a_margin():
     assert far_swaps(scores, {1, 3, 2}, max_swaps=8) == []  # the held are the most used
     assert far_swaps([10.0, 12.0, 11.0], {0}, max_swaps=8) == []  # 12 <= 1.25 x 10 + 1: within the margin
     assert far_swaps([0.0, 1.0], {0}, max_swaps=8) == []  # one use is noise
+
+
+def test_a_passed_miss_is_served_from_a_spill_row_until_any_layer_refills_it():
+    """lfu-bypass: a miss left unheld gets slot quota + j (spill row j), shared by the layers: a
+    reference to it holds until the row's next fill by any layer, then is refused."""
+    spill = [0, 0]
+    a, b = LayerSlots(0, 2, 2, "lfu-bypass", spill), LayerSlots(1, 2, 2, "lfu-bypass", spill)
+    for _ in range(3):
+        a.assign([1, 2])
+    refs, fills = a.assign([1, 7])  # 7, used once, loses to 2: read into row 0, not held
+    assert fills == [Fill(7, 2)] and refs[1].slot == 2 and 7 not in a.slot_of and a.counters.passed == 1
+    a.check(refs[1])
+    b.assign([4, 5])
+    b.assign([4, 5])
+    b.assign([6])  # layer 1 passes 6 into row 0
+    with pytest.raises(StaleSlotError, match=r"expert 7 in spill row 0 \(generation 1\) is stale"):
+        a.check(refs[1])
+    _, fills = a.assign([7])  # still unheld: read again
+    assert fills == [Fill(7, 2)]
+    a.abandon(fills[0])  # a failed read leaves nothing valid in the row
+    assert spill[0] == 4

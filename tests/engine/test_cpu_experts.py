@@ -50,10 +50,21 @@ def test_cpu_kernels_decode_the_references_tokens_streamed_and_resident(
                 assert r.kernel_summary().startswith(f"experts {NAMES[(kernel, quant)]}")
                 assert "matched the reference" in r.kernel_summary()
             runs[(experts, quota)] = (r.generate_ids(PROMPT, GREEDY), r.cache.totals().misses)
+        # lfu-bypass: misses left unheld are read into spill rows, which the kernel reads as slots Q..
+        r = Runner.load(
+            bundle,
+            device="cpu",
+            cache=CacheConfig(3, policy="lfu-bypass"),
+            kernels=KernelPolicy(experts=experts),
+        )
+        runs[(experts, "bypass")] = (r.generate_ids(PROMPT, GREEDY), r.cache.totals().misses)
+        assert r.cache.totals().passed > 0
     tokens = {k: t for k, (t, _) in runs.items()}
     assert tokens[(kernel, 64)] == tokens[("reference", 64)]  # greedy unchanged by the kernel
     assert tokens[(kernel, 2)] == tokens[(kernel, 64)]  # streamed == resident
+    assert tokens[(kernel, "bypass")] == tokens[(kernel, 64)]
     assert runs[(kernel, 2)][1] == runs[("reference", 2)][1] > 0  # misses counted the same
+    assert runs[(kernel, "bypass")][1] == runs[("reference", "bypass")][1]
 
 
 def test_the_grouped_kernel_keeps_no_packed_copy(cpu_kernel_bundles):

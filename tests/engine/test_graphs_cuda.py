@@ -226,6 +226,34 @@ def test_mapped_and_tiered_slots_equal_device_slots(bundles, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_misses_left_unheld_decode_the_bits_held_misses_do(bundles, arch):
+    """lfu-bypass on a GPU: a miss that loses to the held experts is read into a spill row (device
+    memory; page-locked host memory the GPU reads in place for mapped slots) and the expert
+    kernels read it there as slot Q + j. In graph segments and eagerly, the logits equal, bit for
+    bit, those of the same quota holding every miss (LFU), and the greedy tokens every expert
+    held gives; misses were passed."""
+    b = bundles[(arch, "int4")]
+
+    def load(graphs, **cache):
+        kw = dict(device="cuda", dtype=torch.bfloat16, kernels=KernelPolicy(graphs=graphs))
+        return Runner.load(b, cache=CacheConfig(3, **cache), **kw)
+
+    lfu = load("on", policy="lfu")
+    runs = [load(g, policy="lfu-bypass", pool=p) for g, p in (("on", None), ("off", None), ("on", "mapped"))]
+    want, held = _decode(lfu), [int(x.argmax()) for x in _decode(_load(b, "table", "on"))]
+    for r in runs:
+        assert r.cache.spill and r.cache.fallbacks() == lfu.cache.fallbacks()
+        got = _decode(r)
+        for step, (x, y) in enumerate(zip(want, got)):
+            assert torch.equal(x, y), (
+                f"{r.cache.pool_kind} step {step}: max |diff| {float((x - y).abs().max())}"
+            )
+        assert [int(x.argmax()) for x in got] == held
+        assert r.cache.totals().passed > 0
+    assert runs[2].cache.pool_kind == "mapped" and next(iter(runs[2].cache.spill_host.values())).is_pinned()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_far_tier_reads_in_place_the_bits_device_slots_hold(bundles, arch):
     """A host tier holding every expert behind 2 device slots: the GPU reads the other experts in
     place from pinned memory, with no miss, no host sync (one graph a step) and the same logits,

@@ -20,7 +20,7 @@ from edgerun.engine.streaming import load_streaming_model
 from edgerun.engine.trace import RouteRecorder
 from edgerun.kernels.moe_reference import expert_ffn
 from edgerun.tools.routes import read_trace
-from edgerun.tools.simulate import simulate
+from edgerun.tools.simulate import belady_bypass_misses, layer_accesses, simulate
 from hf_fixtures import ARCHS
 
 
@@ -62,6 +62,35 @@ def test_streaming_equals_resident(bundles, arch, quant):
         cache.close()
 
 
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_misses_left_unheld_give_the_resident_logits(bundles, arch, quant):
+    """lfu-bypass: a miss that loses to the held experts is read into a spill row and served from
+    there (slots Q.. of the kernels' view), its row reused by the next lookup of any layer; the
+    logits stay the resident ones bit for bit, prefill in batches and decode alike."""
+    b = bundles[(arch, quant)]
+    resident, args, _ = load_bundle_model(b, dtype=torch.float32)
+    ids = _ids(40, 2)
+    with torch.no_grad():
+        st = resident.new_state(1, 48)
+        ref = torch.cat(
+            [resident(ids[:, :30], st)] + [resident(ids[:, t : t + 1], st) for t in range(30, 40)], 1
+        )
+    for quota in (args.num_experts_per_tok, args.num_experts_per_tok + 1):
+        model, _, cache, _ = load_streaming_model(
+            b, CacheConfig(quota, policy="lfu-bypass"), dtype=torch.float32
+        )
+        with torch.no_grad():
+            st = model.new_state(1, 48)
+            got = torch.cat(
+                [model(ids[:, :30], st)] + [model(ids[:, t : t + 1], st) for t in range(30, 40)], 1
+            )
+        assert torch.equal(got, ref)
+        t = cache.totals()
+        assert t.passed > 0 and t.misses > t.passed
+        cache.close()
+
+
 def test_streaming_model_holds_no_stacked_experts(bundles):
     b = bundles[("qwen3_5_moe", "bf16")]
     resident, _, _ = load_bundle_model(b, dtype=torch.float32)
@@ -80,12 +109,18 @@ def test_budget_refusal_names_the_quota_that_fits(bundles):
     bundle = Bundle.open(bundles[("qwen3_5_moe", "int4")])
     bb = next(iter(bundle.layouts.values())).block_bytes
     n_layers = len(bundle.args.moe_layers)
-    budget = 3 * bb * n_layers + 4 * bb  # quota 3 and 4 staging buffers
-    with pytest.raises(QuotaError, match=r"budget is .* bytes: a quota of 3 per layer fits"):
+    budget = 3 * bb * n_layers + 4 * bb + 2 * bb  # quota 3, 4 staging buffers, top_k = 2 spill rows
+    with pytest.raises(
+        QuotaError,
+        match=r"4 staging buffers, 2 spill rows\) but its budget is .* bytes: a quota of 3 per layer fits",
+    ):
         ExpertCache(bundle, CacheConfig(5, staging=4, budget=budget))
     with pytest.raises(QuotaError, match=r"not even the minimum quota \(top_k = 2\) fits"):
         ExpertCache(bundle, CacheConfig(2, staging=4, budget=bb * 4))
     ExpertCache(bundle, CacheConfig(3, staging=4, budget=budget)).close()
+    with pytest.raises(QuotaError, match=r"a quota of 3 per layer fits"):  # lfu: no spill rows
+        ExpertCache(bundle, CacheConfig(4, staging=4, budget=budget - 2 * bb, policy="lfu"))
+    ExpertCache(bundle, CacheConfig(3, staging=4, budget=budget - 2 * bb, policy="lfu")).close()
 
 
 def test_warm_preloads_most_used_and_counts_no_misses(bundles):
@@ -102,7 +137,7 @@ def test_warm_preloads_most_used_and_counts_no_misses(bundles):
     cache.close()
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@pytest.mark.parametrize("policy", ["lfu", "lfu-bypass", "lru"])
 @pytest.mark.parametrize("prefetch", [False, 1, 2])
 def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, prefetch):
     """Record a trace while generating through the cache (prefill in several batches, decode,
@@ -137,6 +172,8 @@ def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, p
         stats = {layer: cache.layer_stats(layer) for layer in args.moe_layers}
         assert sim.misses == {layer: st.misses for layer, st in stats.items()}
         assert sim.hits == {layer: st.hits for layer, st in stats.items()}
+        # lfu-bypass left misses unheld (where slots ran out), the others held every miss
+        assert (cache.totals().passed > 0) == (policy == "lfu-bypass")
         if prefetch:
             counted = {
                 layer: {
@@ -148,7 +185,15 @@ def test_simulated_counts_equal_the_caches_counters(bundles, tmp_path, policy, p
             }
             assert sim.prefetch == counted and sim.prefetch_total("issued") > 0
             assert sim.prefetch_total("useful") > 0 and sim.prefetch_total("wasted") > 0
-        assert simulate(trace, quota, "belady").total_misses <= sim.total_misses
+        if policy == "lfu-bypass":  # its bound: Belady that may leave a miss unheld too
+            qs = quota if isinstance(quota, dict) else dict.fromkeys(layers, quota)
+            bound = sum(
+                belady_bypass_misses(layer_accesses(trace, p, qs[layer]), qs[layer])
+                for p, layer in enumerate(layers)
+            )
+        else:
+            bound = simulate(trace, quota, "belady").total_misses
+        assert bound <= sim.total_misses
         cache.close()
 
 

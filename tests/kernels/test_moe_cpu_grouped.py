@@ -260,3 +260,27 @@ def test_a_compile_error_is_a_named_refusal(monkeypatch, tmp_path):
             grouped.library()
     finally:
         grouped.library.cache_clear()
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_slots_past_the_pool_read_the_far_rows_bits(quant, T):
+    """Slots from the pool's S on are rows of another allocation (the cache's spill rows, where a
+    miss left unheld is read): the same bits as one pool holding them all, the grouped C kernel
+    and torch's CPU kernels alike; a slot past both is refused."""
+    from edgerun.kernels import moe_cpu
+    from edgerun.kernels.moe_reference import FarTier
+
+    x, pool, slots, ids, w, layout, gs = case(quant, 64, 32, T)
+    S = 5  # slots 0-4 in the pool, 5-11 in the far rows
+    near, far = pool[:S].clone(), FarTier(pool[S:].clone())
+    assert 0 < int((slots >= S).sum()) < slots.numel()
+    assert torch.equal(
+        grouped.moe_grouped(x, near, slots, ids, w, layout, gs, far=far),
+        grouped.moe_grouped(x, pool, slots, ids, w, layout, gs),
+    )
+    xb = x.bfloat16()
+    want = moe_cpu.moe_cpu(xb, pool, slots, ids, w, layout, gs, {})
+    assert torch.equal(moe_cpu.moe_cpu(xb, near, slots, ids, w, layout, gs, {}, far=far), want)
+    with pytest.raises(ValueError, match="outside the pool's 0..11"):
+        grouped.moe_grouped(x, near, slots + 12, ids, w, layout, gs, far=far)

@@ -6,8 +6,18 @@ import random
 import pytest
 
 from edgerun.budget.planner import miss_curve, split_quotas, trace_steps
+from edgerun.cache.policy import BypassLFUSet
 from edgerun.tools.routes import RouteTrace, TraceHeader
-from edgerun.tools.simulate import STUDY, best_split, fold_split, folds_of, policy_study, simulate
+from edgerun.tools.simulate import (
+    STUDY,
+    best_split,
+    fold_split,
+    folds_of,
+    layer_accesses,
+    policy_study,
+    replay_set,
+    simulate,
+)
 
 HEADER = TraceHeader("toy", "qwen3_moe", 1, (0,), 12, 2)
 
@@ -40,9 +50,20 @@ def test_study_rows_are_bounded_by_belady_and_lru_matches_the_simulator():
     trace = _trace(600)
     rows = policy_study(trace, 4, folds=3)
     assert list(rows) == list(STUDY)
-    one = [p for p in STUDY if "/" not in p]  # one quota for every layer: Belady's is their bound
+    # one quota for every layer: Belady's is their bound; Belady with bypass is the bypassing row's
+    one = [p for p in STUDY if "/" not in p and "bypass" not in p]
     assert all(rows[p].misses >= rows["belady"].misses for p in one)
-    assert all(r.misses >= rows["belady/best"].misses for r in rows.values())
+    assert all(rows[p].misses >= rows["belady/best"].misses for p in STUDY if "bypass" not in p)
+    assert rows["lfu-bypass"].misses >= rows["belady+bypass"].misses
+    assert rows["belady+bypass"].misses <= rows["belady"].misses  # leaving misses unheld saves reads
+    # the bypassing row: each fold's layers replayed from empty at their fitted decays
+    decays = iter(rows["lfu-bypass"].choices)  # by fold, then layer
+    want = sum(
+        replay_set(layer_accesses(part, pos, 4), BypassLFUSet(4, float(next(decays)), HEADER.top_k))
+        for part in folds_of(trace, 3)
+        for pos in range(len(HEADER.moe_layers))
+    )
+    assert rows["lfu-bypass"].misses == want
     # each fold replayed from empty: LRU's row is the simulator's LRU over each fold, summed
     assert rows["lru"].misses == sum(simulate(p, 4, "lru").total_misses for p in folds_of(trace, 3))
     assert rows["pinned+lru"].misses < rows["lru"].misses  # the hot pair is worth pinning here
@@ -64,7 +85,7 @@ def test_prefetch_replay_needs_predictions_and_an_online_policy():
         simulate(trace, 4, "lfu", prefetch_depth=2)
     with pytest.raises(ValueError, match="prefetch replays the cache's own policies"):
         simulate(trace, 4, "belady", prefetch_depth=2)
-    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lru, belady"):
+    with pytest.raises(ValueError, match="policy 'mru' is not one of lfu, lfu-bypass, lru, belady"):
         simulate(trace, 4, "mru")
 
 
