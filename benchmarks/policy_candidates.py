@@ -5,9 +5,9 @@ protocol (issue 15): does any reach <= 0.8x LRU's misses and <= 1.3x Belady's at
 
 ``edgerun simulate --study``'s protocol: contiguous folds, each scored from a cold cache, whatever
 a policy learns (a decay, a window, a pinned set, a scorer's weights) fitted per layer on the other
-folds, by their misses. The rules are the cache's (``cache.policy``): hits and misses against the
-set held when a lookup starts, every miss is read and held after it, the victims are held experts
-outside the lookup. Policies:
+folds, by their misses. The rules are those of the cache's ``lfu`` (``cache.policy``): hits and
+misses against the set held when a lookup starts, every miss is read and held after it, the
+victims are held experts outside the lookup (all but the bypass rows). Policies:
 
 - ``lfu, study decays``: the cache's LFU with decay, the decay fitted from the study's grid
   (``simulate.DECAYS``): the baseline, equal to the study's row.
@@ -34,10 +34,11 @@ outside the lookup. Policies:
   the previous one's experts, and the other folds' use share. ``+ other layers``: also this
   step's experts at every earlier MoE layer through the same kind of table (only where every
   step is one lookup in every layer, as in the held-out text trace).
-- ``lfu + bypass``: LFU with decay that may leave a miss unheld (a cache rule the engine does not
-  have yet: the expert would be served from the staging buffer its read landed in, as the far
-  tier's are served in place): every miss is read and used, then the ``quota`` experts with the
-  highest decayed counts among the held ones and the lookup's stay (TinyLFU's admission, which
+- ``lfu + bypass``: LFU with decay that may leave a miss unheld (the study of the rule the cache
+  now has as ``lfu-bypass``, ``cache.policy.BypassLFUSet``, which also keeps a lookup's held
+  experts and passes at most top_k misses; ``edgerun simulate --study`` replays that one): every
+  miss is read and used, then the ``quota`` experts with the highest decayed counts among the
+  held ones and the lookup's stay (TinyLFU's admission, which
   the cache's rule of holding every miss turns into LFU itself). Held against ``belady +
   bypass``: the same rule keeping the experts used soonest again, the fewest misses any policy
   that may leave a miss unheld can have.
