@@ -10,8 +10,8 @@ the step; :class:`LFUSet` the least used, each use weighted down by ``decay`` pe
 the oldest first among equals. :class:`BypassLFUSet` (the cache's default, :data:`DEFAULT_POLICY`)
 is LFU with decay that may leave a miss unheld: the miss is read into a spill row and used, and
 stays only if it has been used more than the held expert it would evict. With decay 0.99 it had
-the fewest misses of the policies measured on the demo model's held-out routing, 3-17% fewer
-than LFU's (docs/benchmarks.md, "Expert cache policy" and "a miss left unheld").
+the fewest misses of the policies measured on the demo model's held-out routing, 4-17% fewer
+than LFU's (docs/benchmarks.md, "Expert cache policy" and "Bypass in the cache").
 
 The books cost a few microseconds a lookup (``benchmarks/cache_books.py``): per held expert its
 last use on a clock of ids touched (recency is a number) and, for LFU, its (score, lookup) as
@@ -199,7 +199,7 @@ class BypassLFUSet(LFUSet):
     A miss's score counts its own use, so a newcomer stays only if it has been used more, by
     decayed count, than the held expert it would evict. ``passed`` after each lookup: its passed
     misses, in router order (they are among its ``misses``). On the demo's traces this read
-    3-17% fewer experts than LFU (docs/benchmarks.md, "a miss left unheld")."""
+    4-17% fewer experts than LFU (docs/benchmarks.md, "Bypass in the cache")."""
 
     def __init__(self, quota: int, decay: float, spill: int) -> None:
         super().__init__(quota, decay)

@@ -92,13 +92,17 @@ class LFUSet(LRUSet):
     def access(self, ids: Iterable[int]) -> Access:
         step = list(dict.fromkeys(ids))
         out = super().access(step)  # the step's own scores never decide its evictions
+        self._count(step)
+        return out
+
+    def _count(self, step: list[int]) -> None:
+        """One lookup of ``step``: each of its experts' score and rank key."""
         self._now += 1
         for e in step:
             s, t = self._score.get(e, (0.0, self._now))
             s = s * self.decay ** (self._now - t) + 1.0
             self._score[e] = (s, self._now)
             self._key[e] = math.log(s) - self._now * self._log_decay
-        return out
 
     def _victims(self, step: list[int], new: int) -> tuple[int, ...]:
         excess = len(self._order) + new - self.quota
@@ -130,12 +134,7 @@ class BypassLFUSet(LFUSet):
         if excess <= 0:
             self.passed = ()
             return super().access(step)
-        self._now += 1
-        for e in step:
-            s, t = self._score.get(e, (0.0, self._now))
-            s = s * self.decay ** (self._now - t) + 1.0
-            self._score[e] = (s, self._now)
-            self._key[e] = math.log(s) - self._now * self._log_decay
+        self._count(step)  # the misses' keys count this use; the held ones outside the step are unchanged
         ranked = sorted(
             [(self._key[e], age, e) for age, e in enumerate(order) if e not in step]
             + [(self._key[e], len(order) + i, e) for i, e in enumerate(misses)]
