@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                     None,
                     None,
                     None,
-                    (readers[0], None, *shapes[0][::-1]),
+                    (readers[0], None, *shapes[0][::-1], None),
                 )
             )
         elif spec.startswith("host"):
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                     None,
                     None,
                     None,
-                    (readers[0], None, *shapes[0][::-1]),
+                    (readers[0], None, *shapes[0][::-1], None),
                 )
             )
         elif spec.startswith("far"):
@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                     None,
                     None,
                     how,
-                    (readers[0], None, *shapes[0][::-1]),
+                    (readers[0], None, *shapes[0][::-1], None),
                 )
             )
         else:  # VRAM slots behind storage: with decode prefetch on and/or off, beside the plan's prediction
@@ -710,11 +710,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
-        reader, staging, pieces, depth, *policy = reading
+        reader, staging, pieces, depth, policy = reading  # policy: streamed budgets only
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
             budget is None and host is None, depth, host, cpu or None, pf, reader, staging, pieces, ns.dense_act,
-            ns.expert_act, policy=policy[0] if policy else None,
+            ns.expert_act, policy=policy,
         )  # fmt: skip
         rec["budget_bytes"] = budget
         rec["planned"] = how
