@@ -10,15 +10,16 @@ times that bookkeeping alone, on a synthetic Zipf(0.8) routing stream (hits and 
   work); ``+prefetch`` also calls ``ExpertCache.prefetch`` for the next layer after each lookup
   with a prediction of its experts (6 of its 8 right), as the decode prefetcher does.
 
-    python benchmarks/cache_books.py [--quota 64 128] [--policy lfu lru] [--tokens 400] [--rounds 5]
+    python benchmarks/cache_books.py [--quota 64 128] [--policy lfu-bypass lfu lru] [--tokens 400] [--rounds 5]
     python benchmarks/cache_books.py --check TRACE.jsonl [--quota 3 4 6 8 12]
 
 Prints misses per token and microseconds per token (all 40 layers), median [range] over rounds,
 in the CPU time of the timing thread (``time.thread_time``): on a VM shared with other work the
 wall time also counts the waits for a core.
 ``--check`` replays a route trace's lookups (as ``edgerun simulate`` does) through the cache's
-books and through ``cache.policy_reference`` (the definition), LRU and LFU at every decay a study
-fits, and says whether every lookup's hits, misses and evictions were identical.
+books and through ``cache.policy_reference`` (the definition), LRU, LFU and LFU with bypass at
+every decay a study fits, and says whether every lookup's hits, misses, evictions and passed
+misses were identical.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def null_cache(quota: int, policy: str, prefetch: bool) -> ExpertCache:
 
 def time_books(routes, quota: int, policy: str, warm: int) -> tuple[float, int]:
     """(seconds, misses) of the lookups after the first ``warm`` tokens, through fresh books."""
-    books = [LayerSlots(layer, quota, TOP_K, policy) for layer in range(LAYERS)]
+    spill = [0] * TOP_K if policy == "lfu-bypass" else None  # the cache's spill rows, shared
+    books = [LayerSlots(layer, quota, TOP_K, policy, spill) for layer in range(LAYERS)]
     for row in routes[:warm]:
         for table, ids in zip(books, row):
             table.assign(ids)
@@ -147,7 +149,7 @@ def check(path: str, quotas: list[int]) -> bool:
     # imported here: the timings also run against a checkout from before the reference existed
     # (PYTHONPATH=that checkout), for a before/after in one sitting
     from edgerun.cache import policy_reference
-    from edgerun.cache.policy import LFUSet, LRUSet
+    from edgerun.cache.policy import BypassLFUSet, LFUSet, LRUSet
     from edgerun.tools.routes import read_trace
     from edgerun.tools.simulate import DECAYS, layer_accesses
 
@@ -155,16 +157,28 @@ def check(path: str, quotas: list[int]) -> bool:
     same = True
     for quota in quotas:
         lookups = [layer_accesses(trace, pos, quota) for pos in range(len(trace.header.moe_layers))]
-        for name, fast, ref in [("lru", LRUSet, policy_reference.LRUSet)] + [
-            (f"lfu {d:g}", partial(LFUSet, decay=d), partial(policy_reference.LFUSet, decay=d))
-            for d in DECAYS
-        ]:
+        k = trace.header.top_k
+        for name, fast, ref in (
+            [("lru", LRUSet, policy_reference.LRUSet)]
+            + [
+                (f"lfu {d:g}", partial(LFUSet, decay=d), partial(policy_reference.LFUSet, decay=d))
+                for d in DECAYS
+            ]
+            + [
+                (
+                    f"lfu-bypass {d:g}",
+                    partial(BypassLFUSet, decay=d, spill=k),
+                    partial(policy_reference.BypassLFUSet, decay=d, spill=k),
+                )
+                for d in DECAYS
+            ]
+        ):
             n = evicted = 0
             for steps in lookups:
                 a, b = fast(quota), ref(quota)
                 for ids in steps:
                     got, want = a.access(ids), b.access(ids)
-                    if got != want:
+                    if got != want or a.passed != b.passed:
                         print(f"quota {quota} {name}: lookup {n} differs: {got} != {want}")
                         same = False
                         break
@@ -178,7 +192,7 @@ def check(path: str, quotas: list[int]) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quota", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--policy", nargs="+", default=["lfu", "lru"])
+    ap.add_argument("--policy", nargs="+", default=["lfu-bypass", "lfu", "lru"])
     ap.add_argument("--tokens", type=int, default=400, help="timed tokens per round")
     ap.add_argument("--warm", type=int, default=200, help="tokens replayed first, untimed (cache full)")
     ap.add_argument("--rounds", type=int, default=5)

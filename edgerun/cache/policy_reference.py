@@ -23,6 +23,8 @@ class LRUSet:
     """The experts one layer holds, oldest first, at most ``quota`` of them. ``pinned`` experts
     (a warm set) are never evicted once held; the others share the remaining slots as an LRU."""
 
+    passed: tuple[int, ...] = ()  # the last lookup's misses left unheld: none but a bypassing set's
+
     def __init__(self, quota: int, pinned: Iterable[int] = ()) -> None:
         self.quota, self.pinned = quota, checked_pins(quota, pinned)
         self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
