@@ -469,14 +469,17 @@ class _Sizer:
     def blocks(self) -> tuple[int, ...]:
         return self.experts.block_bytes
 
+    def held_policy(self, tier: bool = False, every_held: bool = False) -> str:
+        """The policy the cache's slots run (``cache.policy.held_policy`` of the options')."""
+        from edgerun.cache.policy import held_policy
+
+        return held_policy(self.options.cache_policy, tier, every_held)
+
     @property
     def spill_rows(self) -> int:
         """The spill rows of each block size the cache keeps (``ExpertCache.spill``): top_k under
-        lfu-bypass, else none."""
-        from edgerun.cache.policy import DEFAULT_POLICY
-
-        policy = self.options.cache_policy or DEFAULT_POLICY
-        return self.args.num_experts_per_tok if policy == "lfu-bypass" else 0
+        lfu-bypass, else none (kept before a host tier or full quotas are known)."""
+        return self.args.num_experts_per_tok if self.held_policy() == "lfu-bypass" else 0
 
     @property
     def slot_costs(self) -> tuple[int, ...]:
@@ -1074,7 +1077,7 @@ def plan(
             k, E, quotas, host_quotas, sizer.blocks, device.pcie_bandwidth, device.cpu_expert_bandwidth
         )
         notes += [cpu_note] if cpu_note else []
-    if host_quotas or all(q >= E for q in quotas):  # the slots hold every miss: no spill rows
+    if sizer.held_policy(bool(host_quotas), all(q >= E for q in quotas)) != "lfu-bypass":  # no spill rows
         items = [it for it in items if it.name != "spill_rows"]
     prediction = _predict(sizer, context, batch, quotas, host_quotas, res, steps, trace, far)
     return Plan(
@@ -1291,10 +1294,7 @@ def _predict(
     storage_q = host_quotas if host_quotas else quotas
     if steps is not None:
         n_tok = len(trace.tokens)
-        from edgerun.cache.policy import DEFAULT_POLICY
-
-        # as the cache: a host tier and the slots before it hold every miss
-        policy = "lfu" if host_quotas else sizer.options.cache_policy or DEFAULT_POLICY
+        policy = sizer.held_policy(bool(host_quotas))  # as the cache's slots run
         device_misses = [policy_replay(s, q, policy, k) / n_tok for s, q in zip(steps, quotas)]
         storage_misses = (
             [policy_replay(s, q, policy, k) / n_tok for s, q in zip(steps, storage_q)]

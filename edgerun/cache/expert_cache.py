@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from edgerun.bundle.reader import Bundle
-from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PREFETCH_AHEAD, PrefetchGate
+from edgerun.cache.policy import CACHE_POLICIES, DEFAULT_POLICY, PREFETCH_AHEAD, PrefetchGate, held_policy
 from edgerun.cache.reader import ALIGN, BlockReader, Target, aligned_buffer, disk_of
 from edgerun.cache.slots import Fill, LayerSlots, QuotaError, SlotRef
 from edgerun.config import CacheConfig
@@ -149,18 +149,16 @@ class ExpertCache:
         self.policy = config.policy or DEFAULT_POLICY
         if self.policy not in CACHE_POLICIES:
             raise QuotaError(f"expert cache policy {self.policy!r} is not one of {', '.join(CACHE_POLICIES)}")
-        self.slot_policy = slot_policy = self.policy  # the device slots' and a host tier's
-        if self.policy == "lfu-bypass" and config.host_quotas:
-            # a miss of the device slots is a copy from the tier, which holds it: nothing to save
-            self.slot_policy = slot_policy = "lfu"
-            if config.policy:  # asked for, not the default: said
-                self.adjustments.append(
-                    "lfu-bypass: a host tier and the device slots before it hold every miss (lfu)"
-                )
-        # lfu-bypass: top_k rows of each block size where a miss left unheld is read and served from
-        # (none where every layer holds every expert: nothing misses)
-        if slot_policy == "lfu-bypass" and all(q >= E for q in quotas.values()):
-            self.slot_policy = slot_policy = "lfu"
+        # the device slots' and a host tier's; lfu-bypass keeps top_k rows of each block size where a
+        # miss left unheld is read and served from
+        tiered = bool(config.host_quotas)
+        self.slot_policy = slot_policy = held_policy(
+            self.policy, tiered, all(q >= E for q in quotas.values())
+        )
+        if config.policy == "lfu-bypass" and tiered:  # asked for, not the default: said
+            self.adjustments.append(
+                "lfu-bypass: a host tier and the device slots before it hold every miss (lfu)"
+            )
         self.spill_rows = args.num_experts_per_tok if slot_policy == "lfu-bypass" else 0
         spill = [0] * self.spill_rows  # each row's generation, shared by the layers (the rows are)
         slots = {

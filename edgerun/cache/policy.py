@@ -250,6 +250,16 @@ DEFAULT_POLICY = "lfu-bypass"  # the fewest reads on the demo's held-out routing
 DEFAULT_DECAY = 0.99  # per lookup: the decay the held-out study's fits chose most often
 
 
+def held_policy(policy: str | None, tier: bool = False, every_held: bool = False) -> str:
+    """The policy a cache's slots run when asked for ``policy`` (None: :data:`DEFAULT_POLICY`):
+    ``lfu`` in place of ``lfu-bypass`` where a host tier stands behind the slots (``tier``: a
+    device miss is a copy from the tier, which holds it: no read to save) or every layer holds
+    every expert (``every_held``: nothing misses), so no spill rows are kept; else ``policy``. The
+    cache, the simulator and the planner decide by this one rule."""
+    policy = policy or DEFAULT_POLICY
+    return "lfu" if policy == "lfu-bypass" and (tier or every_held) else policy
+
+
 def expert_set(
     quota: int, policy: str = DEFAULT_POLICY, decay: float = DEFAULT_DECAY, spill: int = 0
 ) -> LRUSet:

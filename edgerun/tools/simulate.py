@@ -31,6 +31,7 @@ from edgerun.cache.policy import (
     PrefetchGate,
     expert_set,
     fetches,
+    held_policy,
     replay_misses,
 )
 from edgerun.tools.routes import RouteTrace
@@ -270,8 +271,7 @@ def simulate(
         if policy == "belady":
             res.misses[layer] = _belady_misses([lookup[0] for lookup in lookups], size)
             continue
-        # as the cache: a host tier and the slots before it hold every miss
-        held = "lfu" if policy == "lfu-bypass" and tier_quota else policy
+        held = held_policy(policy, bool(tier_quota))  # as the cache's slots run
         misses, hits, pf = _replay(lookups, expert_set(size, held, spill=h.top_k), depth)
         res.misses[layer] = misses
         res.hits[layer] = hits
