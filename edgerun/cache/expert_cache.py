@@ -270,7 +270,9 @@ class ExpertCache:
         self.spill_host: dict[int, torch.Tensor] = {}
         for bb in block_sizes if self.spill_rows else ():
             B = self.spill_rows
-            if pool == "device" and mapped_unsupported(device):
+            why = mapped_unsupported(device) if pool == "device" else None
+            if why:  # stated: passed misses are then copied to the device, as slots' are
+                self._fallbacks["spill_rows"] = f"{why}; spill rows in device memory, filled by copies"
                 rows = torch.empty(B, bb, dtype=torch.uint8, device=self.device)
             else:
                 rows = self.spill_host[bb] = self._host_memory(B, bb)
