@@ -119,9 +119,10 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     calibrated = []
 
     def read_bandwidth(paths, bb, queue_depths=(1, 4, 8, 16, 32), seconds_per_depth=2.0, pieces=1):
+        burst = 0.5 if not calibrated else 0.0  # the first shape of the first round reads in a burst
         calibrated.append(pieces)
         return [
-            {"queue_depth": d, "pieces": pieces, "gb_per_s": 1.0 + d / 100 + pieces / 10}
+            {"queue_depth": d, "pieces": pieces, "gb_per_s": 1.0 + d / 100 + pieces / 10 + burst}
             for d in queue_depths
         ]
 
@@ -170,7 +171,13 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     monkeypatch.setattr(D, "run_config", run_config)
     argv = ["--dir", str(tmp_path), "--budgets", "8", "--prefetch", "off", "--read-depth", "2,4"]
     assert D.main(argv + ["--read-pieces", "1,2", "--prompt", "4", "--decode", "4", "--repeats", "1"]) == 0
-    assert calibrated == [1, 2]
+    assert calibrated == [1, 2] * 3  # three rounds (the default), each shape once a round
+    result = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [round(v, 2) for v in result["storage_read"][0]["gb_per_s_rounds"]] == [1.61, 1.11, 1.11]
+    # the bound: the best shape by its median (depth 32, whole blocks, 1.42), not the burst's window
+    assert round(result["storage_best_window"], 2) == 1.92
+    assert round(result["configs"][0]["bound_tps"] * 10 * block / 1e9, 2) == 1.42
+    assert round(result["configs"][0]["bound_tps_best_window"] * 10 * block / 1e9, 2) == 1.92
     assert bursts == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert acts == [("bf16", "bf16")] * 4  # --dense-act's and --expert-act's defaults reach every run

@@ -299,6 +299,29 @@ def burst_seconds(
     ]
 
 
+def median_of_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row a read shape from several rounds of the same shapes in the same order (each round
+    a :func:`read_bandwidth` call per pieces count, one after the other, so the disk's drift over
+    the calibration reaches every shape alike): the row of the round at the median rate, its
+    ``gb_per_s`` that median, with ``gb_per_s_rounds`` (every round's rate, in order) and
+    ``gb_per_s_range`` [min, max]. A steady rate, where the best of many short windows is biased
+    up by a noisy disk's bursts (docs/benchmarks.md, forty-eighth session)."""
+    if not rounds or not rounds[0]:
+        raise ValueError("no calibration rounds")
+    shape = [(r["queue_depth"], r.get("pieces", 1)) for r in rounds[0]]
+    for i, rows in enumerate(rounds[1:], 1):
+        got = [(r["queue_depth"], r.get("pieces", 1)) for r in rows]
+        if got != shape:
+            raise ValueError(f"calibration round {i} read shapes {got}, round 0 {shape}: not the same shapes")
+    merged = []
+    for k in range(len(shape)):
+        rows = sorted((rows[k] for rows in rounds), key=lambda r: r["gb_per_s"])
+        mid = rows[(len(rows) - 1) // 2]  # the lower median for an even count: never a rate no round gave
+        rates = [rows[k]["gb_per_s"] for rows in rounds]
+        merged.append({**mid, "gb_per_s_rounds": rates, "gb_per_s_range": [min(rates), max(rates)]})
+    return merged
+
+
 def best(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The result with the highest GB/s (the disk's bound for the expert cache)."""
     if not results:

@@ -107,6 +107,27 @@ def test_file_smaller_than_a_block_is_refused(tmp_path):
         C.read_bandwidth(small, BLOCK, (0,), 0.05)
 
 
+def test_median_of_rounds_keeps_each_shape_its_median_round():
+    def rows(*rates):
+        return [{"queue_depth": d, "pieces": n, "gb_per_s": g, "reads": 10 * g} for (d, n), g in
+                zip([(1, 1), (4, 1), (2, 2)], rates, strict=True)]  # fmt: skip
+
+    merged = C.median_of_rounds([rows(1.0, 3.0, 2.0), rows(2.0, 1.0, 2.5), rows(1.5, 2.0, 1.0)])
+    assert [r["gb_per_s"] for r in merged] == [1.5, 2.0, 2.0]
+    assert [r["reads"] for r in merged] == [15.0, 20.0, 20.0]  # the median round's own row
+    assert merged[1]["gb_per_s_rounds"] == [3.0, 1.0, 2.0] and merged[1]["gb_per_s_range"] == [1.0, 3.0]
+    # the best shape by its median, not the best window (depth 4's 3.0 in round 0)
+    assert C.best(merged)["queue_depth"] == 4 and C.best(merged)["gb_per_s"] == 2.0
+    # two rounds: the lower of the two, never an average no round read at
+    assert [r["gb_per_s"] for r in C.median_of_rounds([rows(1.0, 3.0, 2.0), rows(2.0, 1.0, 2.5)])] == [
+        1.0, 1.0, 2.0,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="round 1 read shapes"):
+        C.median_of_rounds([rows(1.0, 3.0, 2.0), rows(1.0, 3.0, 2.0)[:2]])
+    with pytest.raises(ValueError, match="no calibration rounds"):
+        C.median_of_rounds([])
+
+
 def test_importing_calibrate_does_not_import_torch():
     code = "import sys, edgerun.tools.calibrate; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
