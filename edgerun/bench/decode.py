@@ -449,14 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--layers", type=int, default=None, help="fewer layers (a quick check, not the benchmark)"
     )
-    ap.add_argument("--calibrate-seconds", type=float, default=2.0, help="seconds a read shape a round")
-    ap.add_argument(
-        "--calibrate-rounds",
-        type=int,
-        default=3,
-        help="calibration rounds (every read shape once a round); a shape's rate is its median round, "
-        "the storage bound the best shape's",
-    )
+    calibrate.add_arguments(ap)
     add_dense_arguments(ap)
     ap.add_argument(
         "--read-depth",
@@ -517,11 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     readers = ns.reader.split(",")
     stagings = [int(v) for v in ns.staging.split(",")] if ns.staging else [None]
     policies = ns.cache_policy.split(",") if ns.cache_policy else [None]
-    if ns.calibrate_rounds < 1 or ns.calibrate_seconds <= 0:
-        ap.error(
-            f"--calibrate-rounds must be >= 1 and --calibrate-seconds > 0, got {ns.calibrate_rounds} "
-            f"and {ns.calibrate_seconds}"
-        )
+    calibrate.check_arguments(ap, ns)
     for v in policies:
         if v not in (None, *CACHE_POLICIES):
             ap.error(f"--cache-policy takes a list of {', '.join(CACHE_POLICIES)}, got {v!r}")
@@ -566,18 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         else [engine_depth or 2 * a.num_experts_per_tok]
     )
     result["disk"] = disk
-    rounds = []
-    for _ in range(ns.calibrate_rounds):  # every shape once a round: drift reaches each alike
-        reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)
-        for n in sorted({n for n in piece_counts if n > 1}):  # the disk read the way those runs read it
-            reads += calibrate.read_bandwidth(
-                paths, block, queue_depths=(1, 2, 4, 8), seconds_per_depth=ns.calibrate_seconds, pieces=n
-            )
-        rounds.append(reads)
-    reads = calibrate.median_of_rounds(rounds)
+    # every shape once a round, its median round; beside it the best single window of any shape
+    reads, result["storage_best_window"] = calibrate.read_rounds(
+        paths, block, ns.calibrate_rounds, ns.calibrate_seconds, piece_counts
+    )
     storage = calibrate.best(reads)
-    # the old bound, beside it: the best single window of any shape (a noisy disk's burst)
-    result["storage_best_window"] = max(r["gb_per_s"] for rows in rounds for r in rows)
     copy = calibrate.device_copy_bandwidth("cuda")
     result["storage_read"] = reads
     result["device_copy"] = copy

@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each prompt with the prefill graphs off (same run)",
     )
-    ap.add_argument("--calibrate-seconds", type=float, default=2.0)
+    calibrate.add_arguments(ap)
     add_dense_arguments(ap)
     ns = ap.parse_args(argv)
+    calibrate.check_arguments(ap, ns)
     prepared = prepare(ns, "prefill")
     if prepared is None:
         return 2
@@ -236,10 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     storage_bw = None
     if any(s != "resident" for s in specs):
         paths = [bundle.expert_path(layer) for layer in a.moe_layers]
-        reads = calibrate.read_bandwidth(paths, block, seconds_per_depth=ns.calibrate_seconds)
+        reads, result["storage_best_window"] = calibrate.read_rounds(
+            paths, block, ns.calibrate_rounds, ns.calibrate_seconds
+        )
         storage_bw = calibrate.best(reads)["gb_per_s"] * 1e9
         result["storage_gb_per_s"] = storage_bw / 1e9
-        print(f"storage bound: {storage_bw / 1e9:.2f} GB/s", flush=True)
+        print(
+            f"storage bound: {storage_bw / 1e9:.2f} GB/s (the best shape's median of {ns.calibrate_rounds} "
+            f"round(s); the best single window {result['storage_best_window']:.2f})",
+            flush=True,
+        )
     resident_ttft: dict[int, float] = {}
     for spec in specs:
         if spec == "resident":

@@ -322,6 +322,51 @@ def median_of_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[st
     return merged
 
 
+def read_rounds(
+    paths: Sequence[str | Path],
+    block_bytes: int,
+    rounds: int = 3,
+    seconds_per_depth: float = 2.0,
+    pieces: Sequence[int] = (1,),
+) -> tuple[list[dict[str, Any]], float]:
+    """The storage bound's calibration: ``rounds`` rounds of every read shape in turn (whole blocks
+    at the default queue depths; each ``pieces`` count > 1 at depths 1, 2, 4 and 8, as the engine
+    reads split blocks), merged by :func:`median_of_rounds`; with the best single window of any
+    shape (GB/s), the bound such a calibration gave before it had rounds."""
+    if rounds < 1:
+        raise ValueError(f"calibration rounds must be >= 1, got {rounds}")
+    done = []
+    for _ in range(rounds):
+        rows = read_bandwidth(paths, block_bytes, seconds_per_depth=seconds_per_depth)
+        for n in sorted({n for n in pieces if n > 1}):  # the disk read the way those runs read it
+            rows += read_bandwidth(
+                paths, block_bytes, queue_depths=(1, 2, 4, 8), seconds_per_depth=seconds_per_depth, pieces=n
+            )
+        done.append(rows)
+    return median_of_rounds(done), max(r["gb_per_s"] for rows in done for r in rows)
+
+
+def add_arguments(ap: Any) -> None:
+    """A benchmark's ``--calibrate-seconds`` and ``--calibrate-rounds`` (:func:`read_rounds`)."""
+    ap.add_argument("--calibrate-seconds", type=float, default=2.0, help="seconds a read shape a round")
+    ap.add_argument(
+        "--calibrate-rounds",
+        type=int,
+        default=3,
+        help="calibration rounds (every read shape once a round); a shape's rate is its median round, "
+        "the storage bound the best shape's",
+    )
+
+
+def check_arguments(ap: Any, ns: Any) -> None:
+    """Refuse (``ap.error``, by name) calibration arguments :func:`read_rounds` cannot take."""
+    if ns.calibrate_rounds < 1 or ns.calibrate_seconds <= 0:
+        ap.error(
+            f"--calibrate-rounds must be >= 1 and --calibrate-seconds > 0, got {ns.calibrate_rounds} "
+            f"and {ns.calibrate_seconds}"
+        )
+
+
 def best(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The result with the highest GB/s (the disk's bound for the expert cache)."""
     if not results:
