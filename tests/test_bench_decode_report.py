@@ -120,7 +120,9 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
 
     def read_bandwidth(paths, bb, queue_depths=(1, 4, 8, 16, 32), seconds_per_depth=2.0, pieces=1):
         burst = 0.5 if not calibrated else 0.0  # the first shape of the first round reads in a burst
-        calibrated.append(pieces)
+        calibrated.append(pieces if len(queue_depths) > 1 else (queue_depths[0], pieces))
+        if len(queue_depths) == 1:  # a row's disk read around it: a rate of its own each time
+            return [{"queue_depth": queue_depths[0], "pieces": pieces, "gb_per_s": len(calibrated) / 10}]
         return [
             {"queue_depth": d, "pieces": pieces, "gb_per_s": 1.0 + d / 100 + pieces / 10 + burst}
             for d in queue_depths
@@ -171,13 +173,18 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     monkeypatch.setattr(D, "run_config", run_config)
     argv = ["--dir", str(tmp_path), "--budgets", "8", "--prefetch", "off", "--read-depth", "2,4"]
     assert D.main(argv + ["--read-pieces", "1,2", "--prompt", "4", "--decode", "4", "--repeats", "1"]) == 0
-    assert calibrated == [1, 2] * 3  # three rounds (the default), each shape once a round
+    # three rounds (the default), each shape once a round; then each streamed row's disk read at
+    # the bound's shape (depth 32, whole blocks) right before and right after it
+    assert calibrated == [1, 2] * 3 + [(32, 1)] * 8
     result = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [round(v, 2) for v in result["storage_read"][0]["gb_per_s_rounds"]] == [1.61, 1.11, 1.11]
     # the bound: the best shape by its median (depth 32, whole blocks, 1.42), not the burst's window
     assert round(result["storage_best_window"], 2) == 1.92
     assert round(result["configs"][0]["bound_tps"] * 10 * block / 1e9, 2) == 1.42
     assert round(result["configs"][0]["bound_tps_best_window"] * 10 * block / 1e9, 2) == 1.92
+    assert [round(v, 2) for v in result["configs"][0]["storage_around"]] == [0.7, 0.8]
+    assert round(result["configs"][0]["bound_tps_around"] * 10 * block / 1e9, 2) == 0.75  # their mean
+    assert [round(v, 2) for v in result["configs"][3]["storage_around"]] == [1.3, 1.4]
     assert bursts == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert acts == [("bf16", "bf16")] * 4  # --dense-act's and --expert-act's defaults reach every run

@@ -712,14 +712,27 @@ def main(argv: list[str] | None = None) -> int:
                         (reader, staging, pieces, depth, policy),
                     )
                 )
+
+    def disk_now() -> float:
+        """The bound's read shape (the calibration's best) for one window, now (GB/s)."""
+        row = calibrate.read_bandwidth(
+            paths, block, (storage["queue_depth"],), ns.calibrate_seconds, pieces=storage["pieces"]
+        )
+        return row[0]["gb_per_s"]
+
     for name, quota, budget, host, cpu, pf, predicted, how, reading in runs:
         print(f"[{name}] quota {quota}/{a.num_experts} per layer", flush=True)
         reader, staging, pieces, depth, policy = reading  # policy: streamed budgets only
+        streamed = budget is not None and host is None
+        # a streamed row's disk read right before and right after it: a bound of its own minutes
+        before = disk_now() if streamed else None
         rec = run_config(
             name, bundle_dir, bundle, quota, capacity, prompt, ns.decode, timed,
             budget is None and host is None, depth, host, cpu or None, pf, reader, staging, pieces, ns.dense_act,
             ns.expert_act, policy=policy,
         )  # fmt: skip
+        if streamed:
+            rec["storage_around"] = [before, disk_now()]
         rec["budget_bytes"] = budget
         rec["planned"] = how
         rec["prefill_tps"] = ns.prompt / rec["ttft_s"]["median"] if "ttft_s" in rec else None
@@ -741,9 +754,14 @@ def main(argv: list[str] | None = None) -> int:
             rec["bound_kind"] = "storage"
             rec["bytes_per_token"] = mpt * block
             rec["bound_tps"] = storage_bw / (mpt * block) if mpt else float("inf")
-            # against the best single calibration window instead (the bound before rounds)
+            # against the best single calibration window instead (the bound before rounds), and
+            # against the disk as it read right before and after this row (their mean)
             rec["bound_tps_best_window"] = (
                 result["storage_best_window"] * 1e9 / (mpt * block) if mpt else None
+            )
+            around = rec.get("storage_around")
+            rec["bound_tps_around"] = (
+                sum(around) / len(around) * 1e9 / (mpt * block) if mpt and around else None
             )
         if predicted is not None and "decode_tps" in rec:
             measured = rec["decode_tps"]["median"]
@@ -814,9 +832,10 @@ def markdown(result: dict) -> str:
             "",
             "| config | disk busy | read GB/s while busy | requests in flight while busy | "
             "prefetch issued / useful / wasted a token | ratio to the best single window | "
+            "ratio to the disk around the row (GB/s before, after) | "
             "planned misses/token (error) | planned tok/s, storage bound (error) | "
             "planned tok/s, each layer's reads after its router (error) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in streamed:
             pf = "off"
@@ -833,6 +852,13 @@ def markdown(result: dict) -> str:
                 + (
                     f"{100 * r['decode_tps']['median'] / r['bound_tps_best_window']:.0f}%"
                     if r.get("bound_tps_best_window")
+                    else "-"
+                )
+                + " | "
+                + (
+                    f"{100 * r['decode_tps']['median'] / r['bound_tps_around']:.0f}% "
+                    f"({r['storage_around'][0]:.2f}, {r['storage_around'][1]:.2f})"
+                    if r.get("bound_tps_around")
                     else "-"
                 )
                 + " | "
