@@ -1052,7 +1052,10 @@ def plan(
             )
         )
     elif device.discrete and L:
-        budget = free[HOST_POOL]
+        # a host tier takes the spill rows' place (its slots hold every miss: no row is kept), so
+        # it may use their pinned memory; without a tier the rows stay
+        spill = sum(it.nbytes for it in items if it.name == "spill_rows" and it.pool == HOST_POOL)
+        budget = free[HOST_POOL] + spill
         if curves is not None:
             host = _traced_quotas(budget, sizer.blocks, quotas, E, curves)
         else:

@@ -350,6 +350,24 @@ def test_discrete_two_tiers():
     )
 
 
+def test_a_host_tier_takes_the_spill_rows_pinned_memory():
+    """Under lfu-bypass (the default) the spill rows are reserved in pinned memory, but a host
+    tier keeps LFU and needs none: the tier is sized as if they were never reserved."""
+    _, args, specs = tiny("qwen3_5_moe")
+    experts = expert_source_from_layout(args, "int8")
+    vram_fixed = TINY35_FIXED - TINY35_ITEMS["pinned_staging"]
+    dev = discrete(vram_fixed + 4 * 4 * 4096, 16_384 + 20 * 4096)  # pinned: staging + 5 slots a layer
+    bypass = plan(args, specs, experts, dev, 64, 2, PlanOptions(prefill_chunk=16))
+    lfu = plan(args, specs, experts, dev, 64, 2, PlanOptions(prefill_chunk=16, cache_policy="lfu"))
+    assert bypass.host_quotas == lfu.host_quotas == (5, 5, 5, 5)
+    assert bypass.items == lfu.items and not any(it.name == "spill_rows" for it in bypass.items)
+    # pinned memory for no tier (only 2 blocks past staging): the spill rows stay, in it
+    small = plan(args, specs, experts, discrete(vram_fixed + 4 * 4 * 4096, 16_384 + 2 * 4096), 64, 2,
+                 PlanOptions(prefill_chunk=16))  # fmt: skip
+    assert small.host_quotas == () and small.item("spill_rows").nbytes == 2 * 4096
+    assert small.item("spill_rows").pool == "host_pinned"
+
+
 def test_no_host_tier_when_pinned_memory_cannot_include_the_vram_tier():
     _, args, specs = tiny("qwen3_5_moe")
     experts = expert_source_from_layout(args, "int8")
