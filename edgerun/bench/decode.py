@@ -755,14 +755,12 @@ def main(argv: list[str] | None = None) -> int:
             rec["bytes_per_token"] = mpt * block
             rec["bound_tps"] = storage_bw / (mpt * block) if mpt else float("inf")
             # against the best single calibration window instead (the bound before rounds), and
-            # against the disk as it read right before and after this row (their mean)
-            rec["bound_tps_best_window"] = (
-                result["storage_best_window"] * 1e9 / (mpt * block) if mpt else None
-            )
-            around = rec.get("storage_around")
-            rec["bound_tps_around"] = (
-                sum(around) / len(around) * 1e9 / (mpt * block) if mpt and around else None
-            )
+            # against the disk as it read right before and after this row (their mean), GB/s each
+            for key, gb_s in (
+                ("bound_tps_best_window", result["storage_best_window"]),
+                ("bound_tps_around", statistics.fmean(rec["storage_around"])),
+            ):
+                rec[key] = gb_s * 1e9 / (mpt * block) if mpt else None
         if predicted is not None and "decode_tps" in rec:
             measured = rec["decode_tps"]["median"]
             rec["predicted"] = {

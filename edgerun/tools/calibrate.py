@@ -315,8 +315,8 @@ def median_of_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[st
             raise ValueError(f"calibration round {i} read shapes {got}, round 0 {shape}: not the same shapes")
     merged = []
     for k in range(len(shape)):
-        rows = sorted((rows[k] for rows in rounds), key=lambda r: r["gb_per_s"])
-        mid = rows[(len(rows) - 1) // 2]  # the lower median for an even count: never a rate no round gave
+        ranked = sorted((rows[k] for rows in rounds), key=lambda r: r["gb_per_s"])
+        mid = ranked[(len(ranked) - 1) // 2]  # the lower median for an even count: a rate a round read at
         rates = [rows[k]["gb_per_s"] for rows in rounds]
         merged.append({**mid, "gb_per_s_rounds": rates, "gb_per_s_range": [min(rates), max(rates)]})
     return merged
