@@ -148,11 +148,13 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     monkeypatch.setattr(D, "state_bytes", lambda b, c: (1, 1, 1))
     planned = []
 
-    def planned_quota(budget, bundle_dir, capacity, bandwidths, reads):
-        planned.append(reads)
+    def planned_quota(budget, bundle_dir, capacity, bandwidths, reads, staging=None):
+        planned.append((reads["read_depth"], reads["storage_read_single"], bandwidths[2], staging))
         pred = SimpleNamespace(
-            misses_per_token=10.0, tok_s=5.0, tok_s_serial=4.0, tok_s_layered=4.5 + reads["read_depth"] / 10
-        )
+            misses_per_token=10.0, tok_s=5.0, tok_s_serial=4.0,
+            tok_s_layered=reads["read_depth"] / 10 + bandwidths[2] / 1e9, tok_s_prefetch=6.0,
+            prefetch_useful_per_token=7.0, prefetch_wasted_per_token=2.0,
+        )  # fmt: skip
         return 8, "plan", SimpleNamespace(prediction=pred)
 
     monkeypatch.setattr(D, "planned_quota", planned_quota)
@@ -189,16 +191,37 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
     assert [(d, p) for _, d, p, _ in ran] == [(2, 1), (2, 2), (4, 1), (4, 2)]
     assert acts == [("bf16", "bf16")] * 4  # --dense-act's and --expert-act's defaults reach every run
     assert [n for n, *_ in ran][1] == "8 GiB, prefetch off, depth 2, 2 piece(s)"
-    # one plan a way of reading (the first also sizes the quota): its depth, a read alone at its
-    # pieces' depth 1
-    assert [(r["read_depth"], r["storage_read_single"]) for r in planned] == [
-        (2, 1.11e9), (2, 1.21e9), (4, 1.11e9), (4, 1.21e9),
-    ]  # fmt: skip
+    # the quota's plan, then each row's own: its depth, a read alone at its pieces' depth 1, the
+    # calibration's bound; and again with the disk as it read around the row (its mean), the read
+    # alone scaled by as much
+    single = {1: 1.11e9, 2: 1.21e9}
+    around = [0.75, 0.95, 1.15, 1.35]
+    expect = [(2, 1.11e9, 1.42e9, None)]
+    for (d, p), gb_s in zip([(2, 1), (2, 2), (4, 1), (4, 2)], around, strict=True):
+        expect += [(d, single[p], 1.42e9, None), (d, single[p] * gb_s / 1.42, gb_s * 1e9, None)]
+    assert [tuple(round(v / 1e6) if v and v > 1e3 else v for v in r) for r in planned] == [
+        tuple(round(v / 1e6) if v and v > 1e3 else v for v in r) for r in expect
+    ]
     result = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert [round(c["predicted"]["tok_s_layered"], 2) for c in result["configs"]] == [4.7, 4.7, 4.9, 4.9]
+    # prefetch off: each row judged by the layered model, at the calibration and at the disk around it
+    assert [c["predicted"]["row_model"] for c in result["configs"]] == ["layered"] * 4
+    assert [round(c["predicted"]["row_tok_s"], 2) for c in result["configs"]] == [1.62, 1.62, 1.82, 1.82]
+    assert [round(c["predicted"]["around"]["row_tok_s"], 2) for c in result["configs"]] == [
+        0.95,
+        1.15,
+        1.55,
+        1.75,
+    ]
+    assert round(result["configs"][0]["predicted"]["around"]["row_error"], 4) == round(0.95 / 4.0 - 1, 4)
     # each streamed row says how many requests the disk had while busy (its own, not another row's)
     rows = [ln for ln in (tmp_path / "bench_decode.md").read_text().splitlines() if "| 400% |" in ln]
     assert [ln.split(" | ")[3] for ln in rows] == ["3.75", "7.75", "7.75", "15.75"]
+    md = (tmp_path / "bench_decode.md").read_text()
+    first = result["configs"][0]["predicted"]
+    assert (
+        f"| {first['row_tok_s']:.2f} ({100 * first['row_error']:+.0f}%, layered) | "
+        f"0.95 ({100 * first['around']['row_error']:+.0f}%, layered) |" in md
+    )
     acts.clear()
     quick = ["--read-pieces", "1", "--prompt", "4", "--decode", "4", "--repeats", "1"]
     assert D.main(argv + quick + ["--dense-act", "int8", "--expert-act", "int8"]) == 0
@@ -211,3 +234,22 @@ def test_a_streamed_sweep_runs_each_budget_at_each_depth_and_pieces(monkeypatch,
         "8 GiB, prefetch off, lfu, depth 2",
         "8 GiB, prefetch off, lfu-bypass, depth 2",
     ]
+
+
+def test_a_row_is_judged_by_the_model_of_the_way_it_decodes():
+    """A prefetch row beside the plan's prefetch model, a row without beside the layered one;
+    each figure's error is its ratio to the measured rate less one."""
+    from types import SimpleNamespace
+
+    from edgerun.bench.decode import predicted_row
+
+    pred = SimpleNamespace(
+        misses_per_token=11.0, tok_s=8.0, tok_s_serial=3.0, tok_s_layered=4.0, tok_s_prefetch=6.0,
+        prefetch_useful_per_token=7.0, prefetch_wasted_per_token=2.0,
+    )  # fmt: skip
+    rec = {"decode_tps": {"median": 5.0}, "misses_per_token": {"median": 10.0}}
+    on, off = predicted_row(rec, pred, 1), predicted_row(rec, pred, 0)
+    assert (on["row_model"], on["row_tok_s"], round(on["row_error"], 6)) == ("prefetch", 6.0, 0.2)
+    assert (off["row_model"], off["row_tok_s"], round(off["row_error"], 6)) == ("layered", 4.0, -0.2)
+    assert round(on["misses_error"], 6) == 0.1 and round(on["tok_s_error"], 6) == 0.6
+    assert predicted_row(rec, pred, 2)["row_model"] == "prefetch"  # two ahead: the same model

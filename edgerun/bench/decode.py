@@ -37,6 +37,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -114,6 +115,7 @@ def plan_for(
     far: bool = False,
     bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
     reads: dict | None = None,
+    staging: int | None = None,
 ):
     """The planner's plan of ``bundle_dir`` in ``budget`` bytes of device memory, as torch counts
     it (``max_memory_allocated``: no OS reserve, no CUDA context, library workspaces counted):
@@ -122,7 +124,8 @@ def plan_for(
     discrete GPU whose host RAM holds them), else VRAM slots behind storage; ``bandwidths``
     (device memory, PCIe, storage reads; B/s) are what its prediction assumes: a benchmark
     passes the ones it measured in the same run; ``reads``: the profile's read-model keys
-    (``storage_read_single``, ``read_depth``) from the same run's calibration."""
+    (``storage_read_single``, ``read_depth``) from the same run's calibration; ``staging``: the
+    pinned read buffers (None: the planner's default, 2 * top_k)."""
     from edgerun.budget import inputs
     from edgerun.budget.planner import PlanOptions, plan
     from edgerun.bundle.dense_layout import DenseScheme
@@ -152,6 +155,7 @@ def plan_for(
         dense=model.dense or DenseScheme(),
         prefill_chunk=prefill_chunk,
         tier_reads="in-place" if far else "copy",
+        staging_buffers=staging,
     )
     return plan(model.args, model.specs, model.experts, dev, context, 1, options, None, model_name=model.name)
 
@@ -177,12 +181,13 @@ def planned_quota(
     far: bool = False,
     bandwidths: tuple[float, float, float] = (4.8e12, 50e9, 2e9),
     reads: dict | None = None,
+    staging: int | None = None,
 ):
     """:func:`quota_for`'s (quota, how) and the plan they came from (None: no plan was made)."""
     if budget <= LIBRARY_WORKSPACE:
         why = f"a budget of {budget:,} B does not cover the library workspaces ({LIBRARY_WORKSPACE:,} B)"
         return 0, why, None
-    p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths, reads)
+    p = plan_for(budget, bundle_dir, context, prefill_chunk, far, bandwidths, reads, staging)
     if not p.fits:
         return 0, p.refusal.message, p
     quota = min(p.quotas)
@@ -222,7 +227,9 @@ def one_run(runner: Runner, prompt: list[int], decode: int) -> dict:
         out["read_gbs"] = out["bytes_read"] / stats.decode_s / 1e9 if stats.decode_s else 0.0
         out["read_wait_s"] = after.read_seconds - before.read_seconds
         out["far_per_token"] = (after.far_reads - before.far_reads) / steps
-        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
+        # prefetch_bytes: what the prefetches read, useful and wasted (a wrong guess dropped before
+        # its read started cost nothing)
+        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted", "prefetch_bytes"):
             out[f"{key}_per_token"] = (getattr(after, key) - getattr(before, key)) / steps
         busy, read, depth = (b - a for a, b in zip(disk, disk_counters(cache), strict=True))
         # the disk's side: the share of decode time with a read in flight (demand or prefetch), what
@@ -393,7 +400,7 @@ def run_config(
         rec["cache_policy"] = runner.cache.slot_policy
         for key in keys + ("disk_busy", "busy_gbs", "busy_depth"):
             rec[key] = med([r[key] for r in graph_runs])
-        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted"):
+        for key in ("prefetch_issued", "prefetch_useful", "prefetch_wasted", "prefetch_bytes"):
             rec[f"{key}_per_token"] = med([r[f"{key}_per_token"] for r in graph_runs])
         rec["prefetch_depth"] = runner.cache.prefetch_depth
         rec["prefetch_ahead"] = runner.cache.prefetch_ahead
@@ -621,7 +628,17 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     pcie_bw = copy["h2d_pinned_gb_per_s"] * 1e9
     bandwidths = (device_bw, pcie_bw, storage_bw)  # the plan predicts with this run's bandwidths
-    runs = []  # (name, quota, budget, host, cpu, prefetch, plan's prediction, how, reader)
+
+    def row_plan(budget: int, depth: int, pieces: int, staging: int | None, gb_s: float | None = None):
+        """A streamed row's plan: its read shape and staging, the disk at ``gb_s`` (None: the
+        calibration's bound; a rate measured later scales the read-alone rate by as much)."""
+        reads_as = read_model(depth, pieces)
+        if gb_s is not None and "storage_read_single" in reads_as:
+            reads_as["storage_read_single"] *= gb_s * 1e9 / storage_bw
+        bw = bandwidths if gb_s is None else (*bandwidths[:2], gb_s * 1e9)
+        return planned_quota(budget, bundle_dir, capacity, bandwidths=bw, reads=reads_as, staging=staging)[2]
+
+    runs = []  # (name, quota, budget, host, cpu, prefetch, a streamed row's plan (row_plan), how, reader)
     for given in ns.budgets.split(","):
         spec, _, cpu = given.partition(":")  # hostN:on / farG:off: --cpu-experts for that tier
         if spec == "resident":
@@ -683,13 +700,8 @@ def main(argv: list[str] | None = None) -> int:
             if quota < a.num_experts_per_tok:
                 records.append({"config": f"{float(spec):g} GiB", "refused": how})
                 continue
-            # the plan's prediction with the read model of each way the runs read (the first: the quota's)
-            predicted = {shapes[0]: p.prediction}
-            for shape in shapes[1:]:
-                reads_as = read_model(*shape)
-                predicted[shape] = planned_quota(
-                    budget, bundle_dir, capacity, bandwidths=bandwidths, reads=reads_as
-                )[2].prediction
+            # each row beside the plan's prediction with the read model of the way it reads and its
+            # staging, at the calibration's disk rate (and, once run, at the disk's around the row)
             for pf, reader, staging, (depth, pieces), policy in itertools.product(
                 prefetches, readers, stagings, shapes, policies
             ):
@@ -707,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
                         None,
                         cpu,
                         pf,
-                        predicted[depth, pieces],
+                        partial(row_plan, budget, depth, pieces, staging),
                         None,
                         (reader, staging, pieces, depth, policy),
                     )
@@ -762,18 +774,11 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 rec[key] = gb_s * 1e9 / (mpt * block) if mpt else None
         if predicted is not None and "decode_tps" in rec:
-            measured = rec["decode_tps"]["median"]
-            rec["predicted"] = {
-                "misses_per_token": predicted.misses_per_token,
-                "misses_error": predicted.misses_per_token / rec["misses_per_token"]["median"] - 1
-                if rec["misses_per_token"]["median"]
-                else None,
-                "tok_s": predicted.tok_s,
-                "tok_s_serial": predicted.tok_s_serial,
-                "tok_s_error": predicted.tok_s / measured - 1 if measured else None,
-                "tok_s_layered": predicted.tok_s_layered,
-                "tok_s_layered_error": predicted.tok_s_layered / measured - 1 if measured else None,
-            }
+            rec["predicted"] = predicted_row(rec, predicted().prediction, pf)
+            # the same plan with the disk as it read around the row: the model apart from the disk's drift
+            rec["predicted"]["around"] = predicted_row(
+                rec, predicted(statistics.fmean(rec["storage_around"])).prediction, pf
+            )
         rec["ratio"] = rec["decode_tps"]["median"] / rec["bound_tps"] if "refused" not in rec else None
         records.append(rec)
         print(json.dumps(rec, default=str), flush=True)
@@ -782,6 +787,35 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "bench_decode.md").write_text(markdown(result))
     print(markdown(result))
     return 0
+
+
+def predicted_row(rec: dict, predicted, pf: int) -> dict:
+    """The plan's prediction beside a streamed row's measurement, each figure's error; ``row``:
+    the model of the way the row decodes (with prefetch: :func:`~edgerun.budget.planner.prefetch_seconds`;
+    without: each layer's reads after its router), the one its error is judged by."""
+    measured = rec["decode_tps"]["median"]
+    mpt = rec["misses_per_token"]["median"]
+
+    def error(tok_s: float) -> float | None:
+        return tok_s / measured - 1 if measured and tok_s else None
+
+    row = predicted.tok_s_prefetch if pf else predicted.tok_s_layered
+    return {
+        "misses_per_token": predicted.misses_per_token,
+        "misses_error": predicted.misses_per_token / mpt - 1 if mpt else None,
+        "tok_s": predicted.tok_s,
+        "tok_s_serial": predicted.tok_s_serial,
+        "tok_s_error": error(predicted.tok_s),
+        "tok_s_layered": predicted.tok_s_layered,
+        "tok_s_layered_error": error(predicted.tok_s_layered),
+        "tok_s_prefetch": predicted.tok_s_prefetch,
+        "tok_s_prefetch_error": error(predicted.tok_s_prefetch),
+        "prefetch_useful_per_token": predicted.prefetch_useful_per_token,
+        "prefetch_wasted_per_token": predicted.prefetch_wasted_per_token,
+        "row_model": "prefetch" if pf else "layered",
+        "row_tok_s": row,
+        "row_error": error(row),
+    }
 
 
 def markdown(result: dict) -> str:
@@ -832,17 +866,25 @@ def markdown(result: dict) -> str:
             "prefetch issued / useful / wasted a token | ratio to the best single window | "
             "ratio to the disk around the row (GB/s before, after) | "
             "planned misses/token (error) | planned tok/s, storage bound (error) | "
-            "planned tok/s, each layer's reads after its router (error) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "planned tok/s, the row's model (error) | the same at the disk around the row (error) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in streamed:
             pf = "off"
             if r.get("prefetch_depth"):
                 i, u, w = (r[f"prefetch_{k}_per_token"]["median"] for k in ("issued", "useful", "wasted"))
                 two = ", 2 ahead" if r.get("prefetch_ahead", 1) > 1 else ""
-                pf = f"{i:.1f} / {u:.1f} / {w:.1f} (depth {r['prefetch_depth']}{two})"
+                pf = f"{i:.1f} / {u:.1f} / {w:.1f}"
+                if "prefetch_bytes_per_token" in r:  # the wrong guesses the disk read (not cancelled first)
+                    read = r["prefetch_bytes_per_token"]["median"] / result["geometry"]["block_bytes"] - u
+                    pf += f" ({max(read, 0.0):.1f} read)"
+                pf += f" (depth {r['prefetch_depth']}{two})"
             pr = r.get("predicted") or {}
-            m_err, t_err, l_err = pr.get("misses_error"), pr.get("tok_s_error"), pr.get("tok_s_layered_error")
+            m_err, t_err = pr.get("misses_error"), pr.get("tok_s_error")
+            rows = [
+                (p.get("row_model"), p.get("row_tok_s"), p.get("row_error"))
+                for p in (pr, pr.get("around") or {})
+            ]
             lines.append(
                 f"| {r['config']} | {100 * r['disk_busy']['median']:.0f}% | {r['busy_gbs']['median']:.2f} | "
                 + (f"{r['busy_depth']['median']:.2f}" if "busy_depth" in r else "-")
@@ -864,7 +906,10 @@ def markdown(result: dict) -> str:
                 + " | "
                 + (f"{pr['tok_s']:.2f} ({100 * t_err:+.0f}%)" if t_err is not None else "-")
                 + " | "
-                + (f"{pr['tok_s_layered']:.2f} ({100 * l_err:+.0f}%)" if l_err is not None else "-")
+                + " | ".join(
+                    f"{tok_s:.2f} ({100 * err:+.0f}%, {kind})" if err is not None else "-"
+                    for kind, tok_s, err in rows
+                )
                 + " |"
             )
     lines += [f"\n{r['config']}: {r['planned']}" for r in result["configs"] if r.get("planned")]

@@ -46,6 +46,16 @@ UNIFORM_MODEL = (
     "misses/token = sum over layers of d*(1 - Q/E) / B"
 )
 
+# a decode step's prefetch (``ExpertCache.prefetch``) where no route trace with guesses can be
+# replayed: of a layer's misses, the share its guesses (the layer's router on the previous layer's
+# residual stream) read a layer early, and the wrong guesses read beside them, per miss. Measured
+# at 40 layers of the Qwen3.6 geometry, random weights, on an H100 (docs/benchmarks.md, forty-eighth
+# session): 30.6 of 43.7 misses a token prefetched at 16 GiB and 137.2 of 192.8 at 8 GiB (0.70,
+# 0.71), 9.1 and 41.4 wrong guesses read (0.21, 0.21); the demo model's decode trace replays 0.56
+# and 0.26 at 4 slots of 16 (8 buffers)
+GUESS_RECALL = 0.70
+GUESS_WASTE = 0.21
+
 
 # --------------------------------------------------------------------------------------------
 # Inputs
@@ -165,6 +175,13 @@ class Prediction:
     # default): :func:`layer_read_seconds` per layer, serial with the step; 0: not predicted
     tok_s_layered: float = 0.0
     far_reads_per_token: float = 0.0  # (discrete, far tier) expert blocks the GPU reads in place over PCIe
+    # with decode prefetch on: the layered model where each layer's guessed misses were read a layer
+    # early and only the rest wait after its router, the disk reading the wrong guesses too; the
+    # slower of that and the disk's time for all it reads (:func:`prefetch_seconds`); 0: not predicted
+    tok_s_prefetch: float = 0.0
+    prefetch_useful_per_token: float = 0.0  # misses a guess read early
+    prefetch_wasted_per_token: float = 0.0  # wrong guesses read
+    guesses: str = ""  # where the guesses' shares came from (a trace's replay, or the measured prior)
 
 
 @dataclass(frozen=True)
@@ -1338,6 +1355,16 @@ def _predict(
         + (dev.host_layer_overhead if m > 0 else 0.0)
         for m, d, b in zip(storage_misses, distinct, blocks)
     )
+    # decode prefetch (a host tier's layers are not prefetched: their misses are copies)
+    depth = max(sizer.staging_buffers - k, 0)
+    useful, wasted, guesses = (
+        _guesses(sizer, quotas, storage_misses, trace, depth) if depth and not host_quotas else ([], [], "")
+    )
+    t_prefetch = (
+        prefetch_seconds(storage_misses, distinct, blocks, useful, wasted, B, dev, t_mem + t_pcie)
+        if useful
+        else 0.0
+    )
     return Prediction(
         model=model,
         description=desc,
@@ -1352,7 +1379,81 @@ def _predict(
         tok_s_serial=B / (t_mem + t_storage + t_pcie),
         trace_tokens=n_tok,
         tok_s_layered=B / (t_mem + t_layers + t_pcie),
+        tok_s_prefetch=B / t_prefetch if t_prefetch else 0.0,
+        prefetch_useful_per_token=sum(useful),
+        prefetch_wasted_per_token=sum(wasted),
+        guesses=guesses,
     )
+
+
+def _guesses(
+    sizer: _Sizer,
+    quotas: Sequence[int],
+    misses: Sequence[float],
+    trace: RouteTrace | None,
+    depth: int,
+) -> tuple[list[float], list[float], str]:
+    """Per MoE layer, a decode step's prefetch with ``depth`` buffers: the misses a token its
+    guesses read a layer early, the wrong guesses it reads, and where their shares came from (the
+    trace's guesses replayed as the cache keeps them, ``tools.simulate``, else the measured prior
+    :data:`GUESS_RECALL` / :data:`GUESS_WASTE`). A layer's guesses never outnumber its buffers."""
+    shares = None
+    why = "no route trace"
+    if trace is not None:
+        from edgerun.tools.simulate import simulate
+
+        try:
+            sim = simulate(
+                trace,
+                dict(zip(sizer.args.moe_layers, quotas, strict=True)),
+                sizer.held_policy(),
+                prefetch_depth=depth,
+            )
+        except ValueError as exc:  # no guesses recorded, or a layer the prefetcher predicts across
+            why = str(exc)
+        else:
+            shares = [
+                (p["useful"] / m, p["wasted"] / m) if (m := sim.misses[layer]) else (0.0, 0.0)
+                for layer, p in ((layer, sim.prefetch[layer]) for layer in sizer.args.moe_layers)
+            ]
+    source = (
+        f"the trace's, replayed through {depth} prefetch buffers"
+        if shares is not None
+        else f"{GUESS_RECALL:.0%} of the misses, {GUESS_WASTE:.2f} wrong a miss, as measured at 40 layers ({why})"
+    )
+    shares = shares or [(GUESS_RECALL, GUESS_WASTE)] * len(misses)
+    useful, wasted = [], []
+    for m, (r, w) in zip(misses, shares, strict=True):
+        scale = min(1.0, depth / (m * (r + w))) if m * (r + w) > 0 else 0.0
+        useful.append(m * r * scale)
+        wasted.append(m * w * scale)
+    return useful, wasted, source
+
+
+def prefetch_seconds(
+    misses: Sequence[float],
+    distinct: Sequence[float],
+    blocks: Sequence[int],
+    useful: Sequence[float],
+    wasted: Sequence[float],
+    batch: int,
+    dev: DeviceProfile,
+    other: float,
+) -> float:
+    """Seconds of a decode step with prefetch on, per MoE layer ``misses`` (a token), of which
+    ``useful`` were read a layer early by the guesses and ``wasted`` wrong guesses were read too:
+    the misses no guess covered wait after the router as without prefetch
+    (:func:`layer_read_seconds`, each layer that can miss paying ``host_layer_overhead``), serial
+    with the step's ``other`` seconds (memory, PCIe), the guessed ones beside them; the disk
+    reads them all, so the step takes the longer of the two. (A miss read early saves its wait
+    but no disk time; a wrong guess costs disk time.)"""
+    waits = sum(
+        layer_read_seconds(round(d), (m - u) * batch / d if d else 0.0, b, dev)
+        + (dev.host_layer_overhead if m > 0 else 0.0)
+        for m, d, b, u in zip(misses, distinct, blocks, useful, strict=True)
+    )
+    disk = sum((m + w) * b for m, w, b in zip(misses, wasted, blocks, strict=True)) * batch
+    return max(other + waits, disk / dev.storage_read_bandwidth)
 
 
 def layer_read_seconds(n: int, p: float, block: int, dev: DeviceProfile) -> float:

@@ -101,7 +101,15 @@ def to_table(plan: Plan) -> str:
         line = f"  decode tok/s: {p.tok_s:.1f} bound ({bounds}); {p.tok_s_serial:.1f} with no overlap"
         if p.storage_bound_tok_s is not None and p.tok_s_layered:
             line += f"; {p.tok_s_layered:.1f} with each layer's reads after its router"
+        if p.storage_bound_tok_s is not None and p.tok_s_prefetch:
+            line += f"; {p.tok_s_prefetch:.1f} with prefetch"
         out.append(line)
+        if p.storage_bound_tok_s is not None and p.tok_s_prefetch:
+            guessed = (
+                f"prefetch: {p.prefetch_useful_per_token:.1f} of the misses/token guessed a layer early, "
+                f"{p.prefetch_wasted_per_token:.1f} wrong guesses read; guesses: {p.guesses}"
+            )
+            out.append(textwrap.fill(guessed, width=100, initial_indent="  ", subsequent_indent="    "))
         out.append(
             textwrap.fill(f"model: {p.description}", width=100, initial_indent="  ", subsequent_indent="    ")
         )

@@ -692,3 +692,106 @@ def test_each_layer_that_can_miss_pays_the_hosts_lookup_once_in_the_layered_pred
     assert (slow.tok_s, slow.tok_s_serial) == (base.tok_s, base.tok_s_serial)
     default = plan(args, specs, experts, profile(542_380), 64, 1, opts).prediction
     assert 1 / default.tok_s_layered - 1 / base.tok_s_layered == pytest.approx(layers * 2e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode prefetch in the prediction
+
+
+def test_prefetch_seconds_takes_the_longer_of_the_unguessed_waits_and_the_disk():
+    """With prefetch the misses no guess covered wait after the router (the layered model at
+    their rate), serial with the step's other seconds; the disk reads every miss and every wrong
+    guess, beside it. The step takes the longer of the two."""
+    from dataclasses import replace
+
+    from edgerun.budget.planner import layer_read_seconds, prefetch_seconds
+
+    dev = replace(
+        profile(10**7), storage_read_bandwidth=1e9, host_read_overhead=1e-3, host_layer_overhead=5e-4
+    )
+    block, misses, distinct = 1_000_000, [1.0, 2.0], [4.0, 4.0]
+    useful, wasted = [0.5, 1.0], [0.25, 0.5]
+    waits = sum(layer_read_seconds(4, (m - u) / 4, block, dev) + 5e-4 for m, u in zip(misses, useful))
+    assert prefetch_seconds(misses, distinct, [block] * 2, useful, wasted, 1, dev, 0.01) == pytest.approx(
+        0.01 + waits
+    )
+    # a slow disk: every read it makes, the wrong guesses' too
+    slow = replace(dev, storage_read_bandwidth=1e7)
+    disk = (1.0 + 0.25 + 2.0 + 0.5) * block / 1e7
+    assert disk > 0.01 + waits
+    assert prefetch_seconds(misses, distinct, [block] * 2, useful, wasted, 1, slow, 0.01) == pytest.approx(
+        disk
+    )
+    # nothing guessed: the layered wait, at least the disk's time for the misses
+    none = prefetch_seconds(misses, distinct, [block] * 2, [0.0, 0.0], [0.0, 0.0], 1, dev, 0.01)
+    every = sum(layer_read_seconds(4, m / 4, block, dev) + 5e-4 for m in misses)
+    assert none == pytest.approx(0.01 + every)
+
+
+def test_the_prediction_with_prefetch_uses_the_measured_prior_without_a_trace():
+    """No trace: of each layer's misses GUESS_RECALL are read a layer early and GUESS_WASTE wrong
+    guesses a miss are read beside them, no more than the prefetch buffers (staging - top_k) a
+    layer; no buffers beyond top_k, or a host tier (its layers are not prefetched): none."""
+    from edgerun.budget.planner import GUESS_RECALL, GUESS_WASTE
+
+    _, args, specs = tiny("qwen3_5_moe")  # 4 MoE layers, 6 experts, top-2
+    experts = expert_source_from_layout(args, "int8")
+    dev = profile(10**7, memory_bandwidth=1e12)  # storage 1e5 B/s: the disk dominates
+    pr = plan(args, specs, experts, dev, 64, 1, PlanOptions(prefill_chunk=16, quota=4)).prediction
+    m = pr.misses_per_token
+    assert m == pytest.approx(4 * 2 * (1 - 4 / 6))
+    assert (pr.prefetch_useful_per_token, pr.prefetch_wasted_per_token) == (
+        pytest.approx(GUESS_RECALL * m),
+        pytest.approx(GUESS_WASTE * m),
+    )
+    assert "no route trace" in pr.guesses
+    # the disk reads the misses and the wrong guesses: slower than the bound by as much
+    assert 1 / pr.tok_s_prefetch == pytest.approx((1 + GUESS_WASTE) / pr.storage_bound_tok_s)
+    # on a disk as fast for one read as for many, reads after the router lose only the host's
+    # overheads, less than the wrong guesses cost; where a read alone is slow, guessing wins
+    assert pr.tok_s_prefetch < pr.tok_s_layered < pr.tok_s
+    latent = profile(10**7, memory_bandwidth=1e12, storage_read_single=2e4, read_depth=4)
+    lp = plan(args, specs, experts, latent, 64, 1, PlanOptions(prefill_chunk=16, quota=4)).prediction
+    assert lp.tok_s_layered < lp.tok_s_prefetch < lp.tok_s
+    # one buffer beyond top_k: a layer's 4/3 misses guess 1.21 x 4/3 reads, cut to 1
+    one = plan(args, specs, experts, dev, 64, 1, PlanOptions(prefill_chunk=16, quota=2, staging_buffers=3))
+    per_layer = 2 * (1 - 2 / 6)
+    cut = 1 / (per_layer * (GUESS_RECALL + GUESS_WASTE))
+    assert one.prediction.prefetch_useful_per_token == pytest.approx(4 * per_layer * GUESS_RECALL * cut)
+    assert (
+        one.prediction.prefetch_useful_per_token + one.prediction.prefetch_wasted_per_token
+        == pytest.approx(4)
+    )
+    none = plan(args, specs, experts, dev, 64, 1, PlanOptions(prefill_chunk=16, quota=4, staging_buffers=2))
+    assert (none.prediction.tok_s_prefetch, none.prediction.guesses) == (0.0, "")
+
+
+def test_the_prediction_with_prefetch_replays_a_traces_guesses():
+    """A trace with guesses: each layer's useful and wrong prefetches as the simulator replays
+    them (the cache's own counts); a trace without: the prior, saying why."""
+    from edgerun.tools.simulate import simulate
+
+    _, args, specs = tiny("qwen3_moe")  # MoE layers 0 and 2, 6 experts, top-2
+    experts = expert_source_from_layout(args, "int8")
+    rng = random.Random(3)
+    tokens = tuple(tuple(tuple(rng.sample(range(6), 2)) for _ in range(2)) for _ in range(40))
+    # the guess for layer 2: right half the time, else two other experts
+    guesses = tuple(
+        (tok[1] if t % 2 else tuple(e for e in range(6) if e not in tok[1])[:2],)
+        for t, tok in enumerate(tokens)
+    )
+    header = TraceHeader("tiny", "qwen3_moe", 3, (0, 2), 6, 2)
+    trace = RouteTrace(header, tokens, "g.jsonl", predicted=guesses)
+    opts = PlanOptions(prefill_chunk=16, quota=3, cache_policy="lfu")
+    pr = plan(args, specs, experts, profile(10**7), 64, 1, opts, trace=trace).prediction
+    sim = simulate(trace, {0: 3, 2: 3}, "lfu", prefetch_depth=2)
+    assert pr.misses_per_token == pytest.approx(sim.misses_per_token)
+    assert pr.prefetch_useful_per_token == pytest.approx(sim.prefetch_total("useful") / 40)
+    assert pr.prefetch_wasted_per_token == pytest.approx(sim.prefetch_total("wasted") / 40)
+    assert sim.prefetch_total("useful") > 0 and sim.prefetch_total("wasted") > 0
+    assert "replayed" in pr.guesses
+    bare = plan(
+        args, specs, experts, profile(10**7), 64, 1, opts, trace=RouteTrace(header, tokens, "b.jsonl")
+    )
+    assert "no 'predicted' experts" in bare.prediction.guesses
+    assert bare.prediction.prefetch_useful_per_token == pytest.approx(0.7 * bare.prediction.misses_per_token)
