@@ -411,11 +411,9 @@ class ExpertCache:
 
         def queued() -> None:  # once the reads are in flight: work that need not wait for them
             if scales is not None:  # queued after every kernel that may read the slots' old scales
-                idx = torch.tensor([f.slot for f in fills])
-                src = torch.tensor([f.expert for f in fills])
-                scales.index_copy_(
-                    0, idx.to(self.device), self.scales[layer].index_select(0, src.to(self.device))
-                )
+                # slots and experts in one host->device copy (a pageable copy waits for the host)
+                idx, src = torch.tensor([[f.slot for f in fills], [f.expert for f in fills]]).to(self.device)
+                scales.index_copy_(0, idx, self.scales[layer].index_select(0, src))
             if then is not None:
                 then()
 
