@@ -10,18 +10,30 @@ layer's misses read ``read_depth`` at a time, a wave of j reads at a rate from
 pieces (linear between calibrated depths) instead of the best. Only the 40 streamed layers' read
 time changes; the rest of the prediction (memory, host overhead) is the recorded one.
 
-    python benchmarks/replan_streamed.py [--rows 'docs/bench/stream_*/*.json']
+    python benchmarks/replan_streamed.py [--rows 'docs/bench/stream_*/*.json'] [--planner]
 
 Prints, per model, how many rows are within 15% of the measured decode rate, the mean error and
 the mean absolute error, then the rows outside 15% under either.
+
+``--planner``: instead, each row planned again by today's planner (``edgerun plan`` of the bench's
+geometry, Qwen3.6-35B-A3B with int4 dense, at the row's quota, staging and read shape, with the
+call's calibration: best median rate, a read alone at the row's pieces, device copy and PCIe) and
+set beside the model of the way it decoded: with prefetch, ``tok_s_prefetch``; without,
+``tok_s_layered``; where the row has the disk's reads around it, at their mean too; and at the
+disk's rate while busy in the row (a diagnostic of the model's structure, not a prediction).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import io
 import json
+import re
 import statistics
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 from edgerun.budget.planner import layer_read_seconds
@@ -73,10 +85,77 @@ def rows(pattern: str):
             yield f, c["config"], c["decode_tps"]["median"], 1 / t, 1 / (t + LAYERS * (new - old))
 
 
+def replan(row: dict, reads: list[dict], copy: dict, gb_s: float, profile: Path):
+    """The row planned again (a :class:`~edgerun.budget.planner.Prediction`): its quota, staging
+    and read shape, the disk at ``gb_s`` (GB/s; a read alone scaled from the calibration's by as
+    much as ``gb_s`` is from the best median rate)."""
+    from edgerun.budget import report
+    from edgerun.budget.cli import main as plan_main
+
+    block = reads[0]["block_bytes"]
+    split = parts(block, (row.get("read_pieces") or [1])[0])
+    same = [r for r in reads if r["pieces"] == split] or [r for r in reads if r["pieces"] == 1]
+    best = max(r["gb_per_s"] for r in reads)
+    single = next((r["gb_per_s"] for r in same if r["queue_depth"] == 1), best) * gb_s / best
+    profile.write_text(
+        "name: replanned\nmemory_kind: discrete\nmemory_cap: 80GiB\nos_reserve: 0\ncuda_context: 0\n"
+        f"pinned_limit: {256 * 2**20}\nhost_memory_cap: 128GiB\nhost_reserve: 8GiB\n"
+        f"memory_bandwidth: {copy['d2d_gb_per_s'] * 1e9:.0f}\npcie_bandwidth: {copy['h2d_pinned_gb_per_s'] * 1e9:.0f}\n"
+        f"storage_read_bandwidth: {gb_s * 1e9:.0f}\nstorage_read_single: {single * 1e9:.0f}\n"
+        f"read_depth: {row['read_depth'][0]}\ncompute_capability: '9.0'\n"
+    )
+    staging = re.search(r"staging (\d+)", row["config"])
+    args = ["--profile", str(profile), "--model", "configs/models/qwen3.6-35b-a3b.json", "--dense", "int4"]
+    args += ["--context", "64", "--quota", str(row["quota"]), "--format", "json"]
+    args += ["--staging-buffers", staging.group(1)] if staging else []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        plan_main(args)
+    return report.from_json(out.getvalue()).prediction
+
+
+def replanned(pattern: str) -> None:
+    """Every streamed row against today's planner, by the model of the way it decoded."""
+    errs: dict[str, list[float]] = {}
+    profile = Path(tempfile.mkdtemp()) / "replanned.yaml"
+    for f in sorted(glob.glob(pattern)):
+        d = json.load(open(f))
+        if not isinstance(d, dict) or "configs" not in d or "storage_read" not in d:
+            continue
+        reads, best = d["storage_read"], max(r["gb_per_s"] for r in d["storage_read"])
+        for c in d["configs"]:
+            if c.get("bound_kind") != "storage" or not c.get("read_depth") or "decode_tps" not in c:
+                continue
+            model = "prefetch" if c.get("prefetch_depth") else "layered"
+            measured = c["decode_tps"]["median"]
+            # the calibration's rate (the prediction), the disk's right before and after the row (a
+            # prediction free of the disk's drift), and its rate while busy in the row itself (not a
+            # prediction: the model's structure apart from the disk's rate)
+            at = [("calibration", best)]
+            at += [("around", statistics.fmean(c["storage_around"]))] if c.get("storage_around") else []
+            at += [("busy", c["busy_gbs"]["median"])] if c.get("busy_gbs") else []
+            line = []
+            for name, gb_s in at:
+                pr = replan(c, reads, d["device_copy"], gb_s, profile)
+                e = (pr.tok_s_prefetch if model == "prefetch" else pr.tok_s_layered) / measured - 1
+                errs.setdefault(f"{model}, {name}", []).append(e)
+                line.append(f"{name} {100 * e:+.0f}%")
+            print(f"  {f}: {c['config']}: measured {measured:.2f}, {model}: {', '.join(line)}")
+    for key, es in errs.items():
+        print(
+            f"{key}: {sum(abs(e) <= 0.15 for e in es)} of {len(es)} rows within 15%, mean "
+            f"{100 * statistics.mean(es):+.1f}%, range {100 * min(es):+.0f}% to {100 * max(es):+.0f}%"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="docs/bench/stream_*/*.json")
+    ap.add_argument("--planner", action="store_true", help="each row planned again by today's planner")
     ns = ap.parse_args()
+    if ns.planner:
+        replanned(ns.rows)
+        return 0
     found = list(rows(ns.rows))
     for name, k in (("recorded (best rate)", 3), ("at-shape rate", 4)):
         errs = [r[k] / r[2] - 1 for r in found]

@@ -48,11 +48,11 @@ UNIFORM_MODEL = (
 
 # a decode step's prefetch (``ExpertCache.prefetch``) where no route trace with guesses can be
 # replayed: of a layer's misses, the share its guesses (the layer's router on the previous layer's
-# residual stream) read a layer early, and the wrong guesses read beside them, per miss. Measured
-# at 40 layers of the Qwen3.6 geometry, random weights, on an H100 (docs/benchmarks.md, forty-eighth
-# session): 30.6 of 43.7 misses a token prefetched at 16 GiB and 137.2 of 192.8 at 8 GiB (0.70,
-# 0.71), 9.1 and 41.4 wrong guesses read (0.21, 0.21); the demo model's decode trace replays 0.56
-# and 0.26 at 4 slots of 16 (8 buffers)
+# residual stream) read a layer early, and the wrong guesses made beside them, per miss (how many of
+# those the disk reads is :func:`prefetch_seconds`'s). Measured at 40 layers of the Qwen3.6 geometry,
+# random weights, on an H100 (docs/benchmarks.md, forty-eighth session): 30.6 of 43.7 misses a token
+# prefetched at 16 GiB and 137.2 of 192.8 at 8 GiB (0.70, 0.71), 9.1 and 41.4 wrong guesses (0.21,
+# 0.21); the demo model's decode trace replays 0.56 and 0.26 at 4 slots of 16 (8 buffers)
 GUESS_RECALL = 0.70
 GUESS_WASTE = 0.21
 
@@ -175,12 +175,12 @@ class Prediction:
     # default): :func:`layer_read_seconds` per layer, serial with the step; 0: not predicted
     tok_s_layered: float = 0.0
     far_reads_per_token: float = 0.0  # (discrete, far tier) expert blocks the GPU reads in place over PCIe
-    # with decode prefetch on: the layered model where each layer's guessed misses were read a layer
-    # early and only the rest wait after its router, the disk reading the wrong guesses too; the
-    # slower of that and the disk's time for all it reads (:func:`prefetch_seconds`); 0: not predicted
+    # with decode prefetch on: each layer the longer of the disk's time for its reads and the wait
+    # for the misses no guess read a layer early, then the host's gap (:func:`prefetch_seconds`);
+    # 0: not predicted
     tok_s_prefetch: float = 0.0
     prefetch_useful_per_token: float = 0.0  # misses a guess read early
-    prefetch_wasted_per_token: float = 0.0  # wrong guesses read
+    prefetch_wasted_per_token: float = 0.0  # wrong guesses made (read where the disk has time)
     guesses: str = ""  # where the guesses' shares came from (a trace's replay, or the measured prior)
 
 
@@ -1394,7 +1394,7 @@ def _guesses(
     depth: int,
 ) -> tuple[list[float], list[float], str]:
     """Per MoE layer, a decode step's prefetch with ``depth`` buffers: the misses a token its
-    guesses read a layer early, the wrong guesses it reads, and where their shares came from (the
+    guesses read a layer early, the wrong guesses it makes, and where their shares came from (the
     trace's guesses replayed as the cache keeps them, ``tools.simulate``, else the measured prior
     :data:`GUESS_RECALL` / :data:`GUESS_WASTE`). A layer's guesses never outnumber its buffers."""
     shares = None
@@ -1440,47 +1440,75 @@ def prefetch_seconds(
     dev: DeviceProfile,
     other: float,
 ) -> float:
-    """Seconds of a decode step with prefetch on, per MoE layer ``misses`` (a token), of which
-    ``useful`` were read a layer early by the guesses and ``wasted`` wrong guesses were read too:
-    the misses no guess covered wait after the router as without prefetch
-    (:func:`layer_read_seconds`, each layer that can miss paying ``host_layer_overhead``), serial
-    with the step's ``other`` seconds (memory, PCIe), the guessed ones beside them; the disk
-    reads them all, so the step takes the longer of the two. (A miss read early saves its wait
-    but no disk time; a wrong guess costs disk time.)"""
-    waits = sum(
-        layer_read_seconds(round(d), (m - u) * batch / d if d else 0.0, b, dev)
-        + (dev.host_layer_overhead if m > 0 else 0.0)
-        for m, d, b, u in zip(misses, distinct, blocks, useful, strict=True)
-    )
-    disk = sum((m + w) * b for m, w, b in zip(misses, wasted, blocks, strict=True)) * batch
-    return max(other + waits, disk / dev.storage_read_bandwidth)
+    """Expected seconds of a decode step with prefetch on, per MoE layer ``misses`` (a token), of
+    which ``useful`` were guessed and read a layer early, beside ``wasted`` wrong guesses. Each
+    layer's k misses (k ~ Binomial(distinct, misses / distinct), as :func:`layer_read_seconds`)
+    are read between one lookup and the next, which waits for them: the layer takes the longer of
+    the disk's time for them (at ``storage_read_bandwidth``) and the wait for those no guess
+    covered, read after the router (:func:`read_wait_seconds`), then the host's
+    ``host_layer_overhead`` before the next lookup issues more. A wrong guess is read only in the
+    time the disk has before the lookup that drops it (then it is cancelled): that gap, and a wait
+    longer than the misses' reads; a disk that is behind reads few. Plus the step's ``other``
+    seconds (memory, PCIe), serial. At the rate the disk read while busy in each row, this model
+    is within 15% of all 50 streamed rows with prefetch recorded on the lent GPU machines
+    (docs/benchmarks.md, forty-ninth session; ``benchmarks/replan_streamed.py --planner``)."""
+    total = other
+    for m, d, b, u, w in zip(misses, distinct, blocks, useful, wasted, strict=True):
+        n = round(d)
+        if m <= 0 or n <= 0:
+            continue
+        p, guessed, ride = min(m * batch / d, 1.0), min(u / m, 1.0), (m + w) / m
+        waits = [read_wait_seconds(j, b, dev) for j in range(n + 1)]
+        for k, pk in enumerate(binomial(n, p)):
+            if k == 0 or pk < 1e-12:
+                continue
+            need = k * b / dev.storage_read_bandwidth  # the misses' reads, guessed or not
+            made = k * (ride - 1) * b / dev.storage_read_bandwidth  # the wrong guesses', were all read
+            for j, pj in enumerate(binomial(k, 1 - guessed)):  # j of the k unguessed: read after the router
+                # the wrong guesses are read in what time the disk has before the lookup that drops
+                # them (then they are cancelled): the host's gap, and a wait longer than the reads
+                wrong = min(made, dev.host_layer_overhead + max(waits[j] - need, 0.0))
+                total += pk * pj * max(need + wrong, waits[j])
+        total += dev.host_layer_overhead
+    return total
+
+
+def binomial(n: int, p: float) -> list[float]:
+    """P(X = k) for k = 0..n, X ~ Binomial(n, p), in floats (no big integers at large n)."""
+    if p <= 0.0 or p >= 1.0:
+        return [float(k == (n if p >= 1.0 else 0)) for k in range(n + 1)]
+    lp, lq, ln = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    return [
+        math.exp(ln - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq)
+        for k in range(n + 1)
+    ]
+
+
+def read_wait_seconds(m: int, block: int, dev: DeviceProfile) -> float:
+    """Seconds a lookup waits for ``m`` reads issued after its router: ``read_depth`` at a time,
+    a wave of j reads at the rate j reads in flight reach (``storage_read_single`` for one,
+    ``storage_read_bandwidth`` from ``read_depth`` on, linear between), plus the host's
+    ``host_read_overhead`` once where there is any."""
+    if m <= 0:
+        return 0.0
+    depth = max(dev.read_depth, 1)
+    single = dev.storage_read_single or dev.storage_read_bandwidth
+    full = dev.storage_read_bandwidth
+    waves, left = 0.0, m
+    while left > 0:
+        j = min(left, depth)
+        waves += j * block / (full if j >= depth else single + (full - single) * (j - 1) / (depth - 1))
+        left -= j
+    return waves + dev.host_read_overhead
 
 
 def layer_read_seconds(n: int, p: float, block: int, dev: DeviceProfile) -> float:
     """Expected seconds one layer of a decode step spends on storage when its reads start after
     its router and the step waits for them: of the step's ``n`` distinct experts each is missing
-    with probability ``p`` (independently: m ~ Binomial(n, p)); the m reads run ``read_depth`` at
-    a time, a wave of j reads at the rate j reads in flight reach (``storage_read_single`` for
-    one, ``storage_read_bandwidth`` from ``read_depth`` on, linear between), and a layer that
-    reads pays the host's ``host_read_overhead`` once. On an H200 (docs/benchmarks.md, the native
-    reader) this put a 40-layer step's read wait at 48 and 161 ms a token against 50 and 180
-    measured, where the disk's best rate alone says 28 and 133."""
+    with probability ``p`` (independently: m ~ Binomial(n, p)), read as :func:`read_wait_seconds`
+    says. On an H200 (docs/benchmarks.md, the native reader) this put a 40-layer step's read wait
+    at 48 and 161 ms a token against 50 and 180 measured, where the disk's best rate alone says
+    28 and 133."""
     if n <= 0 or p <= 0:
         return 0.0
-    p = min(p, 1.0)
-    depth = max(dev.read_depth, 1)
-    single = dev.storage_read_single or dev.storage_read_bandwidth
-    full = dev.storage_read_bandwidth
-
-    def rate(j: int) -> float:
-        return full if j >= depth else single + (full - single) * (j - 1) / (depth - 1)
-
-    total = 0.0
-    for m in range(1, n + 1):
-        waves, left = 0.0, m
-        while left > 0:
-            j = min(left, depth)
-            waves += j * block / rate(j)
-            left -= j
-        total += math.comb(n, m) * p**m * (1 - p) ** (n - m) * (waves + dev.host_read_overhead)
-    return total
+    return sum(pm * read_wait_seconds(m, block, dev) for m, pm in enumerate(binomial(n, min(p, 1.0))))

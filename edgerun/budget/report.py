@@ -107,7 +107,7 @@ def to_table(plan: Plan) -> str:
         if p.storage_bound_tok_s is not None and p.tok_s_prefetch:
             guessed = (
                 f"prefetch: {p.prefetch_useful_per_token:.1f} of the misses/token guessed a layer early, "
-                f"{p.prefetch_wasted_per_token:.1f} wrong guesses read; guesses: {p.guesses}"
+                f"{p.prefetch_wasted_per_token:.1f} wrong guesses; guesses: {p.guesses}"
             )
             out.append(textwrap.fill(guessed, width=100, initial_indent="  ", subsequent_indent="    "))
         out.append(

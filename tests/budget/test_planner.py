@@ -698,34 +698,38 @@ def test_each_layer_that_can_miss_pays_the_hosts_lookup_once_in_the_layered_pred
 # Decode prefetch in the prediction
 
 
-def test_prefetch_seconds_takes_the_longer_of_the_unguessed_waits_and_the_disk():
-    """With prefetch the misses no guess covered wait after the router (the layered model at
-    their rate), serial with the step's other seconds; the disk reads every miss and every wrong
-    guess, beside it. The step takes the longer of the two."""
+def test_prefetch_seconds_takes_each_layer_the_longer_of_its_reads_and_its_unguessed_wait():
+    """One layer, one distinct expert that always misses: the layer takes the longer of the
+    disk's time for the miss and the wait for it when no guess read it (each half the time), then
+    the host's gap; a wrong guess is read only in the time the disk has before the lookup drops it
+    (the gap, and a wait longer than the read), so a disk that is behind reads none."""
     from dataclasses import replace
 
-    from edgerun.budget.planner import layer_read_seconds, prefetch_seconds
+    from edgerun.budget.planner import prefetch_seconds, read_wait_seconds
 
+    gap = 5e-4
     dev = replace(
-        profile(10**7), storage_read_bandwidth=1e9, host_read_overhead=1e-3, host_layer_overhead=5e-4
-    )
-    block, misses, distinct = 1_000_000, [1.0, 2.0], [4.0, 4.0]
-    useful, wasted = [0.5, 1.0], [0.25, 0.5]
-    waits = sum(layer_read_seconds(4, (m - u) / 4, block, dev) + 5e-4 for m, u in zip(misses, useful))
-    assert prefetch_seconds(misses, distinct, [block] * 2, useful, wasted, 1, dev, 0.01) == pytest.approx(
-        0.01 + waits
-    )
-    # a slow disk: every read it makes, the wrong guesses' too
-    slow = replace(dev, storage_read_bandwidth=1e7)
-    disk = (1.0 + 0.25 + 2.0 + 0.5) * block / 1e7
-    assert disk > 0.01 + waits
-    assert prefetch_seconds(misses, distinct, [block] * 2, useful, wasted, 1, slow, 0.01) == pytest.approx(
-        disk
-    )
-    # nothing guessed: the layered wait, at least the disk's time for the misses
-    none = prefetch_seconds(misses, distinct, [block] * 2, [0.0, 0.0], [0.0, 0.0], 1, dev, 0.01)
-    every = sum(layer_read_seconds(4, m / 4, block, dev) + 5e-4 for m in misses)
-    assert none == pytest.approx(0.01 + every)
+        profile(10**7), storage_read_bandwidth=1e9, storage_read_single=5e8, read_depth=2,
+        host_read_overhead=1e-3, host_layer_overhead=gap,
+    )  # fmt: skip
+    block = 1_000_000
+    read, wait = block / 1e9, read_wait_seconds(1, block, dev)  # 1 ms on the disk; 3 ms after the router
+    assert wait == pytest.approx(block / 5e8 + 1e-3)
+
+    def step(useful: float, wasted: float, other: float = 0.0) -> float:
+        return prefetch_seconds([1.0], [1.0], [block], [useful], [wasted], 1, dev, other)
+
+    # guessed: the read's time; not guessed: the wait (longer); half each
+    assert step(1.0, 0.0) == pytest.approx(read + gap)
+    assert step(0.0, 0.0) == pytest.approx(wait + gap)
+    assert step(0.5, 0.0, other=0.01) == pytest.approx(0.01 + 0.5 * (read + wait) + gap)
+    # a wrong guess beside a guessed miss: read in the gap only (the rest cancelled)
+    assert step(1.0, 1.0) == pytest.approx(read + gap + gap)
+    assert step(1.0, 0.1) == pytest.approx(read + 0.1 * read + gap)
+    # beside an unguessed miss whose wait is longer than the disk's read: read in that time, free
+    assert step(0.0, 1.0) == pytest.approx(wait + gap)
+    # a layer that never misses costs nothing, not even the gap
+    assert prefetch_seconds([0.0], [1.0], [block], [0.0], [0.0], 1, dev, 0.0) == 0.0
 
 
 def test_the_prediction_with_prefetch_uses_the_measured_prior_without_a_trace():
@@ -745,11 +749,15 @@ def test_the_prediction_with_prefetch_uses_the_measured_prior_without_a_trace():
         pytest.approx(GUESS_WASTE * m),
     )
     assert "no route trace" in pr.guesses
-    # the disk reads the misses and the wrong guesses: slower than the bound by as much
-    assert 1 / pr.tok_s_prefetch == pytest.approx((1 + GUESS_WASTE) / pr.storage_bound_tok_s)
+    # a disk that is behind reads the misses, and the wrong guesses only in the host's gap (0.2 ms
+    # a layer, the profile's default) before each lookup drops them: slower than the bound by
+    # more than the gaps, less than every wrong guess read would make it
+    gaps = 4 * 2e-4
+    assert 1 / pr.storage_bound_tok_s + gaps < 1 / pr.tok_s_prefetch
+    assert 1 / pr.tok_s_prefetch < (1 + GUESS_WASTE) / pr.storage_bound_tok_s + 2 * gaps
     # on a disk as fast for one read as for many, reads after the router lose only the host's
-    # overheads, less than the wrong guesses cost; where a read alone is slow, guessing wins
-    assert pr.tok_s_prefetch < pr.tok_s_layered < pr.tok_s
+    # overheads; where a read alone is slow, guessing wins
+    assert pr.tok_s_prefetch < pr.tok_s
     latent = profile(10**7, memory_bandwidth=1e12, storage_read_single=2e4, read_depth=4)
     lp = plan(args, specs, experts, latent, 64, 1, PlanOptions(prefill_chunk=16, quota=4)).prediction
     assert lp.tok_s_layered < lp.tok_s_prefetch < lp.tok_s
@@ -795,3 +803,18 @@ def test_the_prediction_with_prefetch_replays_a_traces_guesses():
     )
     assert "no 'predicted' experts" in bare.prediction.guesses
     assert bare.prediction.prefetch_useful_per_token == pytest.approx(0.7 * bare.prediction.misses_per_token)
+
+
+def test_binomial_probabilities_hold_at_large_counts():
+    """The read models' Binomial(n, p) in floats: the exact values at small n, and a distribution
+    (summing to 1) where (1 - p)^n alone would underflow."""
+    import math
+
+    from edgerun.budget.planner import binomial
+
+    assert binomial(10, 0.2) == pytest.approx(
+        [math.comb(10, k) * 0.2**k * 0.8 ** (10 - k) for k in range(11)]
+    )
+    far = binomial(400, 0.99)
+    assert sum(far) == pytest.approx(1.0) and max(range(401), key=far.__getitem__) == 396
+    assert binomial(3, 0.0) == [1.0, 0.0, 0.0, 0.0] and binomial(3, 1.0) == [0.0, 0.0, 0.0, 1.0]
