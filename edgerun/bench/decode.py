@@ -773,8 +773,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("bound_tps_around", statistics.fmean(rec["storage_around"])),
             ):
                 rec[key] = gb_s * 1e9 / (mpt * block) if mpt else None
-        if predicted is not None and "decode_tps" in rec:
-            rec["predicted"] = predicted_row(rec, predicted().prediction, pf)
+        of_row = predicted() if predicted is not None and "decode_tps" in rec else None
+        if of_row is not None and of_row.prediction is not None:
+            rec["predicted"] = predicted_row(rec, of_row.prediction, pf)
             # the same plan with the disk as it read around the row: the model apart from the disk's drift
             rec["predicted"]["around"] = predicted_row(
                 rec, predicted(statistics.fmean(rec["storage_around"])).prediction, pf

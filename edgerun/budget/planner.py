@@ -1450,7 +1450,7 @@ def prefetch_seconds(
     time the disk has before the lookup that drops it (then it is cancelled): that gap, and a wait
     longer than the misses' reads; a disk that is behind reads few. Plus the step's ``other``
     seconds (memory, PCIe), serial. At the rate the disk read while busy in each row, this model
-    is within 15% of all 50 streamed rows with prefetch recorded on the lent GPU machines
+    is within 15% of 49 of the 50 streamed rows with prefetch recorded on the lent GPU machines
     (docs/benchmarks.md, forty-ninth session; ``benchmarks/replan_streamed.py --planner``)."""
     total = other
     for m, d, b, u, w in zip(misses, distinct, blocks, useful, wasted, strict=True):
