@@ -348,6 +348,8 @@ def test_discrete_two_tiers():
     assert 1 / pr.tok_s_serial == pytest.approx(
         1 / pr.memory_bound_tok_s + 1 / pr.storage_bound_tok_s + 1 / pr.pcie_bound_tok_s
     )
+    # the tier's misses are copies, which prefetch does not read ahead: no prefetch figure
+    assert (pr.tok_s_prefetch, pr.prefetch_useful_per_token, pr.guesses) == (0.0, 0.0, "")
 
 
 def test_a_host_tier_takes_the_spill_rows_pinned_memory():
