@@ -26,20 +26,17 @@ disk's rate while busy in the row (a diagnostic of the model's structure, not a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
-import io
 import json
 import re
 import statistics
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 from edgerun.budget.planner import layer_read_seconds
 from edgerun.cache.native import parts
 
 EXPERTS, TOP_K, LAYERS = 256, 8, 40  # the bench's Qwen3.6-35B-A3B geometry
+MODEL = "configs/models/qwen3.6-35b-a3b.json"  # that geometry, for the planner
 
 
 def rate_at(reads: list[dict], depth: int, pieces: int) -> float | None:
@@ -85,39 +82,51 @@ def rows(pattern: str):
             yield f, c["config"], c["decode_tps"]["median"], 1 / t, 1 / (t + LAYERS * (new - old))
 
 
-def replan(row: dict, reads: list[dict], copy: dict, gb_s: float, profile: Path):
+def replan(row: dict, reads: list[dict], copy: dict, gb_s: float):
     """The row planned again (a :class:`~edgerun.budget.planner.Prediction`): its quota, staging
     and read shape, the disk at ``gb_s`` (GB/s; a read alone scaled from the calibration's by as
     much as ``gb_s`` is from the best median rate)."""
-    from edgerun.budget import report
-    from edgerun.budget.cli import main as plan_main
+    from edgerun.budget import inputs
+    from edgerun.budget.planner import PlanOptions, plan
+    from edgerun.bundle.dense_layout import DenseScheme
+    from edgerun.config import device_profile_from_dict
 
     block = reads[0]["block_bytes"]
     split = parts(block, (row.get("read_pieces") or [1])[0])
     same = [r for r in reads if r["pieces"] == split] or [r for r in reads if r["pieces"] == 1]
     best = max(r["gb_per_s"] for r in reads)
     single = next((r["gb_per_s"] for r in same if r["queue_depth"] == 1), best) * gb_s / best
-    profile.write_text(
-        "name: replanned\nmemory_kind: discrete\nmemory_cap: 80GiB\nos_reserve: 0\ncuda_context: 0\n"
-        f"pinned_limit: {256 * 2**20}\nhost_memory_cap: 128GiB\nhost_reserve: 8GiB\n"
-        f"memory_bandwidth: {copy['d2d_gb_per_s'] * 1e9:.0f}\npcie_bandwidth: {copy['h2d_pinned_gb_per_s'] * 1e9:.0f}\n"
-        f"storage_read_bandwidth: {gb_s * 1e9:.0f}\nstorage_read_single: {single * 1e9:.0f}\n"
-        f"read_depth: {row['read_depth'][0]}\ncompute_capability: '9.0'\n"
+    dev = device_profile_from_dict(
+        {
+            "name": "replanned",
+            "memory_kind": "discrete",
+            "memory_cap": 80 * 2**30,
+            "os_reserve": 0,
+            "cuda_context": 0,
+            "pinned_limit": 256 * 2**20,  # as the bench's plans: page-locked staging only, no host tier
+            "host_memory_cap": 128 * 2**30,
+            "host_reserve": 8 * 2**30,
+            "memory_bandwidth": copy["d2d_gb_per_s"] * 1e9,
+            "pcie_bandwidth": copy["h2d_pinned_gb_per_s"] * 1e9,
+            "storage_read_bandwidth": gb_s * 1e9,
+            "storage_read_single": single * 1e9,
+            "read_depth": row["read_depth"][0],
+            "compute_capability": "9.0",
+        }
     )
+    model = inputs.from_config_file(MODEL)
     staging = re.search(r"staging (\d+)", row["config"])
-    args = ["--profile", str(profile), "--model", "configs/models/qwen3.6-35b-a3b.json", "--dense", "int4"]
-    args += ["--context", "64", "--quota", str(row["quota"]), "--format", "json"]
-    args += ["--staging-buffers", staging.group(1)] if staging else []
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        plan_main(args)
-    return report.from_json(out.getvalue()).prediction
+    options = PlanOptions(
+        dense=DenseScheme.resolve("int4", None, None, model.args.tie_word_embeddings),
+        staging_buffers=int(staging.group(1)) if staging else None,
+        quota=row["quota"],
+    )
+    return plan(model.args, model.specs, model.experts, dev, 64, 1, options, model_name=model.name).prediction
 
 
 def replanned(pattern: str) -> None:
     """Every streamed row against today's planner, by the model of the way it decoded."""
     errs: dict[str, list[float]] = {}
-    profile = Path(tempfile.mkdtemp()) / "replanned.yaml"
     for f in sorted(glob.glob(pattern)):
         d = json.load(open(f))
         if not isinstance(d, dict) or "configs" not in d or "storage_read" not in d:
@@ -136,7 +145,7 @@ def replanned(pattern: str) -> None:
             at += [("busy", c["busy_gbs"]["median"])] if c.get("busy_gbs") else []
             line = []
             for name, gb_s in at:
-                pr = replan(c, reads, d["device_copy"], gb_s, profile)
+                pr = replan(c, reads, d["device_copy"], gb_s)
                 e = (pr.tok_s_prefetch if model == "prefetch" else pr.tok_s_layered) / measured - 1
                 errs.setdefault(f"{model}, {name}", []).append(e)
                 line.append(f"{name} {100 * e:+.0f}%")
