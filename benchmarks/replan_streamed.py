@@ -30,6 +30,7 @@ import glob
 import json
 import re
 import statistics
+from functools import cache
 from types import SimpleNamespace
 
 from edgerun.budget.planner import layer_read_seconds
@@ -82,11 +83,18 @@ def rows(pattern: str):
             yield f, c["config"], c["decode_tps"]["median"], 1 / t, 1 / (t + LAYERS * (new - old))
 
 
+@cache
+def model_input():
+    """The bench's geometry as the planner takes it, read once for every row."""
+    from edgerun.budget import inputs
+
+    return inputs.from_config_file(MODEL)
+
+
 def replan(row: dict, reads: list[dict], copy: dict, gb_s: float):
     """The row planned again (a :class:`~edgerun.budget.planner.Prediction`): its quota, staging
     and read shape, the disk at ``gb_s`` (GB/s; a read alone scaled from the calibration's by as
     much as ``gb_s`` is from the best median rate)."""
-    from edgerun.budget import inputs
     from edgerun.budget.planner import PlanOptions, plan
     from edgerun.bundle.dense_layout import DenseScheme
     from edgerun.config import device_profile_from_dict
@@ -114,7 +122,7 @@ def replan(row: dict, reads: list[dict], copy: dict, gb_s: float):
             "compute_capability": "9.0",
         }
     )
-    model = inputs.from_config_file(MODEL)
+    model = model_input()
     staging = re.search(r"staging (\d+)", row["config"])
     options = PlanOptions(
         dense=DenseScheme.resolve("int4", None, None, model.args.tie_word_embeddings),
